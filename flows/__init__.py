@@ -1,0 +1,1 @@
+"""ppl-audit flows and the command line."""

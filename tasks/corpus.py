@@ -1,0 +1,220 @@
+"""Corpus sources, joined into one text and tokenized once into one token stream.
+
+A source is a text file (one document), a folder of ``.txt`` files (sorted by name), a JSONL or
+Parquet file with a text column, a Hugging Face dataset (``hf:NAME`` with config, split and column),
+or ``embedded`` (the Austen novels, see ``tasks.embedded``). Documents are joined with ``joiner``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from tasks.errors import InputError
+
+BosPolicy = Literal["none", "stream", "window"]
+BOS_POLICIES = ("none", "stream", "window")
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """Where the text comes from. ``column`` is used by JSONL, Parquet and Hugging Face sources."""
+
+    source: str
+    column: str = "text"
+    hf_config: str | None = None
+    hf_split: str = "test"
+    joiner: str = "\n\n"
+
+
+def _column(rows: list[dict], column: str, where: str) -> list[str]:
+    if rows and column not in rows[0]:
+        raise InputError(f"column '{column}' not in {where} (columns: {', '.join(rows[0])}); set the text column")
+    return [row[column] or "" for row in rows]
+
+
+def _read_jsonl(path: Path, column: str) -> list[str]:
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise InputError(f"{path}:{number} is not valid JSON ({error.msg}); fix the line") from None
+    return _column(rows, column, str(path))
+
+
+def _read_parquet(path: Path, column: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    if column not in names:
+        raise InputError(f"column '{column}' not in {path} (columns: {', '.join(names)}); set the text column")
+    return [text or "" for text in pq.read_table(path, columns=[column]).column(column).to_pylist()]
+
+
+def _read_hf(spec: CorpusSpec) -> list[str]:
+    import datasets
+
+    name = spec.source.removeprefix("hf:")
+    try:
+        data = datasets.load_dataset(name, spec.hf_config, split=spec.hf_split)
+    except Exception as error:  # the datasets library raises many types; the user needs the first line
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"cannot load dataset '{name}' (config {spec.hf_config}, split {spec.hf_split}): {first_line}") from None
+    if spec.column not in data.column_names:
+        raise InputError(f"column '{spec.column}' not in dataset '{name}' (columns: {', '.join(data.column_names)}); set the text column")
+    return [text or "" for text in data[spec.column]]
+
+
+def load_documents(spec: CorpusSpec) -> list[str]:
+    """Read the documents of a corpus source, in order."""
+    if spec.source == "embedded":
+        from tasks.embedded import ensure_embedded_corpus
+
+        return load_documents(CorpusSpec(str(ensure_embedded_corpus()), joiner=spec.joiner))
+    if spec.source.startswith("hf:"):
+        return _read_hf(spec)
+    path = Path(spec.source)
+    if not path.exists():
+        raise InputError(f"corpus not found: {path} (give a .txt/.jsonl/.parquet file, a folder of .txt, hf:NAME or embedded)")
+    try:
+        if path.is_dir():
+            files = sorted(path.glob("*.txt"))
+            if not files:
+                raise InputError(f"corpus folder {path} holds no .txt files")
+            return [file.read_text(encoding="utf-8") for file in files]
+        if path.suffix == ".jsonl":
+            return _read_jsonl(path, spec.column)
+        if path.suffix == ".parquet":
+            return _read_parquet(path, spec.column)
+        return [path.read_text(encoding="utf-8")]
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"cannot read corpus {path}: {error}") from None
+
+
+def corpus_text(spec: CorpusSpec) -> str:
+    """The whole corpus as one string: the documents joined with ``spec.joiner``."""
+    text = spec.joiner.join(load_documents(spec))
+    if not text.strip():
+        raise InputError(f"corpus {spec.source} is empty; give a source with text")
+    return text
+
+
+def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoding["input_ids"], encoding["offset_mapping"]
+
+
+def _encode_chunked(tokenizer, text: str, chunk_chars: int, lookahead: int, progress: bool):
+    """Tokenize piece by piece, keeping only tokens that end well before each piece's cut.
+
+    Each piece reaches ``lookahead`` characters past the part whose tokens are kept, so that what a
+    tokenizer decides at a token depends on text the piece still holds; the next piece starts at the
+    first token not kept. ``encode`` checks the result against a single call before trusting it.
+    """
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    pos = 0
+    with tqdm(total=len(text), unit="char", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+        while pos < len(text):
+            piece_ids, piece_offsets = _encode(tokenizer, text[pos : pos + chunk_chars + lookahead])
+            keep = len(piece_ids)
+            if pos + chunk_chars + lookahead < len(text):
+                keep = sum(1 for _, end in piece_offsets if end <= chunk_chars)
+                keep = max(1, min(keep, len(piece_ids) - 1))
+            ids.extend(piece_ids[:keep])
+            offsets.extend((start + pos, end + pos) for start, end in piece_offsets[:keep])
+            step = piece_offsets[keep][0] if keep < len(piece_ids) else len(text) - pos
+            bar.update(step)
+            pos += step
+    return ids, offsets
+
+
+def encode(tokenizer, text: str, chunk_chars: int = 1 << 18, progress: bool = False):
+    """Token ids and character offsets equal to ``tokenizer(text, add_special_tokens=False)``.
+
+    Long texts are tokenized in pieces (with a progress bar). Whether this tokenizer gives the same
+    ids in pieces is checked first on a sample cut into small pieces; where it does not (a tokenizer
+    that treats the start of a text specially, say), the text is tokenized in one call.
+    """
+    if len(text) <= chunk_chars:
+        return _encode(tokenizer, text)
+    sample = text[: 4 * 4096]
+    if _encode_chunked(tokenizer, sample, 4096, 1024, False)[0] != _encode(tokenizer, sample)[0]:
+        return _encode(tokenizer, text)
+    return _encode_chunked(tokenizer, text, chunk_chars, max(4096, chunk_chars // 16), progress)
+
+
+@dataclass(frozen=True)
+class TokenStream:
+    """One corpus as one token stream, ready for the sliding window.
+
+    Attributes:
+        ids: ``[N]`` int64 token ids; starts with BOS under the ``stream`` policy.
+        prefix: ids put before every window (BOS under the ``window`` policy, else empty).
+        bos: the BOS policy that built it.
+        n_bytes: UTF-8 bytes of the text whose tokens are scored.
+        n_words: whitespace-separated words of that text.
+        text_digest: sha256 of the corpus text.
+    """
+
+    ids: torch.Tensor
+    prefix: tuple[int, ...]
+    bos: BosPolicy
+    n_bytes: int
+    n_words: int
+    text_digest: str
+
+    @property
+    def first_scored(self) -> int:
+        """Stream position of the first scored token: every later token is scored too."""
+        return 0 if self.prefix else 1
+
+
+def default_bos(tokenizer) -> BosPolicy:
+    return "stream" if tokenizer.bos_token_id is not None else "none"
+
+
+def tokenize(
+    text: str, tokenizer, bos: BosPolicy | None = None, max_tokens: int | None = None, progress: bool = False
+) -> TokenStream:
+    """Tokenize a corpus text once into a ``TokenStream``.
+
+    Args:
+        text: the whole corpus.
+        tokenizer: a Hugging Face tokenizer (fast tokenizers give offsets for byte counts).
+        bos: ``none``, ``stream`` (one BOS first) or ``window`` (BOS first in every window);
+            default ``stream`` when the tokenizer has a BOS token.
+        max_tokens: keep only the first ``max_tokens`` tokens of the stream (BOS included).
+    """
+    bos = bos or default_bos(tokenizer)
+    if bos not in BOS_POLICIES:
+        raise InputError(f"unknown BOS policy '{bos}'; use one of {', '.join(BOS_POLICIES)}")
+    if bos != "none" and tokenizer.bos_token_id is None:
+        raise InputError(f"BOS policy '{bos}' needs a tokenizer with a BOS token; this one has none, use --bos none")
+    if max_tokens is not None and max_tokens < 2:
+        raise InputError(f"max tokens is {max_tokens}; give at least 2")
+    ids, offsets = encode(tokenizer, text, progress=progress)
+    lead = [tokenizer.bos_token_id] if bos == "stream" else []
+    if max_tokens is not None:
+        ids, offsets = ids[: max_tokens - len(lead)], offsets[: max_tokens - len(lead)]
+    stream = lead + ids
+    scored_from = 0 if bos != "none" else 1
+    if len(stream) < 2 and not (bos == "window" and stream):
+        raise InputError(f"corpus has {len(stream)} token(s); perplexity needs at least 2")
+    scored_text = text[offsets[scored_from][0] : offsets[-1][1]] if len(ids) > scored_from else ""
+    return TokenStream(
+        ids=torch.tensor(stream, dtype=torch.long),
+        prefix=(tokenizer.bos_token_id,) if bos == "window" else (),
+        bos=bos,
+        n_bytes=len(scored_text.encode("utf-8")),
+        n_words=len(scored_text.split()),
+        text_digest=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+    )

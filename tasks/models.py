@@ -1,0 +1,96 @@
+"""Load a causal LM and its tokenizer from a local folder, ``embedded``, or a Hugging Face Hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tasks.errors import InputError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device '{name}' asked for, but no CUDA GPU is visible; use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise InputError(f"unknown device '{name}'; use cpu, cuda, cuda:N or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (exact and fast there) and bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise InputError(f"unknown dtype '{name}'; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_model_path(name: str) -> str:
+    """A local folder as a string, or a Hub id left as it is."""
+    if name == "embedded":
+        from tasks.embedded import ensure_embedded_model
+
+        return str(ensure_embedded_model())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise InputError(f"model folder {path} has no config.json; give a folder saved with save_pretrained")
+        return str(path)
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise InputError(f"model folder not found: {path} (give a folder with config.json, a Hub id, or embedded)")
+    return name
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    source = resolve_model_path(name)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot load the tokenizer of {name}: {str(error).strip().splitlines()[0]}") from None
+
+
+def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretrained):
+    """Load a causal LM for scoring, in eval mode on ``device``.
+
+    Args:
+        name: a local folder, ``embedded``, or a Hugging Face Hub id (needs network).
+        dtype: weight dtype for unquantized layers.
+        device: where the model runs.
+        from_pretrained: extra keyword arguments (a quantization config, say).
+    """
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model_path(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=str(device), **from_pretrained)
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot load model {name}: {str(error).strip().splitlines()[0]}") from None
+    return model.eval()
+
+
+def load_config(name: str):
+    """The model's config alone: enough to check settings before any weights are loaded."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(name))
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot load the config of {name}: {str(error).strip().splitlines()[0]}") from None
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position scheme was built for, when its config says."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

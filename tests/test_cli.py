@@ -1,0 +1,64 @@
+"""The ``ppl`` command: its JSON line, and one clear line with exit code 2 for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.cli import main
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def test_ppl_json_line(cli, tiny_model_dir, corpus_file):
+    code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
+                         "--stride", "32", "--batch-size", "3", "--max-tokens", "500", "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["n_tokens"] == 499 and result["window"] == 64 and result["stride"] == 32
+    assert result["ppl"] > 1
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_input_gets_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, corpus_file):
+    model, corpus = str(tiny_model_dir), str(corpus_file)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "one.txt").write_text("a")
+    (tmp_path / "rows.jsonl").write_text('{"body": "some words here"}\n')
+    (tmp_path / "broken-model").mkdir()
+    (tmp_path / "broken-model" / "config.json").write_text("{not json")
+    (tmp_path / "no-config").mkdir()
+    cases = {
+        "stride 64 must be at least 1 and below 64": ["--window", "64", "--stride", "64"],
+        "stride 0 must be": ["--window", "64", "--stride", "0"],
+        "longer than the model's 256 positions": ["--window", "512"],
+        "is empty": ["--corpus", str(tmp_path / "empty.txt")],
+        "perplexity needs at least 2": ["--corpus", str(tmp_path / "one.txt"), "--bos", "none"],
+        "model folder not found": ["--model", str(tmp_path / "missing")],
+        "has no config.json": ["--model", str(tmp_path / "no-config")],
+        "cannot load the config": ["--model", str(tmp_path / "broken-model")],
+        "corpus not found": ["--corpus", str(tmp_path / "missing.txt")],
+        "column 'text' not in": ["--corpus", str(tmp_path / "rows.jsonl")],
+    }
+    for expected, override in cases.items():
+        args = {"--model": model, "--corpus": corpus, "--window": "64", **dict(zip(override[::2], override[1::2]))}
+        argv = ["ppl"] + [item for pair in args.items() for item in pair]
+        assert expected in one_line_error(capsys, *argv), argv
+
+
+def test_offline_hub_id_gets_one_line(capsys, monkeypatch, corpus_file):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = one_line_error(capsys, "ppl", "--model", "no-such-org/no-such-model", "--corpus", str(corpus_file))
+    assert "no-such-org/no-such-model" in err
