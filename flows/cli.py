@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from tasks.errors import InputError, NumericalError
 
@@ -16,6 +18,8 @@ def _offline_defaults() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Prefect's local mode starts a temporary server; on 2 busy cores it can take longer than the 20 s default
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _add_ppl(commands) -> None:
@@ -35,30 +39,155 @@ def _add_ppl(commands) -> None:
     ppl.add_argument("--max-tokens", type=int, help="truncate the token stream to this many tokens")
     ppl.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     ppl.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
+    ppl.add_argument("--method", choices=["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"],
+                     help="measure --model quantized this way (gptq/awq are quantized on the spot)")
+    ppl.add_argument("--variant", help="a variant spec: a YAML file or inline YAML, e.g. '{name: q, method: gptq, path: DIR}'")
     ppl.add_argument("--json", action="store_true", help="end stdout with one JSON line of the result")
 
 
-def run_ppl(args: argparse.Namespace) -> int:
-    from tasks.corpus import CorpusSpec, corpus_text, tokenize
-    from tasks.models import load_config, load_model, load_tokenizer, max_positions, resolve_device, resolve_dtype
-    from tasks.perplexity import check_settings, perplexity
+def _add_quantize(commands) -> None:
+    quantize = commands.add_parser("quantize", help="make a GPTQ or AWQ checkpoint from a model (gptqmodel)")
+    quantize.add_argument("--model", required=True, help="model folder, Hub id, or 'embedded'")
+    quantize.add_argument("--method", required=True, choices=["gptq", "awq"])
+    quantize.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8])
+    quantize.add_argument("--group-size", type=int, default=128, help="columns per quantization group (-1: per channel)")
+    quantize.add_argument("--asym", action="store_true", help="asymmetric quantization (default symmetric)")
+    quantize.add_argument("--calibration", required=True, help="calibration corpus (same forms as --corpus)")
+    quantize.add_argument("--text-column", default="text")
+    quantize.add_argument("--samples", type=int, default=128, help="calibration sequences")
+    quantize.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    quantize.add_argument("--seed", type=int, default=0)
+    quantize.add_argument("--holdout-tokens", type=int, default=0,
+                          help="never calibrate on the first N tokens (what an audit with max_tokens N scores)")
+    quantize.add_argument("--out", required=True, help="folder for the quantized checkpoint")
 
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+
+def _variant(args: argparse.Namespace):
+    """The one model `ppl` measures: --variant, else --model with --method, as a validated spec."""
+    import yaml
+
+    from tasks.config import VariantSpec, parse
+
+    if args.variant:
+        path = Path(args.variant)
+        try:
+            data = yaml.safe_load(path.read_text() if path.is_file() else args.variant)
+        except yaml.YAMLError as error:
+            raise InputError(f"--variant is not valid YAML: {str(error).splitlines()[0]}") from None
+        return parse(VariantSpec, data, "--variant")
+    method = args.method or "baseline"
+    name = (Path(args.model).name or args.model) if method == "baseline" else method
+    return parse(VariantSpec, {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype,
+                               "device": args.device}, "arguments")
+
+
+def run_ppl(args: argparse.Namespace) -> int:
+    from tasks.audit import evaluation, score_variant
+    from tasks.corpus import CorpusSpec, corpus_text
+    from tasks.models import load_config, load_tokenizer, max_positions, resolve_device, resolve_dtype
+    from tasks.perplexity import check_settings
+    from tasks.variants import tokenizer_digest
+
+    spec = _variant(args)
+    resolve_dtype(spec.dtype, resolve_device(spec.device))
     stride = args.stride if args.stride is not None else args.window // 2
-    positions = max_positions(load_config(args.model))
+    positions = max_positions(load_config(spec.path or args.model))
     tokenizer = load_tokenizer(args.model)
-    spec = CorpusSpec(args.corpus, args.text_column, args.hf_config, args.hf_split, args.joiner)
-    stream = tokenize(corpus_text(spec), tokenizer, args.bos, args.max_tokens, progress=True)
-    check_settings(args.window, stride, args.batch_size, stream, positions)
-    model = load_model(args.model, dtype, device)
-    result = perplexity(model, stream, args.window, stride, args.batch_size, progress=True, model_name=args.model)
-    print(f"{args.model}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} tokens "
+    corpus = CorpusSpec(args.corpus, args.text_column, args.hf_config, args.hf_split, args.joiner)
+    scored = evaluation(corpus_text(corpus), tokenizer, args.bos, args.max_tokens, args.window, stride,
+                        args.batch_size, progress=True)
+    check_settings(args.window, stride, args.batch_size, scored.stream, positions)
+    outcome = score_variant(spec, args.model, tokenizer_digest(tokenizer), scored, progress=True)
+    if not outcome.ok:
+        print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=sys.stderr)
+        return 1
+    result = outcome.result
+    print(f"{spec.name}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} tokens "
           f"(mean NLL {result.mean_nll:.5f}, {result.bits_per_byte:.4f} bits/byte, "
-          f"{result.tokens_per_second:.0f} tok/s)")
+          f"{result.tokens_per_second:.0f} tok/s, {outcome.facts.backend})")
     if args.json:
-        print(json.dumps(result.summary()))
+        print(json.dumps({**result.summary(), "variant": outcome.facts.summary()}))
     return 0
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from flows.quantize import quantize_flow
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"output folder {out} is not empty; give a new folder")
+    manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
+                             bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
+                             samples=args.samples, seq_len=args.seq_len, seed=args.seed,
+                             holdout_tokens=args.holdout_tokens)
+    print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint in {out} "
+          f"({manifest['calibration']['samples']} calibration samples, {manifest['seconds']} s); "
+          "emitted quantization.completed")
+    return 0
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    from flows.audit import audit
+    from tasks.audit import preflight
+    from tasks.config import load_audit_config
+
+    preflight(load_audit_config(args.config, args.set))  # bad input ends here, before any model loads
+    state = audit(config=args.config, overrides=args.set, return_state=True)
+    summary = state.result(raise_on_failure=False)
+    if not isinstance(summary, dict):
+        print(f"ppl-audit: audit failed: {state.message}", file=sys.stderr)
+        return 1
+    verdict = summary["verdict"]
+    print(f"verdict: {verdict.status.upper()} — {verdict.reason}")
+    return 0 if verdict.status == "pass" else 1
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from flows.serve import serve_config
+    from tasks.audit import preflight
+    from tasks.config import load_audit_config
+
+    preflight(load_audit_config(args.config))
+    serve_config(args.config)
+    return 0
+
+
+def run_ui(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from tasks.spool import home
+    from tasks.tracking import default_uri
+
+    home().mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{args.port}"
+    print(f"MLflow UI on {url} (store {default_uri()}); runs table: {url}/#/experiments/<id>/runs; Ctrl-C stops it",
+          flush=True)
+    mlflow = Path(sys.executable).parent / "mlflow"
+    command = [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri",
+               default_uri(), "--default-artifact-root", (home() / "mlartifacts").as_uri()]
+    try:
+        return subprocess.call(command)
+    except KeyboardInterrupt:
+        return 0
+
+
+def run_sync(args: argparse.Namespace) -> int:
+    from tasks.spool import mark_synced, pending
+    from tasks.tracking import replay
+
+    waiting = pending()
+    failed = 0
+    for folder in waiting:
+        try:
+            run_id = replay(folder, args.tracking_uri)
+        except Exception as error:  # keep going: each record is independent
+            failed += 1
+            print(f"{folder.name}: not synced ({type(error).__name__}: {str(error).splitlines()[0][:200]})", file=sys.stderr)
+            continue
+        mark_synced(folder)
+        print(f"{folder.name}: synced as MLflow run {run_id}")
+    print(f"{len(waiting) - failed} of {len(waiting)} spooled audit(s) synced")
+    return 1 if failed else 0
 
 
 def run_setup(args: argparse.Namespace) -> int:
@@ -74,9 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ppl-audit", description="Audit quantized LLMs by perplexity.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_ppl(commands)
+    _add_quantize(commands)
+    run = commands.add_parser("run", help="run an audit flow from a YAML config")
+    run.add_argument("config", help="audit YAML, e.g. configs/demo.yaml")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set evaluation.max_tokens=4096 (repeatable)")
+    serve = commands.add_parser("serve", help="serve the audit deployment: cron schedule + quantization.completed trigger")
+    serve.add_argument("config", help="audit YAML")
+    ui = commands.add_parser("ui", help="start the MLflow UI on the local store (127.0.0.1)")
+    ui.add_argument("--port", type=int, default=5000)
+    sync = commands.add_parser("sync", help="send spooled audits (tracking was down) to MLflow")
+    sync.add_argument("--tracking-uri", help="default: each audit's configured URI, MLFLOW_TRACKING_URI, or the local store")
     commands.add_parser("setup", help="build the embedded model and corpus (once; cached)")
     args = parser.parse_args(argv)
-    handlers = {"ppl": run_ppl, "setup": run_setup}
+    handlers = {"ppl": run_ppl, "quantize": run_quantize, "run": run_audit, "serve": run_serve, "ui": run_ui,
+                "sync": run_sync, "setup": run_setup}
     try:
         return handlers[args.command](args)
     except InputError as error:

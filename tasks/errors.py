@@ -7,3 +7,18 @@ class InputError(ValueError):
 
 class NumericalError(RuntimeError):
     """A model produced NaN or infinite log-probabilities."""
+
+
+class TransientError(RuntimeError):
+    """A failure worth retrying: network or remote storage. Prefect tasks retry on it, nothing else."""
+
+
+def is_network_error(error: BaseException) -> bool:
+    """Whether an error, or one it was raised from, is a connection or timeout failure."""
+    seen = error
+    while seen is not None:
+        name = type(seen).__name__
+        if isinstance(seen, (ConnectionError, TimeoutError)) or "Connect" in name or "Timeout" in name:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

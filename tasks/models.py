@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.errors import InputError
+from tasks.errors import InputError, TransientError, is_network_error
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +72,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=str(device), **from_pretrained)
     except (OSError, ValueError) as error:
+        if is_network_error(error):
+            raise TransientError(f"cannot reach the model store for {name}: {str(error).strip().splitlines()[0]}") from error
         raise InputError(f"cannot load model {name}: {str(error).strip().splitlines()[0]}") from None
     return model.eval()
 

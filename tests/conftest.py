@@ -96,3 +96,82 @@ def cli():
         return done.returncode, done.stdout, done.stderr
 
     return run
+
+
+def train_briefly(model, tokenizer, steps: int = 150, seed: int = 2) -> None:
+    """A few hundred steps of next-token training, so that the model predicts better than chance."""
+    ids = torch.tensor(tokenizer(make_text(20000, seed=seed), add_special_tokens=False).input_ids)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (8,), generator=generator)
+        batch = torch.stack([ids[s : s + 65] for s in starts])
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 128-wide, 2-layer Llama trained briefly: widths that GPTQ/AWQ group sizes 32/64 divide."""
+    folder = tmp_path_factory.mktemp("trained-llama")
+    model = build_llama(folder, tokenizer, hidden_size=128, intermediate_size=256, initializer_range=0.02)
+    train_briefly(model, tokenizer)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A real, temporary Prefect server and database for the whole session (it takes 10-17 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def write_config(path: Path, baseline: Path, corpus: Path, variants: list[dict], **sections) -> Path:
+    """An audit YAML for a tiny model: small windows, a short stream."""
+    import yaml
+
+    config = {"name": sections.pop("name", "tiny"), "baseline": {"path": str(baseline)},
+              "corpus": {"source": str(corpus)},
+              "evaluation": {"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 1500},
+              "variants": variants, **sections}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("audit-corpus") / "corpus.txt"
+    path.write_text(make_text(3000))
+    return path
+
+
+@pytest.fixture(scope="session")
+def noisy_model_dir(tmp_path_factory, trained_model_dir, tokenizer) -> Path:
+    """The trained model with noise added to its weights: clearly worse, same tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(trained_model_dir)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.ndim == 2:  # the briefly trained model leans on its embeddings and head: noise them too
+                weight.add_(torch.randn(weight.shape, generator=generator) * weight.std() * 0.5)
+    folder = tmp_path_factory.mktemp("noisy-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

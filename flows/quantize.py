@@ -1,0 +1,58 @@
+"""The quantize flow: make a GPTQ/AWQ checkpoint, then announce it with ``quantization.completed``.
+
+Any job that emits the same event (ours or anyone's) starts an audit of the new checkpoint when
+``ppl-audit serve`` is running; the payload carries ``model_path``, ``method``, ``bits``, ``baseline``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
+
+from tasks.corpus import CorpusSpec, corpus_text, tokenize
+from tasks.errors import InputError
+from tasks.models import load_tokenizer
+from tasks.quantize import draw_calibration, quantize
+
+EVENT = "quantization.completed"
+
+
+@task(cache_policy=NO_CACHE)
+def quantize_model(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: str,
+                   column: str, samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str) -> dict:
+    text = corpus_text(CorpusSpec(calibration, column))
+    ids = tokenize(text, load_tokenizer(model), bos="none", progress=True).ids
+    holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    drawn = draw_calibration(ids, samples, seq_len, seed, calibration, digest, holdout)
+    return quantize(model, method, bits, group_size, sym, drawn, Path(out))
+
+
+@flow(name="ppl-audit-quantize", flow_run_name="quantize-{method}-{bits}bit")
+def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int = 4, group_size: int = 128,
+                  sym: bool = True, column: str = "text", samples: int = 128, seq_len: int = 512, seed: int = 0,
+                  holdout_tokens: int = 0) -> dict:
+    """Quantize ``model`` into ``out`` and emit ``quantization.completed`` for it.
+
+    Args:
+        holdout_tokens: never calibrate on the first N tokens of the calibration corpus (what an audit
+            with ``max_tokens: N`` on the same corpus scores).
+    """
+    if method not in ("gptq", "awq"):
+        raise InputError(f"method {method} cannot be quantized here; use gptq or awq")
+    folder = Path(out)
+    if folder.exists() and any(folder.iterdir()):
+        raise InputError(f"output folder {folder} is not empty; give a new folder")
+    manifest = quantize_model(model, method, bits, group_size, sym, calibration, column, samples, seq_len, seed,
+                              holdout_tokens, out)
+    emit_event(
+        event=EVENT,
+        resource={"prefect.resource.id": f"ppl-audit.model.{folder.resolve()}", "prefect.resource.name": folder.name},
+        payload={"model_path": str(folder.resolve()), "method": method, "bits": bits, "group_size": group_size,
+                 "baseline": model, "calibration_digest": manifest["calibration"]["digest"]},
+    )
+    return manifest

@@ -1,0 +1,39 @@
+"""Deployments: the audit on its cron schedule and on every ``quantization.completed`` event.
+
+``ppl-audit serve CONFIG`` serves them from this process (needs a Prefect server, local or remote, for
+schedules and events); ``prefect.yaml`` declares the same for work pools (``prefect deploy --all``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import serve
+from prefect.events import DeploymentEventTrigger
+
+from flows.audit import audit
+from flows.quantize import EVENT, quantize_flow
+from tasks.config import load_audit_config
+
+# the event's payload becomes the audit's parameters: that checkpoint against that baseline
+EVENT_PARAMETERS = {
+    "model_path": "{{ event.payload.model_path }}",
+    "method": "{{ event.payload.method }}",
+    "bits": "{{ event.payload.bits }}",
+    "baseline": "{{ event.payload.baseline }}",
+}
+
+
+def deployments(config_path: str) -> list:
+    config = load_audit_config(config_path)
+    path = str(Path(config_path).resolve())
+    trigger = DeploymentEventTrigger(expect={EVENT}, parameters={"config": path, **EVENT_PARAMETERS})
+    return [
+        audit.to_deployment(name=config.name, parameters={"config": path}, cron=config.schedule.cron,
+                            triggers=[trigger], description=f"ppl-audit {config.name}: nightly and on {EVENT}"),
+        quantize_flow.to_deployment(name=f"{config.name}-quantize", description="GPTQ/AWQ, then emits " + EVENT),
+    ]
+
+
+def serve_config(config_path: str) -> None:
+    serve(*deployments(config_path))

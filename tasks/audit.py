@@ -1,0 +1,172 @@
+"""One variant of an audit, end to end: find or make its checkpoint, check it is comparable, score it.
+
+``score_variant`` never raises: a variant that cannot be loaded, is refused, runs out of memory or
+produces NaN ends as a failed ``VariantResult`` with a one-line reason, so the others carry on.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from tasks.config import VariantSpec
+from tasks.corpus import TokenStream, tokenize
+from tasks.embedded import cache_dir
+from tasks.errors import InputError, NumericalError, TransientError
+from tasks.models import load_tokenizer, resolve_model_path
+from tasks.perplexity import PerplexityResult, perplexity
+from tasks.quantize import check_disjoint, draw_calibration, model_digest, quantize, read_manifest
+from tasks.variants import VariantFacts, check_same_tokenizer, load_variant
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What is scored and how: the same for every variant of an audit.
+
+    Attributes:
+        stream: the evaluated token stream.
+        text: the whole corpus text (calibration may come from the part not evaluated).
+        evaluated: ``[start, end)`` of the evaluated tokens in the corpus's BOS-free token stream.
+    """
+
+    stream: TokenStream
+    text: str
+    evaluated: tuple[int, int]
+    window: int
+    stride: int
+    batch_size: int
+
+
+@dataclass
+class VariantResult:
+    name: str
+    method: str
+    status: str  # "ok" or "failed"
+    reason: str = ""
+    result: PerplexityResult | None = None
+    facts: VariantFacts | None = None
+    manifest: dict | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def evaluation(text: str, tokenizer, bos: str | None, max_tokens: int | None, window: int, stride: int,
+               batch_size: int, progress: bool = False) -> Evaluation:
+    stream = tokenize(text, tokenizer, bos, max_tokens, progress)
+    evaluated_text_tokens = len(stream.ids) - (1 if stream.bos == "stream" else 0)
+    return Evaluation(stream, text, (0, evaluated_text_tokens), window, stride, batch_size)
+
+
+def preflight(config, variants: bool = True) -> None:
+    """Check an audit's models and window before anything is loaded: one line naming what is wrong.
+
+    Args:
+        variants: also check that every variant's checkpoint exists (the CLI does, before a run; a flow
+            run does not, so that a checkpoint gone missing fails its variant, not the audit).
+    """
+    from tasks.models import load_config, max_positions
+
+    positions = max_positions(load_config(config.baseline.path))
+    window = config.evaluation.window
+    if positions is not None and window > positions:
+        raise InputError(f"evaluation.window {window} is longer than the baseline's {positions} positions; "
+                         f"use {positions} or less")
+    for spec in config.variants if variants else []:
+        if spec.path is not None:
+            resolve_model_path(spec.path)
+
+
+def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of) -> str:
+    """The folder of a gptq/awq variant made from the baseline, quantizing it on first use (cached).
+
+    Args:
+        corpus_text_of: maps a calibration ``CorpusConfig`` to its text (only called when one is given).
+    """
+    settings = spec.calibration
+    bits = spec.bits or 4
+    group_size = spec.group_size or 128
+    sym = True if spec.sym is None else spec.sym
+    samples, seq_len, seed = (settings.samples, settings.seq_len, settings.seed) if settings else (128, 512, 0)
+    tokenizer = load_tokenizer(baseline)
+    if settings and settings.corpus:
+        text, source, exclude = corpus_text_of(settings.corpus), settings.corpus.source, None
+    else:
+        text, source, exclude = evaluation_.text, "audit corpus", evaluation_.evaluated
+    ids = tokenize(text, tokenizer, bos="none").ids
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if digest == evaluation_.stream.text_digest:
+        exclude = evaluation_.evaluated  # the same text under another name is still the evaluated text
+    calibration = draw_calibration(ids, samples, seq_len, seed, source, digest, exclude)
+    key = json.dumps([model_digest(resolve_model_path(baseline)), spec.method, bits, group_size, sym, calibration.digest])
+    out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if read_manifest(str(out)) is None:
+        quantize(baseline, spec.method, bits, group_size, sym, calibration, out)
+    return str(out)
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool) -> PerplexityResult:
+    """Score at the configured batch size, halving it on out-of-memory (the result does not depend on it)."""
+    batch_size = evaluation_.batch_size
+    while True:
+        try:
+            return perplexity(model, evaluation_.stream, evaluation_.window, evaluation_.stride, batch_size,
+                              progress=progress, model_name=name)
+        except torch.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+            batch_size //= 2
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, evaluation_: Evaluation,
+                  corpus_text_of=None, progress: bool = False) -> VariantResult:
+    """Score one variant on the audit's stream; failures become a failed result, never an exception.
+
+    Only a ``TransientError`` (network, remote storage) is raised, for the caller to retry. Out of
+    memory is not retried at the same batch size: the batch size is halved until it fits.
+
+    Args:
+        baseline: the baseline model (folder, Hub id or ``embedded``).
+        baseline_tokenizer: ``tokenizer_digest`` of the baseline's tokenizer.
+    """
+    model = None
+    outcome = VariantResult(spec.name, spec.method, "failed")
+    try:
+        if spec.quantize_here:
+            source = quantized_checkpoint(spec, baseline, evaluation_, corpus_text_of)
+        else:
+            source = spec.path or baseline
+        outcome.manifest = read_manifest(resolve_model_path(source))
+        if outcome.manifest:
+            check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
+        check_same_tokenizer(spec.name, baseline_tokenizer, load_tokenizer(source))
+        model, outcome.facts = load_variant(spec, source)
+        outcome.result = perplexity_with_backoff(model, evaluation_, spec.name, progress)
+        outcome.status = "ok"
+    except torch.OutOfMemoryError:
+        outcome.reason = "out of memory at batch size 1; use a smaller window or a larger device"
+    except TransientError:
+        raise
+    except (InputError, NumericalError) as error:
+        outcome.reason = one_line(error)
+    except Exception as error:  # any other failure of one variant must not lose the others
+        outcome.reason = f"{type(error).__name__}: {one_line(error)}"
+    finally:
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return outcome

@@ -1,0 +1,245 @@
+"""Validated settings: corpus, calibration and variant specs. One clear line per mistake.
+
+YAML is the single source of truth for a run; these models check it before any model is loaded.
+Unknown keys are refused (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.corpus import CorpusSpec
+from tasks.errors import InputError
+
+Method = Literal["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"]
+QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CorpusConfig(Strict):
+    """A corpus source (see ``tasks.corpus``) and how its documents are read and joined."""
+
+    source: str
+    column: str = "text"
+    hf_config: str | None = None
+    hf_split: str = "test"
+    joiner: str = "\n\n"
+
+    def spec(self) -> CorpusSpec:
+        return CorpusSpec(self.source, self.column, self.hf_config, self.hf_split, self.joiner)
+
+
+class CalibrationConfig(Strict):
+    """Calibration text for GPTQ/AWQ: ``samples`` sequences of ``seq_len`` tokens drawn with ``seed``.
+
+    Without ``corpus`` the audit's own corpus is used, from tokens the audit does not evaluate.
+    """
+
+    corpus: CorpusConfig | None = None
+    samples: int = Field(128, ge=1, le=100_000)
+    seq_len: int = Field(512, ge=8)
+    seed: int = 0
+
+
+class VariantSpec(Strict):
+    """One model of an audit: the baseline or a quantized variant of it.
+
+    ``path`` is a checkpoint to load (pre-quantized for gptq/awq). Without it, bnb and torchao
+    variants quantize the baseline at load, and gptq/awq variants are quantized from the baseline with
+    ``bits``, ``group_size``, ``sym`` and ``calibration``.
+    """
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    method: Method = "baseline"
+    path: str | None = None
+    bits: Literal[2, 3, 4, 8] | None = None
+    group_size: int | None = Field(None, ge=-1)
+    sym: bool | None = None
+    calibration: CalibrationConfig | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    device: str = "auto"
+
+    @model_validator(mode="after")
+    def _settings_fit_the_method(self) -> "VariantSpec":
+        settings = [key for key in ("bits", "group_size", "sym", "calibration") if getattr(self, key) is not None]
+        if settings and self.method not in QUANTIZED_BY_US:
+            raise ValueError(f"{', '.join(settings)} only apply to gptq and awq, not to method {self.method}")
+        if settings and self.path is not None:
+            raise ValueError(f"give either path (a quantized checkpoint) or {', '.join(settings)}, not both")
+        if self.group_size == 0:
+            raise ValueError("group_size must be -1 (per channel) or a positive number of columns")
+        return self
+
+    @property
+    def quantize_here(self) -> bool:
+        return self.method in QUANTIZED_BY_US and self.path is None
+
+
+def one_line(error: ValidationError, where: str) -> str:
+    """The first validation error as one line naming the key; the count of any others after it."""
+    first = error.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key; check its spelling against the documented keys"
+    more = len(error.errors()) - 1
+    return f"{where}: {key}: {message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def parse(model: type[Strict], data: object, where: str):
+    """Validate ``data`` into ``model``, or raise ``InputError`` with one line naming the key."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise InputError(one_line(error, where)) from None
+
+
+class EvaluationConfig(Strict):
+    """How every model of the audit is scored (see ``tasks.perplexity``)."""
+
+    window: int = Field(512, ge=2)
+    stride: int | None = Field(None, ge=1, description="default window // 2")
+    batch_size: int = Field(1, ge=1)
+    bos: Literal["none", "stream", "window"] | None = None
+    max_tokens: int | None = Field(None, ge=2)
+
+    @model_validator(mode="after")
+    def _stride_below_window(self) -> "EvaluationConfig":
+        if self.stride is not None and self.stride >= self.window:
+            raise ValueError(f"stride {self.stride} must be below window {self.window}")
+        return self
+
+    @property
+    def effective_stride(self) -> int:
+        return self.stride if self.stride is not None else self.window // 2
+
+
+class Gate(Strict):
+    """Limits a variant must stay within to pass."""
+
+    max_ppl_increase_pct: float | None = Field(None, gt=0, le=1000)
+
+
+class Thresholds(Gate):
+    """The gate for every variant, with per-variant overrides by name."""
+
+    per_variant: dict[str, Gate] = {}
+
+    def for_variant(self, name: str) -> Gate:
+        override = self.per_variant.get(name)
+        merged = self.model_dump(exclude={"per_variant"})
+        if override:
+            merged.update(override.model_dump(exclude_none=True))
+        return Gate(**merged)
+
+
+class Schedule(Strict):
+    cron: str | None = None
+    timezone: str = "UTC"
+
+    @model_validator(mode="after")
+    def _valid_cron(self) -> "Schedule":
+        if self.cron is not None:
+            from cronsim import CronSim, CronSimError
+            from datetime import datetime
+
+            try:
+                CronSim(self.cron, datetime(2026, 1, 1))
+            except CronSimError as error:
+                raise ValueError(f"cron '{self.cron}' is not a cron expression ({error})") from None
+        return self
+
+
+class Runner(Strict):
+    """Where variants run: one after another here, or concurrently through Dask or Ray workers."""
+
+    kind: Literal["sequential", "dask", "ray"] = "sequential"
+    workers: int = Field(2, ge=1)
+    gpus_per_variant: float = Field(0, ge=0)
+
+
+class Tracking(Strict):
+    """MLflow: ``uri`` (else ``MLFLOW_TRACKING_URI``, else the local SQLite store) and experiment."""
+
+    uri: str | None = None
+    experiment: str = "ppl-audit"
+
+
+class AuditConfig(Strict):
+    """One audit: a baseline, its variants, the corpus, how to score, and the gate."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    baseline: VariantSpec
+    corpus: CorpusConfig
+    evaluation: EvaluationConfig = EvaluationConfig()
+    variants: list[VariantSpec] = []
+    thresholds: Thresholds = Thresholds()
+    schedule: Schedule = Schedule()
+    runner: Runner = Runner()
+    tracking: Tracking = Tracking()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _baseline_is_named_baseline(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("baseline"), dict):
+            data = {**data, "baseline": {"name": "baseline", **data["baseline"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AuditConfig":
+        if self.baseline.method != "baseline" or self.baseline.path is None:
+            raise ValueError("baseline needs a path (model folder, Hub id or embedded) and method baseline")
+        names = [self.baseline.name] + [v.name for v in self.variants]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"variant names must be unique: {', '.join(duplicates)} repeats")
+        unknown = sorted(set(self.thresholds.per_variant) - set(names))
+        if unknown:
+            raise ValueError(f"thresholds.per_variant names no variant: {', '.join(unknown)}")
+        return self
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML; list items by index) to raw config data."""
+    import yaml
+
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set {override}: use key=value, e.g. --set evaluation.max_tokens=4096")
+        node, parts = data, key.split(".")
+        for part in parts[:-1]:
+            node = node[int(part)] if isinstance(node, list) and part.isdigit() else node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise InputError(f"--set {override}: {part} is not a section")
+        last = parts[-1]
+        value = yaml.safe_load(raw) if raw else None
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise InputError(f"--set {override}: {last} is not an index of that list")
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def load_audit_config(path: str, overrides: list[str] = ()) -> AuditConfig:
+    """Read, override and validate an audit YAML file; every mistake is one line naming the key."""
+    import yaml
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"config not found: {file} (give a YAML file, e.g. configs/demo.yaml)")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise InputError(f"{file} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{file} must hold a mapping of settings at the top level")
+    return parse(AuditConfig, apply_overrides(data, list(overrides)), str(file))

@@ -1,0 +1,146 @@
+"""Quantize a baseline with GPTQ or AWQ (gptqmodel), with calibration kept apart from evaluation.
+
+auto-gptq and autoawq are abandoned and do not build against current torch; gptqmodel is their
+maintained successor for both methods, on CPU and CUDA. Each checkpoint gets a ``ppl-audit.json``
+manifest saying how it was made, so an audit can check its calibration against what it evaluates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tasks.errors import InputError
+from tasks.models import resolve_model_path
+from tasks.variants import WEIGHT_SUFFIXES, versions
+
+MANIFEST = "ppl-audit.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibration samples and where they came from.
+
+    Attributes:
+        samples: token id lists, ``seq_len`` tokens each.
+        corpus_digest: sha256 of the calibration corpus text.
+        token_ranges: ``[start, end)`` of each sample in that corpus's token stream.
+    """
+
+    samples: list[list[int]]
+    source: str
+    corpus_digest: str
+    token_ranges: list[tuple[int, int]]
+    seq_len: int
+    seed: int
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.samples).encode()).hexdigest()
+
+    def describe(self) -> dict:
+        return {"source": self.source, "corpus_digest": self.corpus_digest, "samples": len(self.samples),
+                "seq_len": self.seq_len, "seed": self.seed, "digest": self.digest,
+                "token_ranges": [list(r) for r in self.token_ranges]}
+
+
+def draw_calibration(ids: torch.Tensor, samples: int, seq_len: int, seed: int, source: str, corpus_digest: str,
+                     exclude: tuple[int, int] | None = None) -> Calibration:
+    """Draw non-overlapping ``seq_len``-token blocks at random (seeded), none inside ``exclude``.
+
+    Args:
+        ids: ``[N]`` token stream of the calibration corpus.
+        exclude: ``[start, end)`` token range that must not be used (the evaluated tokens when the
+            calibration corpus is the evaluation corpus).
+    """
+    n = len(ids)
+    free = [(0, n)] if exclude is None else [(0, exclude[0]), (exclude[1], n)]
+    blocks = [(s, s + seq_len) for lo, hi in free for s in range(lo, hi - seq_len + 1, seq_len)]
+    if not blocks:
+        raise InputError(
+            f"no {seq_len}-token calibration block lies outside the evaluated tokens of {source}; "
+            "evaluate fewer tokens (max_tokens), shorten calibration.seq_len, or give calibration.corpus"
+        )
+    chosen = sorted(random.Random(seed).sample(blocks, min(samples, len(blocks))))
+    return Calibration([ids[s:e].tolist() for s, e in chosen], source, corpus_digest, chosen, seq_len, seed)
+
+
+def check_disjoint(manifest: dict, corpus_digest: str, evaluated: tuple[int, int], name: str) -> None:
+    """Refuse a checkpoint calibrated on tokens this audit evaluates (same corpus, overlapping range)."""
+    calibration = manifest.get("calibration") or {}
+    if calibration.get("corpus_digest") != corpus_digest:
+        return
+    for start, end in calibration.get("token_ranges", []):
+        if start < evaluated[1] and evaluated[0] < end:
+            raise InputError(f"variant '{name}' was calibrated on tokens {start}-{end} of the evaluated corpus, "
+                             f"which this audit scores ({evaluated[0]}-{evaluated[1]}); recalibrate on other text")
+
+
+def model_digest(path: str) -> str:
+    """sha256 over a model folder's config and weight files."""
+    folder = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(folder.iterdir()):
+        if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES:
+            digest.update(file.name.encode())
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _prepare_gptqmodel() -> None:
+    # gptqmodel's model-loader pool wants 2 workers; its default on a 2-core machine gives it 1.
+    if (os.cpu_count() or 1) < 4:
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    # Importing gptqmodel would otherwise move the Hugging Face cache to /tmp for the whole process.
+    os.environ.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+
+
+def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: Calibration,
+             out: Path) -> dict:
+    """Quantize ``model`` with gptqmodel and save it to ``out`` with its manifest.
+
+    Args:
+        model: baseline folder (or ``embedded``).
+        method: ``gptq`` or ``awq``.
+        bits, group_size, sym: the quantization scheme (``group_size`` must divide the layers' widths).
+        calibration: samples drawn by ``draw_calibration``.
+        out: folder for the checkpoint.
+
+    Returns:
+        The manifest, also written to ``out / "ppl-audit.json"``.
+    """
+    _prepare_gptqmodel()
+    from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
+
+    source = resolve_model_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym)
+    started = time.perf_counter()
+    quantizer = GPTQModel.load(source, scheme, device=device)
+    options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
+    rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
+    quantizer.quantize(rows, batch_size=1, **options)
+    out.mkdir(parents=True, exist_ok=True)
+    quantizer.save(str(out))
+    manifest = {
+        "method": method, "bits": bits, "group_size": group_size, "sym": sym,
+        "source_model": model, "source_model_digest": model_digest(source),
+        "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
+        "device": device, "seconds": round(time.perf_counter() - started, 2),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def read_manifest(path: str) -> dict | None:
+    file = Path(path) / MANIFEST
+    return json.loads(file.read_text()) if file.is_file() else None

@@ -1,0 +1,70 @@
+"""The audit's steps as Prefect tasks: thin wrappers over the plain modules, one job each.
+
+Tasks that take or load models never hash their inputs (``NO_CACHE``): hashing a model costs
+seconds and gigabytes. Tokenizing is cached by corpus digest, tokenizer digest and settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.audit import Evaluation, VariantResult, evaluation, score_variant
+from tasks.config import AuditConfig, CorpusConfig, VariantSpec
+from tasks.corpus import corpus_text
+from tasks.errors import TransientError
+from tasks.models import load_tokenizer
+from tasks.spool import mark_synced, write_record
+from tasks.tracking import is_tracking_outage, replay
+from tasks.variants import tokenizer_digest
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10,
+      retry_condition_fn=lambda task, run, state: isinstance(state.result(raise_on_failure=False), TransientError))
+def read_corpus(corpus: CorpusConfig) -> str:
+    """The corpus as one text (a Hub dataset download is retried, a bad source is not)."""
+    return corpus_text(corpus.spec())
+
+
+def _evaluation_key(context, parameters: dict) -> str:
+    settings = parameters["config"].evaluation
+    text_digest = hashlib.sha256(parameters["text"].encode()).hexdigest()
+    tokenizer = tokenizer_digest(load_tokenizer(parameters["config"].baseline.path))
+    return "tokens-" + hashlib.sha256(json.dumps([text_digest, tokenizer, settings.model_dump()]).encode()).hexdigest()
+
+
+@task(cache_key_fn=_evaluation_key, persist_result=True)
+def tokenize_corpus(text: str, config: AuditConfig) -> Evaluation:
+    """Tokenize the corpus once for every model of the audit (cached across audits)."""
+    settings = config.evaluation
+    return evaluation(text, load_tokenizer(config.baseline.path), settings.bos, settings.max_tokens,
+                      settings.window, settings.effective_stride, settings.batch_size, progress=True)
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{spec.name}",
+      retry_condition_fn=lambda task, run, state: isinstance(state.result(raise_on_failure=False), TransientError))
+def score(spec: VariantSpec, config: AuditConfig, evaluation_: Evaluation) -> VariantResult:
+    """Load (or make) one variant and score it; a failure is a failed result, not a failed task."""
+    baseline = config.baseline.path
+    return score_variant(spec, baseline, tokenizer_digest(load_tokenizer(baseline)), evaluation_,
+                         corpus_text_of=lambda corpus: corpus_text(corpus.spec()), progress=True)
+
+
+@task(cache_policy=NO_CACHE)
+def spool_audit(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
+                results: list[VariantResult]) -> Path:
+    """Write the audit's record locally first: nothing computed is lost if tracking fails."""
+    return write_record(config, config_path, scored, summary, results)
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=lambda task, run, state: is_tracking_outage(state.result(raise_on_failure=False)))
+def track(folder: Path) -> str:
+    """Log the record to MLflow (retried: the tracking server may blip); returns the parent run id."""
+    run_id = replay(folder)
+    mark_synced(folder)
+    return run_id

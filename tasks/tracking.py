@@ -1,0 +1,189 @@
+"""MLflow records of an audit: a parent run, a nested run per model, made from a spooled record.
+
+``replay`` is idempotent: an audit already complete in the server is left alone, a partial one (the
+server died mid-audit) is deleted and logged again, so a synced audit has exactly the runs of a clean one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from tasks.spool import home, read_record
+
+# A dead tracking server must not hang an audit for minutes (MLflow's default retries take ~4 min).
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+AUDIT_ID = "ppl_audit.audit_id"
+COMPLETE = "ppl_audit.complete"
+METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
+           "tokens_per_second", "wall_seconds", "peak_memory_bytes")
+FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
+DELTA_METRICS = ("delta_ppl", "ppl_ratio", "delta_ppl_pct")
+
+
+def is_tracking_outage(error: BaseException) -> bool:
+    """A failure of the tracking server or the way to it (retried), not of our code (not retried)."""
+    from tasks.errors import is_network_error
+
+    return is_network_error(error) or type(error).__name__ == "MlflowException"
+
+
+def default_uri() -> str:
+    return f"sqlite:///{home() / 'mlflow.db'}"
+
+
+def tracking_uri(configured: str | None = None) -> str:
+    """The config's URI, else ``MLFLOW_TRACKING_URI``, else the local SQLite store."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+
+
+def _experiment(client, name: str, uri: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if uri.startswith("sqlite:"):  # a local store keeps its artifacts beside it, not in the current folder
+        location = (home() / "mlartifacts" / name).as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def _dataset_input(record: dict):
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    corpus = record["corpus"]
+    source_name = corpus["source"]
+    if source_name.startswith("hf:"):
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        source = HuggingFaceDatasetSource(path=source_name[3:], config_name=corpus["hf_config"], split=corpus["hf_split"])
+    else:
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # MLflow warns that resolving by registry will change one day
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(corpus.get("location") or source_name)
+    dataset = MetaDataset(source=source, name=Path(source_name).name or source_name, digest=corpus["digest"][:16])
+    return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "evaluation")])
+
+
+def _params(values: dict) -> list:
+    from mlflow.entities import Param
+
+    return [Param(k, str(v)[:6000]) for k, v in values.items() if v is not None]
+
+
+def _audit_params(record: dict) -> dict:
+    config, corpus, env = record["config"], record["corpus"], record["environment"]
+    evaluation = config["evaluation"]
+    params = {"audit": record["name"], "window": evaluation["window"],
+              "stride": evaluation["stride"] or evaluation["window"] // 2, "batch_size": evaluation["batch_size"],
+              "bos": corpus["bos"], "max_tokens": evaluation["max_tokens"], "corpus.source": corpus["source"],
+              "corpus.digest": corpus["digest"], "corpus.tokens": corpus["n_tokens"], "hardware": env["hardware"],
+              "baseline": config["baseline"]["path"]}
+    params.update({f"version.{k}": v for k, v in env["versions"].items()})
+    return params
+
+
+def _variant_params(record: dict, entry: dict) -> dict:
+    spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
+    params = {**_audit_params(record), "variant": entry["name"], "method": spec["method"], "path": spec["path"],
+              "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
+              "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
+              "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
+              "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
+              "calibration.samples": (manifest.get("calibration") or {}).get("samples"),
+              "source_model_digest": manifest.get("source_model_digest")}
+    return params
+
+
+def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
+    import pyarrow.parquet as pq
+    from mlflow.entities import Metric
+
+    metrics = []
+    result, facts, row = entry["result"] or {}, entry["facts"] or {}, entry["row"]
+    for key in METRICS:
+        if key in result:
+            metrics.append(Metric(key, float(result[key]), timestamp, 0))
+    for key in FACT_METRICS:
+        if key in facts:
+            metrics.append(Metric(key, float(facts[key]), timestamp, 0))
+    for key in DELTA_METRICS:
+        if key in row:
+            metrics.append(Metric(key, float(row[key]), timestamp, 0))
+    if entry.get("arrays"):
+        per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
+        metrics += [Metric("window_nll", float(v), timestamp, int(k)) for k, v in per_window.items()]
+    return metrics
+
+
+def _log_batches(client, run_id: str, metrics: list, params: list, tags: list) -> None:
+    client.log_batch(run_id, params=params, tags=tags)
+    for start in range(0, len(metrics), 1000):  # the server takes at most 1000 metrics a call
+        client.log_batch(run_id, metrics=metrics[start : start + 1000])
+
+
+def _delete_partial(client, experiment_id: str, audit_id: str) -> str | None:
+    """The parent run id of a complete earlier sync, or None after deleting any partial one."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{AUDIT_ID}` = '{audit_id}'")
+    complete = [r for r in runs if r.data.tags.get(COMPLETE) == "true"]
+    if complete:
+        return complete[0].info.run_id
+    for run in runs:
+        client.delete_run(run.info.run_id)
+    return None
+
+
+def replay(folder: Path, uri: str | None = None, experiment: str | None = None) -> str:
+    """Log a spooled audit record to MLflow; returns the parent run id. Raises if the server fails."""
+    import pandas as pd
+    from mlflow import MlflowClient
+    from mlflow.entities import RunTag
+
+    from tasks import plots
+
+    record = read_record(folder)
+    uri = tracking_uri(uri or record["config"]["tracking"]["uri"])
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = _experiment(client, experiment or record["config"]["tracking"]["experiment"], uri)
+    done = _delete_partial(client, experiment_id, record["audit_id"])
+    if done:
+        return done
+    timestamp = int(pd.Timestamp(record["created"]).timestamp() * 1000)
+    verdict = record["verdict"]
+    dataset = _dataset_input(record)
+    parent = client.create_run(experiment_id, start_time=timestamp, run_name=record["name"], tags={
+        AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"], "audit.reason": verdict["reason"][:5000],
+        "ppl_audit.kind": "audit"}).info.run_id
+    client.log_batch(parent, params=_params(_audit_params(record)))
+    client.log_inputs(parent, datasets=[dataset])
+    client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")
+    client.log_text(parent, record["table"], "comparison.txt")
+    table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
+             for entry in record["variants"]]
+    client.log_table(parent, pd.DataFrame(table), "comparison.json")
+    for name, figure in (("ppl_by_variant.png", plots.ppl_bars(record)),
+                         ("delta_nll_per_window.png", plots.delta_nll_per_window(record, folder))):
+        client.log_figure(parent, figure, name)
+        plots.close(figure)
+    for entry in record["variants"]:
+        status = (entry["verdict"] or {}).get("status") or ("baseline" if entry["status"] == "ok" else "error")
+        child = client.create_run(experiment_id, start_time=timestamp, run_name=entry["name"], tags={
+            "mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"], "ppl_audit.variant": entry["name"],
+            "ppl_audit.kind": entry["role"], "audit.verdict": status,
+            "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000]}).info.run_id
+        _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),
+                     [RunTag("ppl_audit.status", entry["status"])])
+        client.log_inputs(child, datasets=[dataset])
+        if entry.get("arrays"):
+            client.log_artifact(child, str(folder / entry["arrays"]), "nll")
+        client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED")
+    client.set_tag(parent, COMPLETE, "true")
+    client.set_terminated(parent, "FINISHED")
+    return parent

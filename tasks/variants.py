@@ -1,0 +1,161 @@
+"""Load the baseline and its quantized variants, with the facts of each load.
+
+bitsandbytes (LLM.int8, NF4) and torchao (int8 weight-only) quantize at load through transformers;
+GPTQ and AWQ checkpoints load through transformers with gptqmodel's kernels (optimum for GPTQ). The
+same code path runs on CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from tasks.config import VariantSpec
+from tasks.errors import InputError
+from tasks.models import load_model, resolve_device, resolve_dtype, resolve_model_path
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass
+class VariantFacts:
+    """What loading one variant took and what it is made of."""
+
+    method: str
+    source: str
+    device: str
+    dtype: str
+    load_seconds: float
+    size_on_disk_bytes: int
+    weight_memory_bytes: int
+    quantized_layers: int
+    linear_layers: int
+    backend: str
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return asdict(self)
+
+
+def versions(*packages: str) -> dict[str, str]:
+    found = {}
+    for package in ("torch", "transformers", *packages):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def quantization_config(method: str, dtype: torch.dtype):
+    """The transformers quantization config for methods quantized at load, else None."""
+    if method in ("bnb-int8", "bnb-nf4"):
+        from transformers import BitsAndBytesConfig
+
+        # bitsandbytes warns on every int8 forward that it casts inputs; once is news, every call is noise
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        if method == "bnb-int8":
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    if method == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
+
+        return TorchAoConfig(Int8WeightOnlyConfig())
+    return None
+
+
+def layer_census(model) -> tuple[int, int, str]:
+    """(quantized linear layers, all linear layers, kernel classes in use) of a loaded model."""
+    quantized, linear, kernels = 0, 0, set()
+    for module in model.modules():
+        name = type(module).__name__
+        weight = getattr(module, "weight", None)
+        is_linear = isinstance(module, torch.nn.Linear) or "QuantLinear" in name or name.startswith("TorchAten")
+        if not is_linear:
+            continue
+        linear += 1
+        packed = hasattr(module, "qweight")  # gptqmodel kernels keep packed int weights
+        subclass = weight is not None and type(weight).__name__ not in ("Parameter", "Tensor")
+        if packed or subclass or name in ("Linear8bitLt", "Linear4bit"):
+            quantized += 1
+            kernels.add(type(weight).__name__ if subclass and name == "Linear" else name)
+    return quantized, linear, ",".join(sorted(kernels)) or "torch.nn.Linear"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds, looking inside quantized tensor subclasses (torchao) at their parts."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def weight_bytes(model) -> int:
+    """Memory of a model's parameters and buffers as they are stored (quantized where they are)."""
+    return sum(tensor_bytes(t) for t in list(model.parameters()) + list(model.buffers()))
+
+
+def size_on_disk(path: str) -> int:
+    folder = Path(path)
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+
+
+def load_variant(spec: VariantSpec, source: str):
+    """Load ``spec`` from ``source`` (its own path, a quantized folder, or the baseline to quantize at load).
+
+    Returns:
+        ``(model, VariantFacts)``.
+    """
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    if spec.method == "bnb-nf4" and spec.path is not None and device.type == "cpu":
+        raise InputError(f"variant '{spec.name}': a saved NF4 checkpoint reloads corrupted on CPU; "
+                         "drop path to quantize the baseline at load")
+    extra = {}
+    config = quantization_config(spec.method, dtype)
+    if config is not None:
+        extra["quantization_config"] = config
+    started = time.perf_counter()
+    model = load_model(source, dtype, device, **extra)
+    load_seconds = time.perf_counter() - started
+    quantized, linear, backend = layer_census(model)
+    if spec.method != "baseline" and quantized == 0:
+        raise InputError(f"variant '{spec.name}' ({spec.method}) loaded with no quantized layer; check its path")
+    tools = {"bnb-int8": ("bitsandbytes",), "bnb-nf4": ("bitsandbytes",), "torchao-int8": ("torchao",),
+             "gptq": ("gptqmodel", "optimum"), "awq": ("gptqmodel",)}.get(spec.method, ())
+    facts = VariantFacts(
+        method=spec.method, source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
+        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(resolve_model_path(source)),
+        weight_memory_bytes=weight_bytes(model), quantized_layers=quantized,
+        linear_layers=linear, backend=backend, versions=versions(*tools),
+    )
+    return model, facts
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of what decides token ids: vocabulary, merges and added/special tokens."""
+    if getattr(tokenizer, "is_fast", False):
+        state = json.loads(tokenizer.backend_tokenizer.to_str())
+        model = state.get("model", {})
+        canonical = {"vocab": model.get("vocab"), "merges": model.get("merges"),
+                     "added": [(t["id"], t["content"], t["special"]) for t in state.get("added_tokens", [])]}
+    else:
+        canonical = {"vocab": sorted(tokenizer.get_vocab().items()), "special": tokenizer.all_special_tokens}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+
+
+def check_same_tokenizer(name: str, baseline_digest: str, tokenizer) -> None:
+    if tokenizer_digest(tokenizer) != baseline_digest:
+        raise InputError(f"variant '{name}' has a different tokenizer from the baseline (vocab, merges or special "
+                         "tokens): token perplexities are not comparable; audit it against its own baseline")

@@ -1,0 +1,162 @@
+"""The audit and quantize flows on a real (temporary) Prefect server; the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import write_config
+from flows.audit import audit
+from flows.cli import main
+from tasks.errors import TransientError
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        folder = tmp_path_factory.mktemp("cache")
+        patch.setenv("PPL_AUDIT_CACHE", str(folder))
+        yield folder
+
+
+def test_audit_passes_when_every_variant_is_within_its_gate(tmp_path, cache, trained_model_dir, corpus_path):
+    config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path,
+                          [{"name": "int8", "method": "torchao-int8"},
+                           {"name": "gptq", "method": "gptq", "bits": 4, "group_size": 32,
+                            "calibration": {"samples": 8, "seq_len": 128}}],
+                          thresholds={"max_ppl_increase_pct": 5})
+    state = audit(config=str(config), return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert [row["variant"] for row in summary["rows"]] == ["baseline", "int8", "gptq"]
+    assert all(v.status == "pass" for v in summary["verdicts"])
+    assert summary["rows"][1]["ppl"] == pytest.approx(summary["rows"][0]["ppl"], rel=0.01)
+
+
+def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, cache, trained_model_dir,
+                                                                       noisy_model_dir, corpus_path):
+    config = write_config(tmp_path / "f.yaml", trained_model_dir, corpus_path,
+                          [{"name": "noisy", "path": str(noisy_model_dir)},
+                           {"name": "int8", "method": "bnb-int8"}],
+                          thresholds={"max_ppl_increase_pct": 5, "per_variant": {"noisy": {"max_ppl_increase_pct": 1}}})
+    state = audit(config=str(config), return_state=True)
+    assert state.is_failed()
+    assert state.message.startswith("fail: noisy: PPL +") and "exceeds the limit of +1%" in state.message
+    assert "\n" not in state.message
+    summary = state.result(raise_on_failure=False)
+    statuses = {v.name: v.status for v in summary["verdicts"]}
+    assert statuses == {"noisy": "fail", "int8": "pass"}
+
+
+def test_a_failing_variant_is_isolated(tmp_path, cache, trained_model_dir, noisy_model_dir, corpus_path):
+    config = write_config(tmp_path / "i.yaml", trained_model_dir, corpus_path,
+                          [{"name": "int8", "method": "torchao-int8"}, {"name": "noisy", "path": str(noisy_model_dir)}],
+                          thresholds={"max_ppl_increase_pct": 1000})
+    # a checkpoint that disappears after the config was checked: its variant fails, the rest is kept
+    state = audit(config=str(config), overrides=[f"variants.1.path={tmp_path / 'gone'}"], return_state=True)
+    assert state.is_failed()
+    assert state.message.startswith("error: noisy: model folder not found")
+    rows = {row["variant"]: row for row in state.result(raise_on_failure=False)["rows"]}
+    assert rows["noisy"]["status"] == "failed" and "ppl" not in rows["noisy"]
+    assert rows["baseline"]["ppl"] > 1 and rows["int8"]["ppl"] > 1 and "delta_ppl_pct" in rows["int8"]
+
+
+def test_dask_runner_scores_variants_on_two_local_workers(tmp_path, cache, trained_model_dir, corpus_path):
+    variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "nf4", "method": "bnb-nf4"}]
+    sequential = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
+                       return_state=True).result()
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
+                          runner={"kind": "dask", "workers": 2})
+    on_dask = audit(config=str(config), return_state=True).result()
+    assert [r["ppl"] for r in on_dask["rows"]] == pytest.approx([r["ppl"] for r in sequential["rows"]], rel=1e-6)
+
+
+def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corpus_path, monkeypatch):
+    import tasks.audit
+
+    real = tasks.audit.load_variant
+    calls = []
+
+    def flaky(spec, source):  # the remote store drops the first connection
+        calls.append(spec.name)
+        if spec.name == "int8" and calls.count("int8") == 1:
+            raise TransientError("connection reset by the model store")
+        return real(spec, source)
+
+    monkeypatch.setattr(tasks.audit, "load_variant", flaky)
+    config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}])
+    state = audit(config=str(config), return_state=True)
+    assert state.is_completed(), state.message
+    assert calls.count("int8") == 2
+
+
+def test_quantize_flow_emits_quantization_completed(tmp_path, cache, trained_model_dir, corpus_path):
+    import anyio
+    from prefect.client.orchestration import get_client
+
+    from flows.quantize import quantize_flow
+
+    out = tmp_path / "gptq"
+    manifest = quantize_flow(model=str(trained_model_dir), method="gptq", out=str(out), calibration=str(corpus_path),
+                             group_size=32, samples=4, seq_len=64, holdout_tokens=1500)
+    assert all(start >= 1500 for start, _ in manifest["calibration"]["token_ranges"])
+
+    async def events():
+        async with get_client() as client:
+            for _ in range(60):
+                response = await client._client.post("/events/filter", json={
+                    "filter": {"event": {"name": ["quantization.completed"]}, "order": "DESC"}, "limit": 20})
+                found = [e for e in response.json()["events"] if e["payload"].get("model_path") == str(out.resolve())]
+                if found:
+                    return found[0]
+                await anyio.sleep(0.5)
+
+    event = anyio.run(events)
+    assert event is not None, "the event never reached the server"
+    assert event["payload"] == {**event["payload"], "method": "gptq", "bits": 4, "baseline": str(trained_model_dir)}
+    assert event["resource"]["prefect.resource.id"] == f"ppl-audit.model.{out.resolve()}"
+
+
+def test_cli_run_exit_codes(tmp_path, cache, trained_model_dir, noisy_model_dir, corpus_path, capsys):
+    passing = write_config(tmp_path / "p.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}],
+                           thresholds={"max_ppl_increase_pct": 5})
+    assert main(["run", str(passing)]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: PASS" in out and "int8" in out and "ΔPPL %" in out
+    failing = write_config(tmp_path / "q.yaml", trained_model_dir, corpus_path, [{"name": "noisy", "path": str(noisy_model_dir)}],
+                           thresholds={"max_ppl_increase_pct": 1})
+    assert main(["run", str(failing)]) == 1
+    assert "verdict: FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"evaluation": {"windw": 64}}, "evaluation.windw: unknown key"),
+    ({"evaluation": {"window": "long"}}, "evaluation.window: Input should be a valid integer"),
+    ({"baseline": None}, "baseline: Input should be"),
+    ({"thresholds": {"max_ppl_increase_pct": 5000}}, "thresholds.max_ppl_increase_pct: Input should be less than or equal to 1000"),
+    ({"thresholds": {"per_variant": {"nope": {"max_ppl_increase_pct": 1}}}}, "per_variant names no variant: nope"),
+    ({"evaluation": {"window": 4096}}, "evaluation.window 4096 is longer than the baseline's 256 positions"),
+    ({"variants": [{"name": "x", "method": "gptq", "path": "/no/such/checkpoint"}]}, "model folder not found"),
+])
+def test_bad_config_is_one_line_naming_the_key_before_any_model_loads(tmp_path, trained_model_dir, corpus_path,
+                                                                      capsys, change, expected):
+    import yaml
+
+    path = write_config(tmp_path / "bad.yaml", trained_model_dir, corpus_path, [])
+    data = yaml.safe_load(path.read_text())
+    for key, value in change.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    path.write_text(yaml.safe_dump(data))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_set_overrides_and_missing_config(capsys, tmp_path):
+    assert main(["run", str(tmp_path / "none.yaml")]) == 2
+    assert "config not found" in capsys.readouterr().err
+    assert main(["run", "configs/demo.yaml", "--set", "evaluation.stride=9999"]) == 2
+    assert "stride 9999 must be below window 512" in capsys.readouterr().err

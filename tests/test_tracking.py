@@ -1,0 +1,164 @@
+"""MLflow records, read back through MlflowClient: the SQLite store, a real server, and a server that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from mlflow import MlflowClient
+
+from conftest import free_port, write_config
+from flows.audit import audit
+from flows.cli import main
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+VARIANTS = [{"name": "int8", "method": "torchao-int8"}, {"name": "nf4", "method": "bnb-nf4"},
+            {"name": "missing", "path": "MISSING"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_HOME", str(tmp_path_factory.mktemp("home")))
+        patch.setenv("PPL_AUDIT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def config_for(tmp_path: Path, baseline, corpus, uri: str, name: str = "tracked") -> str:
+    variants = [dict(v, path=str(tmp_path / "gone")) if v.get("path") == "MISSING" else v for v in VARIANTS]
+    return str(write_config(tmp_path / f"{name}.yaml", baseline, corpus, variants, name=name,
+                            thresholds={"max_ppl_increase_pct": 5}, tracking={"uri": uri, "experiment": "tests"}))
+
+
+def run_audit(config: str, tmp_path: Path):
+    """Run the flow after the config was checked, then remove the 'missing' checkpoint's stand-in."""
+    state = audit(config=config, return_state=True)
+    return state.result(raise_on_failure=False)
+
+
+def audits(client: MlflowClient, name: str) -> list:
+    experiment = client.get_experiment_by_name("tests")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`ppl_audit.kind` = 'audit'")
+    return [r for r in runs if r.info.run_name == name]
+
+
+def children(client: MlflowClient, parent) -> dict:
+    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return {r.info.run_name: r for r in runs}
+
+
+def check_record(client: MlflowClient, parent) -> dict:
+    """Everything an audit promises to leave in MLflow, for one parent run."""
+    assert parent.data.tags["audit.verdict"] == "error" and "missing" in parent.data.tags["audit.reason"]
+    assert parent.data.params["window"] == "64" and parent.data.params["corpus.tokens"] == "1500"
+    assert len(parent.data.params["corpus.digest"]) == 64 and "version.torch" in parent.data.params
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"config.yaml", "comparison.json", "comparison.txt", "ppl_by_variant.png", "delta_nll_per_window.png"} <= artifacts
+    assert parent.inputs.dataset_inputs and parent.inputs.dataset_inputs[0].dataset.digest
+    runs = children(client, parent)
+    assert set(runs) == {"baseline", "int8", "nf4", "missing"}
+    assert {n: r.data.tags["audit.verdict"] for n, r in runs.items()} == \
+        {"baseline": "baseline", "int8": "pass", "nf4": "pass", "missing": "error"}
+    for name in ("baseline", "int8", "nf4"):
+        run = runs[name]
+        assert {"ppl", "mean_nll", "stderr", "bits_per_byte", "word_ppl", "byte_ppl", "tokens_per_second",
+                "load_seconds", "peak_memory_bytes", "size_on_disk_bytes"} <= set(run.data.metrics)
+        history = client.get_metric_history(run.info.run_id, "window_nll")
+        assert [m.step for m in history] == list(range(len(history))) and len(history) > 10
+        assert run.inputs.dataset_inputs
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "nll")] == [f"nll/{name}.parquet"]
+        assert run.data.params["method"] == {"baseline": "baseline", "int8": "torchao-int8", "nf4": "bnb-nf4"}[name]
+    for name in ("int8", "nf4"):
+        assert {"delta_ppl", "ppl_ratio", "delta_ppl_pct"} <= set(runs[name].data.metrics)
+    assert runs["missing"].info.status == "FAILED"
+    return {n: {k: v for k, v in r.data.metrics.items() if k not in ("tokens_per_second", "wall_seconds",
+                                                                        "load_seconds", "peak_memory_bytes")}
+            for n, r in runs.items()}
+
+
+def test_sqlite_store_holds_the_whole_audit_and_repeats_exactly(tmp_path, trained_model_dir, corpus_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = config_for(tmp_path, trained_model_dir, corpus_path, uri)
+    first, second = run_audit(config, tmp_path), run_audit(config, tmp_path)
+    assert first["mlflow_run_id"] != second["mlflow_run_id"]
+    client = MlflowClient(uri)
+    parents = audits(client, "tracked")
+    assert len(parents) == 2
+    assert check_record(client, parents[0]) == check_record(client, parents[1])
+
+
+class MlflowServer:
+    """``mlflow server`` on 127.0.0.1 over a SQLite file that outlives restarts."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port, self.process = folder, free_port(), None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.folder / 'server.db'}",
+             "--artifacts-destination", str(self.folder / "artifacts")],
+            env=env, stdout=open(self.folder / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(1)
+        raise AssertionError("mlflow server did not start")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # gunicorn workers die with their group
+            self.process.wait()
+
+
+@pytest.fixture
+def server(tmp_path):
+    running = MlflowServer(tmp_path)
+    running.start()
+    yield running
+    running.stop()
+
+
+def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trained_model_dir, corpus_path, monkeypatch):
+    import tasks.plots
+
+    config = config_for(tmp_path, trained_model_dir, corpus_path, server.uri)
+    clean = run_audit(config, tmp_path)
+    assert "mlflow_run_id" in clean
+
+    real_bars = tasks.plots.ppl_bars
+
+    def dies_while_logging(record):  # the server goes down after the parent run was made
+        server.stop()
+        return real_bars(record)
+
+    monkeypatch.setattr(tasks.plots, "ppl_bars", dies_while_logging)
+    interrupted = run_audit(config, tmp_path)
+    monkeypatch.setattr(tasks.plots, "ppl_bars", real_bars)
+    assert "mlflow_run_id" not in interrupted and interrupted["verdict"].status == "error"
+    spooled = sorted((Path(os.environ["PPL_AUDIT_HOME"]) / "spool").iterdir())
+    assert len(spooled) == 1
+    assert {p.name for p in spooled[0].iterdir()} == {"record.json", "baseline.parquet", "int8.parquet", "nf4.parquet"}
+
+    server.start()
+    client = MlflowClient(server.uri)
+    assert len(client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                                  filter_string="tags.`ppl_audit.kind` = 'audit'")) == 2  # clean + partial
+    assert main(["sync"]) == 0
+    assert main(["sync"]) == 0  # idempotent: nothing left, nothing duplicated
+    parents = audits(client, "tracked")
+    assert len(parents) == 2  # the partial run is gone, the synced one replaces it
+    assert all(p.data.tags.get("ppl_audit.complete") == "true" for p in parents)
+    assert check_record(client, parents[0]) == check_record(client, parents[1])
