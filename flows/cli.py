@@ -37,6 +37,8 @@ def _add_ppl(commands) -> None:
     ppl.add_argument("--bos", choices=["none", "stream", "window"],
                      help="BOS policy; default 'stream' when the tokenizer has a BOS token")
     ppl.add_argument("--max-tokens", type=int, help="truncate the token stream to this many tokens")
+    ppl.add_argument("--mode", choices=["sliding", "gptq", "llama.cpp"], default="sliding",
+                     help="sliding window (default), or a published convention: gptq (GPTQ/AWQ papers), llama.cpp")
     ppl.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     ppl.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
     ppl.add_argument("--method", choices=["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"],
@@ -95,8 +97,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     corpus = CorpusSpec(args.corpus, args.text_column, args.hf_config, args.hf_split, args.joiner)
     scored = evaluation(corpus_text(corpus), tokenizer, args.bos, args.max_tokens, args.window, stride,
-                        args.batch_size, progress=True)
-    check_settings(args.window, stride, args.batch_size, scored.stream, positions)
+                        args.batch_size, progress=True, mode=args.mode)
+    check_settings(args.window, stride, args.batch_size, scored.stream, positions, args.mode)
     outcome = score_variant(spec, args.model, tokenizer_digest(tokenizer), scored, progress=True)
     if not outcome.ok:
         print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=sys.stderr)

@@ -51,26 +51,24 @@ def _placement(config: AuditConfig):
     return remote_options(num_gpus=gpus)
 
 
-def _concurrently(config: AuditConfig, scored: Evaluation) -> list[VariantResult]:
-    specs = [config.baseline, *config.variants]
+def _outcome(spec, value) -> VariantResult:
+    return _failed(spec, value) if isinstance(value, BaseException) else value
+
+
+def _concurrently(config: AuditConfig, scored: Evaluation, baseline: VariantResult) -> list[VariantResult]:
     with _placement(config):
-        futures = [score.submit(spec, config, scored) for spec in specs]
-    results = []
-    for spec, future in zip(specs, futures):
-        outcome = future.result(raise_on_failure=False)
-        results.append(_failed(spec, outcome) if isinstance(outcome, BaseException) else outcome)
-    return results
+        futures = [score.submit(spec, config, scored, baseline) for spec in config.variants]
+    return [_outcome(spec, future.result(raise_on_failure=False)) for spec, future in zip(config.variants, futures)]
 
 
 def score_all(config: AuditConfig, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
-    """Score the baseline and every variant; a variant whose task failed becomes a failed result."""
+    """Score the baseline, then every variant against it; a variant whose task failed becomes a failed result."""
+    baseline = _outcome(config.baseline, score(config.baseline, config, scored, return_state=True)
+                        .result(raise_on_failure=False))
     runner = task_runner(config)
     if runner is None:
-        results = []
-        for spec in [config.baseline, *config.variants]:
-            state = score(spec, config, scored, return_state=True)
-            outcome = state.result(raise_on_failure=False)
-            results.append(_failed(spec, outcome) if isinstance(outcome, BaseException) else outcome)
+        variants = [_outcome(spec, score(spec, config, scored, baseline, return_state=True).result(raise_on_failure=False))
+                    for spec in config.variants]
     else:
-        results = flow(name="ppl-audit-variants", task_runner=runner)(_concurrently)(config, scored)
-    return results[0], results[1:]
+        variants = flow(name="ppl-audit-variants", task_runner=runner)(_concurrently)(config, scored, baseline)
+    return baseline, variants

@@ -15,6 +15,7 @@ import torch
 
 from tasks.config import VariantSpec
 from tasks.corpus import TokenStream, tokenize
+from tasks.divergence import TopKCache
 from tasks.embedded import cache_dir
 from tasks.errors import InputError, NumericalError, TransientError
 from tasks.models import load_tokenizer, resolve_model_path
@@ -39,10 +40,15 @@ class Evaluation:
     window: int
     stride: int
     batch_size: int
+    mode: str = "sliding"
+    divergence: str = "auto"
+    top_k: int = 32
 
 
 @dataclass
 class VariantResult:
+    """One model's outcome. ``divergence`` says how KL was measured (lockstep/topk) and its memory."""
+
     name: str
     method: str
     status: str  # "ok" or "failed"
@@ -50,6 +56,7 @@ class VariantResult:
     result: PerplexityResult | None = None
     facts: VariantFacts | None = None
     manifest: dict | None = field(default=None, repr=False)
+    divergence: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -57,10 +64,11 @@ class VariantResult:
 
 
 def evaluation(text: str, tokenizer, bos: str | None, max_tokens: int | None, window: int, stride: int,
-               batch_size: int, progress: bool = False) -> Evaluation:
+               batch_size: int, progress: bool = False, **options) -> Evaluation:
+    """Tokenize once; ``options`` are ``mode``, ``divergence`` and ``top_k`` of ``Evaluation``."""
     stream = tokenize(text, tokenizer, bos, max_tokens, progress)
     evaluated_text_tokens = len(stream.ids) - (1 if stream.bos == "stream" else 0)
-    return Evaluation(stream, text, (0, evaluated_text_tokens), window, stride, batch_size)
+    return Evaluation(stream, text, (0, evaluated_text_tokens), window, stride, batch_size, **options)
 
 
 def preflight(config, variants: bool = True) -> None:
@@ -115,13 +123,13 @@ def one_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool) -> PerplexityResult:
+def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **divergence) -> PerplexityResult:
     """Score at the configured batch size, halving it on out-of-memory (the result does not depend on it)."""
     batch_size = evaluation_.batch_size
     while True:
         try:
             return perplexity(model, evaluation_.stream, evaluation_.window, evaluation_.stride, batch_size,
-                              progress=progress, model_name=name)
+                              progress=progress, model_name=name, mode=evaluation_.mode, **divergence)
         except torch.OutOfMemoryError:
             if batch_size == 1:
                 raise
@@ -131,9 +139,34 @@ def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress:
                 torch.cuda.empty_cache()
 
 
+def lockstep_fits(baseline_weight_bytes: int, device: torch.device) -> bool:
+    """Whether a second copy of the baseline fits beside the variant with room to spare."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return 2 * baseline_weight_bytes < free // 2
+
+
+def divergence_plan(evaluation_: Evaluation, baseline: VariantResult | None, device: torch.device) -> str:
+    """How this variant's KL is measured: ``lockstep``, ``topk`` or ``off``."""
+    if baseline is None or not baseline.ok or evaluation_.divergence == "off":
+        return "off"
+    if evaluation_.divergence == "auto":
+        return "lockstep" if lockstep_fits(baseline.facts.weight_memory_bytes, device) else "topk"
+    return evaluation_.divergence
+
+
 def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, evaluation_: Evaluation,
-                  corpus_text_of=None, progress: bool = False) -> VariantResult:
+                  corpus_text_of=None, progress: bool = False, baseline_outcome: VariantResult | None = None,
+                  baseline_spec: VariantSpec | None = None) -> VariantResult:
     """Score one variant on the audit's stream; failures become a failed result, never an exception.
+
+    The baseline itself (``baseline_outcome`` None) keeps its top-k cache when KL may be taken from
+    it; a variant then measures KL against the baseline in lockstep (loading it beside itself) or
+    from that cache, as ``evaluation_.divergence`` says (``auto``: lockstep when it fits).
 
     Only a ``TransientError`` (network, remote storage) is raised, for the caller to retry. Out of
     memory is not retried at the same batch size: the batch size is halved until it fits.
@@ -142,7 +175,7 @@ def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, eva
         baseline: the baseline model (folder, Hub id or ``embedded``).
         baseline_tokenizer: ``tokenizer_digest`` of the baseline's tokenizer.
     """
-    model = None
+    model = reference = None
     outcome = VariantResult(spec.name, spec.method, "failed")
     try:
         if spec.quantize_here:
@@ -154,7 +187,19 @@ def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, eva
             check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
         check_same_tokenizer(spec.name, baseline_tokenizer, load_tokenizer(source))
         model, outcome.facts = load_variant(spec, source)
-        outcome.result = perplexity_with_backoff(model, evaluation_, spec.name, progress)
+        options = {}
+        how = divergence_plan(evaluation_, baseline_outcome, model.device)
+        if baseline_outcome is None and evaluation_.divergence in ("auto", "topk"):
+            options["keep_top_k"] = evaluation_.top_k
+        elif how == "lockstep":
+            reference, _ = load_variant(baseline_spec or VariantSpec(name="baseline", path=baseline), baseline)
+            options["reference"] = reference
+            outcome.divergence = {"method": how, "memory_bytes": baseline_outcome.facts.weight_memory_bytes}
+        elif how == "topk":
+            cache = TopKCache(*(torch.from_numpy(baseline_outcome.result.extra[k]) for k in ("topk_ids", "topk_logp")))
+            options["reference"] = cache
+            outcome.divergence = {"method": how, "memory_bytes": cache.nbytes, "top_k": evaluation_.top_k}
+        outcome.result = perplexity_with_backoff(model, evaluation_, spec.name, progress, **options)
         outcome.status = "ok"
     except torch.OutOfMemoryError:
         outcome.reason = "out of memory at batch size 1; use a smaller window or a larger device"
@@ -165,7 +210,7 @@ def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, eva
     except Exception as error:  # any other failure of one variant must not lose the others
         outcome.reason = f"{type(error).__name__}: {one_line(error)}"
     finally:
-        del model
+        del model, reference
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

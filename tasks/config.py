@@ -107,6 +107,9 @@ class EvaluationConfig(Strict):
     batch_size: int = Field(1, ge=1)
     bos: Literal["none", "stream", "window"] | None = None
     max_tokens: int | None = Field(None, ge=2)
+    mode: Literal["sliding", "gptq", "llama.cpp"] = "sliding"
+    divergence: Literal["auto", "lockstep", "topk", "off"] = "auto"
+    top_k: int = Field(32, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _stride_below_window(self) -> "EvaluationConfig":
@@ -120,9 +123,11 @@ class EvaluationConfig(Strict):
 
 
 class Gate(Strict):
-    """Limits a variant must stay within to pass."""
+    """Limits a variant must stay within to pass, judged on the pessimistic end of each 95% interval."""
 
     max_ppl_increase_pct: float | None = Field(None, gt=0, le=1000)
+    max_kld_mean: float | None = Field(None, gt=0)
+    min_top1_agreement: float | None = Field(None, gt=0, le=1)
 
 
 class Thresholds(Gate):

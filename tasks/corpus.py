@@ -163,6 +163,7 @@ class TokenStream:
         n_bytes: UTF-8 bytes of the text whose tokens are scored.
         n_words: whitespace-separated words of that text.
         text_digest: sha256 of the corpus text.
+        bos_id: the tokenizer's BOS id, if it has one.
     """
 
     ids: torch.Tensor
@@ -171,6 +172,7 @@ class TokenStream:
     n_bytes: int
     n_words: int
     text_digest: str
+    bos_id: int | None = None
 
     @property
     def first_scored(self) -> int:
@@ -217,4 +219,5 @@ def tokenize(
         n_bytes=len(scored_text.encode("utf-8")),
         n_words=len(scored_text.split()),
         text_digest=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        bos_id=tokenizer.bos_token_id,
     )

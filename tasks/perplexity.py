@@ -9,6 +9,7 @@ result does not depend on batch size, window order or padding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from tasks import divergence
 from tasks.corpus import TokenStream
 from tasks.errors import InputError, NumericalError
 from tasks.memory import PeakMemory
@@ -60,9 +62,37 @@ def plan_windows(n_tokens: int, window: int, stride: int, first_scored: int = 1)
     return windows
 
 
-def token_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
-              chunk_bytes: int = HEAD_CHUNK_BYTES) -> torch.Tensor:
-    """Negative log-likelihood of each target, running the LM head in chunks of rows.
+def plan_chunks(n_tokens: int, window: int, mode: str) -> list[Window]:
+    """Disjoint ``window``-token chunks of the published conventions; the tail that does not fill one is dropped.
+
+    - ``gptq`` (the GPTQ/AWQ papers): every token of a chunk but its first is scored.
+    - ``llama.cpp`` (``llama-perplexity``): only the second half of each chunk is scored (tokens
+      ``window//2 + 1 .. window - 1``); the caller writes BOS over each chunk's first token.
+    """
+    chunks = n_tokens // window
+    if chunks == 0:
+        raise InputError(f"mode {mode} needs at least one full window: the stream has {n_tokens} tokens, the window "
+                         f"{window}; lower --window or give more text")
+    first = 1 if mode == "gptq" else window // 2 + 1
+    return [Window(i, i * window, (i + 1) * window, i * window + first) for i in range(chunks)]
+
+
+def _log_probs(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
+                chunk_bytes: int = HEAD_CHUNK_BYTES, keep_top_k: int = 0, reference=None) -> dict[str, torch.Tensor]:
+    """Per-token NLL (and divergence from a reference), running the LM head in chunks of rows.
 
     Args:
         head: the output projection, ``[..., H] -> [..., V]``.
@@ -70,20 +100,42 @@ def token_nll(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
         targets: ``[T]`` token ids.
         softcap: final logit soft-capping of the model, if it has one (Gemma 2).
         chunk_bytes: bound on one chunk's float32 logits; the full ``[T, V]`` is never built.
+        keep_top_k: also return the ``k`` most likely ids and log-probs per token (a ``TopKCache``).
+        reference: ``(head, hidden, softcap)`` of a baseline run on the same batch (lockstep), or
+            ``(ids, logp)`` top-k rows of a baseline cache aligned with ``targets``.
 
     Returns:
-        ``[T]`` NLL in float32, or float64 for a float64 model.
+        ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``keep_top_k`` ``topk_ids`` and
+        ``topk_logp``; with ``reference`` ``kl``, ``kl_bound``, ``top1`` and ``base_nll`` (lockstep).
     """
-    rows = max(1, chunk_bytes // (4 * head.out_features if hasattr(head, "out_features") else 4 * 65536))
-    pieces = []
+    rows = _chunk_rows(head, chunk_bytes)
+    out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, hidden.shape[0], rows):
-        logits = head(hidden[start : start + rows])
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        target = targets[start : start + rows, None]
-        pieces.append(torch.logsumexp(logits, dim=-1) - logits.gather(-1, target).squeeze(-1))
-    return torch.cat(pieces)
+        stop = start + rows
+        logp = _log_probs(head, hidden[start:stop], softcap)
+        target = targets[start:stop, None]
+        parts = {"nll": -logp.gather(-1, target).squeeze(-1)}
+        if keep_top_k:
+            parts["topk_ids"], parts["topk_logp"] = divergence.top_k(logp, keep_top_k)
+        if isinstance(reference, LockstepReference):
+            base = _log_probs(reference.head, reference.hidden[start:stop], reference.softcap)
+            parts |= divergence.exact(base, logp)
+            parts["base_nll"] = -base.gather(-1, target).squeeze(-1).float()
+        elif reference is not None:
+            ids, base_top = reference
+            parts |= divergence.from_top_k(ids[start:stop], base_top[start:stop], logp)
+        for key, value in parts.items():
+            out.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in out.items()}
+
+
+@dataclass
+class LockstepReference:
+    """A baseline's head and final hidden states for the batch a variant is scoring."""
+
+    head: torch.nn.Module
+    hidden: torch.Tensor
+    softcap: float | None
 
 
 @dataclass
@@ -91,19 +143,29 @@ class WindowScores:
     """Per-token and per-window results of scoring a stream.
 
     Attributes:
-        token_nll: ``[n_scored]`` float32 NLL of each scored token, in stream order.
+        token_nll: ``[n_scored]`` float32 NLL of each scored token, window by window in index order
+            (stream order for the sliding window).
         window_nll: ``[n_windows]`` float64 NLL sum of each window's scored tokens.
         window_tokens: ``[n_windows]`` int64 number of tokens each window scored.
+        extra: further per-token arrays aligned with ``token_nll``: ``topk_ids``/``topk_logp`` (a
+            baseline's cache), ``kl``/``kl_bound``/``top1`` (divergence from the baseline), ``base_nll``.
     """
 
     token_nll: torch.Tensor
     window_nll: torch.Tensor
     window_tokens: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor):
-    """Right-padded input ids, attention mask (None when nothing is padded), and scored positions."""
+def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, first_token: int | None = None):
+    """Right-padded input ids, attention mask (None when nothing is padded), and scored positions.
+
+    ``first_token`` is written over the first token of every window (llama.cpp's BOS per chunk).
+    """
     rows = [torch.cat([prefix, ids[w.start : w.end]]) for w in batch]
+    if first_token is not None:
+        for row in rows:
+            row[len(prefix)] = first_token
     lengths = torch.tensor([len(row) for row in rows])
     input_ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
     for i, row in enumerate(rows):
@@ -118,46 +180,68 @@ def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor):
     return input_ids, mask, row_index, columns, targets
 
 
+def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
+    device = model.device
+    hidden = model.base_model(input_ids=input_ids.to(device), attention_mask=None if mask is None else mask.to(device),
+                              use_cache=False).last_hidden_state
+    return hidden[row_index.to(device), columns.to(device)]
+
+
 @torch.inference_mode()
 def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
-                  batch_size: int = 1, progress: bool = False) -> WindowScores:
+                  batch_size: int = 1, progress: bool = False, first_token: int | None = None,
+                  keep_top_k: int = 0, reference=None) -> WindowScores:
     """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
 
     Args:
         model: a Hugging Face causal LM (``base_model`` gives hidden states, the output embeddings
             give logits).
         ids: ``[N]`` stream token ids.
-        windows: from ``plan_windows``, in any order; together they must score one contiguous range.
+        windows: from ``plan_windows`` or ``plan_chunks``, in any order.
         prefix: ids put before every window (BOS under the ``window`` policy).
         batch_size: windows per forward pass; results do not depend on it.
+        first_token: written over each window's first token (llama.cpp convention).
+        keep_top_k: keep the ``k`` most likely tokens per scored token (the baseline's ``TopKCache``).
+        reference: the baseline, to measure divergence from: a model (lockstep, exact) or its
+            ``TopKCache`` from a run over the same windows.
     """
-    device = model.device
-    body, head = model.base_model, model.get_output_embeddings()
+    head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    offset = min(w.first_scored for w in windows)
-    nll_by_position = torch.full((max(w.end for w in windows) - offset,), float("nan"), dtype=torch.float32)
-    window_nll = torch.zeros(len(windows), dtype=torch.float64)
-    window_tokens = torch.zeros(len(windows), dtype=torch.long)
+    counts = torch.zeros(len(windows) and max(w.index for w in windows) + 1, dtype=torch.long)
+    for w in windows:
+        counts[w.index] = w.n_scored
+    offsets = torch.cumsum(counts, 0) - counts  # where each window's tokens go, by window index
+    total = int(counts.sum())
+    arrays: dict[str, torch.Tensor] = {}
+    window_nll = torch.zeros(len(counts), dtype=torch.float64)
     prefix_ids = torch.tensor(prefix, dtype=torch.long)
-    total = sum(w.n_scored for w in windows)
     with tqdm(total=total, unit="tok", unit_scale=True, desc="scoring", disable=not progress) as bar:
         for b in range(0, len(windows), batch_size):
             batch = windows[b : b + batch_size]
-            input_ids, mask, row_index, columns, targets = _batch_inputs(ids, batch, prefix_ids)
-            hidden = body(
-                input_ids=input_ids.to(device),
-                attention_mask=None if mask is None else mask.to(device),
-                use_cache=False,
-            ).last_hidden_state
-            scored = hidden[row_index.to(device), columns.to(device)]
-            nll = token_nll(head, scored, targets.to(device), softcap).cpu()
-            counts = [w.n_scored for w in batch]
-            for w, part in zip(batch, nll.split(counts)):
-                nll_by_position[w.first_scored - offset : w.end - offset] = part.float()
+            input_ids, mask, row_index, columns, targets = _batch_inputs(ids, batch, prefix_ids, first_token)
+            slots = torch.cat([torch.arange(int(offsets[w.index]), int(offsets[w.index]) + w.n_scored) for w in batch])
+            hidden = _hidden(model, input_ids, mask, row_index, columns)
+            against = None
+            if isinstance(reference, divergence.TopKCache):
+                against = (reference.ids[slots].to(hidden.device), reference.logp[slots].to(hidden.device))
+            elif reference is not None:
+                against = LockstepReference(reference.get_output_embeddings(),
+                                            _hidden(reference, input_ids, mask, row_index, columns),
+                                            getattr(reference.config, "final_logit_softcapping", None))
+            stats = token_stats(head, hidden, targets.to(hidden.device), softcap, keep_top_k=keep_top_k,
+                                reference=against)
+            nll = stats["nll"].cpu()
+            for w, part in zip(batch, nll.split([w.n_scored for w in batch])):
                 window_nll[w.index] = part.double().sum()
-                window_tokens[w.index] = w.n_scored
-            bar.update(sum(counts))
-    return WindowScores(nll_by_position, window_nll, window_tokens)
+            for key, value in stats.items():
+                value = value.cpu()
+                if key not in arrays:
+                    dtype = torch.float32 if value.is_floating_point() else value.dtype
+                    arrays[key] = torch.zeros((total, *value.shape[1:]), dtype=dtype)
+                arrays[key][slots] = value.to(arrays[key].dtype)
+            bar.update(len(slots))
+    token_nll = arrays.pop("nll")
+    return WindowScores(token_nll, window_nll, counts, arrays)
 
 
 @dataclass
@@ -180,6 +264,7 @@ class PerplexityResult:
     stride: int
     batch_size: int
     bos: str
+    mode: str
     n_windows: int
     device: str
     dtype: str
@@ -190,10 +275,11 @@ class PerplexityResult:
     token_nll: np.ndarray = field(repr=False)
     window_nll: np.ndarray = field(repr=False)
     window_tokens: np.ndarray = field(repr=False)
+    extra: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def summary(self) -> dict:
         """Every scalar field, for JSON and tracking (the arrays are left out)."""
-        return {k: v for k, v in asdict(self).items() if not isinstance(v, np.ndarray)}
+        return {k: v for k, v in asdict(self).items() if not isinstance(v, (np.ndarray, dict))}
 
 
 def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityResult:
@@ -208,6 +294,8 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
     variance = float(((nll - mean) ** 2).sum()) / (n - 1) if n > 1 else float("nan")
     stderr = math.sqrt(variance / n)
     ppl = math.exp(mean)
+    if facts.get("mode", "sliding") != "sliding":  # chunk modes drop text: bytes and words are not known
+        stream = dataclasses.replace(stream, n_bytes=0, n_words=0)
     return PerplexityResult(
         n_tokens=n, nll_sum=nll_sum, mean_nll=mean, ppl=ppl, stderr=stderr, ppl_stderr=ppl * stderr,
         n_bytes=stream.n_bytes, n_words=stream.n_words,
@@ -216,16 +304,29 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
         word_ppl=math.exp(nll_sum / stream.n_words) if stream.n_words else float("nan"),
         bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
         token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
-        window_tokens=scores.window_tokens.numpy(), **facts,
+        window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, **facts,
     )
 
 
-def check_settings(window: int, stride: int, batch_size: int, stream: TokenStream, positions: int | None) -> None:
+MODES = ("sliding", "gptq", "llama.cpp")
+
+
+def check_settings(window: int, stride: int, batch_size: int, stream: TokenStream, positions: int | None,
+                   mode: str = "sliding") -> None:
     """Refuse settings the engine cannot honour, before any model work starts.
 
     Args:
         positions: the model's maximum positions (``max_positions(config)``), if known.
+        mode: ``sliding`` (ours), or the published ``gptq`` / ``llama.cpp`` conventions (no stride).
     """
+    if mode not in MODES:
+        raise InputError(f"unknown mode '{mode}'; use one of {', '.join(MODES)}")
+    if mode != "sliding":
+        if stream.prefix:
+            raise InputError(f"mode {mode} does its own BOS handling; use --bos stream or none with it")
+        if positions is not None and window > positions:
+            raise InputError(f"window {window} is longer than the model's {positions} positions; use --window {positions} or less")
+        return
     if positions is not None and window > positions:
         raise InputError(f"window {window} is longer than the model's {positions} positions; use --window {positions} or less")
     if batch_size < 1:
@@ -236,22 +337,35 @@ def check_settings(window: int, stride: int, batch_size: int, stream: TokenStrea
         raise InputError(f"stride {stride} must be at least 1 and below {held}; lower --stride")
 
 
+def plan(stream: TokenStream, window: int, stride: int, mode: str = "sliding") -> list[Window]:
+    """The windows of a run in any mode."""
+    if mode == "sliding":
+        return plan_windows(len(stream.ids), window - len(stream.prefix), stride, stream.first_scored)
+    return plan_chunks(len(stream.ids), window, mode)
+
+
 def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
-               progress: bool = False, model_name: str = "") -> PerplexityResult:
+               progress: bool = False, model_name: str = "", mode: str = "sliding", keep_top_k: int = 0,
+               reference=None) -> PerplexityResult:
     """Perplexity of ``model`` on ``stream`` with a sliding window of ``window`` tokens moving by ``stride``.
 
     With the ``window`` BOS policy the BOS counts towards the window, so ``window - 1`` stream tokens fit.
+    ``mode`` selects a published convention instead (see ``plan_chunks``); ``keep_top_k`` and
+    ``reference`` are passed to ``score_windows`` (a baseline's cache, divergence from a baseline).
     """
-    check_settings(window, stride, batch_size, stream, max_positions(model.config))
-    windows = plan_windows(len(stream.ids), window - len(stream.prefix), stride, stream.first_scored)
+    check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
+    windows = plan(stream, window, stride, mode)
+    first_token = stream.bos_id if mode == "llama.cpp" and stream.bos != "none" else None
     device = model.device
     with PeakMemory(device) as memory:
         started = time.perf_counter()
-        scores = score_windows(model, stream.ids, windows, stream.prefix, batch_size, progress)
+        scores = score_windows(model, stream.ids, windows, stream.prefix, batch_size, progress, first_token,
+                               keep_top_k, reference)
         wall = time.perf_counter() - started
     n_scored = int(scores.window_tokens.sum())
     return summarize(
-        scores, stream, model=model_name or str(model.name_or_path), window=window, stride=stride,
-        batch_size=batch_size, device=str(device), dtype=str(model.dtype).removeprefix("torch."),
-        wall_seconds=wall, tokens_per_second=n_scored / wall, peak_memory_bytes=memory.peak_bytes,
+        scores, stream, model=model_name or str(model.name_or_path), window=window,
+        stride=stride if mode == "sliding" else window, batch_size=batch_size, mode=mode, device=str(device),
+        dtype=str(model.dtype).removeprefix("torch."), wall_seconds=wall, tokens_per_second=n_scored / wall,
+        peak_memory_bytes=memory.peak_bytes,
     )

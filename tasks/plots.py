@@ -49,5 +49,27 @@ def delta_nll_per_window(record: dict, folder: Path):
     return figure
 
 
+def kld_histogram(record: dict, folder: Path):
+    """Distribution of per-token KL(baseline‖variant), log-scaled, one outline per variant."""
+    import numpy as np
+
+    figure, axis = plt.subplots(figsize=(8, 3.6), layout="constrained")
+    for v in record["variants"]:
+        if v["role"] != "variant" or not v["result"]:
+            continue
+        table = pq.read_table(folder / v["arrays"])
+        if "kl" not in table.column_names:
+            continue
+        kl = np.clip(table.column("kl").to_numpy(), 1e-8, None)
+        axis.hist(kl, bins=np.logspace(-8, max(1, np.log10(kl.max()) + 0.1), 60), histtype="step", label=v["name"])
+    axis.set_xscale("log")
+    axis.set_xlabel("KL(baseline ‖ variant) per token (nats)")
+    axis.set_ylabel("tokens")
+    axis.set_title("per-token KL divergence")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8)
+    return figure
+
+
 def close(figure) -> None:
     plt.close(figure)

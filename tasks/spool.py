@@ -53,7 +53,9 @@ def _arrays(outcome: VariantResult) -> pa.Table:
     r = outcome.result
     windows = np.arange(len(r.window_tokens))
     token_window = np.repeat(windows, r.window_tokens)  # windows score consecutive stretches, in order
-    return pa.table({"token": np.arange(len(r.token_nll)), "window": token_window, "nll": r.token_nll})
+    columns = {"token": np.arange(len(r.token_nll)), "window": token_window, "nll": r.token_nll}
+    columns |= {key: r.extra[key] for key in ("kl", "kl_bound", "top1") if key in r.extra}
+    return pa.table(columns)
 
 
 def write_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,

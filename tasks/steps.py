@@ -42,16 +42,22 @@ def tokenize_corpus(text: str, config: AuditConfig) -> Evaluation:
     """Tokenize the corpus once for every model of the audit (cached across audits)."""
     settings = config.evaluation
     return evaluation(text, load_tokenizer(config.baseline.path), settings.bos, settings.max_tokens,
-                      settings.window, settings.effective_stride, settings.batch_size, progress=True)
+                      settings.window, settings.effective_stride, settings.batch_size, progress=True,
+                      mode=settings.mode, divergence=settings.divergence, top_k=settings.top_k)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{spec.name}",
       retry_condition_fn=lambda task, run, state: isinstance(state.result(raise_on_failure=False), TransientError))
-def score(spec: VariantSpec, config: AuditConfig, evaluation_: Evaluation) -> VariantResult:
-    """Load (or make) one variant and score it; a failure is a failed result, not a failed task."""
+def score(spec: VariantSpec, config: AuditConfig, evaluation_: Evaluation,
+          baseline_outcome: VariantResult | None = None) -> VariantResult:
+    """Load (or make) one variant and score it; a failure is a failed result, not a failed task.
+
+    Variants get the baseline's outcome, to measure their divergence from it.
+    """
     baseline = config.baseline.path
     return score_variant(spec, baseline, tokenizer_digest(load_tokenizer(baseline)), evaluation_,
-                         corpus_text_of=lambda corpus: corpus_text(corpus.spec()), progress=True)
+                         corpus_text_of=lambda corpus: corpus_text(corpus.spec()), progress=True,
+                         baseline_outcome=baseline_outcome, baseline_spec=config.baseline)
 
 
 @task(cache_policy=NO_CACHE)

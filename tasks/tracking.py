@@ -23,7 +23,7 @@ COMPLETE = "ppl_audit.complete"
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
 FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
-DELTA_METRICS = ("delta_ppl", "ppl_ratio", "delta_ppl_pct")
+COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "divergence_mib")
 
 
 def is_tracking_outage(error: BaseException) -> bool:
@@ -97,6 +97,7 @@ def _variant_params(record: dict, entry: dict) -> dict:
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
               "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
+              "mode": record["config"]["evaluation"]["mode"], "divergence": entry["row"].get("divergence"),
               "calibration.samples": (manifest.get("calibration") or {}).get("samples"),
               "source_model_digest": manifest.get("source_model_digest")}
     return params
@@ -114,9 +115,9 @@ def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
     for key in FACT_METRICS:
         if key in facts:
             metrics.append(Metric(key, float(facts[key]), timestamp, 0))
-    for key in DELTA_METRICS:
-        if key in row:
-            metrics.append(Metric(key, float(row[key]), timestamp, 0))
+    for key, value in row.items():
+        if key.startswith(COMPARISON_PREFIXES) and isinstance(value, (int, float)) and value == value:
+            metrics.append(Metric(key, float(value), timestamp, 0))
     if entry.get("arrays"):
         per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
         metrics += [Metric("window_nll", float(v), timestamp, int(k)) for k, v in per_window.items()]
@@ -169,7 +170,8 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
              for entry in record["variants"]]
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
     for name, figure in (("ppl_by_variant.png", plots.ppl_bars(record)),
-                         ("delta_nll_per_window.png", plots.delta_nll_per_window(record, folder))):
+                         ("delta_nll_per_window.png", plots.delta_nll_per_window(record, folder)),
+                         ("kld_histogram.png", plots.kld_histogram(record, folder))):
         client.log_figure(parent, figure, name)
         plots.close(figure)
     for entry in record["variants"]:

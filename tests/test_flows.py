@@ -44,7 +44,7 @@ def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, 
                           thresholds={"max_ppl_increase_pct": 5, "per_variant": {"noisy": {"max_ppl_increase_pct": 1}}})
     state = audit(config=str(config), return_state=True)
     assert state.is_failed()
-    assert state.message.startswith("fail: noisy: PPL +") and "exceeds the limit of +1%" in state.message
+    assert state.message.startswith("fail: noisy: ΔPPL +") and "breaks the limit ≤ 1" in state.message
     assert "\n" not in state.message
     summary = state.result(raise_on_failure=False)
     statuses = {v.name: v.status for v in summary["verdicts"]}

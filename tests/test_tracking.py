@@ -60,7 +60,8 @@ def check_record(client: MlflowClient, parent) -> dict:
     assert parent.data.params["window"] == "64" and parent.data.params["corpus.tokens"] == "1500"
     assert len(parent.data.params["corpus.digest"]) == 64 and "version.torch" in parent.data.params
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"config.yaml", "comparison.json", "comparison.txt", "ppl_by_variant.png", "delta_nll_per_window.png"} <= artifacts
+    assert {"config.yaml", "comparison.json", "comparison.txt", "ppl_by_variant.png", "delta_nll_per_window.png",
+            "kld_histogram.png"} <= artifacts
     assert parent.inputs.dataset_inputs and parent.inputs.dataset_inputs[0].dataset.digest
     runs = children(client, parent)
     assert set(runs) == {"baseline", "int8", "nf4", "missing"}
@@ -76,7 +77,10 @@ def check_record(client: MlflowClient, parent) -> dict:
         assert [a.path for a in client.list_artifacts(run.info.run_id, "nll")] == [f"nll/{name}.parquet"]
         assert run.data.params["method"] == {"baseline": "baseline", "int8": "torchao-int8", "nf4": "bnb-nf4"}[name]
     for name in ("int8", "nf4"):
-        assert {"delta_ppl", "ppl_ratio", "delta_ppl_pct"} <= set(runs[name].data.metrics)
+        assert {"delta_ppl", "ppl_ratio", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "delta_nll_stderr",
+                "window_lnppl_correlation", "kld_mean", "kld_mean_stderr", "kld_median", "kld_p99.9", "kld_max",
+                "top1_agreement", "top1_agreement_low", "dp_mean", "dp_rms"} <= set(runs[name].data.metrics)
+        assert runs[name].data.params["divergence"] in ("lockstep", "topk")
     assert runs["missing"].info.status == "FAILED"
     return {n: {k: v for k, v in r.data.metrics.items() if k not in ("tokens_per_second", "wall_seconds",
                                                                         "load_seconds", "peak_memory_bytes")}

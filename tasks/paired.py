@@ -1,0 +1,86 @@
+"""Paired statistics of a variant against its baseline, over the same scored tokens.
+
+Tokens are not independent (a hard passage is hard for both models, and errors cluster), so every
+standard error here is taken over windows: the mean is a ratio of sums, and its variance is the
+cluster-robust (sandwich) estimate from the per-window sums of residuals, with the W/(W-1) small-sample
+factor. Intervals are normal 95% intervals. ``tests/test_paired.py`` shows they cover the truth at about
+the stated rate on synthetic data with correlated errors inside windows, where a token-level error bar
+does not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+Z95 = 1.959963984540054
+PERCENTILES = (90, 95, 99, 99.9)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean with its standard error and 95% interval."""
+
+    value: float
+    stderr: float
+    low: float
+    high: float
+
+    def mapped(self, f) -> "Estimate":
+        """The estimate under a monotone increasing map (error by the delta method)."""
+        h = 1e-6 * max(1.0, abs(self.value))
+        slope = (f(self.value + h) - f(self.value - h)) / (2 * h)
+        return Estimate(f(self.value), abs(slope) * self.stderr, f(self.low), f(self.high))
+
+    def as_dict(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}{'' if k == 'value' else '_' + k}": v for k, v in asdict(self).items()}
+
+
+def cluster_mean(values: np.ndarray, window_tokens: np.ndarray) -> Estimate:
+    """Mean of per-token ``values`` with its standard error over windows.
+
+    Args:
+        values: ``[n]`` per-token values, window by window (as the engine stores them).
+        window_tokens: ``[W]`` tokens per window; they sum to ``n``.
+    """
+    counts = np.asarray(window_tokens, dtype=np.int64)
+    counts = counts[counts > 0]
+    values = np.asarray(values, dtype=np.float64)
+    sums = np.add.reduceat(values, np.cumsum(counts) - counts)
+    n, clusters = counts.sum(), len(counts)
+    mean = sums.sum() / n
+    if clusters < 2:
+        return Estimate(mean, math.nan, math.nan, math.nan)
+    residuals = sums - mean * counts
+    stderr = math.sqrt(clusters / (clusters - 1) * float((residuals**2).sum()) / n**2)
+    return Estimate(mean, stderr, mean - Z95 * stderr, mean + Z95 * stderr)
+
+
+def paired_difference(base_nll: np.ndarray, variant_nll: np.ndarray, window_tokens: np.ndarray) -> dict[str, float]:
+    """ΔNLL, PPL ratio and ΔPPL% with intervals, and the correlation of per-window ln PPL."""
+    delta = cluster_mean(np.asarray(variant_nll, np.float64) - np.asarray(base_nll, np.float64), window_tokens)
+    ratio = delta.mapped(math.exp)
+    pct = delta.mapped(lambda x: 100 * math.expm1(x))
+    counts = np.asarray(window_tokens)[np.asarray(window_tokens) > 0]
+    starts = np.cumsum(counts) - counts
+    base_w = np.add.reduceat(np.asarray(base_nll, np.float64), starts) / counts
+    var_w = np.add.reduceat(np.asarray(variant_nll, np.float64), starts) / counts
+    correlation = float(np.corrcoef(base_w, var_w)[0, 1]) if len(counts) > 1 else math.nan
+    return {**delta.as_dict("delta_nll"), **ratio.as_dict("ppl_ratio"), **pct.as_dict("delta_ppl_pct"),
+            "window_lnppl_correlation": correlation}
+
+
+def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, variant_nll: np.ndarray,
+                       window_tokens: np.ndarray) -> dict[str, float]:
+    """KL(base‖variant), top-1 agreement and Δp (probability of the correct token) summaries."""
+    kl = np.asarray(extra["kl"], np.float64)
+    summary = {**cluster_mean(kl, window_tokens).as_dict("kld_mean"), "kld_median": float(np.median(kl)),
+               "kld_max": float(kl.max()), "kld_bound_mean": float(np.mean(extra["kl_bound"]))}
+    summary |= {f"kld_p{p:g}": float(np.percentile(kl, p)) for p in PERCENTILES}
+    summary |= cluster_mean(np.asarray(extra["top1"], np.float64), window_tokens).as_dict("top1_agreement")
+    dp = np.exp(-np.asarray(variant_nll, np.float64)) - np.exp(-np.asarray(base_nll, np.float64))
+    summary |= {"dp_mean": float(dp.mean()), "dp_rms": float(np.sqrt((dp**2).mean()))}
+    summary |= {f"dp_p{p:g}": float(np.percentile(dp, p)) for p in (1, 5, 50, 95, 99)}
+    return summary

@@ -1,0 +1,73 @@
+"""The gate on crafted comparison rows: clear pass, clear fail, inside the noise, and missing figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.config import Thresholds
+from tasks.verdict import judge, overall
+
+
+def row(delta=0.5, low=0.2, high=0.8, kld=0.01, kld_high=0.012, kld_bound=0.0, top1=0.97, top1_low=0.96, **extra):
+    return {"variant": "q", "method": "gptq", "status": "ok", "reason": "", "delta_ppl_pct": delta,
+            "delta_ppl_pct_low": low, "delta_ppl_pct_high": high, "kld_mean": kld, "kld_mean_low": kld / 2,
+            "kld_mean_high": kld_high, "kld_bound_mean": kld_bound, "top1_agreement": top1,
+            "top1_agreement_low": top1_low, "top1_agreement_high": min(1, 2 * top1 - top1_low), **extra}
+
+
+GATE = Thresholds(max_ppl_increase_pct=1.0, max_kld_mean=0.02, min_top1_agreement=0.95)
+
+
+def test_clear_pass():
+    verdict = judge(row(), GATE)
+    assert verdict.status == "pass"
+    assert "ΔPPL +0.50% [+0.20, +0.80] ≤ 1" in verdict.reason and "top-1 agreement" in verdict.reason
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"delta": 1.5, "low": 1.2, "high": 1.8}, "ΔPPL +1.50% [+1.20, +1.80] breaks the limit ≤ 1"),
+    ({"kld": 0.03, "kld_high": 0.04}, "KLD mean 0.0300"),
+    ({"top1": 0.90, "top1_low": 0.88}, "top-1 agreement 0.9000"),
+])
+def test_clear_fail(changes, expected):
+    verdict = judge(row(**changes), GATE)
+    assert verdict.status == "fail" and expected in verdict.reason and "breaks the limit" in verdict.reason
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"delta": 0.9, "low": 0.4, "high": 1.4}, "ΔPPL +0.90% [+0.40, +1.40] is inside the noise"),
+    ({"kld": 0.018, "kld_high": 0.019, "kld_bound": 0.002}, "KLD mean 0.0180"),  # the cache's error counts
+    ({"top1": 0.955, "top1_low": 0.945}, "top-1 agreement 0.9550"),
+])
+def test_inside_the_noise_is_judged_on_the_pessimistic_end(changes, expected):
+    verdict = judge(row(**changes), GATE)
+    assert verdict.status == "fail" and expected in verdict.reason and "inside the noise" in verdict.reason
+
+
+def test_per_variant_override_and_missing_figures():
+    relaxed = Thresholds(max_ppl_increase_pct=1.0, per_variant={"q": {"max_ppl_increase_pct": 5}})
+    assert judge(row(delta=1.5, low=1.2, high=1.8), relaxed).status == "pass"
+    no_kl = {k: v for k, v in row().items() if not k.startswith(("kld", "top1"))}
+    assert judge(no_kl, GATE).status == "error"
+    failed = {"variant": "q", "method": "gptq", "status": "failed", "reason": "out of memory at batch size 1"}
+    assert judge(failed, GATE).reason == "out of memory at batch size 1"
+
+
+def test_overall_verdict():
+    passing, failing = judge(row(), GATE), judge(row(delta=2, low=1.5, high=2.5), GATE)
+    assert overall({"status": "ok"}, [passing]).status == "pass"
+    assert overall({"status": "ok"}, [passing, failing]).status == "fail"
+    assert overall({"status": "failed", "reason": "gone"}, [passing]).reason == "baseline failed: gone"
+
+
+def test_table_shows_interval_kl_agreement_and_failures():
+    from tasks.verdict import format_table
+
+    ok = row(ppl=25.0, ppl_stderr=0.5, bits_per_byte=1.2, tokens_per_second=300, weight_mib=100)
+    base = {"variant": "base", "method": "baseline", "status": "ok", "reason": "", "ppl": 24.9, "ppl_stderr": 0.5,
+            "bits_per_byte": 1.19, "tokens_per_second": 310, "weight_mib": 500}
+    broken = {"variant": "gone", "method": "awq", "status": "failed", "reason": "model folder not found"}
+    table = format_table([base, ok, broken], {"q": judge(ok, GATE)}).splitlines()
+    assert "ΔPPL % [95% CI]" in table[0] and "KLD" in table[0] and "top-1" in table[0]
+    assert "+0.50 [+0.20,+0.80]" in table[3] and "0.0100" in table[3] and "97.0%" in table[3] and "pass:" in table[3]
+    assert table[4].split()[:3] == ["gone", "awq", "—"] and table[4].endswith("model folder not found")

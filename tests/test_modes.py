@@ -1,0 +1,113 @@
+"""The published conventions against straightforward re-implementations, and KL through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tasks.corpus import tokenize
+from tasks.divergence import TopKCache
+from tasks.errors import InputError
+from tasks.perplexity import perplexity, plan, score_windows
+
+
+def gptq_reference(model, ids: torch.Tensor, window: int) -> tuple[float, int]:
+    """The GPTQ/AWQ papers' evaluation: disjoint chunks, tail dropped, each chunk's first token unscored."""
+    total, count = 0.0, 0
+    for i in range(len(ids) // window):
+        chunk = ids[i * window : (i + 1) * window][None]
+        with torch.no_grad():
+            logits = model(chunk).logits[0, :-1].double()
+        total += float(torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
+        count += window - 1
+    return total, count
+
+
+def llama_cpp_reference(model, ids: torch.Tensor, n_ctx: int, bos: int | None) -> tuple[float, int]:
+    """llama-perplexity: disjoint n_ctx chunks, BOS over each chunk's first token, second half scored."""
+    total, count, first = 0.0, 0, n_ctx // 2
+    for i in range(len(ids) // n_ctx):
+        tokens = ids[i * n_ctx : (i + 1) * n_ctx].clone()
+        if bos is not None:
+            tokens[0] = bos
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(tokens[None]).logits[0].double(), -1)
+        for j in range(first, n_ctx - 1):
+            total -= float(log_probs[j, ids[i * n_ctx + j + 1]])
+            count += 1
+    return total, count
+
+
+@pytest.mark.parametrize("window", [32, 50])
+@pytest.mark.parametrize("bos", ["stream", "none"])
+def test_gptq_mode_matches_its_reimplementation(tiny_model, tokenizer, text, window, bos):
+    stream = tokenize(text, tokenizer, bos=bos, max_tokens=437)
+    result = perplexity(tiny_model, stream, window, stride=1, batch_size=3, mode="gptq")
+    reference, count = gptq_reference(tiny_model, stream.ids, window)
+    assert result.n_tokens == count == (437 // window) * (window - 1)
+    assert result.nll_sum == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.parametrize("window", [32, 51])
+@pytest.mark.parametrize("bos", ["stream", "none"])
+def test_llama_cpp_mode_matches_its_reimplementation(tiny_model, tokenizer, text, window, bos):
+    stream = tokenize(text, tokenizer, bos=bos, max_tokens=437)
+    result = perplexity(tiny_model, stream, window, stride=1, batch_size=4, mode="llama.cpp")
+    reference, count = llama_cpp_reference(tiny_model, stream.ids, window,
+                                           tokenizer.bos_token_id if bos == "stream" else None)
+    assert result.n_tokens == count == (437 // window) * (window - 1 - window // 2)
+    assert result.nll_sum == pytest.approx(reference, rel=1e-6)
+
+
+def test_modes_refuse_too_short_streams_and_per_window_bos(tiny_model, tokenizer, text):
+    with pytest.raises(InputError, match="needs at least one full window"):
+        perplexity(tiny_model, tokenize(text, tokenizer, max_tokens=20), 32, 16, mode="gptq")
+    with pytest.raises(InputError, match="does its own BOS handling"):
+        perplexity(tiny_model, tokenize(text, tokenizer, bos="window", max_tokens=200), 32, 16, mode="llama.cpp")
+
+
+def perturbed(model_dir, seed: int = 3, scale: float = 0.05):
+    from tasks.models import load_model
+
+    model = load_model(str(model_dir), torch.float64, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator, dtype=weight.dtype) * scale)
+    return model
+
+
+def full_vocabulary_kl(base, variant, stream, windows) -> torch.Tensor:
+    """Each window alone through both models, KL over the whole vocabulary at every scored position."""
+    kls = []
+    for w in sorted(windows, key=lambda w: w.index):
+        row = stream.ids[w.start : w.end][None]
+        with torch.no_grad():
+            lb = torch.log_softmax(base(row).logits[0].double(), -1)
+            lv = torch.log_softmax(variant(row).logits[0].double(), -1)
+        for q in range(w.first_scored, w.end):
+            c = q - w.start - 1
+            kls.append(float((lb[c].exp() * (lb[c] - lv[c])).sum()))
+    return torch.tensor(kls, dtype=torch.float64)
+
+
+def test_engine_kl_lockstep_and_top_k_against_a_full_vocabulary_reference(tiny_model_dir, tokenizer, text):
+    base = perturbed(tiny_model_dir, scale=0.0)
+    variant = perturbed(tiny_model_dir)
+    stream = tokenize(text, tokenizer, max_tokens=300)
+    windows = plan(stream, 64, 24)
+    reference = full_vocabulary_kl(base, variant, stream, windows)
+
+    itself = score_windows(base, stream.ids, windows, batch_size=3, reference=base)
+    assert float(itself.extra["kl"].abs().max()) < 1e-9 and bool(itself.extra["top1"].all())
+
+    lockstep = score_windows(variant, stream.ids, windows, batch_size=3, reference=base)
+    torch.testing.assert_close(lockstep.extra["kl"].double(), reference, rtol=1e-5, atol=1e-7)
+    assert float(reference.mean()) > 1e-3  # the perturbation is really there
+
+    cache = score_windows(base, stream.ids, windows, batch_size=5, keep_top_k=16).extra
+    cached = score_windows(variant, stream.ids, windows, batch_size=2,
+                           reference=TopKCache(cache["topk_ids"], cache["topk_logp"])).extra
+    low, bound = cached["kl"].double(), cached["kl_bound"].double()
+    assert bool((low <= reference + 1e-6).all()) and bool((reference <= low + bound + 1e-6).all())
+    assert torch.equal(cached["top1"], lockstep.extra["top1"])
