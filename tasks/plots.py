@@ -41,12 +41,7 @@ def delta_nll_per_window(record: dict, folder: Path):
                 mean = pq.read_table(folder / v["arrays"]).to_pandas().groupby("window")["nll"].mean()
                 axis.plot(mean.index, mean - reference, label=v["name"], linewidth=1)
     axis.axhline(0, color="black", linewidth=0.8)
-    axis.set_xlabel("window")
-    axis.set_ylabel("ΔNLL vs baseline (nats/token)")
-    axis.set_title("per-window change against the baseline")
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend(fontsize=8)
-    return figure
+    return _labelled(figure, axis, "window", "ΔNLL vs baseline (nats/token)", "per-window change against the baseline")
 
 
 def kld_histogram(record: dict, folder: Path):
@@ -63,9 +58,13 @@ def kld_histogram(record: dict, folder: Path):
         kl = np.clip(table.column("kl").to_numpy(), 1e-8, None)
         axis.hist(kl, bins=np.logspace(-8, max(1, np.log10(kl.max()) + 0.1), 60), histtype="step", label=v["name"])
     axis.set_xscale("log")
-    axis.set_xlabel("KL(baseline ‖ variant) per token (nats)")
-    axis.set_ylabel("tokens")
-    axis.set_title("per-token KL divergence")
+    return _labelled(figure, axis, "KL(baseline ‖ variant) per token (nats)", "tokens", "per-token KL divergence")
+
+
+def _labelled(figure, axis, xlabel: str, ylabel: str, title: str):
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
     if axis.get_legend_handles_labels()[0]:
         axis.legend(fontsize=8)
     return figure
