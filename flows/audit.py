@@ -16,6 +16,7 @@ from prefect.states import Completed, Failed
 from tasks.audit import VariantResult, preflight
 from tasks.config import AuditConfig, VariantSpec, load_audit_config
 from tasks.steps import read_corpus, spool_audit, tokenize_corpus, track
+from tasks.tracking import use_tracking
 from tasks.verdict import comparison_row, format_table, judge, overall
 from flows.runners import score_all
 
@@ -54,6 +55,7 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     """
     settings = event_variant(load_audit_config(config, overrides or []), model_path or None, method or None,
                              baseline or None)
+    use_tracking(settings.tracking.uri)  # models:/ variants resolve against the audit's registry
     preflight(settings, variants=False)
     text = read_corpus(settings.corpus)
     scored = tokenize_corpus(text, settings)

@@ -133,7 +133,11 @@ def run_audit(args: argparse.Namespace) -> int:
     from tasks.audit import preflight
     from tasks.config import load_audit_config
 
-    preflight(load_audit_config(args.config, args.set))  # bad input ends here, before any model loads
+    from tasks.tracking import use_tracking
+
+    config = load_audit_config(args.config, args.set)
+    use_tracking(config.tracking.uri)
+    preflight(config)  # bad input ends here, before any model loads
     state = audit(config=args.config, overrides=args.set, return_state=True)
     summary = state.result(raise_on_failure=False)
     if not isinstance(summary, dict):

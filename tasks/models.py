@@ -36,6 +36,10 @@ def resolve_model_path(name: str) -> str:
         from tasks.embedded import ensure_embedded_model
 
         return str(ensure_embedded_model())
+    if name.startswith("models:/"):
+        from tasks.registry import download
+
+        return download(name)
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():

@@ -10,6 +10,7 @@ import os
 import warnings
 from pathlib import Path
 
+from tasks.registry import is_registered, tag_version
 from tasks.spool import home, read_record
 
 # A dead tracking server must not hang an audit for minutes (MLflow's default retries take ~4 min).
@@ -31,6 +32,13 @@ def is_tracking_outage(error: BaseException) -> bool:
     from tasks.errors import is_network_error
 
     return is_network_error(error) or type(error).__name__ == "MlflowException"
+
+
+def use_tracking(configured: str | None) -> str:
+    """Point MLflow (runs and the model registry) at the audit's tracking URI for this process."""
+    uri = tracking_uri(configured)
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    return uri
 
 
 def default_uri() -> str:
@@ -186,6 +194,9 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
         if entry.get("arrays"):
             client.log_artifact(child, str(folder / entry["arrays"]), "nll")
         client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED")
+        if is_registered(entry["spec"]["path"]):
+            tag_version(client, entry["spec"]["path"], status, ((entry["verdict"] or {}).get("reason") or entry["reason"]),
+                        child, parent)
     client.set_tag(parent, COMPLETE, "true")
     client.set_terminated(parent, "FINISHED")
     return parent

@@ -175,3 +175,10 @@ def noisy_model_dir(tmp_path_factory, trained_model_dir, tokenizer) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def restore_tracking_uri(monkeypatch):
+    """An audit points MLflow at its tracking URI for the process; no test leaks that to the next."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "unset")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")

@@ -166,3 +166,27 @@ def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trai
     assert len(parents) == 2  # the partial run is gone, the synced one replaces it
     assert all(p.data.tags.get("ppl_audit.complete") == "true" for p in parents)
     assert check_record(client, parents[0]) == check_record(client, parents[1])
+
+
+def test_registered_model_version_is_audited_and_tagged(tmp_path, trained_model_dir, noisy_model_dir, corpus_path):
+    uri = f"sqlite:///{tmp_path / 'registry.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("models", artifact_location=(tmp_path / "artifacts").as_uri())
+    versions = {}
+    for name, folder in (("good", trained_model_dir), ("bad", noisy_model_dir)):
+        run = client.create_run(experiment).info.run_id
+        client.log_artifacts(run, str(folder), "model")
+        client.create_registered_model(f"tiny-{name}")
+        versions[name] = client.create_model_version(f"tiny-{name}", f"runs:/{run}/model", run_id=run).version
+    config = write_config(tmp_path / "registry.yaml", trained_model_dir, corpus_path,
+                          [{"name": "good", "path": f"models:/tiny-good/{versions['good']}"},
+                           {"name": "bad", "path": f"models:/tiny-bad/{versions['bad']}"}],
+                          name="registry", thresholds={"max_ppl_increase_pct": 2}, tracking={"uri": uri, "experiment": "tests"})
+    summary = audit(config=str(config), return_state=True).result(raise_on_failure=False)
+    assert {v.name: v.status for v in summary["verdicts"]} == {"good": "pass", "bad": "fail"}
+    good = client.get_model_version("tiny-good", versions["good"])
+    assert good.tags["ppl_audit.verdict"] == "pass" and good.tags["ppl_audit.audit_run_id"] == summary["mlflow_run_id"]
+    assert client.get_model_version_by_alias("tiny-good", "ppl-audit-passed").version == versions["good"]
+    bad = client.get_model_version("tiny-bad", versions["bad"])
+    assert bad.tags["ppl_audit.verdict"] == "fail" and "breaks the limit" in bad.tags["ppl_audit.reason"]
+    assert not client.get_registered_model("tiny-bad").aliases
