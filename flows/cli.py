@@ -22,6 +22,15 @@ def _offline_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
+def _batch_size(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a whole number or auto") from None
+
+
 def _add_ppl(commands) -> None:
     ppl = commands.add_parser("ppl", help="perplexity of one model on one corpus")
     ppl.add_argument("--model", required=True, help="model folder, Hugging Face Hub id, or 'embedded'")
@@ -33,7 +42,8 @@ def _add_ppl(commands) -> None:
     ppl.add_argument("--joiner", default="\n\n", help="separator put between documents")
     ppl.add_argument("--window", type=int, default=512, help="tokens per window (L)")
     ppl.add_argument("--stride", type=int, help="tokens each window moves (S); default L/2")
-    ppl.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
+    ppl.add_argument("--batch-size", type=_batch_size, default=1,
+                     help="windows per forward pass, or auto (searched once per model, window and device)")
     ppl.add_argument("--bos", choices=["none", "stream", "window"],
                      help="BOS policy; default 'stream' when the tokenizer has a BOS token")
     ppl.add_argument("--max-tokens", type=int, help="truncate the token stream to this many tokens")
@@ -88,7 +98,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     from tasks.corpus import CorpusSpec, corpus_text
     from tasks.models import load_config, load_tokenizer, max_positions, resolve_device, resolve_dtype
     from tasks.perplexity import check_settings
-    from tasks.variants import tokenizer_digest
+    from tasks.corpus import tokenizer_digest
 
     spec = _variant(args)
     resolve_dtype(spec.dtype, resolve_device(spec.device))

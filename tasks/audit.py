@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tasks.batching import auto_batch_size
 from tasks.config import VariantSpec
-from tasks.corpus import TokenStream, tokenize
+from tasks.corpus import TokenStream, cached_tokenize, tokenize
 from tasks.divergence import TopKCache
 from tasks.embedded import cache_dir
 from tasks.errors import InputError, NumericalError, TransientError
@@ -39,7 +40,7 @@ class Evaluation:
     evaluated: tuple[int, int]
     window: int
     stride: int
-    batch_size: int
+    batch_size: int | str  # a number, or "auto"
     mode: str = "sliding"
     divergence: str = "auto"
     top_k: int = 32
@@ -66,7 +67,7 @@ class VariantResult:
 def evaluation(text: str, tokenizer, bos: str | None, max_tokens: int | None, window: int, stride: int,
                batch_size: int, progress: bool = False, **options) -> Evaluation:
     """Tokenize once; ``options`` are ``mode``, ``divergence`` and ``top_k`` of ``Evaluation``."""
-    stream = tokenize(text, tokenizer, bos, max_tokens, progress)
+    stream = cached_tokenize(text, tokenizer, bos, max_tokens, progress)
     evaluated_text_tokens = len(stream.ids) - (1 if stream.bos == "stream" else 0)
     return Evaluation(stream, text, (0, evaluated_text_tokens), window, stride, batch_size, **options)
 
@@ -126,6 +127,8 @@ def one_line(error: BaseException) -> str:
 def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **divergence) -> PerplexityResult:
     """Score at the configured batch size, halving it on out-of-memory (the result does not depend on it)."""
     batch_size = evaluation_.batch_size
+    if batch_size == "auto":
+        batch_size = auto_batch_size(model, evaluation_.stream, evaluation_.window, evaluation_.stride, evaluation_.mode)
     while True:
         try:
             return perplexity(model, evaluation_.stream, evaluation_.window, evaluation_.stride, batch_size,

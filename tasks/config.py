@@ -104,7 +104,7 @@ class EvaluationConfig(Strict):
 
     window: int = Field(512, ge=2)
     stride: int | None = Field(None, ge=1, description="default window // 2")
-    batch_size: int = Field(1, ge=1)
+    batch_size: int | Literal["auto"] = Field(1, ge=1)
     bos: Literal["none", "stream", "window"] | None = None
     max_tokens: int | None = Field(None, ge=2)
     mode: Literal["sliding", "gptq", "llama.cpp"] = "sliding"

@@ -180,6 +180,18 @@ class TokenStream:
         return 0 if self.prefix else 1
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of what decides token ids: vocabulary, merges and added/special tokens."""
+    if getattr(tokenizer, "is_fast", False):
+        state = json.loads(tokenizer.backend_tokenizer.to_str())
+        model = state.get("model", {})
+        canonical = {"vocab": model.get("vocab"), "merges": model.get("merges"),
+                     "added": [(t["id"], t["content"], t["special"]) for t in state.get("added_tokens", [])]}
+    else:
+        canonical = {"vocab": sorted(tokenizer.get_vocab().items()), "special": tokenizer.all_special_tokens}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+
+
 def default_bos(tokenizer) -> BosPolicy:
     return "stream" if tokenizer.bos_token_id is not None else "none"
 
@@ -221,3 +233,33 @@ def tokenize(
         text_digest=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         bos_id=tokenizer.bos_token_id,
     )
+
+
+def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_tokens: int | None = None,
+                    progress: bool = False) -> TokenStream:
+    """``tokenize``, with the stream kept on disk by corpus digest, tokenizer digest and settings.
+
+    A second audit of the same corpus with the same tokenizer reads ``N`` int32 ids instead of
+    tokenizing again (``$PPL_AUDIT_CACHE/tokens``).
+    """
+    import numpy as np
+
+    from tasks.embedded import cache_dir
+
+    bos = bos or default_bos(tokenizer)
+    text_digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    key = hashlib.sha256(json.dumps([text_digest, tokenizer_digest(tokenizer), bos, max_tokens]).encode()).hexdigest()
+    file = cache_dir() / "tokens" / f"{key}.npz"
+    if file.is_file():
+        saved = np.load(file)
+        meta = json.loads(str(saved["meta"]))
+        return TokenStream(ids=torch.from_numpy(saved["ids"].astype(np.int64)), prefix=tuple(meta["prefix"]), bos=bos,
+                           n_bytes=meta["n_bytes"], n_words=meta["n_words"], text_digest=text_digest,
+                           bos_id=meta["bos_id"])
+    stream = tokenize(text, tokenizer, bos, max_tokens, progress)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"prefix": list(stream.prefix), "n_bytes": stream.n_bytes, "n_words": stream.n_words, "bos_id": stream.bos_id}
+    partial = file.with_suffix(".tmp.npz")
+    np.savez(partial, ids=stream.ids.numpy().astype(np.int32), meta=json.dumps(meta))
+    partial.rename(file)
+    return stream

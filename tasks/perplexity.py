@@ -329,8 +329,8 @@ def check_settings(window: int, stride: int, batch_size: int, stream: TokenStrea
         return
     if positions is not None and window > positions:
         raise InputError(f"window {window} is longer than the model's {positions} positions; use --window {positions} or less")
-    if batch_size < 1:
-        raise InputError(f"batch size {batch_size} must be at least 1")
+    if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+        raise InputError(f"batch size {batch_size} must be a whole number of at least 1, or auto")
     capacity = window - len(stream.prefix)
     if not 1 <= stride < capacity:
         held = f"{capacity} (the window of {window} less the BOS it starts with)" if stream.prefix else str(window)

@@ -20,7 +20,7 @@ from tasks.errors import TransientError
 from tasks.models import load_tokenizer
 from tasks.spool import mark_synced, write_record
 from tasks.tracking import is_tracking_outage, replay
-from tasks.variants import tokenizer_digest
+from tasks.corpus import tokenizer_digest
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10,

@@ -7,8 +7,6 @@ same code path runs on CUDA.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tasks.config import VariantSpec
+from tasks.corpus import tokenizer_digest
 from tasks.errors import InputError
 from tasks.models import load_model, resolve_device, resolve_dtype, resolve_model_path
 
@@ -141,18 +140,6 @@ def load_variant(spec: VariantSpec, source: str):
         linear_layers=linear, backend=backend, versions=versions(*tools),
     )
     return model, facts
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 of what decides token ids: vocabulary, merges and added/special tokens."""
-    if getattr(tokenizer, "is_fast", False):
-        state = json.loads(tokenizer.backend_tokenizer.to_str())
-        model = state.get("model", {})
-        canonical = {"vocab": model.get("vocab"), "merges": model.get("merges"),
-                     "added": [(t["id"], t["content"], t["special"]) for t in state.get("added_tokens", [])]}
-    else:
-        canonical = {"vocab": sorted(tokenizer.get_vocab().items()), "special": tokenizer.all_special_tokens}
-    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
 
 
 def check_same_tokenizer(name: str, baseline_digest: str, tokenizer) -> None:

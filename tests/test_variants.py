@@ -12,7 +12,7 @@ from tasks.audit import evaluation, score_variant
 from tasks.config import CalibrationConfig, CorpusConfig, VariantSpec, parse
 from tasks.errors import InputError
 from tasks.quantize import check_disjoint, draw_calibration
-from tasks.variants import tokenizer_digest
+from tasks.corpus import tokenizer_digest
 
 CALIBRATION = CalibrationConfig(samples=16, seq_len=128)
 
