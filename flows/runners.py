@@ -10,14 +10,14 @@ from contextlib import nullcontext
 
 from prefect import flow
 
-from tasks.audit import Evaluation, VariantResult
+from tasks.audit import Evaluation, VariantResult, one_line
 from tasks.config import AuditConfig
 from tasks.errors import InputError
 from tasks.steps import score
 
 
 def _failed(spec, error: BaseException) -> VariantResult:
-    return VariantResult(spec.name, spec.method, "failed", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    return VariantResult(spec.name, spec.method, "failed", f"{type(error).__name__}: {one_line(error)}")
 
 
 def task_runner(config: AuditConfig):

@@ -72,9 +72,12 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
         if "kld_mean" not in row:
             return Verdict(name, "error", "KL divergence was not measured (evaluation.divergence: off?)")
     if gate.max_kld_mean is not None:
-        worst = row["kld_mean_high"] + row["kld_bound_mean"]  # a top-k cache gives a lower bound: add its error
-        interval = f"{row['kld_mean']:.4f} [{row['kld_mean_low']:.4f}, {worst:.4f}]"
-        checks.append(_check("KLD mean", row["kld_mean"], worst, interval, gate.max_kld_mean, above=True))
+        if row["kld_bound_mean"] > 0:  # a top-k cache: the KL is a lower bound, its worst case is far off
+            return Verdict(name, "error", f"max_kld_mean needs exact KL, but this variant's came from the top-k cache "
+                           f"(a lower bound, {row['kld_mean']:.4f}, worst-case error {row['kld_bound_mean']:.2f}); "
+                           "set evaluation.divergence: lockstep")
+        interval = f"{row['kld_mean']:.4f} [{row['kld_mean_low']:.4f}, {row['kld_mean_high']:.4f}]"
+        checks.append(_check("KLD mean", row["kld_mean"], row["kld_mean_high"], interval, gate.max_kld_mean, above=True))
     if gate.min_top1_agreement is not None:
         interval = f"{row['top1_agreement']:.4f} [{row['top1_agreement_low']:.4f}, {row['top1_agreement_high']:.4f}]"
         checks.append(_check("top-1 agreement", row["top1_agreement"], row["top1_agreement_low"], interval,

@@ -36,12 +36,18 @@ def test_clear_fail(changes, expected):
 
 @pytest.mark.parametrize("changes,expected", [
     ({"delta": 0.9, "low": 0.4, "high": 1.4}, "ΔPPL +0.90% [+0.40, +1.40] is inside the noise"),
-    ({"kld": 0.018, "kld_high": 0.019, "kld_bound": 0.002}, "KLD mean 0.0180"),  # the cache's error counts
+    ({"kld": 0.018, "kld_high": 0.021}, "KLD mean 0.0180"),
     ({"top1": 0.955, "top1_low": 0.945}, "top-1 agreement 0.9550"),
 ])
 def test_inside_the_noise_is_judged_on_the_pessimistic_end(changes, expected):
     verdict = judge(row(**changes), GATE)
     assert verdict.status == "fail" and expected in verdict.reason and "inside the noise" in verdict.reason
+
+
+def test_kl_gate_refuses_a_top_k_lower_bound():
+    verdict = judge(row(kld=0.001, kld_high=0.0012, kld_bound=2.5), GATE)
+    assert verdict.status == "error" and "needs exact KL" in verdict.reason and "divergence: lockstep" in verdict.reason
+    assert judge(row(kld=0.001, kld_high=0.0012, kld_bound=2.5), Thresholds(max_ppl_increase_pct=1)).status == "pass"
 
 
 def test_per_variant_override_and_missing_figures():
