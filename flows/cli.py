@@ -122,11 +122,9 @@ def run_ppl(args: argparse.Namespace) -> int:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from flows.quantize import quantize_flow
+    from flows.quantize import check_output_folder, quantize_flow
 
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise InputError(f"output folder {out} is not empty; give a new folder")
+    out = check_output_folder(args.out)  # here too, so that bad input ends before Prefect starts
     manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
                              bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
                              samples=args.samples, seq_len=args.seq_len, seed=args.seed,
@@ -137,16 +135,22 @@ def run_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_audit(args: argparse.Namespace) -> int:
-    from flows.audit import audit
+def _checked_config(path: str, overrides: list[str]):
+    """Load, validate and preflight an audit config: bad input ends here, before any model loads."""
     from tasks.audit import preflight
     from tasks.config import load_audit_config
-
     from tasks.tracking import use_tracking
 
-    config = load_audit_config(args.config, args.set)
-    use_tracking(config.tracking.uri)
-    preflight(config)  # bad input ends here, before any model loads
+    config = load_audit_config(path, overrides)
+    use_tracking(config.tracking.uri)  # models:/ variants are checked against the audit's registry
+    preflight(config)
+    return config
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    from flows.audit import audit
+
+    _checked_config(args.config, args.set)
     state = audit(config=args.config, overrides=args.set, return_state=True)
     summary = state.result(raise_on_failure=False)
     if not isinstance(summary, dict):
@@ -159,10 +163,8 @@ def run_audit(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from flows.serve import serve_config
-    from tasks.audit import preflight
-    from tasks.config import load_audit_config
 
-    preflight(load_audit_config(args.config))
+    _checked_config(args.config, [])
     serve_config(args.config)
     return 0
 

@@ -6,14 +6,13 @@ Any job that emits the same event (ours or anyone's) starts an audit of the new 
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from tasks.corpus import CorpusSpec, corpus_text, tokenize
+from tasks.corpus import CorpusSpec, cached_tokenize, corpus_text
 from tasks.errors import InputError
 from tasks.models import load_tokenizer
 from tasks.quantize import draw_calibration, quantize
@@ -21,14 +20,21 @@ from tasks.quantize import draw_calibration, quantize
 EVENT = "quantization.completed"
 
 
+def check_output_folder(out: str) -> Path:
+    """A new or empty folder for the checkpoint, or one line saying to give another."""
+    folder = Path(out)
+    if folder.exists() and any(folder.iterdir()):
+        raise InputError(f"output folder {folder} is not empty; give a new folder")
+    return folder
+
+
 @task(cache_policy=NO_CACHE)
 def quantize_model(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: str,
                    column: str, samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str) -> dict:
-    text = corpus_text(CorpusSpec(calibration, column))
-    ids = tokenize(text, load_tokenizer(model), bos="none", progress=True).ids
+    stream = cached_tokenize(corpus_text(CorpusSpec(calibration, column)), load_tokenizer(model), bos="none",
+                             progress=True)
     holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    drawn = draw_calibration(ids, samples, seq_len, seed, calibration, digest, holdout)
+    drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration, stream.text_digest, holdout)
     return quantize(model, method, bits, group_size, sym, drawn, Path(out))
 
 
@@ -44,9 +50,7 @@ def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int
     """
     if method not in ("gptq", "awq"):
         raise InputError(f"method {method} cannot be quantized here; use gptq or awq")
-    folder = Path(out)
-    if folder.exists() and any(folder.iterdir()):
-        raise InputError(f"output folder {folder} is not empty; give a new folder")
+    folder = check_output_folder(out)
     manifest = quantize_model(model, method, bits, group_size, sym, calibration, column, samples, seq_len, seed,
                               holdout_tokens, out)
     emit_event(

@@ -16,10 +16,6 @@ from tasks.errors import InputError
 from tasks.steps import score
 
 
-def _failed(spec, error: BaseException) -> VariantResult:
-    return VariantResult(spec.name, spec.method, "failed", f"{type(error).__name__}: {one_line(error)}")
-
-
 def task_runner(config: AuditConfig):
     runner = config.runner
     if runner.kind == "dask":
@@ -52,7 +48,10 @@ def _placement(config: AuditConfig):
 
 
 def _outcome(spec, value) -> VariantResult:
-    return _failed(spec, value) if isinstance(value, BaseException) else value
+    """A task's result, or a failed result for a task that raised (retries exhausted)."""
+    if isinstance(value, BaseException):
+        return VariantResult(spec.name, spec.method, "failed", f"{type(value).__name__}: {one_line(value)}")
+    return value
 
 
 def _concurrently(config: AuditConfig, scored: Evaluation, baseline: VariantResult) -> list[VariantResult]:

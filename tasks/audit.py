@@ -15,7 +15,7 @@ import torch
 
 from tasks.batching import auto_batch_size
 from tasks.config import VariantSpec
-from tasks.corpus import TokenStream, cached_tokenize, tokenize
+from tasks.corpus import TokenStream, cached_tokenize
 from tasks.divergence import TopKCache
 from tasks.embedded import cache_dir
 from tasks.errors import InputError, NumericalError, TransientError
@@ -102,16 +102,14 @@ def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluati
     group_size = spec.group_size or 128
     sym = True if spec.sym is None else spec.sym
     samples, seq_len, seed = (settings.samples, settings.seq_len, settings.seed) if settings else (128, 512, 0)
-    tokenizer = load_tokenizer(baseline)
     if settings and settings.corpus:
-        text, source, exclude = corpus_text_of(settings.corpus), settings.corpus.source, None
+        text, source = corpus_text_of(settings.corpus), settings.corpus.source
     else:
-        text, source, exclude = evaluation_.text, "audit corpus", evaluation_.evaluated
-    ids = tokenize(text, tokenizer, bos="none").ids
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    if digest == evaluation_.stream.text_digest:
-        exclude = evaluation_.evaluated  # the same text under another name is still the evaluated text
-    calibration = draw_calibration(ids, samples, seq_len, seed, source, digest, exclude)
+        text, source = evaluation_.text, "audit corpus"
+    stream = cached_tokenize(text, load_tokenizer(baseline), bos="none")
+    # the evaluated text, under whatever name, keeps its evaluated tokens out of calibration
+    exclude = evaluation_.evaluated if stream.text_digest == evaluation_.stream.text_digest else None
+    calibration = draw_calibration(stream.ids, samples, seq_len, seed, source, stream.text_digest, exclude)
     key = json.dumps([model_digest(resolve_model_path(baseline)), spec.method, bits, group_size, sym, calibration.digest])
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if read_manifest(str(out)) is None:

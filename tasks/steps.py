@@ -6,8 +6,6 @@ seconds and gigabytes. Tokenizing is cached by corpus digest, tokenizer digest a
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 from prefect import task
@@ -23,23 +21,24 @@ from tasks.tracking import is_tracking_outage, replay
 from tasks.corpus import tokenizer_digest
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10,
-      retry_condition_fn=lambda task, run, state: isinstance(state.result(raise_on_failure=False), TransientError))
+def _transient(task, run, state) -> bool:
+    """Retry only network and remote-storage failures: the rest fails the same way again."""
+    return isinstance(state.result(raise_on_failure=False), TransientError)
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
 def read_corpus(corpus: CorpusConfig) -> str:
     """The corpus as one text (a Hub dataset download is retried, a bad source is not)."""
     return corpus_text(corpus.spec())
 
 
-def _evaluation_key(context, parameters: dict) -> str:
-    settings = parameters["config"].evaluation
-    text_digest = hashlib.sha256(parameters["text"].encode()).hexdigest()
-    tokenizer = tokenizer_digest(load_tokenizer(parameters["config"].baseline.path))
-    return "tokens-" + hashlib.sha256(json.dumps([text_digest, tokenizer, settings.model_dump()]).encode()).hexdigest()
-
-
-@task(cache_key_fn=_evaluation_key, persist_result=True)
+@task(cache_policy=NO_CACHE)
 def tokenize_corpus(text: str, config: AuditConfig) -> Evaluation:
-    """Tokenize the corpus once for every model of the audit (cached across audits)."""
+    """Tokenize the corpus once for every model of the audit.
+
+    The stream is cached on disk by corpus digest, tokenizer digest and settings (``cached_tokenize``),
+    so a later audit of the same corpus reads it back; no model is ever hashed.
+    """
     settings = config.evaluation
     return evaluation(text, load_tokenizer(config.baseline.path), settings.bos, settings.max_tokens,
                       settings.window, settings.effective_stride, settings.batch_size, progress=True,
@@ -47,7 +46,7 @@ def tokenize_corpus(text: str, config: AuditConfig) -> Evaluation:
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{spec.name}",
-      retry_condition_fn=lambda task, run, state: isinstance(state.result(raise_on_failure=False), TransientError))
+      retry_condition_fn=_transient)
 def score(spec: VariantSpec, config: AuditConfig, evaluation_: Evaluation,
           baseline_outcome: VariantResult | None = None) -> VariantResult:
     """Load (or make) one variant and score it; a failure is a failed result, not a failed task.
