@@ -77,12 +77,16 @@ def plan_chunks(n_tokens: int, window: int, mode: str) -> list[Window]:
     return [Window(i, i * window, (i + 1) * window, i * window + first) for i in range(chunks)]
 
 
-def _log_probs(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def _logits(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
     logits = head(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    return torch.log_softmax(logits, dim=-1)
+    return logits
+
+
+def _log_probs(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return torch.log_softmax(_logits(head, hidden, softcap), dim=-1)
 
 
 def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
@@ -112,9 +116,14 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, hidden.shape[0], rows):
         stop = start + rows
-        logp = _log_probs(head, hidden[start:stop], softcap)
         target = targets[start:stop, None]
-        parts = {"nll": -logp.gather(-1, target).squeeze(-1)}
+        if not keep_top_k and reference is None:
+            # NLL alone needs no [rows, V] log-softmax: on CPU writing one costs a quarter of the head's matmul
+            logits = _logits(head, hidden[start:stop], softcap)
+            parts = {"nll": torch.logsumexp(logits, -1) - logits.gather(-1, target).squeeze(-1)}
+        else:
+            logp = _log_probs(head, hidden[start:stop], softcap)
+            parts = {"nll": -logp.gather(-1, target).squeeze(-1)}
         if keep_top_k:
             parts["topk_ids"], parts["topk_logp"] = divergence.top_k(logp, keep_top_k)
         if isinstance(reference, LockstepReference):
@@ -180,11 +189,37 @@ def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, 
     return input_ids, mask, row_index, columns, targets
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host to device without making the host wait: from pinned memory on CUDA.
+
+    A plain copy from pageable memory waits for every kernel queued before it, which would leave the
+    GPU idle while the host prepares the next batch.
+    """
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
+    """Start copying a batch's per-token results to the host; returns them and an event to wait on.
+
+    On CUDA the copies go to pinned memory asynchronously, so the next batch is queued before these
+    results are read (``_wait`` then waits for this batch alone).
+    """
+    host = {key: value.to("cpu", non_blocking=True) for key, value in stats.items()}
+    copied = None
+    if device.type == "cuda":
+        copied = torch.cuda.Event()
+        copied.record()
+    return host, copied
+
+
 def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
     device = model.device
-    hidden = model.base_model(input_ids=input_ids.to(device), attention_mask=None if mask is None else mask.to(device),
+    hidden = model.base_model(input_ids=_to_device(input_ids, device),
+                              attention_mask=None if mask is None else _to_device(mask, device),
                               use_cache=False).last_hidden_state
-    return hidden[row_index.to(device), columns.to(device)]
+    return hidden[_to_device(row_index, device), _to_device(columns, device)]
 
 
 @torch.inference_mode()
@@ -215,6 +250,20 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
     arrays: dict[str, torch.Tensor] = {}
     window_nll = torch.zeros(len(counts), dtype=torch.float64)
     prefix_ids = torch.tensor(prefix, dtype=torch.long)
+
+    def store(batch: list[Window], slots: torch.Tensor, host: dict[str, torch.Tensor], copied) -> None:
+        if copied is not None:
+            copied.synchronize()
+        for w, part in zip(batch, host["nll"].split([w.n_scored for w in batch])):
+            window_nll[w.index] = part.double().sum()
+        for key, value in host.items():
+            if key not in arrays:
+                dtype = torch.float32 if value.is_floating_point() else value.dtype
+                arrays[key] = torch.zeros((total, *value.shape[1:]), dtype=dtype)
+            arrays[key][slots] = value.to(arrays[key].dtype)
+        bar.update(len(slots))
+
+    pending = None  # the previous batch, whose results are read once this batch is queued
     with tqdm(total=total, unit="tok", unit_scale=True, desc="scoring", disable=not progress) as bar:
         for b in range(0, len(windows), batch_size):
             batch = windows[b : b + batch_size]
@@ -223,23 +272,19 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
             hidden = _hidden(model, input_ids, mask, row_index, columns)
             against = None
             if isinstance(reference, divergence.TopKCache):
-                against = (reference.ids[slots].to(hidden.device), reference.logp[slots].to(hidden.device))
+                against = (_to_device(reference.ids[slots], hidden.device),
+                           _to_device(reference.logp[slots], hidden.device))
             elif reference is not None:
                 against = LockstepReference(reference.get_output_embeddings(),
                                             _hidden(reference, input_ids, mask, row_index, columns),
                                             getattr(reference.config, "final_logit_softcapping", None))
-            stats = token_stats(head, hidden, targets.to(hidden.device), softcap, keep_top_k=keep_top_k,
+            stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, keep_top_k=keep_top_k,
                                 reference=against)
-            nll = stats["nll"].cpu()
-            for w, part in zip(batch, nll.split([w.n_scored for w in batch])):
-                window_nll[w.index] = part.double().sum()
-            for key, value in stats.items():
-                value = value.cpu()
-                if key not in arrays:
-                    dtype = torch.float32 if value.is_floating_point() else value.dtype
-                    arrays[key] = torch.zeros((total, *value.shape[1:]), dtype=dtype)
-                arrays[key][slots] = value.to(arrays[key].dtype)
-            bar.update(len(slots))
+            if pending is not None:
+                store(*pending)
+            pending = (batch, slots, *_to_host(stats, hidden.device))
+        if pending is not None:
+            store(*pending)
     token_nll = arrays.pop("nll")
     return WindowScores(token_nll, window_nll, counts, arrays)
 

@@ -60,6 +60,18 @@ def test_result_does_not_depend_on_batch_size_or_window_order(tiny_model64, toke
         torch.testing.assert_close(scores.token_nll, reference.token_nll, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("max_length,batch_size", [(32, 1), (64, 3), (200, 2)])
+def test_matches_lm_evaluation_harness_in_its_convention(tiny_model64, tokenizer, text, max_length, batch_size):
+    """lm-eval's loglikelihood_rolling with max_length M is our ``bos: stream``, window M + 1, stride M."""
+    from benchmarks.peers import lm_eval_rolling
+
+    text = text[:6000]
+    theirs, n_tokens = lm_eval_rolling(tiny_model64, tokenizer, text, max_length, batch_size)
+    ours = perplexity(tiny_model64, tokenize(text, tokenizer, bos="stream"), max_length + 1, max_length, batch_size)
+    assert ours.n_tokens == n_tokens
+    assert ours.nll_sum == pytest.approx(theirs, rel=1e-9)
+
+
 def test_mean_of_batch_means_drifts_with_batch_size_but_ours_does_not(tiny_model64, tokenizer, text):
     """The common bug: averaging per-batch mean NLL weighs a short last batch like a full one."""
     stream = tokenize(text, tokenizer, max_tokens=1000)
@@ -121,3 +133,8 @@ def test_result_figures_are_consistent(tiny_model, tokenizer, text):
     assert result.word_ppl == pytest.approx(math.exp(result.nll_sum / result.n_words))
     assert result.window_nll.sum() == pytest.approx(result.nll_sum)
     assert result.tokens_per_second > 0 and result.peak_memory_bytes > 0
+
+
+def test_models_load_with_sdpa_attention(tiny_model):
+    """Fused scaled-dot-product attention (flash / memory-efficient kernels on a GPU), not the eager path."""
+    assert tiny_model.config._attn_implementation == "sdpa"

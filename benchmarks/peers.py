@@ -1,0 +1,230 @@
+"""Our engine against its peers, same model, same text, one process: scored tokens/s, peak memory, PPL.
+
+  .venv/bin/python benchmarks/peers.py                     # CPU: the embedded model, L=512, S=256
+  .venv/bin/python benchmarks/peers.py --model llama-1b --window 2048 --stride 1024 --windows 48 \
+      --batch-sizes 4 8 16                                 # GPU: a 1B-class Llama, bf16, with MFU
+
+Two comparisons, each method on the same windows:
+- sliding window (L, S): the strided loop of https://huggingface.co/docs/transformers/perplexity
+  (batch 1: full logits for every position, loss from ``labels``), our engine at each batch size, and
+  bare forward passes of our windows at our best batch size (``model(..., logits_to_keep=scored)``:
+  the floor). The stream is cut to L + kS tokens so that the loop sees our windows; it then differs
+  from us only by weighing each window's mean loss with (scored - 1).
+- disjoint windows: lm-evaluation-harness ``loglikelihood_rolling`` on the text as one document with
+  ``max_length`` L (each window predicts L tokens, the first from BOS), against our engine in the same
+  convention (``bos: stream``, window L + 1, stride L) at the same batch size. The two agree exactly.
+``--model llama-1b`` builds a Llama-3.2-1B-shaped model from a config (random weights: speed only) with
+the embedded tokenizer. MFU is the model FLOPs the windows need (2 x body parameters per input token,
+causal attention 2 x layers x width x T^2 per window of T tokens, the head on scored tokens only) per
+second over the device's dense bf16/fp16 peak (known GPUs, or ``--peak-tflops``). Peak memory is the
+peak CUDA allocation on a GPU and the process's peak RSS on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import torch
+
+from tasks.corpus import CorpusSpec, corpus_text, tokenize
+from tasks.memory import PeakMemory
+from tasks.models import load_model, load_tokenizer, resolve_device, resolve_dtype
+from tasks.perplexity import Window, _batch_inputs, perplexity, plan
+
+PEAK_TFLOPS_16BIT = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def hf_documentation_loop(model, ids: torch.Tensor, window: int, stride: int) -> tuple[float, int]:
+    """The documented strided loop, as written there (batch 1)."""
+    encodings = ids[None, :]
+    seq_len = encodings.size(1)
+    nll_sum, n_tokens, prev_end_loc = 0.0, 0, 0
+    for begin_loc in range(0, seq_len, stride):
+        end_loc = min(begin_loc + window, seq_len)
+        trg_len = end_loc - prev_end_loc
+        input_ids = encodings[:, begin_loc:end_loc].to(model.device)
+        target_ids = input_ids.clone()
+        target_ids[:, :-trg_len] = -100
+        outputs = model(input_ids, labels=target_ids)
+        neg_log_likelihood = outputs.loss
+        num_valid_tokens = (target_ids != -100).sum().item()
+        num_loss_tokens = num_valid_tokens - target_ids.size(0)
+        nll_sum += neg_log_likelihood.item() * num_loss_tokens
+        n_tokens += num_loss_tokens
+        prev_end_loc = end_loc
+        if end_loc == seq_len:
+            break
+    return nll_sum, n_tokens
+
+
+def lm_eval_rolling(model, tokenizer, text: str, max_length: int, batch_size: int) -> tuple[float, int]:
+    """lm-evaluation-harness's rolling log-likelihood of ``text`` as one document: (NLL sum, tokens)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
+              device=str(model.device), add_bos_token=False)
+    request = Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0)
+    (log_likelihood,) = lm.loglikelihood_rolling([request], disable_tqdm=True)
+    return -log_likelihood, len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@torch.inference_mode()
+def bare_forwards(model, ids: torch.Tensor, windows: list[Window], batch_size: int) -> int:
+    """The forward passes our engine makes, logits for the scored positions only, and nothing else."""
+    for b in range(0, len(windows), batch_size):
+        batch = windows[b : b + batch_size]
+        input_ids, mask, *_ = _batch_inputs(ids, batch, torch.tensor([], dtype=torch.long))
+        model(input_ids=input_ids.to(model.device), attention_mask=None if mask is None else mask.to(model.device),
+              use_cache=False, logits_to_keep=max(w.n_scored for w in batch))
+    return sum(w.n_scored for w in windows)
+
+
+def model_flops(model, windows: list[Window]) -> float:
+    """FLOPs the forward passes over ``windows`` need: matmuls of the body, causal attention, the head."""
+    config = model.config
+    embedding = model.get_input_embeddings().weight.numel()
+    body = sum(p.numel() for p in model.base_model.parameters()) - embedding
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = config.num_attention_heads * head_dim
+    flops = 0.0
+    for w in windows:
+        t = w.end - w.start
+        flops += 2 * body * t + 2 * config.num_hidden_layers * width * t * (t + 1)
+        flops += 2 * model.get_output_embeddings().weight.numel() * w.n_scored
+    return flops
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, given: float | None) -> float | None:
+    if given or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return given
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_TFLOPS_16BIT.items() if key in name), None)
+
+
+def llama_1b(dtype: torch.dtype, device: torch.device):
+    """Llama-3.2-1B's shape (1.24B parameters, vocab 128256, tied head), random weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131_072,
+                         rope_theta=500_000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.name_or_path = "llama-1b (from config, random weights)"
+    return model.eval()
+
+
+def best_of(repeats: int, device: torch.device, work):
+    """Run ``work`` ``repeats`` times: its result, the fastest time, and the highest peak memory."""
+    runs = []
+    for _ in range(repeats):
+        with PeakMemory(device) as memory:
+            sync(device)
+            started = time.perf_counter()
+            out = work()
+            sync(device)
+            seconds = time.perf_counter() - started
+        runs.append((seconds, memory.peak_bytes, out))
+    return runs[0][2], min(r[0] for r in runs), max(r[1] for r in runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded", help="embedded, a model folder, a Hub id, or llama-1b")
+    parser.add_argument("--corpus", default="embedded")
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=256)
+    parser.add_argument("--windows", type=int, default=32, help="stream length is L + (windows - 1) * S")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=1, help="time each method this many times, keep the best")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (known GPUs need none)")
+    args = parser.parse_args()
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    torch.set_grad_enabled(False)
+    tokenizer = load_tokenizer("embedded" if args.model == "llama-1b" else args.model)
+    model = llama_1b(dtype, device) if args.model == "llama-1b" else load_model(args.model, dtype, device)
+    L, S = args.window, args.stride
+    stream = tokenize(corpus_text(CorpusSpec(args.corpus)), tokenizer, bos="none",
+                      max_tokens=L + (args.windows - 1) * S)
+    sliding = plan(stream, L, S)
+    peak = peak_tflops(device, dtype, args.peak_tflops)
+    rows = []
+
+    def row(method: str, batch_size: int, nll_tokens, seconds: float, peak_bytes: int, windows) -> dict:
+        nll_sum, n_tokens = nll_tokens if nll_tokens else (float("nan"), sum(w.n_scored for w in windows))
+        flops_per_second = model_flops(model, windows) / seconds
+        rows.append({"method": method, "batch_size": batch_size, "ppl": math.exp(nll_sum / n_tokens),
+                     "tokens_per_second": n_tokens / seconds, "peak_bytes": peak_bytes,
+                     "mfu": flops_per_second / (peak * 1e12) if peak else None})
+        return rows[-1]
+
+    bare_forwards(model, stream.ids, sliding[:2], 1)  # warm-up
+    hf = row("HF documentation loop", 1, *best_of(args.repeats, device,
+             lambda: hf_documentation_loop(model, stream.ids, L, S)), sliding)
+    ours = []
+    for batch_size in args.batch_sizes:
+        result, seconds, peak_bytes = best_of(args.repeats, device,
+                                              lambda: perplexity(model, stream, L, S, batch_size))
+        ours.append(row("ppl-audit engine", batch_size, (result.nll_sum, result.n_tokens), seconds, peak_bytes,
+                        sliding))
+    best = max(ours, key=lambda r: r["tokens_per_second"])
+    _, seconds, peak_bytes = best_of(args.repeats, device,
+                                     lambda: bare_forwards(model, stream.ids, sliding, best["batch_size"]))
+    bare = row("bare forward passes", best["batch_size"], None, seconds, peak_bytes, sliding)
+
+    text = tokenizer.decode(stream.ids)
+    disjoint_stream = tokenize(text, tokenizer, bos="stream")
+    disjoint = plan(disjoint_stream, L + 1, L)
+    lm_eval = row("lm-eval rolling", best["batch_size"], *best_of(args.repeats, device,
+                  lambda: lm_eval_rolling(model, tokenizer, text, L, best["batch_size"])), disjoint)
+    result, seconds, peak_bytes = best_of(args.repeats, device,
+                                          lambda: perplexity(model, disjoint_stream, L + 1, L, best["batch_size"]))
+    ours_disjoint = row("ppl-audit, lm-eval's windows", best["batch_size"], (result.nll_sum, result.n_tokens),
+                        seconds, peak_bytes, disjoint)
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    print(f"\nmodel {model.name_or_path}, {stream.ids.numel()} tokens, L={L} S={S}, "
+          f"{str(dtype).removeprefix('torch.')} on {device} ({machine}), torch {torch.__version__}, "
+          f"weights {weights / 2**20:.0f} MiB")
+    print(f"{'method':<30}{'batch':>6}{'PPL':>14}{'scored tok/s':>14}{'peak MiB':>10}{'MFU':>8}")
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(f"{r['method']:<30}{r['batch_size']:>6}{r['ppl']:>14.5f}{r['tokens_per_second']:>14.1f}"
+              f"{r['peak_bytes'] / 2**20:>10.0f}{mfu:>8}")
+    figures = {
+        "device": str(device), "machine": machine, "dtype": str(dtype), "tokens": int(stream.ids.numel()),
+        "window": L, "stride": S, "best_batch_size": best["batch_size"], "weights_bytes": weights,
+        "speedup_vs_hf_loop": best["tokens_per_second"] / hf["tokens_per_second"],
+        "speedup_vs_lm_eval": ours_disjoint["tokens_per_second"] / lm_eval["tokens_per_second"],
+        "overhead_vs_bare_forward": bare["tokens_per_second"] / best["tokens_per_second"] - 1,
+        "ppl_difference_vs_hf_loop": abs(best["ppl"] - hf["ppl"]) / hf["ppl"],
+        "ppl_difference_vs_lm_eval": abs(ours_disjoint["ppl"] - lm_eval["ppl"]) / lm_eval["ppl"],
+        "mfu": best["mfu"], "rows": rows,
+    }
+    print(f"speed-up: {figures['speedup_vs_hf_loop']:.2f}x the HF loop, {figures['speedup_vs_lm_eval']:.2f}x "
+          f"lm-eval; overhead over bare forwards {100 * figures['overhead_vs_bare_forward']:+.1f}%; PPL relative "
+          f"difference {figures['ppl_difference_vs_hf_loop']:.1e} (HF loop), "
+          f"{figures['ppl_difference_vs_lm_eval']:.1e} (lm-eval)")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
