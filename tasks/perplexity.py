@@ -204,7 +204,7 @@ def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
     """Start copying a batch's per-token results to the host; returns them and an event to wait on.
 
     On CUDA the copies go to pinned memory asynchronously, so the next batch is queued before these
-    results are read (``_wait`` then waits for this batch alone).
+    results are read (``store`` then waits for this batch alone).
     """
     host = {key: value.to("cpu", non_blocking=True) for key, value in stats.items()}
     copied = None

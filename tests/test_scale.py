@@ -61,3 +61,19 @@ def test_a_128k_vocabulary_never_gets_a_full_logits_tensor():
     assert nll.shape == (tokens,) and bool(torch.isfinite(nll).all())
     assert max(rows_seen) * vocab * 4 <= HEAD_CHUNK_BYTES < tokens * vocab * 4
     assert sum(rows_seen) == tokens
+
+
+def test_peak_memory_catches_a_short_spike_and_nested_blocks_keep_theirs():
+    from tasks.memory import PeakMemory
+
+    mib = 2**20
+    with PeakMemory("cpu") as start:
+        pass
+    with PeakMemory("cpu") as outer:
+        spike = torch.ones(300 * mib, dtype=torch.uint8)  # touched pages: resident
+        del spike
+        with PeakMemory("cpu") as inner:
+            small = torch.ones(100 * mib, dtype=torch.uint8)
+            del small
+    assert outer.peak_bytes - start.peak_bytes >= 290 * mib
+    assert 90 * mib <= inner.peak_bytes - start.peak_bytes < 250 * mib
