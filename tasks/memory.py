@@ -19,9 +19,11 @@ def _process_peak() -> int:
 
 
 def _reset_process_peak() -> bool:
+    """Start the process's high-water mark again from its current RSS; False where the kernel cannot."""
     try:
-        _CLEAR_REFS.write_text("5")  # Linux: VmHWM starts again from the current RSS
-    except OSError:
+        _CLEAR_REFS.write_text("5")
+        _process_peak()
+    except (OSError, AttributeError):  # not Linux, or a sandbox without these /proc files
         return False
     return True
 
