@@ -77,3 +77,21 @@ def test_peak_memory_catches_a_short_spike_and_nested_blocks_keep_theirs():
             del small
     assert outer.peak_bytes - start.peak_bytes >= 290 * mib
     assert 90 * mib <= inner.peak_bytes - start.peak_bytes < 250 * mib
+
+
+def test_peak_memory_samples_where_the_kernel_keeps_no_high_water_mark(monkeypatch, tmp_path):
+    import time
+
+    import tasks.memory
+    from tasks.memory import PeakMemory
+
+    monkeypatch.setattr(tasks.memory, "_CLEAR_REFS", tmp_path / "absent" / "clear_refs")
+    mib = 2**20
+    with PeakMemory("cpu") as start:
+        pass
+    with PeakMemory("cpu") as held:
+        block = torch.ones(200 * mib, dtype=torch.uint8)
+        time.sleep(0.05)  # held for many sampling intervals
+        del block
+    assert held._thread is not None
+    assert held.peak_bytes - start.peak_bytes >= 190 * mib
