@@ -99,11 +99,11 @@ def model_flops(model, windows: list[Window]) -> float:
     body = sum(p.numel() for p in model.base_model.parameters()) - embedding
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     width = config.num_attention_heads * head_dim
+    head = model.get_output_embeddings().weight.numel()
     flops = 0.0
     for w in windows:
         t = w.end - w.start
-        flops += 2 * body * t + 2 * config.num_hidden_layers * width * t * (t + 1)
-        flops += 2 * model.get_output_embeddings().weight.numel() * w.n_scored
+        flops += 2 * body * t + 2 * config.num_hidden_layers * width * t * (t + 1) + 2 * head * w.n_scored
     return flops
 
 
