@@ -114,18 +114,23 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, given: float | None) -
     return next((tflops for key, tflops in PEAK_TFLOPS_16BIT.items() if key in name), None)
 
 
-def llama_1b(dtype: torch.dtype, device: torch.device):
-    """Llama-3.2-1B's shape (1.24B parameters, vocab 128256, tied head), random weights."""
+def random_llama(dtype: torch.dtype, device: torch.device, **shape):
+    """A Llama of the given shape (``LlamaConfig`` fields) with seeded random weights, built on ``device``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131_072,
-                         rope_theta=500_000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.name_or_path = "llama-1b (from config, random weights)"
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+def llama_1b(dtype: torch.dtype, device: torch.device):
+    """Llama-3.2-1B's shape (1.24B parameters, vocab 128256, tied head), random weights."""
+    model = random_llama(dtype, device, vocab_size=128_256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131_072, rope_theta=500_000.0, tie_word_embeddings=True)
+    model.name_or_path = "llama-1b (from config, random weights)"
+    return model
 
 
 def run_once(device: torch.device, work):

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from peers import random_llama  # the sibling script: its folder is on sys.path when this runs as a script
 from tasks.corpus import TokenStream
 from tasks.memory import PeakMemory
 from tasks.models import resolve_device, resolve_dtype
@@ -30,14 +31,9 @@ VOCAB, WINDOW, STRIDE, BATCH = 128_256, 2048, 1024, 8
 
 
 def small_llama_128k(dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=WINDOW,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    return random_llama(dtype, device, vocab_size=VOCAB, hidden_size=512, intermediate_size=1408,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                        max_position_embeddings=WINDOW, tie_word_embeddings=False)
 
 
 def growth(device: torch.device, work) -> int:
