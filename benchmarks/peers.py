@@ -3,6 +3,7 @@
   .venv/bin/python benchmarks/peers.py                     # CPU: the embedded model, L=512, S=256
   .venv/bin/python benchmarks/peers.py --model llama-1b --window 2048 --stride 1024 --windows 48 \
       --batch-sizes 4 8 16                                 # GPU: a 1B-class Llama, bf16, with MFU
+  ... --model llama-8b --batch-sizes 2 4 8 --profile $OUT/profile.txt   # an 8B-class Llama, profiled
 
 Two comparisons, each method on the same windows, at each batch size (the HF loop at 1), compared each
 at its best; ``--repeats`` rounds over all methods keep each one's fastest time:
@@ -14,11 +15,13 @@ at its best; ``--repeats`` rounds over all methods keep each one's fastest time:
 - disjoint windows: lm-evaluation-harness ``loglikelihood_rolling`` on the text as one document with
   ``max_length`` L (each window predicts L tokens, the first from BOS), against our engine in the same
   convention (``bos: stream``, window L + 1, stride L): the same tokens and contexts.
-``--model llama-1b`` builds a Llama-3.2-1B-shaped model from a config (random weights: speed only) with
-the embedded tokenizer. MFU is the model FLOPs the windows need (2 x body parameters per input token,
+``--model llama-1b`` / ``llama-8b`` build a Llama-3.2-1B- / Llama-3-8B-shaped model from a config (random
+weights: speed only) with the embedded tokenizer. MFU is the model FLOPs the windows need (2 x body parameters per input token,
 causal attention 2 x layers x width x T^2 per window of T tokens, the head on scored tokens only) per
 second over the device's dense bf16/fp16 peak (known GPUs, or ``--peak-tflops``). Peak memory is the
-peak CUDA allocation on a GPU and the process's peak RSS on CPU.
+peak CUDA allocation on a GPU and the process's peak RSS on CPU; the engine's is held against its target,
+1.2 x weights + one batch's activations (the body's forward pass alone at that batch size, measured).
+``--profile FILE`` writes torch.profiler's table of the engine's costliest operators at its best batch size.
 """
 
 from __future__ import annotations
@@ -124,13 +127,45 @@ def random_llama(dtype: torch.dtype, device: torch.device, **shape):
     return model.eval()
 
 
-def llama_1b(dtype: torch.dtype, device: torch.device):
-    """Llama-3.2-1B's shape (1.24B parameters, vocab 128256, tied head), random weights."""
-    model = random_llama(dtype, device, vocab_size=128_256, hidden_size=2048, intermediate_size=8192,
-                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                         max_position_embeddings=131_072, rope_theta=500_000.0, tie_word_embeddings=True)
-    model.name_or_path = "llama-1b (from config, random weights)"
+LLAMA_SHAPES = {  # the published configs' shapes; vocabulary 128,256 and rope theta 500k in both
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, max_position_embeddings=131_072, tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False),
+}
+
+
+def llama_shaped(name: str, dtype: torch.dtype, device: torch.device):
+    """Llama-3.2-1B (1.24B parameters, tied head) or Llama-3-8B (8.03B) by shape, random weights."""
+    model = random_llama(dtype, device, vocab_size=128_256, rope_theta=500_000.0, **LLAMA_SHAPES[name])
+    model.name_or_path = f"{name} (from config, random weights)"
     return model
+
+
+def activation_bytes(model, ids: torch.Tensor, windows: list[Window]) -> int:
+    """Peak memory of the body's forward pass over one batch of ``windows``, above what was in use before."""
+    device = model.device
+    input_ids, mask, *_ = _batch_inputs(ids, windows, torch.tensor([], dtype=torch.long))
+    with PeakMemory(device) as before:
+        pass
+    with PeakMemory(device) as during, torch.inference_mode():
+        model.base_model(input_ids=input_ids.to(device), attention_mask=None if mask is None else mask.to(device),
+                         use_cache=False)
+    return during.peak_bytes - before.peak_bytes
+
+
+def profile_engine(model, stream, window: int, stride: int, batch_size: int, path: str) -> None:
+    """One engine pass under torch.profiler: the 25 costliest operators by device (or CPU) time, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        perplexity(model, stream, window, stride, batch_size)
+    key = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25)
+    with open(path, "w") as out:
+        out.write(table)
+    print(table)
 
 
 def run_once(device: torch.device, work):
@@ -146,7 +181,8 @@ def run_once(device: torch.device, work):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="embedded", help="embedded, a model folder, a Hub id, or llama-1b")
+    parser.add_argument("--model", default="embedded",
+                        help=f"embedded, a model folder, a Hub id, or {' or '.join(LLAMA_SHAPES)}")
     parser.add_argument("--corpus", default="embedded")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
@@ -157,13 +193,15 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (known GPUs need none)")
+    parser.add_argument("--profile", metavar="FILE", help="write a torch.profiler table of the engine here")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     torch.set_grad_enabled(False)
-    tokenizer = load_tokenizer("embedded" if args.model == "llama-1b" else args.model)
-    model = llama_1b(dtype, device) if args.model == "llama-1b" else load_model(args.model, dtype, device)
+    shaped = args.model in LLAMA_SHAPES
+    tokenizer = load_tokenizer("embedded" if shaped else args.model)
+    model = llama_shaped(args.model, dtype, device) if shaped else load_model(args.model, dtype, device)
     L, S = args.window, args.stride
     stream = tokenize(corpus_text(CorpusSpec(args.corpus)), tokenizer, bos="none",
                       max_tokens=L + (args.windows - 1) * S)
@@ -209,6 +247,10 @@ def main() -> None:
     lm_eval, ours_disjoint = best["lm-eval rolling"], best["ppl-audit, lm-eval's windows"]
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    activations = activation_bytes(model, stream.ids, sliding[: ours["batch_size"]])
+    peak_target = 1.2 * weights + activations
+    if args.profile:
+        profile_engine(model, stream, L, S, ours["batch_size"], args.profile)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     print(f"\nmodel {model.name_or_path}, {stream.ids.numel()} tokens, L={L} S={S}, "
@@ -227,12 +269,15 @@ def main() -> None:
         "overhead_vs_bare_forward": bare["tokens_per_second"] / ours["tokens_per_second"] - 1,
         "ppl_difference_vs_hf_loop": abs(ours["ppl"] - hf["ppl"]) / hf["ppl"],
         "ppl_difference_vs_lm_eval": abs(ours_disjoint["ppl"] - lm_eval["ppl"]) / lm_eval["ppl"],
-        "mfu": ours["mfu"], "rows": rows,
+        "mfu": ours["mfu"], "engine_peak_bytes": ours["peak_bytes"], "activation_bytes": activations,
+        "peak_target_bytes": peak_target, "rows": rows,
     }
     print(f"each at its best batch size: {figures['speedup_vs_hf_loop']:.2f}x the HF loop, "
           f"{figures['speedup_vs_lm_eval']:.2f}x lm-eval; overhead over bare forwards "
           f"{100 * figures['overhead_vs_bare_forward']:+.1f}%; PPL relative difference "
           f"{figures['ppl_difference_vs_hf_loop']:.1e} (HF loop), {figures['ppl_difference_vs_lm_eval']:.1e} (lm-eval)")
+    print(f"engine peak {ours['peak_bytes'] / 2**20:.0f} MiB against its target {peak_target / 2**20:.0f} MiB "
+          f"(1.2 x weights {weights / 2**20:.0f} + one batch's activations {activations / 2**20:.0f})")
     print(json.dumps(figures))
 
 

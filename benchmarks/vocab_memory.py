@@ -7,7 +7,7 @@ random token ids; one batch of 8 windows of 2048 tokens (stride 1024). Full floa
 batch would take 8 x 2048 x 128,256 x 4 B = 7.8 GiB. Printed, each as the growth of peak memory over
 the loaded model (peak CUDA allocation on a GPU, peak process RSS on CPU):
 - the body's forward pass alone (``model.base_model``: the activations any method needs);
-- our engine scoring the batch (that, plus one 64 MiB chunk of logits at a time);
+- our engine scoring the batch (that, plus one chunk of logits at a time: 64 MiB, 256 MiB on CUDA);
 - for contrast, one window (batch 1) through ``model(input_ids, labels=...)`` as the usual loops do.
 Each is measured in a fresh process, so that memory freed by one cannot hide the next one's growth.
 """

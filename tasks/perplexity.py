@@ -10,6 +10,7 @@ result does not depend on batch size, window order or padding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,10 @@ from tasks.errors import InputError, NumericalError
 from tasks.memory import PeakMemory
 from tasks.models import max_positions
 
-HEAD_CHUNK_BYTES = 64 << 20  # bounds one chunk of float32 logits: 341 rows at vocab 49k, 128 at 128k
+# Bounds one chunk of float32 logits, by device. CPU: 341 rows at vocab 49k, 128 at 128k. CUDA: 512 rows
+# at 128k; fewer rows re-read the head's weights too often (64 MiB chunks ran the 128k head at a quarter
+# of an H100's matmul rate), and the fused NLL below never writes the float32 chunk anyway.
+HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 
 
 @dataclass(frozen=True)
@@ -77,16 +81,42 @@ def plan_chunks(n_tokens: int, window: int, mode: str) -> list[Window]:
     return [Window(i, i * window, (i + 1) * window, i * window + first) for i in range(chunks)]
 
 
-def _logits(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = head(hidden)
+def _upcast(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
 
 
+def _nll(logits: torch.Tensor, target: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``logsumexp(logits) - logits[target]`` per row, in float32 (float64 for a float64 model).
+
+    NLL alone needs no ``[rows, V]`` log-softmax: on CPU writing one costs a quarter of the head's matmul,
+    and logsumexp is the more accurate of the two.
+    """
+    logits = _upcast(logits, softcap)
+    return torch.logsumexp(logits, -1) - logits.gather(-1, target).squeeze(-1)
+
+
+@functools.cache
+def _compiled_nll():
+    return torch.compile(_nll)
+
+
+def _fused_nll(logits: torch.Tensor, target: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``_nll`` compiled for CUDA into passes that read the 16-bit logits and write one number per row.
+
+    Eager, the float32 upcast, max, subtraction, exp and sum each write or re-read a float32 copy of the
+    chunk: on an H100 at a 128k vocabulary that took twice as long as the head's matmul itself. Rows
+    vary from chunk to chunk, the vocabulary does not: one compiled kernel serves every chunk.
+    """
+    torch._dynamo.maybe_mark_dynamic(logits, 0)
+    torch._dynamo.maybe_mark_dynamic(target, 0)
+    return _compiled_nll()(logits, target, softcap)
+
+
 def _log_probs(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    return torch.log_softmax(_logits(head, hidden, softcap), dim=-1)
+    return torch.log_softmax(_upcast(head(hidden), softcap), dim=-1)
 
 
 def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
@@ -94,8 +124,12 @@ def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
+def head_chunk_bytes(device: torch.device) -> int:
+    return HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["cpu"])
+
+
 def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
-                chunk_bytes: int = HEAD_CHUNK_BYTES, keep_top_k: int = 0, reference=None) -> dict[str, torch.Tensor]:
+                chunk_bytes: int | None = None, keep_top_k: int = 0, reference=None) -> dict[str, torch.Tensor]:
     """Per-token NLL (and divergence from a reference), running the LM head in chunks of rows.
 
     Args:
@@ -103,7 +137,8 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         hidden: ``[T, H]`` final hidden states at the positions that predict ``targets``.
         targets: ``[T]`` token ids.
         softcap: final logit soft-capping of the model, if it has one (Gemma 2).
-        chunk_bytes: bound on one chunk's float32 logits; the full ``[T, V]`` is never built.
+        chunk_bytes: bound on one chunk's float32 logits (default by device, ``HEAD_CHUNK_BYTES``); the
+            full ``[T, V]`` is never built.
         keep_top_k: also return the ``k`` most likely ids and log-probs per token (a ``TopKCache``).
         reference: ``(head, hidden, softcap)`` of a baseline run on the same batch (lockstep), or
             ``(ids, logp)`` top-k rows of a baseline cache aligned with ``targets``.
@@ -112,15 +147,14 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``keep_top_k`` ``topk_ids`` and
         ``topk_logp``; with ``reference`` ``kl``, ``kl_bound``, ``top1`` and ``base_nll`` (lockstep).
     """
-    rows = _chunk_rows(head, chunk_bytes)
+    rows = _chunk_rows(head, chunk_bytes or head_chunk_bytes(hidden.device))
+    nll = _fused_nll if hidden.is_cuda else _nll
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, hidden.shape[0], rows):
         stop = start + rows
         target = targets[start:stop, None]
         if not keep_top_k and reference is None:
-            # NLL alone needs no [rows, V] log-softmax: on CPU writing one costs a quarter of the head's matmul
-            logits = _logits(head, hidden[start:stop], softcap)
-            parts = {"nll": torch.logsumexp(logits, -1) - logits.gather(-1, target).squeeze(-1)}
+            parts = {"nll": nll(head(hidden[start:stop]), target, softcap)}
         else:
             logp = _log_probs(head, hidden[start:stop], softcap)
             parts = {"nll": -logp.gather(-1, target).squeeze(-1)}

@@ -22,3 +22,18 @@ def test_peer_benchmark_runs_and_agrees(tiny_model_dir, text, tmp_path):
     assert figures["ppl_difference_vs_lm_eval"] < 1e-6
     assert figures["ppl_difference_vs_hf_loop"] < 1e-2  # the loop weighs each window's mean by scored - 1
     assert all(row["tokens_per_second"] > 0 and 0 < row["mfu"] < 1 for row in figures["rows"])
+
+
+def test_quantized_benchmark_loads_as_an_audit_does_and_agrees(trained_model_dir, text, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    done = subprocess.run([sys.executable, "benchmarks/quantized.py", "--model", str(trained_model_dir), "--corpus",
+                           str(corpus), "--methods", "baseline", "bnb-int8", "--window", "64", "--stride", "32",
+                           "--max-tokens", "600", "--batch-size", "4", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(row["method"], row["backend"]) for row in rows] == [("baseline", "torch.nn.Linear"),
+                                                                  ("bnb-int8", "Linear8bitLt")]
+    assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"]
+    assert abs(rows[1]["ppl"] / rows[0]["ppl"] - 1) < 0.05 and all(row["tokens_per_second"] > 0 for row in rows)
