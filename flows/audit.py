@@ -7,31 +7,58 @@ The flow ends Completed when every variant passes its gate, Failed with a one-li
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, Failed
 
 from tasks.audit import VariantResult, preflight
-from tasks.config import AuditConfig, VariantSpec, load_audit_config
+from tasks.config import AuditConfig, load_audit_config
+from tasks.errors import InputError
+from tasks.events import event_config
 from tasks.steps import read_corpus, spool_audit, tokenize_corpus, track
 from tasks.tracking import use_tracking
 from tasks.verdict import comparison_row, format_table, judge, overall
 from flows.runners import score_all
 
 
-def event_variant(config: AuditConfig, model_path: str | None, method: str | None, baseline: str | None) -> AuditConfig:
-    """The config narrowed to the one variant a ``quantization.completed`` event names."""
-    if not model_path:
-        return config
-    variant = VariantSpec(name=Path(model_path).name or "variant", method=method or "gptq", path=model_path,
-                          dtype=config.baseline.dtype, device=config.baseline.device)
-    gates = {k: v for k, v in config.thresholds.per_variant.items() if k == variant.name}
-    update = {"variants": [variant], "thresholds": config.thresholds.model_copy(update={"per_variant": gates})}
-    if baseline:
-        update["baseline"] = config.baseline.model_copy(update={"path": baseline})
-    return AuditConfig.model_validate(config.model_copy(update=update).model_dump())
+class AuditFailed(Exception):
+    """A failed audit's verdict, as the data of its Failed state; ``summary`` is what ``audit`` computed.
+
+    Prefect 3 resolves a Failed state's data into the exception a run raises, so it must be one.
+    """
+
+    def __init__(self, reason: str, summary: dict | None = None):
+        super().__init__(reason)
+        self.summary = summary
+
+
+class _VerdictIsNotACrash(logging.Filter):
+    """Drops Prefect's traceback of an ``AuditFailed``; the run's log already ends with its one line.
+
+    Under a deployment Prefect 3.8 re-raises a Failed state's exception after the run ends and logs
+    it with its traceback ("Engine execution exited with unexpected exception"): a few KB per audit
+    that is judged failed, which is an answer, not a crash.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], AuditFailed))
+
+
+def _failed(reason: str, summary: dict | None = None):
+    """The audit's Failed state. The filter goes on where the run's process logs (it passes every
+    record but one carrying an ``AuditFailed``), once per process."""
+    runs = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, _VerdictIsNotACrash) for f in runs.filters):
+        runs.addFilter(_VerdictIsNotACrash())
+    return Failed(message=reason, data=AuditFailed(reason, summary))
+
+
+def summary_of(state) -> dict | None:
+    """What an ``audit`` run computed, passed or failed (None when it ended before a verdict)."""
+    result = state.result(raise_on_failure=False)
+    return result if isinstance(result, dict) else getattr(result, "summary", None)
 
 
 def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantResult]) -> dict:
@@ -44,19 +71,25 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
 
 @flow(name="ppl-audit", flow_run_name="audit-{config}")
 def audit(config: str, overrides: list[str] | None = None, model_path: str | None = None, method: str | None = None,
-          bits: int | str | None = None, baseline: str | None = None):
+          bits: int | str | None = None, baseline: str | None = None, name: str | None = None):
     """Audit a baseline and its variants by perplexity.
 
     Args:
         config: path of the audit YAML (the single source of truth).
         overrides: ``key=value`` settings that replace the file's.
-        model_path, method, bits, baseline: from a ``quantization.completed`` event: audit that one
-            checkpoint (``bits`` is informative) against ``baseline`` (else the config's).
+        model_path, method, bits, baseline, name: from a ``quantization.completed`` event: audit that
+            one checkpoint (``bits`` is informative) against ``baseline`` (else the config's), under
+            the name ``tasks.events`` chooses (it picks the gate).
     """
-    settings = event_variant(load_audit_config(config, overrides or []), model_path or None, method or None,
-                             baseline or None)
-    use_tracking(settings.tracking.uri)  # models:/ variants resolve against the audit's registry
-    preflight(settings, variants=False)
+    try:
+        settings = load_audit_config(config, overrides or [])
+        if model_path:
+            settings, why = event_config(settings, model_path, method or None, baseline or None, name or None)
+            print(f"auditing {model_path} as {settings.variants[0].name}: {why}")
+        use_tracking(settings.tracking.uri)  # models:/ variants resolve against the audit's registry
+        preflight(settings, variants=False)
+    except InputError as error:
+        return _failed(f"error: {error}")
     text = read_corpus(settings.corpus)
     scored = tokenize_corpus(text, settings)
     baseline_result, variant_results = score_all(settings, scored)
@@ -81,4 +114,4 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     )
     if verdict.status == "pass":
         return Completed(message=verdict.reason, data=summary)
-    return Failed(message=f"{verdict.status}: {verdict.reason}", data=summary)
+    return _failed(f"{verdict.status}: {verdict.reason}", summary)

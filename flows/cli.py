@@ -44,8 +44,10 @@ def _add_ppl(commands) -> None:
     ppl.add_argument("--batch-size", type=_batch_size, default=1,
                      help="windows per forward pass, or auto (searched once per model, window and device)")
     ppl.add_argument("--bos", choices=["none", "stream", "window"],
-                     help="BOS policy; default 'stream' when the tokenizer has a BOS token")
+                     help="BOS policy; default: each mode's own (sliding: 'stream' when the tokenizer has a BOS "
+                          "token; gptq: 'none'; llama.cpp: 'stream' when the tokenizer adds BOS, else 'none')")
     ppl.add_argument("--max-tokens", type=int, help="truncate the token stream to this many tokens")
+    ppl.add_argument("--chunks", type=int, help="gptq/llama.cpp modes: score the first N chunks (llama-perplexity --chunks)")
     ppl.add_argument("--mode", choices=["sliding", "gptq", "llama.cpp"], default="sliding",
                      help="sliding window (default), or a published convention: gptq (GPTQ/AWQ papers), llama.cpp")
     ppl.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -71,6 +73,7 @@ def _add_quantize(commands) -> None:
     quantize.add_argument("--holdout-tokens", type=int, default=0,
                           help="never calibrate on the first N tokens (what an audit with max_tokens N scores)")
     quantize.add_argument("--out", required=True, help="folder for the quantized checkpoint")
+    quantize.add_argument("--name", help="the variant's name in audits of this checkpoint (it picks the gate)")
 
 
 def _variant(args: argparse.Namespace):
@@ -105,30 +108,32 @@ def run_ppl(args: argparse.Namespace) -> int:
     positions = max_positions(load_config(spec.path or args.model))
     tokenizer = load_tokenizer(args.model)
     corpus = CorpusSpec(args.corpus, args.text_column, args.hf_config, args.hf_split, args.joiner)
+    # `ppl` measures one model: nothing is kept for a KL it does not take
     scored = evaluation(corpus_text(corpus), tokenizer, args.bos, args.max_tokens, args.window, stride,
-                        args.batch_size, progress=True, mode=args.mode)
+                        args.batch_size, progress=True, chunks=args.chunks, mode=args.mode, divergence="off")
     check_settings(args.window, stride, args.batch_size, scored.stream, positions, args.mode)
     outcome = score_variant(spec, args.model, tokenizer_digest(tokenizer), scored, progress=True)
     if not outcome.ok:
         print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=sys.stderr)
         return 1
     result = outcome.result
+    per_byte = f"{result.bits_per_byte:.4f} bits/byte, " if result.bits_per_byte is not None else ""
     print(f"{spec.name}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} tokens "
-          f"(mean NLL {result.mean_nll:.5f}, {result.bits_per_byte:.4f} bits/byte, "
-          f"{result.tokens_per_second:.0f} tok/s, {outcome.facts.backend})")
+          f"(mean NLL {result.mean_nll:.5f}, {per_byte}{result.tokens_per_second:.0f} tok/s, {outcome.facts.backend})")
     if args.json:
-        print(json.dumps({**result.summary(), "variant": outcome.facts.summary()}))
+        print(json.dumps({**result.summary(), "name": spec.name, "model": spec.path or args.model,
+                          "method": spec.method, "variant": outcome.facts.summary()}))
     return 0
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from flows.quantize import check_output_folder, quantize_flow
+    from flows.quantize import check_request, quantize_flow
 
-    out = check_output_folder(args.out)  # here too, so that bad input ends before Prefect starts
+    out = check_request(args.method, args.out, args.name)  # here too, so that bad input ends before Prefect starts
     manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
                              bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
                              samples=args.samples, seq_len=args.seq_len, seed=args.seed,
-                             holdout_tokens=args.holdout_tokens)
+                             holdout_tokens=args.holdout_tokens, name=args.name)
     print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint in {out} "
           f"({manifest['calibration']['samples']} calibration samples, {manifest['seconds']} s); "
           "emitted quantization.completed")
@@ -148,12 +153,12 @@ def _checked_config(path: str, overrides: list[str]):
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from flows.audit import audit
+    from flows.audit import audit, summary_of
 
     _checked_config(args.config, args.set)
     state = audit(config=args.config, overrides=args.set, return_state=True)
-    summary = state.result(raise_on_failure=False)
-    if not isinstance(summary, dict):
+    summary = summary_of(state)
+    if summary is None:
         print(f"ppl-audit: audit failed: {state.message}", file=sys.stderr)
         return 1
     verdict = summary["verdict"]

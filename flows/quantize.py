@@ -1,17 +1,20 @@
 """The quantize flow: make a GPTQ/AWQ checkpoint, then announce it with ``quantization.completed``.
 
 Any job that emits the same event (ours or anyone's) starts an audit of the new checkpoint when
-``ppl-audit serve`` is running; the payload carries ``model_path``, ``method``, ``bits``, ``baseline``.
+``ppl-audit serve`` is running; the payload carries ``model_path``, ``method``, ``bits``, ``baseline``
+and, when one is given, the variant's ``name`` (see ``tasks.events`` for how an audit names it).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
+from tasks.config import NAME, QUANTIZED_BY_US
 from tasks.corpus import CorpusSpec, cached_tokenize, corpus_text
 from tasks.errors import InputError
 from tasks.models import load_tokenizer
@@ -20,8 +23,12 @@ from tasks.quantize import draw_calibration, quantize
 EVENT = "quantization.completed"
 
 
-def check_output_folder(out: str) -> Path:
-    """A new or empty folder for the checkpoint, or one line saying to give another."""
+def check_request(method: str, out: str, name: str | None) -> Path:
+    """The checkpoint's folder (new or empty), or one line saying which argument to change."""
+    if method not in QUANTIZED_BY_US:
+        raise InputError(f"method {method} cannot be quantized here; use gptq or awq")
+    if name is not None and not re.match(NAME, name):
+        raise InputError(f"name '{name}' may hold only letters, digits, '_', '.' and '-'")
     folder = Path(out)
     if folder.exists() and any(folder.iterdir()):
         raise InputError(f"output folder {folder} is not empty; give a new folder")
@@ -30,33 +37,35 @@ def check_output_folder(out: str) -> Path:
 
 @task(cache_policy=NO_CACHE)
 def quantize_model(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: str,
-                   column: str, samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str) -> dict:
+                   column: str, samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str,
+                   name: str | None) -> dict:
     stream = cached_tokenize(corpus_text(CorpusSpec(calibration, column)), load_tokenizer(model), bos="none",
                              progress=True)
     holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
     drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration, stream.text_digest, holdout)
-    return quantize(model, method, bits, group_size, sym, drawn, Path(out))
+    return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name)
 
 
 @flow(name="ppl-audit-quantize", flow_run_name="quantize-{method}-{bits}bit")
 def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int = 4, group_size: int = 128,
                   sym: bool = True, column: str = "text", samples: int = 128, seq_len: int = 512, seed: int = 0,
-                  holdout_tokens: int = 0) -> dict:
+                  holdout_tokens: int = 0, name: str | None = None) -> dict:
     """Quantize ``model`` into ``out`` and emit ``quantization.completed`` for it.
 
     Args:
         holdout_tokens: never calibrate on the first N tokens of the calibration corpus (what an audit
             with ``max_tokens: N`` on the same corpus scores).
+        name: the variant's name in audits of this checkpoint (it picks the gate); recorded in the
+            manifest and sent with the event.
     """
-    if method not in ("gptq", "awq"):
-        raise InputError(f"method {method} cannot be quantized here; use gptq or awq")
-    folder = check_output_folder(out)
+    folder = check_request(method, out, name)
     manifest = quantize_model(model, method, bits, group_size, sym, calibration, column, samples, seq_len, seed,
-                              holdout_tokens, out)
+                              holdout_tokens, out, name)
     emit_event(
         event=EVENT,
         resource={"prefect.resource.id": f"ppl-audit.model.{folder.resolve()}", "prefect.resource.name": folder.name},
         payload={"model_path": str(folder.resolve()), "method": method, "bits": bits, "group_size": group_size,
-                 "baseline": model, "calibration_digest": manifest["calibration"]["digest"]},
+                 "baseline": model, "calibration_digest": manifest["calibration"]["digest"],
+                 **({"name": name} if name else {})},
     )
     return manifest

@@ -10,17 +10,21 @@ from pathlib import Path
 
 from prefect import serve
 from prefect.events import DeploymentEventTrigger
+from prefect.schedules import Cron
 
 from flows.audit import audit
 from flows.quantize import EVENT, quantize_flow
 from tasks.config import load_audit_config
 
-# the event's payload becomes the audit's parameters: that checkpoint against that baseline
+# the event's payload becomes the audit's parameters: that checkpoint against that baseline. Only
+# model_path is required: a field a payload lacks renders as a value the server cannot send, and the
+# run silently never starts, so the others default to "" (the audit reads it as "not given")
 EVENT_PARAMETERS = {
     "model_path": "{{ event.payload.model_path }}",
-    "method": "{{ event.payload.method }}",
-    "bits": "{{ event.payload.bits }}",
-    "baseline": "{{ event.payload.baseline }}",
+    "method": "{{ event.payload.method | default('') }}",
+    "bits": "{{ event.payload.bits | default('') }}",
+    "baseline": "{{ event.payload.baseline | default('') }}",
+    "name": "{{ event.payload.name | default('') }}",
 }
 
 
@@ -28,8 +32,10 @@ def deployments(config_path: str) -> list:
     config = load_audit_config(config_path)
     path = str(Path(config_path).resolve())
     trigger = DeploymentEventTrigger(expect={EVENT}, parameters={"config": path, **EVENT_PARAMETERS})
+    schedule = config.schedule
+    schedules = [Cron(schedule.cron, timezone=schedule.timezone)] if schedule.cron else []
     return [
-        audit.to_deployment(name=config.name, parameters={"config": path}, cron=config.schedule.cron,
+        audit.to_deployment(name=config.name, parameters={"config": path}, schedules=schedules,
                             triggers=[trigger], description=f"ppl-audit {config.name}: nightly and on {EVENT}"),
         quantize_flow.to_deployment(name=f"{config.name}-quantize", description="GPTQ/AWQ, then emits " + EVENT),
     ]

@@ -15,12 +15,12 @@ import torch
 
 from tasks.batching import auto_batch_size
 from tasks.config import VariantSpec
-from tasks.corpus import TokenStream, cached_tokenize
+from tasks.corpus import TokenStream, cached_tokenize, default_bos
 from tasks.divergence import TopKCache
 from tasks.embedded import cache_dir
 from tasks.errors import InputError, NumericalError, TransientError
 from tasks.models import load_tokenizer, resolve_model_path
-from tasks.perplexity import PerplexityResult, perplexity
+from tasks.perplexity import PerplexityResult, chunk_limit, count_scored_text, perplexity
 from tasks.quantize import check_disjoint, draw_calibration, model_digest, quantize, read_manifest
 from tasks.variants import VariantFacts, check_same_tokenizer, load_variant
 
@@ -65,9 +65,17 @@ class VariantResult:
 
 
 def evaluation(text: str, tokenizer, bos: str | None, max_tokens: int | None, window: int, stride: int,
-               batch_size: int, progress: bool = False, **options) -> Evaluation:
-    """Tokenize once; ``options`` are ``mode``, ``divergence`` and ``top_k`` of ``Evaluation``."""
-    stream = cached_tokenize(text, tokenizer, bos, max_tokens, progress)
+               batch_size: int, progress: bool = False, chunks: int | None = None, **options) -> Evaluation:
+    """Tokenize once; ``options`` are ``mode``, ``divergence`` and ``top_k`` of ``Evaluation``.
+
+    ``bos`` None takes the mode's own convention (``default_bos``); ``chunks`` limits a chunk mode to
+    its first ``chunks`` chunks.
+    """
+    mode = options.get("mode", "sliding")
+    max_tokens = chunk_limit(chunks, window, mode, max_tokens)
+    stream = cached_tokenize(text, tokenizer, bos or default_bos(tokenizer, mode), max_tokens, progress)
+    if mode != "sliding":
+        stream = count_scored_text(stream, tokenizer, window, mode)
     evaluated_text_tokens = len(stream.ids) - (1 if stream.bos == "stream" else 0)
     return Evaluation(stream, text, (0, evaluated_text_tokens), window, stride, batch_size, **options)
 
@@ -98,9 +106,7 @@ def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluati
         corpus_text_of: maps a calibration ``CorpusConfig`` to its text (only called when one is given).
     """
     settings = spec.calibration
-    bits = spec.bits or 4
-    group_size = spec.group_size or 128
-    sym = True if spec.sym is None else spec.sym
+    bits, group_size, sym = spec.quantization
     samples, seq_len, seed = (settings.samples, settings.seq_len, settings.seed) if settings else (128, 512, 0)
     if settings and settings.corpus:
         text, source = corpus_text_of(settings.corpus), settings.corpus.source
@@ -113,7 +119,7 @@ def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluati
     key = json.dumps([model_digest(resolve_model_path(baseline)), spec.method, bits, group_size, sym, calibration.digest])
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if read_manifest(str(out)) is None:
-        quantize(baseline, spec.method, bits, group_size, sym, calibration, out)
+        quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name)
     return str(out)
 
 

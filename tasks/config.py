@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.corpus import CorpusSpec
 from tasks.errors import InputError
+from tasks.perplexity import chunk_limit
 
 Method = Literal["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"]
+NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file names, YAML keys
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
 
 
@@ -54,7 +56,7 @@ class VariantSpec(Strict):
     ``bits``, ``group_size``, ``sym`` and ``calibration``.
     """
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(min_length=1, pattern=NAME)
     method: Method = "baseline"
     path: str | None = None
     bits: Literal[2, 3, 4, 8] | None = None
@@ -78,6 +80,11 @@ class VariantSpec(Strict):
     @property
     def quantize_here(self) -> bool:
         return self.method in QUANTIZED_BY_US and self.path is None
+
+    @property
+    def quantization(self) -> tuple[int, int, bool]:
+        """``(bits, group_size, sym)`` a gptq/awq variant is quantized with, defaults filled in."""
+        return (self.bits or 4, self.group_size or 128, True if self.sym is None else self.sym)
 
 
 def one_line(error: ValidationError, where: str) -> str:
@@ -107,6 +114,7 @@ class EvaluationConfig(Strict):
     batch_size: int | Literal["auto"] = Field(1, ge=1)
     bos: Literal["none", "stream", "window"] | None = None
     max_tokens: int | None = Field(None, ge=2)
+    chunks: int | None = Field(None, ge=1, description="chunk modes: the first N chunks (llama-perplexity --chunks)")
     mode: Literal["sliding", "gptq", "llama.cpp"] = "sliding"
     divergence: Literal["auto", "lockstep", "topk", "off"] = "auto"
     top_k: int = Field(32, ge=1, le=4096)
@@ -115,6 +123,10 @@ class EvaluationConfig(Strict):
     def _stride_below_window(self) -> "EvaluationConfig":
         if self.stride is not None and self.stride >= self.window:
             raise ValueError(f"stride {self.stride} must be below window {self.window}")
+        try:
+            chunk_limit(self.chunks, self.window, self.mode, self.max_tokens)
+        except InputError as error:
+            raise ValueError(str(error)) from None
         return self
 
     @property
@@ -144,8 +156,21 @@ class Thresholds(Gate):
 
 
 class Schedule(Strict):
+    """When ``serve`` runs the audit: ``cron`` read in ``timezone`` (an IANA name: 03:00 stays 03:00 across DST)."""
+
     cron: str | None = None
     timezone: str = "UTC"
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, zone: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"'{zone}' is not an IANA time zone; use a name such as UTC or Europe/Berlin") from None
+        return zone
 
     @model_validator(mode="after")
     def _valid_cron(self) -> "Schedule":
@@ -178,7 +203,7 @@ class Tracking(Strict):
 class AuditConfig(Strict):
     """One audit: a baseline, its variants, the corpus, how to score, and the gate."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(min_length=1, pattern=NAME)
     baseline: VariantSpec
     corpus: CorpusConfig
     evaluation: EvaluationConfig = EvaluationConfig()

@@ -164,6 +164,8 @@ class TokenStream:
         n_words: whitespace-separated words of that text.
         text_digest: sha256 of the corpus text.
         bos_id: the tokenizer's BOS id, if it has one.
+        counted_for: the mode whose scored text ``n_bytes``/``n_words`` count: ``sliding`` scores the
+            whole text; a chunk mode drops text, so its stream is counted again (``count_scored_text``).
     """
 
     ids: torch.Tensor
@@ -173,6 +175,7 @@ class TokenStream:
     n_words: int
     text_digest: str
     bos_id: int | None = None
+    counted_for: str = "sliding"
 
     @property
     def first_scored(self) -> int:
@@ -192,7 +195,21 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
 
 
-def default_bos(tokenizer) -> BosPolicy:
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS before a text by itself (transformers' ``add_bos_token``, GGUF's
+    ``tokenizer.ggml.add_bos_token``): read off an encoding, which every tokenizer class answers alike."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a").input_ids[:1] == [bos]
+
+
+def default_bos(tokenizer, mode: str = "sliding") -> BosPolicy:
+    """Each mode's own convention: ``sliding`` (ours) starts the stream with BOS when the tokenizer has
+    one; ``gptq`` (the GPTQ/AWQ papers) scores the plain stream; ``llama.cpp`` puts BOS over each chunk's
+    first token only when the model's vocabulary says to add BOS, as ``llama-perplexity`` does."""
+    if mode == "gptq":
+        return "none"
+    if mode == "llama.cpp":
+        return "stream" if adds_bos(tokenizer) else "none"
     return "stream" if tokenizer.bos_token_id is not None else "none"
 
 

@@ -115,8 +115,15 @@ def _fused_nll(logits: torch.Tensor, target: torch.Tensor, softcap: float | None
     return _compiled_nll()(logits, target, softcap)
 
 
-def _log_probs(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    return torch.log_softmax(_upcast(head(hidden), softcap), dim=-1)
+def _log_probs_and_nll(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor,
+                       softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full log-probabilities ``[rows, V]`` (for top-k and KL) and the NLL of ``target``, both from one
+    logsumexp: the NLL then equals ``_nll``'s whatever else is kept (a float32 ``log_softmax`` gathered at
+    the target is ~1e-5 nats low per token at a 49k vocabulary, which would bias every path that keeps
+    log-probabilities against the one that does not)."""
+    logits = _upcast(head(hidden), softcap)
+    lse = torch.logsumexp(logits, -1, keepdim=True)
+    return logits - lse, (lse - logits.gather(-1, target)).squeeze(-1)
 
 
 def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
@@ -156,14 +163,15 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         if not keep_top_k and reference is None:
             parts = {"nll": nll(head(hidden[start:stop]), target, softcap)}
         else:
-            logp = _log_probs(head, hidden[start:stop], softcap)
-            parts = {"nll": -logp.gather(-1, target).squeeze(-1)}
+            logp, token_nll = _log_probs_and_nll(head, hidden[start:stop], target, softcap)
+            parts = {"nll": token_nll}
         if keep_top_k:
             parts["topk_ids"], parts["topk_logp"] = divergence.top_k(logp, keep_top_k)
         if isinstance(reference, LockstepReference):
-            base = _log_probs(reference.head, reference.hidden[start:stop], reference.softcap)
+            base, base_nll = _log_probs_and_nll(reference.head, reference.hidden[start:stop], target,
+                                                reference.softcap)
             parts |= divergence.exact(base, logp)
-            parts["base_nll"] = -base.gather(-1, target).squeeze(-1).float()
+            parts["base_nll"] = base_nll.float()
         elif reference is not None:
             ids, base_top = reference
             parts |= divergence.from_top_k(ids[start:stop], base_top[start:stop], logp)
@@ -334,11 +342,11 @@ class PerplexityResult:
     ppl: float
     stderr: float  # standard error of the mean token NLL; PPL error is ppl * stderr, as llama.cpp prints
     ppl_stderr: float
-    n_bytes: int
+    n_bytes: int  # of the text whose tokens were scored; 0 where it was not counted for this mode
     n_words: int
-    bits_per_byte: float
-    byte_ppl: float
-    word_ppl: float
+    bits_per_byte: float | None  # None where the scored text was not counted
+    byte_ppl: float | None
+    word_ppl: float | None
     window: int
     stride: int
     batch_size: int
@@ -373,14 +381,13 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
     variance = float(((nll - mean) ** 2).sum()) / (n - 1) if n > 1 else float("nan")
     stderr = math.sqrt(variance / n)
     ppl = math.exp(mean)
-    if facts.get("mode", "sliding") != "sliding":  # chunk modes drop text: bytes and words are not known
-        stream = dataclasses.replace(stream, n_bytes=0, n_words=0)
+    n_bytes, n_words = (stream.n_bytes, stream.n_words) if stream.counted_for == facts["mode"] else (0, 0)
     return PerplexityResult(
         n_tokens=n, nll_sum=nll_sum, mean_nll=mean, ppl=ppl, stderr=stderr, ppl_stderr=ppl * stderr,
-        n_bytes=stream.n_bytes, n_words=stream.n_words,
-        bits_per_byte=nll_sum / (stream.n_bytes * math.log(2)) if stream.n_bytes else float("nan"),
-        byte_ppl=math.exp(nll_sum / stream.n_bytes) if stream.n_bytes else float("nan"),
-        word_ppl=math.exp(nll_sum / stream.n_words) if stream.n_words else float("nan"),
+        n_bytes=n_bytes, n_words=n_words,
+        bits_per_byte=nll_sum / (n_bytes * math.log(2)) if n_bytes else None,
+        byte_ppl=math.exp(nll_sum / n_bytes) if n_bytes else None,
+        word_ppl=math.exp(nll_sum / n_words) if n_words else None,
         bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
         token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
         window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, **facts,
@@ -421,6 +428,28 @@ def plan(stream: TokenStream, window: int, stride: int, mode: str = "sliding") -
     if mode == "sliding":
         return plan_windows(len(stream.ids), window - len(stream.prefix), stride, stream.first_scored)
     return plan_chunks(len(stream.ids), window, mode)
+
+
+def count_scored_text(stream: TokenStream, tokenizer, window: int, mode: str) -> TokenStream:
+    """The stream with ``n_bytes``/``n_words`` of the text a chunk mode actually scores, decoded from
+    the scored tokens of each chunk (the dropped tail and each chunk's unscored part are left out)."""
+    texts = [tokenizer.decode(stream.ids[w.first_scored : w.end]) for w in plan_chunks(len(stream.ids), window, mode)]
+    return dataclasses.replace(stream, n_bytes=sum(len(text.encode("utf-8")) for text in texts),
+                               n_words=sum(len(text.split()) for text in texts), counted_for=mode)
+
+
+def chunk_limit(chunks: int | None, window: int, mode: str, max_tokens: int | None) -> int | None:
+    """The stream length that ``chunks`` chunks of ``window`` tokens take (llama-perplexity's ``--chunks``):
+    a BOS at the stream's start counts toward it, as it takes the first chunk's first slot."""
+    if chunks is None:
+        return max_tokens
+    if mode == "sliding":
+        raise InputError("chunks applies to modes gptq and llama.cpp; with the sliding window use max_tokens")
+    if max_tokens is not None:
+        raise InputError("give chunks or max_tokens, not both")
+    if chunks < 1:
+        raise InputError(f"chunks is {chunks}; give at least 1")
+    return chunks * window
 
 
 def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tasks.errors import InputError
-from tasks.models import resolve_model_path
+from tasks.models import load_tokenizer, resolve_model_path
 from tasks.variants import WEIGHT_SUFFIXES, versions
 
 MANIFEST = "ppl-audit.json"
@@ -104,8 +105,30 @@ def _prepare_gptqmodel() -> None:
     os.environ.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
 
 
+def _with_pad(source: str, tokenizer, staging: Path) -> str:
+    """``source`` as gptqmodel can load it: with a pad id in its config when its tokenizer has none.
+
+    gptqmodel passes the tokenizer to tokenicer, which refuses one without a pad token unless it can
+    borrow ``<pad>``, ``<unk>`` or eos, and gptqmodel passes on none of tokenicer's options
+    (``pad_tokens``); a base model whose tokenizer has only a BOS token then cannot be quantized.
+    tokenicer takes the config's ``pad_token_id`` instead, unless it is BOS or EOS. Calibration rows
+    all have ``seq_len`` tokens and go in one at a time, so nothing is padded and any other id does.
+    The baseline is left untouched: ``staging`` links to its files beside the amended config.
+    """
+    if tokenizer.pad_token_id is not None:
+        return source
+    config = json.loads((Path(source) / "config.json").read_text())
+    special = (config.get("bos_token_id"), config.get("eos_token_id"), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config["pad_token_id"] = next(i for i in range(len(tokenizer)) if i not in special)
+    for file in Path(source).iterdir():
+        if file.name != "config.json":
+            (staging / file.name).symlink_to(file.resolve())
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    return str(staging)
+
+
 def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: Calibration,
-             out: Path) -> dict:
+             out: Path, name: str | None = None) -> dict:
     """Quantize ``model`` with gptqmodel and save it to ``out`` with its manifest.
 
     Args:
@@ -114,6 +137,7 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
         bits, group_size, sym: the quantization scheme (``group_size`` must divide the layers' widths).
         calibration: samples drawn by ``draw_calibration``.
         out: folder for the checkpoint.
+        name: the variant's name, recorded for audits triggered by this checkpoint's event.
 
     Returns:
         The manifest, also written to ``out / "ppl-audit.json"``.
@@ -124,15 +148,20 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
     source = resolve_model_path(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym)
+    tokenizer = load_tokenizer(source)
     started = time.perf_counter()
-    quantizer = GPTQModel.load(source, scheme, device=device)
-    options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
-    rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
-    quantizer.quantize(rows, batch_size=1, **options)
-    out.mkdir(parents=True, exist_ok=True)
-    quantizer.save(str(out))
+    with tempfile.TemporaryDirectory() as staging:
+        quantizer = GPTQModel.load(_with_pad(source, tokenizer, Path(staging)), scheme, device=device)
+        options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
+        rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
+        quantizer.quantize(rows, batch_size=1, **options)
+        out.mkdir(parents=True, exist_ok=True)
+        quantizer.save(str(out))
+    # gptqmodel saves its tokenizer with the pad token it set; a pad token that was not special
+    # before comes back from disk as an added special token, a different tokenizer from the baseline's
+    tokenizer.save_pretrained(out)
     manifest = {
-        "method": method, "bits": bits, "group_size": group_size, "sym": sym,
+        "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
         "source_model": model, "source_model_digest": model_digest(source),
         "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
         "device": device, "seconds": round(time.perf_counter() - started, 2),

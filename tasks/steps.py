@@ -42,7 +42,7 @@ def tokenize_corpus(text: str, config: AuditConfig) -> Evaluation:
     settings = config.evaluation
     return evaluation(text, load_tokenizer(config.baseline.path), settings.bos, settings.max_tokens,
                       settings.window, settings.effective_stride, settings.batch_size, progress=True,
-                      mode=settings.mode, divergence=settings.divergence, top_k=settings.top_k)
+                      chunks=settings.chunks, mode=settings.mode, divergence=settings.divergence, top_k=settings.top_k)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{spec.name}",

@@ -118,7 +118,7 @@ def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
     metrics = []
     result, facts, row = entry["result"] or {}, entry["facts"] or {}, entry["row"]
     for key in METRICS:
-        if key in result:
+        if result.get(key) is not None:
             metrics.append(Metric(key, float(result[key]), timestamp, 0))
     for key in FACT_METRICS:
         if key in facts:

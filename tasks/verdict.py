@@ -118,7 +118,8 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             cells[2:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta,
                          f"{row['kld_mean']:.4f}" if "kld_mean" in row else "",
                          f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "",
-                         f"{row['bits_per_byte']:.4f}", f"{row['tokens_per_second']:.0f}", f"{row['weight_mib']:.0f}"]
+                         f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "",
+                         f"{row['tokens_per_second']:.0f}", f"{row['weight_mib']:.0f}"]
         else:
             cells[2] = "—"
         lines.append("".join(f"{cell:{spec}}" for cell, (_, spec) in zip(cells, columns)) + f"  {said}")

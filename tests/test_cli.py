@@ -51,6 +51,9 @@ def test_bad_input_gets_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, co
         "cannot load the config": ["--model", str(tmp_path / "broken-model")],
         "corpus not found": ["--corpus", str(tmp_path / "missing.txt")],
         "column 'text' not in": ["--corpus", str(tmp_path / "rows.jsonl")],
+        "chunks applies to modes gptq and llama.cpp": ["--chunks", "3"],
+        "give chunks or max_tokens, not both": ["--mode", "gptq", "--chunks", "3", "--max-tokens", "300"],
+        "chunks is 0": ["--mode", "gptq", "--chunks", "0"],
     }
     for expected, override in cases.items():
         args = {"--model": model, "--corpus": corpus, "--window": "64", **dict(zip(override[::2], override[1::2]))}
@@ -62,3 +65,36 @@ def test_offline_hub_id_gets_one_line(capsys, monkeypatch, corpus_file):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     err = one_line_error(capsys, "ppl", "--model", "no-such-org/no-such-model", "--corpus", str(corpus_file))
     assert "no-such-org/no-such-model" in err
+
+
+def test_ppl_json_names_the_model_and_the_method(cli, tiny_model_dir, corpus_file):
+    code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
+                         "--max-tokens", "300", "--method", "bnb-int8", "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result["model"], result["method"], result["name"]) == (str(tiny_model_dir), "bnb-int8", "bnb-int8")
+
+
+def test_chunk_modes_give_per_byte_figures_of_the_scored_text(cli, tiny_model_dir, corpus_file, tokenizer):
+    """gptq mode, 4 chunks of 64: bits/byte over the decoded text of the tokens scored, never NaN."""
+    import math
+
+    from tasks.corpus import tokenize
+
+    code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
+                         "--mode", "gptq", "--chunks", "4", "--json")
+    assert code == 0, err
+    assert "nan" not in out.lower()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["bos"] == "none" and result["n_windows"] == 4 and result["n_tokens"] == 4 * 63
+    ids = tokenize(corpus_file.read_text(), tokenizer, bos="none", max_tokens=256).ids
+    scored = [tokenizer.decode(ids[i * 64 + 1 : (i + 1) * 64]) for i in range(4)]
+    assert result["n_bytes"] == sum(len(text.encode()) for text in scored)
+    assert result["n_words"] == sum(len(text.split()) for text in scored)
+    assert result["bits_per_byte"] == pytest.approx(result["nll_sum"] / (result["n_bytes"] * math.log(2)))
+
+
+def test_quantize_refuses_a_name_no_audit_could_use(capsys, tmp_path, tiny_model_dir, corpus_file):
+    err = one_line_error(capsys, "quantize", "--model", str(tiny_model_dir), "--method", "gptq", "--calibration",
+                         str(corpus_file), "--out", str(tmp_path / "out"), "--name", "my variant")
+    assert "name 'my variant' may hold only letters, digits" in err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tasks.embedded import austen_novels, cache_dir, reflow
 
 NOVELS = {"emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"}
@@ -35,3 +37,62 @@ def test_embedded_model_gives_a_sane_perplexity_on_the_embedded_corpus(cli):
     assert result["n_tokens"] == 2999 and result["bos"] == "stream"
     assert 10 < result["ppl"] < 80
     assert math.isclose(result["ppl"], math.exp(result["nll_sum"] / result["n_tokens"]), rel_tol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded model in float32 and its tokenizer, with 1024 tokens of the embedded corpus."""
+    import torch
+
+    from tasks.corpus import CorpusSpec, corpus_text, tokenize
+    from tasks.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer("embedded")
+    stream = tokenize(corpus_text(CorpusSpec("embedded")), tokenizer, bos="none", max_tokens=1024)
+    return load_model("embedded", torch.float32, torch.device("cpu")), tokenizer, stream
+
+
+def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
+    """`ppl` in float32 against our own float64 computation of the same windows (L=256, S=128)."""
+    import torch
+    from test_perplexity import brute_force_nll_sum
+
+    code, out, err = cli("ppl", "--model", "embedded", "--corpus", "embedded", "--window", "256", "--stride", "128",
+                         "--max-tokens", "1024", "--bos", "none", "--dtype", "float32", "--batch-size", "4", "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    model, _, stream = embedded
+    reference, count = brute_force_nll_sum(model.to(torch.float64), stream, 256, 128)
+    model.to(torch.float32)
+    assert result["n_tokens"] == count == 1023
+    assert abs(result["ppl"] / math.exp(reference / count) - 1) < 1e-6
+
+
+def test_nll_does_not_depend_on_what_else_is_kept(embedded):
+    """Plain NLL, NLL beside a top-k cache and the lockstep baseline's NLL are one computation."""
+    from tasks.perplexity import perplexity
+
+    model, _, stream = embedded
+    plain = perplexity(model, stream, 256, 128, batch_size=4)
+    cached = perplexity(model, stream, 256, 128, batch_size=4, keep_top_k=8)
+    lockstep = perplexity(model, stream, 256, 128, batch_size=4, reference=model)
+    assert abs(cached.nll_sum / plain.nll_sum - 1) < 1e-7
+    assert abs(lockstep.nll_sum / plain.nll_sum - 1) < 1e-7
+    assert abs(float(lockstep.extra["base_nll"].astype("float64").sum()) / plain.nll_sum - 1) < 1e-7
+
+
+def test_llama_cpp_mode_follows_the_model_s_add_bos_flag(cli, embedded):
+    """SmolLM2 adds no BOS, so llama-perplexity scores its plain stream: so must `--mode llama.cpp`."""
+    _, tokenizer, _ = embedded
+    assert tokenizer.bos_token_id is not None and tokenizer("a").input_ids[0] != tokenizer.bos_token_id
+    args = ("ppl", "--model", "embedded", "--corpus", "embedded", "--window", "128", "--mode", "llama.cpp",
+            "--chunks", "3", "--batch-size", "3", "--json")
+    code, out, err = cli(*args)
+    assert code == 0, err
+    default = json.loads(out.strip().splitlines()[-1])
+    code, out, err = cli(*args, "--bos", "none")
+    assert code == 0, err
+    plain = json.loads(out.strip().splitlines()[-1])
+    assert default["bos"] == "none" and default["ppl"] == plain["ppl"]
+    assert default["n_windows"] == 3 and default["n_tokens"] == 3 * (128 - 1 - 64)
+    assert default["bits_per_byte"] is not None and "nan" not in out.lower()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import write_config
-from flows.audit import audit
+from flows.audit import audit, summary_of
 from flows.cli import main
 from tasks.errors import TransientError
 
@@ -45,7 +45,7 @@ def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, 
     assert state.is_failed()
     assert state.message.startswith("fail: noisy: ΔPPL +") and "breaks the limit ≤ 1" in state.message
     assert "\n" not in state.message
-    summary = state.result(raise_on_failure=False)
+    summary = summary_of(state)
     statuses = {v.name: v.status for v in summary["verdicts"]}
     assert statuses == {"noisy": "fail", "int8": "pass"}
 
@@ -58,7 +58,7 @@ def test_a_failing_variant_is_isolated(tmp_path, cache, trained_model_dir, noisy
     state = audit(config=str(config), overrides=[f"variants.1.path={tmp_path / 'gone'}"], return_state=True)
     assert state.is_failed()
     assert state.message.startswith("error: noisy: model folder not found")
-    rows = {row["variant"]: row for row in state.result(raise_on_failure=False)["rows"]}
+    rows = {row["variant"]: row for row in summary_of(state)["rows"]}
     assert rows["noisy"]["status"] == "failed" and "ppl" not in rows["noisy"]
     assert rows["baseline"]["ppl"] > 1 and rows["int8"]["ppl"] > 1 and "delta_ppl_pct" in rows["int8"]
 
@@ -100,8 +100,9 @@ def test_quantize_flow_emits_quantization_completed(tmp_path, cache, trained_mod
 
     out = tmp_path / "gptq"
     manifest = quantize_flow(model=str(trained_model_dir), method="gptq", out=str(out), calibration=str(corpus_path),
-                             group_size=32, samples=4, seq_len=64, holdout_tokens=1500)
+                             group_size=32, samples=4, seq_len=64, holdout_tokens=1500, name="gptq-4bit")
     assert all(start >= 1500 for start, _ in manifest["calibration"]["token_ranges"])
+    assert manifest["name"] == "gptq-4bit"
 
     async def events():
         async with get_client() as client:
@@ -115,7 +116,8 @@ def test_quantize_flow_emits_quantization_completed(tmp_path, cache, trained_mod
 
     event = anyio.run(events)
     assert event is not None, "the event never reached the server"
-    assert event["payload"] == {**event["payload"], "method": "gptq", "bits": 4, "baseline": str(trained_model_dir)}
+    assert event["payload"] == {**event["payload"], "method": "gptq", "bits": 4, "baseline": str(trained_model_dir),
+                                "name": "gptq-4bit"}
     assert event["resource"]["prefect.resource.id"] == f"ppl-audit.model.{out.resolve()}"
 
 
@@ -139,6 +141,8 @@ def test_cli_run_exit_codes(tmp_path, cache, trained_model_dir, noisy_model_dir,
     ({"thresholds": {"per_variant": {"nope": {"max_ppl_increase_pct": 1}}}}, "per_variant names no variant: nope"),
     ({"evaluation": {"window": 4096}}, "evaluation.window 4096 is longer than the baseline's 256 positions"),
     ({"variants": [{"name": "x", "method": "gptq", "path": "/no/such/checkpoint"}]}, "model folder not found"),
+    ({"schedule": {"cron": "0 3 * * *", "timezone": "Mars/Olympus"}},
+     "schedule.timezone: 'Mars/Olympus' is not an IANA time zone; use a name such as UTC or Europe/Berlin"),
 ])
 def test_bad_config_is_one_line_naming_the_key_before_any_model_loads(tmp_path, trained_model_dir, corpus_path,
                                                                       capsys, change, expected):

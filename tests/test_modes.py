@@ -111,3 +111,32 @@ def test_engine_kl_lockstep_and_top_k_against_a_full_vocabulary_reference(tiny_m
     low, bound = cached["kl"].double(), cached["kl_bound"].double()
     assert bool((low <= reference + 1e-6).all()) and bool((reference <= low + bound + 1e-6).all())
     assert torch.equal(cached["top1"], lockstep.extra["top1"])
+
+
+def test_each_mode_defaults_to_its_own_bos_convention(tokenizer, tmp_path):
+    """sliding: BOS when the tokenizer has one; gptq: the plain stream; llama.cpp: the add-BOS flag."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    from tasks.corpus import default_bos
+
+    assert tokenizer("a").input_ids[0] != tokenizer.bos_token_id  # this one adds no BOS by itself
+    assert [default_bos(tokenizer, mode) for mode in ("sliding", "gptq", "llama.cpp")] == ["stream", "none", "none"]
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())  # a copy: the fixture is shared
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+    adding = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    assert adding("a").input_ids[0] == adding.bos_token_id
+    assert [default_bos(adding, mode) for mode in ("sliding", "gptq", "llama.cpp")] == ["stream", "none", "stream"]
+
+
+def test_config_refuses_chunks_where_they_mean_nothing():
+    from pydantic import ValidationError
+
+    from tasks.config import EvaluationConfig
+
+    assert EvaluationConfig(mode="llama.cpp", window=128, chunks=3).chunks == 3
+    with pytest.raises(ValidationError, match="chunks applies to modes gptq and llama.cpp"):
+        EvaluationConfig(chunks=3)
+    with pytest.raises(ValidationError, match="give chunks or max_tokens, not both"):
+        EvaluationConfig(mode="gptq", chunks=3, max_tokens=1000)

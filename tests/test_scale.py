@@ -63,6 +63,22 @@ def test_a_128k_vocabulary_never_gets_a_full_logits_tensor():
     assert sum(rows_seen) == tokens
 
 
+def resident_for_a_moment(size: int, seconds: float = 0) -> None:
+    """Make ``size`` bytes resident, then give them back to the system.
+
+    Anonymous pages of their own, every one touched: memory from malloc (a tensor, a bytearray) may
+    reuse what earlier tests freed but the allocator kept resident, and add nothing to the RSS.
+    """
+    import mmap
+    import time
+
+    block = mmap.mmap(-1, size)
+    for offset in range(0, size, mmap.PAGESIZE):
+        block[offset] = 1
+    time.sleep(seconds)
+    block.close()
+
+
 def test_peak_memory_catches_a_short_spike_and_nested_blocks_keep_theirs():
     from tasks.memory import PeakMemory
 
@@ -70,18 +86,14 @@ def test_peak_memory_catches_a_short_spike_and_nested_blocks_keep_theirs():
     with PeakMemory("cpu") as start:
         pass
     with PeakMemory("cpu") as outer:
-        spike = torch.ones(300 * mib, dtype=torch.uint8)  # touched pages: resident
-        del spike
+        resident_for_a_moment(300 * mib)
         with PeakMemory("cpu") as inner:
-            small = torch.ones(100 * mib, dtype=torch.uint8)
-            del small
+            resident_for_a_moment(100 * mib)
     assert outer.peak_bytes - start.peak_bytes >= 290 * mib
     assert 90 * mib <= inner.peak_bytes - start.peak_bytes < 250 * mib
 
 
 def test_peak_memory_samples_where_the_kernel_keeps_no_high_water_mark(monkeypatch, tmp_path):
-    import time
-
     import tasks.memory
     from tasks.memory import PeakMemory
 
@@ -90,8 +102,6 @@ def test_peak_memory_samples_where_the_kernel_keeps_no_high_water_mark(monkeypat
     with PeakMemory("cpu") as start:
         pass
     with PeakMemory("cpu") as held:
-        block = torch.ones(200 * mib, dtype=torch.uint8)
-        time.sleep(0.05)  # held for many sampling intervals
-        del block
+        resident_for_a_moment(200 * mib, seconds=0.05)  # held for many sampling intervals
     assert held._thread is not None
     assert held.peak_bytes - start.peak_bytes >= 190 * mib

@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
@@ -63,50 +65,74 @@ def server(tmp_path):
 
 @pytest.fixture
 def gptq_checkpoint(tmp_path, trained_model_dir, tokenizer) -> Path:
+    """A GPTQ 4-bit g32 checkpoint in a folder whose name says nothing of it (as in a job's cache)."""
     ids = tokenize(make_text(2000, seed=5), tokenizer, bos="none").ids
-    out = tmp_path / "gptq-4bit"
+    out = tmp_path / "quantized" / "job-14968c37b68748e0"
     quantize(str(trained_model_dir), "gptq", 4, 32, True, draw_calibration(ids, 4, 64, 0, "other", "x"), out)
     return out
 
 
-def test_quantization_event_triggers_an_audit_and_cron_schedules_runs(server, tmp_path, trained_model_dir,
-                                                                    corpus_path, gptq_checkpoint):
+def emit(env: dict, payload: dict) -> None:
+    """``quantization.completed`` from another process, as any quantization job would send it."""
+    code = ("from prefect.events import emit_event\n"
+            "emit_event(event='quantization.completed', resource={'prefect.resource.id': 'ppl-audit.model.test'},"
+            f" payload={payload!r})")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zone(server, tmp_path, trained_model_dir,
+                                                                                   corpus_path, gptq_checkpoint):
+    """Two events for one checkpoint: named by the config's matching variant it passes that variant's
+    gate; named ``gptq-strict`` by its event it meets the global gate, fails, and ends Failed with the
+    verdict's one line (no traceback in the serving process). Cron 03:00 runs at 03:00 Berlin time."""
     env, api = server
-    config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}],
-                          name="nightly", schedule={"cron": "0 3 * * *"}, thresholds={"max_ppl_increase_pct": 50})
-    log = open(tmp_path / "serve.log", "w")
+    variants = [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}]
+    thresholds = {"max_ppl_increase_pct": 0.001, "per_variant": {"gptq-4bit": {"max_ppl_increase_pct": 50}}}
+    config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path, variants, name="nightly",
+                          schedule={"cron": "0 3 * * *", "timezone": "Europe/Berlin"}, thresholds=thresholds)
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")
     serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)], env=env, stdout=log,
                                stderr=subprocess.STDOUT)
     try:
         deployments = wait_for(lambda: {d["name"]: d for d in api.post("/deployments/filter", json={}).json()
                                         if d["name"] in ("nightly", "nightly-quantize")}, 120, "the deployments")
         audit_id = wait_for(lambda: deployments.get("nightly", {}).get("id"), 1, "the audit deployment")
+        assert [s["schedule"]["timezone"] for s in deployments["nightly"]["schedules"]] == ["Europe/Berlin"]
 
-        emitter = f"""
-from prefect.events import emit_event
-emit_event(event="quantization.completed", resource={{"prefect.resource.id": "ppl-audit.model.test"}},
-           payload={{"model_path": {str(gptq_checkpoint)!r}, "method": "gptq", "bits": 4,
-                     "baseline": {str(trained_model_dir)!r}}})
-"""
-        subprocess.run([sys.executable, "-c", emitter], env=env, check=True, timeout=120)
+        payload = {"model_path": str(gptq_checkpoint), "method": "gptq", "bits": 4, "baseline": str(trained_model_dir)}
 
-        def triggered_run():
-            runs = api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [audit_id]}}}).json()
-            done = [r for r in runs if r["parameters"].get("model_path") == str(gptq_checkpoint)
+        def runs(name: str | None) -> list[dict]:
+            found = api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [audit_id]}}}).json()
+            return [r for r in found if r["parameters"].get("model_path") == str(gptq_checkpoint)
+                    and (r["parameters"].get("name") or None) == name
                     and r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
-            return done[0] if done else None
 
-        run = wait_for(triggered_run, 300, "the triggered audit run to finish")
-        assert run["state_type"] == "COMPLETED", (run["state"], (tmp_path / "serve.log").read_text()[-3000:])
-        assert run["parameters"]["method"] == "gptq"
-        assert str(run["parameters"]["bits"]) == "4"
-        assert run["parameters"]["baseline"] == str(trained_model_dir)
-        assert run["parameters"]["config"] == str(config.resolve())
+        emit(env, payload)  # as a job that names nothing sends it
+        matched = wait_for(lambda: next(iter(runs(None)), None), 400, "the audit of the checkpoint named by the config")
+        emit(env, {**payload, "name": "gptq-strict"})
+        assert matched["state_type"] == "COMPLETED", (matched["state"], log_path.read_text()[-3000:])
+        assert (matched["parameters"]["method"], str(matched["parameters"]["bits"])) == ("gptq", "4")
+        assert matched["parameters"]["baseline"] == str(trained_model_dir)
+        assert matched["parameters"]["config"] == str(config.resolve())
+
+        strict = wait_for(lambda: next(iter(runs("gptq-strict")), None), 400, "the audit of the checkpoint named by its event")
+        assert strict["state_type"] == "FAILED", (strict["state"], log_path.read_text()[-3000:])
+        message = strict["state"]["message"]
+        assert message.startswith("fail: gptq-strict: ΔPPL ") and "limit ≤ 0.001" in message and "\n" not in message
+        # the run's process logs its end after the server has its state; read before SIGTERM, whose
+        # shutdown Prefect itself logs with tracebacks
+        wait_for(lambda: f"Finished in state Failed('{message}')" in log_path.read_text(), 30, "the run's last line")
+        time.sleep(3)
+        served = log_path.read_text()
+        assert "Traceback" not in served, served[-5000:]
 
         scheduled = api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [audit_id]}},
                                                          "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}}).json()
         assert scheduled, "the cron schedule produced no scheduled run"
-        assert all(r["expected_start_time"][11:16] == "03:00" for r in scheduled)
+        berlin = ZoneInfo("Europe/Berlin")
+        assert {datetime.fromisoformat(r["expected_start_time"]).astimezone(berlin).strftime("%H:%M")
+                for r in scheduled} == {"03:00"}
     finally:
         stop(serving)
         log.close()

@@ -14,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import free_port, write_config
-from flows.audit import audit
+from flows.audit import audit, summary_of
 from flows.cli import main
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -40,7 +40,7 @@ def config_for(tmp_path: Path, baseline, corpus, uri: str, name: str = "tracked"
 def run_audit(config: str, tmp_path: Path):
     """Run the flow after the config was checked, then remove the 'missing' checkpoint's stand-in."""
     state = audit(config=config, return_state=True)
-    return state.result(raise_on_failure=False)
+    return summary_of(state)
 
 
 def audits(client: MlflowClient, name: str) -> list:
@@ -182,7 +182,7 @@ def test_registered_model_version_is_audited_and_tagged(tmp_path, trained_model_
                           [{"name": "good", "path": f"models:/tiny-good/{versions['good']}"},
                            {"name": "bad", "path": f"models:/tiny-bad/{versions['bad']}"}],
                           name="registry", thresholds={"max_ppl_increase_pct": 2}, tracking={"uri": uri, "experiment": "tests"})
-    summary = audit(config=str(config), return_state=True).result(raise_on_failure=False)
+    summary = summary_of(audit(config=str(config), return_state=True))
     assert {v.name: v.status for v in summary["verdicts"]} == {"good": "pass", "bad": "fail"}
     good = client.get_model_version("tiny-good", versions["good"])
     assert good.tags["ppl_audit.verdict"] == "pass" and good.tags["ppl_audit.audit_run_id"] == summary["mlflow_run_id"]
