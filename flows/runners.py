@@ -16,14 +16,19 @@ from tasks.errors import InputError
 from tasks.steps import score
 
 
+def dask_cluster(workers: int, resources: dict) -> dict:
+    """A local Dask cluster reachable from this machine only (its dashboard binds every interface by default)."""
+    return {"n_workers": workers, "threads_per_worker": 1, "resources": resources, "host": "127.0.0.1",
+            "dashboard_address": "127.0.0.1:8787"}
+
+
 def task_runner(config: AuditConfig):
     runner = config.runner
     if runner.kind == "dask":
         from prefect_dask import DaskTaskRunner
 
         resources = {"GPU": runner.gpus_per_variant} if runner.gpus_per_variant else {}
-        return DaskTaskRunner(cluster_kwargs={"n_workers": runner.workers, "threads_per_worker": 1,
-                                              "resources": resources})
+        return DaskTaskRunner(cluster_kwargs=dask_cluster(runner.workers, resources))
     if runner.kind == "ray":
         try:
             from prefect_ray import RayTaskRunner

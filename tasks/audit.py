@@ -87,8 +87,13 @@ def preflight(config, variants: bool = True) -> None:
         variants: also check that every variant's checkpoint exists (the CLI does, before a run; a flow
             run does not, so that a checkpoint gone missing fails its variant, not the audit).
     """
-    from tasks.models import load_config, max_positions
+    from tasks.models import load_config, max_positions, resolve_device
 
+    for spec in [config.baseline, *config.variants]:
+        try:
+            resolve_device(spec.device)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None
     positions = max_positions(load_config(config.baseline.path))
     window = config.evaluation.window
     if positions is not None and window > positions:

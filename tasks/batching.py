@@ -16,6 +16,7 @@ import torch
 
 from tasks.corpus import TokenStream
 from tasks.embedded import cache_dir
+from tasks.files import read_json, write_atomically
 from tasks.perplexity import plan, score_windows
 
 
@@ -26,7 +27,7 @@ def _cache_key(model, window: int, mode: str) -> str:
 def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: str = "sliding", cap: int = 64) -> int:
     """Search (or recall) the batch size for ``model`` at this window on this device."""
     file = cache_dir() / "batch_sizes.json"
-    known = json.loads(file.read_text()) if file.is_file() else {}
+    known = read_json(file, "batch size cache") or {}
     key = _cache_key(model, window, mode)
     if key in known:
         return known[key]
@@ -48,5 +49,5 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
         best, best_speed, size = size, max(speed, best_speed), size * 2
     known[key] = best
     file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(known, indent=1))
+    write_atomically(file, json.dumps(known, indent=1))
     return best

@@ -16,7 +16,8 @@ from tasks.perplexity import chunk_limit
 
 Method = Literal["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"]
 NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file names, YAML keys
-QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
+QUANTIZED_BY_US = ("gptq", "awq")
+TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")  # made from the baseline with gptqmodel when no path is given
 
 
 class Strict(BaseModel):
@@ -197,7 +198,26 @@ class Tracking(Strict):
     """MLflow: ``uri`` (else ``MLFLOW_TRACKING_URI``, else the local SQLite store) and experiment."""
 
     uri: str | None = None
-    experiment: str = "ppl-audit"
+    experiment: str = Field("ppl-audit", min_length=1)
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_uri(cls, uri: str | None) -> str | None:
+        from urllib.parse import urlparse
+
+        if uri is not None and urlparse(uri).scheme not in TRACKING_SCHEMES:
+            raise ValueError(f"'{uri}' is not an MLflow tracking URI; use http(s)://HOST:PORT, sqlite:///FILE.db, "
+                             "file:///FOLDER or another store MLflow knows")
+        return uri
+
+    @field_validator("experiment")
+    @classmethod
+    def _experiment_stays_inside(cls, name: str) -> str:
+        # a local store keeps each experiment's artifacts in a folder named after it
+        if name.strip() != name or name.startswith("/") or "\\" in name or ".." in name.split("/"):
+            raise ValueError(f"experiment '{name}' cannot name a folder inside the store (no leading '/', "
+                             "'..', '\\' or surrounding spaces)")
+        return name
 
 
 class AuditConfig(Strict):
@@ -224,6 +244,9 @@ class AuditConfig(Strict):
     def _consistent(self) -> "AuditConfig":
         if self.baseline.method != "baseline" or self.baseline.path is None:
             raise ValueError("baseline needs a path (model folder, Hub id or embedded) and method baseline")
+        if not self.variants:
+            raise ValueError("variants is empty: an audit compares variants with the baseline; add one "
+                             "(to measure one model, use ppl-audit ppl)")
         names = [self.baseline.name] + [v.name for v in self.variants]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -232,6 +255,13 @@ class AuditConfig(Strict):
         if unknown:
             raise ValueError(f"thresholds.per_variant names no variant: {', '.join(unknown)}")
         return self
+
+
+def _index(override: str, part: str, items: list) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise InputError(f"--set {override}: {part} is not an index of that list (it has {len(items)} items: "
+                         f"0 to {len(items) - 1})")
+    return int(part)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -244,15 +274,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise InputError(f"--set {override}: use key=value, e.g. --set evaluation.max_tokens=4096")
         node, parts = data, key.split(".")
         for part in parts[:-1]:
-            node = node[int(part)] if isinstance(node, list) and part.isdigit() else node.setdefault(part, {})
+            if isinstance(node, list):
+                node = node[_index(override, part, node)]
+            else:
+                node = node.setdefault(part, {})
             if not isinstance(node, (dict, list)):
                 raise InputError(f"--set {override}: {part} is not a section")
         last = parts[-1]
         value = yaml.safe_load(raw) if raw else None
         if isinstance(node, list):
-            if not last.isdigit() or int(last) >= len(node):
-                raise InputError(f"--set {override}: {last} is not an index of that list")
-            node[int(last)] = value
+            node[_index(override, last, node)] = value
         else:
             node[last] = value
     return data

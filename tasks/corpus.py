@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -268,11 +270,14 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
     key = hashlib.sha256(json.dumps([text_digest, tokenizer_digest(tokenizer), bos, max_tokens]).encode()).hexdigest()
     file = cache_dir() / "tokens" / f"{key}.npz"
     if file.is_file():
-        saved = np.load(file)
-        meta = json.loads(str(saved["meta"]))
-        return TokenStream(ids=torch.from_numpy(saved["ids"].astype(np.int64)), prefix=tuple(meta["prefix"]), bos=bos,
-                           n_bytes=meta["n_bytes"], n_words=meta["n_words"], text_digest=text_digest,
-                           bos_id=meta["bos_id"])
+        try:
+            saved = np.load(file)
+            meta = json.loads(str(saved["meta"]))
+            return TokenStream(ids=torch.from_numpy(saved["ids"].astype(np.int64)), prefix=tuple(meta["prefix"]),
+                               bos=bos, n_bytes=meta["n_bytes"], n_words=meta["n_words"], text_digest=text_digest,
+                               bos_id=meta["bos_id"])
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            print(f"ppl-audit: warning: token cache {file} is damaged; it is ignored and made again", file=sys.stderr)
     stream = tokenize(text, tokenizer, bos, max_tokens, progress)
     file.parent.mkdir(parents=True, exist_ok=True)
     meta = {"prefix": list(stream.prefix), "n_bytes": stream.n_bytes, "n_words": stream.n_words, "bos_id": stream.bos_id}

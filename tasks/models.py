@@ -15,7 +15,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device '{name}' asked for, but no CUDA GPU is visible; use --device cpu")
+        raise InputError(f"device '{name}' asked for, but no CUDA GPU is visible; use device cpu or auto")
     if name != "cpu" and not name.startswith("cuda"):
         raise InputError(f"unknown device '{name}'; use cpu, cuda, cuda:N or auto")
     return torch.device(name)

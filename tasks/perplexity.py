@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -369,6 +370,14 @@ class PerplexityResult:
         return {k: v for k, v in asdict(self).items() if not isinstance(v, (np.ndarray, dict))}
 
 
+def _per_unit_ppl(nll_sum: float, units: int) -> float | None:
+    """``exp(nll_sum / units)``; None where nothing was counted or it is past a float (text with few
+    whitespace-separated words, as Chinese or Japanese has, gives a word PPL of e^thousands)."""
+    if not units or nll_sum / units > math.log(sys.float_info.max):
+        return None
+    return math.exp(nll_sum / units)
+
+
 def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityResult:
     """Turn sums into the corpus figures: every mean is one sum divided once by one count."""
     nll = scores.token_nll.double()
@@ -386,8 +395,8 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
         n_tokens=n, nll_sum=nll_sum, mean_nll=mean, ppl=ppl, stderr=stderr, ppl_stderr=ppl * stderr,
         n_bytes=n_bytes, n_words=n_words,
         bits_per_byte=nll_sum / (n_bytes * math.log(2)) if n_bytes else None,
-        byte_ppl=math.exp(nll_sum / n_bytes) if n_bytes else None,
-        word_ppl=math.exp(nll_sum / n_words) if n_words else None,
+        byte_ppl=_per_unit_ppl(nll_sum, n_bytes),
+        word_ppl=_per_unit_ppl(nll_sum, n_words),
         bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
         token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
         window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, **facts,
@@ -407,6 +416,8 @@ def check_settings(window: int, stride: int, batch_size: int, stream: TokenStrea
     """
     if mode not in MODES:
         raise InputError(f"unknown mode '{mode}'; use one of {', '.join(MODES)}")
+    if window < 2:
+        raise InputError(f"window {window} must hold at least 2 tokens (one context, one scored); use --window 512, say")
     if mode != "sliding":
         if stream.prefix:
             raise InputError(f"mode {mode} does its own BOS handling; use --bos stream or none with it")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tasks.errors import InputError
+from tasks.files import read_json, write_atomically
 from tasks.models import load_tokenizer, resolve_model_path
 from tasks.variants import WEIGHT_SUFFIXES, versions
 
@@ -166,10 +167,9 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
         "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
         "device": device, "seconds": round(time.perf_counter() - started, 2),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    write_atomically(out / MANIFEST, json.dumps(manifest, indent=2))  # last: a manifest means a whole checkpoint
     return manifest
 
 
 def read_manifest(path: str) -> dict | None:
-    file = Path(path) / MANIFEST
-    return json.loads(file.read_text()) if file.is_file() else None
+    return read_json(Path(path) / MANIFEST, "quantization manifest")

@@ -22,6 +22,7 @@ import torch
 
 from tasks.audit import Evaluation, VariantResult
 from tasks.config import AuditConfig
+from tasks.files import write_atomically
 from tasks.variants import versions
 
 
@@ -94,7 +95,7 @@ def write_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
         "table": summary["table"],
         "variants": variants,
     }
-    (folder / "record.json").write_text(json.dumps(record, indent=2, default=str))
+    write_atomically(folder / "record.json", json.dumps(record, indent=2, default=str))
     return folder
 
 

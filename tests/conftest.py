@@ -182,3 +182,12 @@ def restore_tracking_uri(monkeypatch):
     """An audit points MLflow at its tracking URI for the process; no test leaks that to the next."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "unset")
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def audit_home(tmp_path_factory):
+    """Spooled records and the local MLflow store of every test (and of the processes tests start) stay
+    in a temporary folder, never in the user's ~/.ppl-audit. Modules that inspect it set their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_HOME", str(tmp_path_factory.mktemp("ppl-audit-home")))
+        yield

@@ -54,6 +54,7 @@ def test_bad_input_gets_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, co
         "chunks applies to modes gptq and llama.cpp": ["--chunks", "3"],
         "give chunks or max_tokens, not both": ["--mode", "gptq", "--chunks", "3", "--max-tokens", "300"],
         "chunks is 0": ["--mode", "gptq", "--chunks", "0"],
+        "window 0 must hold at least 2 tokens": ["--window", "0"],
     }
     for expected, override in cases.items():
         args = {"--model": model, "--corpus": corpus, "--window": "64", **dict(zip(override[::2], override[1::2]))}
@@ -98,3 +99,19 @@ def test_quantize_refuses_a_name_no_audit_could_use(capsys, tmp_path, tiny_model
     err = one_line_error(capsys, "quantize", "--model", str(tiny_model_dir), "--method", "gptq", "--calibration",
                          str(corpus_file), "--out", str(tmp_path / "out"), "--name", "my variant")
     assert "name 'my variant' may hold only letters, digits" in err
+
+
+@pytest.mark.parametrize("text", ["我们今天去公园散步，天气很好。" * 120, "\0" * 5000], ids=["chinese", "nul-bytes"])
+def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir, tmp_path, text):
+    """Few whitespace 'words' make exp(nll_sum / n_words) overflow a float: the figure is absent, not a crash."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--window", "64", "--json")
+    assert code == 0, err
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the JSON line")
+
+    result = json.loads(out.strip().splitlines()[-1], parse_constant=refuse)
+    assert result["n_words"] <= 1 and result["word_ppl"] is None
+    assert result["ppl"] > 1 and result["bits_per_byte"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 from conftest import write_config
 from flows.audit import audit, summary_of
@@ -143,12 +144,22 @@ def test_cli_run_exit_codes(tmp_path, cache, trained_model_dir, noisy_model_dir,
     ({"variants": [{"name": "x", "method": "gptq", "path": "/no/such/checkpoint"}]}, "model folder not found"),
     ({"schedule": {"cron": "0 3 * * *", "timezone": "Mars/Olympus"}},
      "schedule.timezone: 'Mars/Olympus' is not an IANA time zone; use a name such as UTC or Europe/Berlin"),
+    ({"variants": []}, "variants is empty: an audit compares variants with the baseline"),
+    ({"tracking": {"uri": "ftp://x"}}, "tracking.uri: 'ftp://x' is not an MLflow tracking URI"),
+    ({"tracking": {"uri": "not a uri at all"}}, "tracking.uri: 'not a uri at all' is not an MLflow tracking URI"),
+    ({"tracking": {"experiment": ""}}, "tracking.experiment: String should have at least 1 character"),
+    ({"tracking": {"experiment": "../../escaped"}}, "tracking.experiment: experiment '../../escaped' cannot name a folder"),
+    ({"tracking": {"experiment": "/etc/x"}}, "tracking.experiment: experiment '/etc/x' cannot name a folder"),
+    ({"baseline": {"device": "tpu"}}, "baseline: unknown device 'tpu'; use cpu, cuda, cuda:N or auto"),
+    pytest.param({"variants": [{"name": "q", "method": "torchao-int8", "device": "cuda"}]},
+                 "q: device 'cuda' asked for, but no CUDA GPU is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="refused only without a GPU")),
 ])
 def test_bad_config_is_one_line_naming_the_key_before_any_model_loads(tmp_path, trained_model_dir, corpus_path,
                                                                       capsys, change, expected):
     import yaml
 
-    path = write_config(tmp_path / "bad.yaml", trained_model_dir, corpus_path, [])
+    path = write_config(tmp_path / "bad.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}])
     data = yaml.safe_load(path.read_text())
     for key, value in change.items():
         data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
@@ -163,3 +174,20 @@ def test_set_overrides_and_missing_config(capsys, tmp_path):
     assert "config not found" in capsys.readouterr().err
     assert main(["run", "configs/demo.yaml", "--set", "evaluation.stride=9999"]) == 2
     assert "stride 9999 must be below window 512" in capsys.readouterr().err
+    assert main(["run", "configs/demo.yaml", "--set", "variants.9.bits=4"]) == 2
+    assert "variants.9.bits=4: 9 is not an index of that list (it has 3 items: 0 to 2)" in capsys.readouterr().err
+    assert main(["run", "configs/demo.yaml", "--set", "variants.x.name=x"]) == 2
+    assert "variants.x.name=x: x is not an index of that list" in capsys.readouterr().err
+
+
+def test_dask_cluster_listens_on_loopback_only():
+    import psutil
+    from distributed import LocalCluster
+
+    from flows.runners import dask_cluster
+
+    with LocalCluster(**dask_cluster(1, {})) as cluster:  # the scheduler here, a worker process beside it
+        assert cluster.dashboard_link.startswith("http://127.0.0.1:")
+        processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+        listening = {c.laddr.ip for p in processes for c in p.net_connections() if c.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}, listening

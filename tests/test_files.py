@@ -1,0 +1,66 @@
+"""Files later runs read back (spool record, manifest, batch sizes, token cache): never left half written,
+and a damaged one is set aside with one line and made again."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from tasks.files import read_json, write_atomically
+
+
+def test_a_write_that_fails_leaves_the_old_file_whole_and_no_litter(tmp_path, monkeypatch):
+    target = tmp_path / "record.json"
+    write_atomically(target, json.dumps({"kept": True}))
+
+    def disk_full(_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically(target, json.dumps({"kept": False, "padding": "x" * 100_000}))
+    assert json.loads(target.read_text()) == {"kept": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
+
+
+def test_a_damaged_manifest_is_ignored_with_one_line(tmp_path, capsys):
+    from tasks.quantize import MANIFEST, read_manifest
+
+    damaged = tmp_path / MANIFEST
+    damaged.write_text('{"method": "gptq", "bi')  # as a crash mid-write left it before
+    assert read_manifest(str(tmp_path)) is None  # so an audit's cached checkpoint is quantized again
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"quantization manifest {damaged} is damaged" in err
+    assert read_json(tmp_path / "absent.json", "anything") is None and capsys.readouterr().err == ""
+
+
+def test_a_damaged_token_cache_is_made_again(tokenizer, tmp_path, monkeypatch, capsys):
+    from conftest import make_text
+    from tasks.corpus import cached_tokenize, tokenize
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
+    text = make_text(500)
+    first = cached_tokenize(text, tokenizer, bos="none")
+    [entry] = (tmp_path / "tokens").iterdir()
+    entry.write_bytes(entry.read_bytes()[:100])
+    again = cached_tokenize(text, tokenizer, bos="none")
+    assert "is damaged; it is ignored and made again" in capsys.readouterr().err
+    assert again.ids.tolist() == first.ids.tolist() == tokenize(text, tokenizer, bos="none").ids.tolist()
+    assert cached_tokenize(text, tokenizer, bos="none").ids.tolist() == first.ids.tolist()  # rebuilt whole
+    assert capsys.readouterr().err == ""
+
+
+def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, tmp_path, monkeypatch, capsys):
+    from conftest import make_text
+    from tasks.batching import auto_batch_size
+    from tasks.corpus import tokenize
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
+    (tmp_path / "batch_sizes.json").write_text('{"[\\"tiny')
+    stream = tokenize(make_text(800), tokenizer, bos="none")
+    size = auto_batch_size(tiny_model64, stream, 64, 32)
+    assert size >= 1 and "batch size cache" in capsys.readouterr().err
+    assert list(json.loads((tmp_path / "batch_sizes.json").read_text()).values()) == [size]
