@@ -144,11 +144,13 @@ def _checked_config(path: str, overrides: list[str]):
     """Load, validate and preflight an audit config: bad input ends here, before any model loads."""
     from tasks.audit import preflight
     from tasks.config import load_audit_config
+    from tasks.corpus import corpus_text
     from tasks.tracking import use_tracking
 
     config = load_audit_config(path, overrides)
     use_tracking(config.tracking.uri)  # models:/ variants are checked against the audit's registry
     preflight(config)
+    corpus_text(config.corpus.spec())  # read once more in the flow; a bad corpus is refused here, not there
     return config
 
 

@@ -169,6 +169,22 @@ def test_bad_config_is_one_line_naming_the_key_before_any_model_loads(tmp_path, 
     assert len(err.splitlines()) == 1 and expected in err, err
 
 
+@pytest.mark.parametrize("corpus,expected", [
+    ("missing.txt", "corpus not found"),
+    ("empty.txt", "is empty"),
+    ("rows.jsonl", "column 'text' not in"),
+])
+def test_a_bad_corpus_is_refused_before_prefect_starts(tmp_path, trained_model_dir, capsys, corpus, expected):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "rows.jsonl").write_text('{"body": "some words here"}\n')
+    path = write_config(tmp_path / "bad.yaml", trained_model_dir, tmp_path / corpus,
+                        [{"name": "int8", "method": "torchao-int8"}])
+    assert main(["run", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured.err
+    assert "Starting temporary server" not in captured.out + captured.err
+
+
 def test_set_overrides_and_missing_config(capsys, tmp_path):
     assert main(["run", str(tmp_path / "none.yaml")]) == 2
     assert "config not found" in capsys.readouterr().err
