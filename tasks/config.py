@@ -16,8 +16,9 @@ from tasks.perplexity import chunk_limit
 
 Method = Literal["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"]
 NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file names, YAML keys
-QUANTIZED_BY_US = ("gptq", "awq")
-TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")  # made from the baseline with gptqmodel when no path is given
+QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
+# stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
+TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
 
 
 class Strict(BaseModel):

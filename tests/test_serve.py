@@ -110,11 +110,12 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
 
         emit(env, payload)  # as a job that names nothing sends it
         matched = wait_for(lambda: next(iter(runs(None)), None), 400, "the audit of the checkpoint named by the config")
-        emit(env, {**payload, "name": "gptq-strict"})
         assert matched["state_type"] == "COMPLETED", (matched["state"], log_path.read_text()[-3000:])
         assert (matched["parameters"]["method"], str(matched["parameters"]["bits"])) == ("gptq", "4")
         assert matched["parameters"]["baseline"] == str(trained_model_dir)
         assert matched["parameters"]["config"] == str(config.resolve())
+
+        emit(env, {**payload, "name": "gptq-strict"})
 
         strict = wait_for(lambda: next(iter(runs("gptq-strict")), None), 400, "the audit of the checkpoint named by its event")
         assert strict["state_type"] == "FAILED", (strict["state"], log_path.read_text()[-3000:])
