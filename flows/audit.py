@@ -8,6 +8,7 @@ The flow ends Completed when every variant passes its gate, Failed with a one-li
 from __future__ import annotations
 
 import logging
+import sys
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -17,6 +18,7 @@ from tasks.audit import VariantResult, preflight
 from tasks.config import AuditConfig, load_audit_config
 from tasks.errors import InputError
 from tasks.events import event_config
+from tasks.spool import audit_record, record_json
 from tasks.steps import read_corpus, spool_audit, tokenize_corpus, track
 from tasks.tracking import use_tracking
 from tasks.verdict import comparison_row, format_table, judge, overall
@@ -53,6 +55,15 @@ def _failed(reason: str, summary: dict | None = None):
     if not any(isinstance(f, _VerdictIsNotACrash) for f in runs.filters):
         runs.addFilter(_VerdictIsNotACrash())
     return Failed(message=reason, data=AuditFailed(reason, summary))
+
+
+def _unspooled(record: dict, why: str):
+    """The Failed state of an audit whose record could not be written: the record (all but the per-token
+    arrays) goes to stdout as JSON instead, so that nothing computed is lost, and the error to stderr."""
+    print(record_json(record), flush=True)
+    print(f"ppl-audit: ERROR: {why}; the audit's record is printed above as JSON instead: keep it",
+          file=sys.stderr, flush=True)
+    return _failed(f"record not written: {why}")
 
 
 def summary_of(state) -> dict | None:
@@ -96,13 +107,17 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     results = [baseline_result, *variant_results]
     summary = report(settings, baseline_result, variant_results)
     print(summary["table"])
-    record = spool_audit(settings, config, scored, summary, results)
-    tracked = track(record, return_state=True)
+    record = audit_record(settings, config, scored, summary, results)
+    spooled = spool_audit(record, results, return_state=True)  # first: tracking and artifacts can fill a disk too
+    if not spooled.is_completed():
+        return _unspooled(record, spooled.message)
+    folder = spooled.result()
+    tracked = track(folder, return_state=True)
     if tracked.is_completed():
         summary["mlflow_run_id"] = tracked.result()
         where = f"MLflow run {summary['mlflow_run_id']} (experiment {settings.tracking.experiment})"
     else:
-        where = f"kept in {record} (tracking failed: {tracked.message}); run `ppl-audit sync` later"
+        where = f"kept in {folder} (tracking failed: {tracked.message}); run `ppl-audit sync` later"
     print(f"record: {where}")
     summary["results"] = results
     verdict = summary["verdict"]

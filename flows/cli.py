@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from tasks.errors import InputError, NumericalError
 
@@ -39,6 +40,7 @@ def _add_ppl(commands) -> None:
     ppl.add_argument("--hf-config", help="Hugging Face dataset config (e.g. wikitext-2-raw-v1)")
     ppl.add_argument("--hf-split", default="test", help="Hugging Face dataset split")
     ppl.add_argument("--joiner", default="\n\n", help="separator put between documents")
+    ppl.add_argument("--encoding", default="utf-8", help="text encoding of .txt/.jsonl corpora (e.g. latin-1)")
     ppl.add_argument("--window", type=int, default=512, help="tokens per window (L)")
     ppl.add_argument("--stride", type=int, help="tokens each window moves (S); default L/2")
     ppl.add_argument("--batch-size", type=_batch_size, default=1,
@@ -76,6 +78,17 @@ def _add_quantize(commands) -> None:
     quantize.add_argument("--name", help="the variant's name in audits of this checkpoint (it picks the gate)")
 
 
+def _add_notify(commands) -> None:
+    notify = commands.add_parser("notify", help="announce a checkpoint (quantization.completed) to the Prefect "
+                                                "server at PREFECT_API_URL: `serve` audits it")
+    notify.add_argument("--model", required=True, help="the checkpoint's folder, as the serving machine reads it")
+    notify.add_argument("--method", choices=["gptq", "awq", "bnb-int8", "bnb-nf4", "torchao-int8"],
+                        help="how it was quantized (default: the checkpoint's manifest, else gptq)")
+    notify.add_argument("--bits", type=int, help="informative")
+    notify.add_argument("--name", help="the variant's name in the audit (it picks the gate)")
+    notify.add_argument("--baseline", help="the model it was made from (default: the audit config's baseline)")
+
+
 def _variant(args: argparse.Namespace):
     """The one model `ppl` measures: --variant, else --model with --method, as a validated spec."""
     import yaml
@@ -107,7 +120,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     stride = args.stride if args.stride is not None else args.window // 2
     positions = max_positions(load_config(spec.path or args.model))
     tokenizer = load_tokenizer(args.model)
-    corpus = CorpusSpec(args.corpus, args.text_column, args.hf_config, args.hf_split, args.joiner)
+    corpus = CorpusSpec(args.corpus, args.text_column, args.hf_config, args.hf_split, args.joiner, args.encoding)
     # `ppl` measures one model: nothing is kept for a KL it does not take
     scored = evaluation(corpus_text(corpus), tokenizer, args.bos, args.max_tokens, args.window, stride,
                         args.batch_size, progress=True, chunks=args.chunks, mode=args.mode, divergence="off")
@@ -120,6 +133,8 @@ def run_ppl(args: argparse.Namespace) -> int:
     per_byte = f"{result.bits_per_byte:.4f} bits/byte, " if result.bits_per_byte is not None else ""
     print(f"{spec.name}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} tokens "
           f"(mean NLL {result.mean_nll:.5f}, {per_byte}{result.tokens_per_second:.0f} tok/s, {outcome.facts.backend})")
+    for figure, why in result.absent.items():
+        print(f"{spec.name}: no {figure}: {why}")
     if args.json:
         print(json.dumps({**result.summary(), "name": spec.name, "model": spec.path or args.model,
                           "method": spec.method, "variant": outcome.facts.summary()}))
@@ -128,8 +143,11 @@ def run_ppl(args: argparse.Namespace) -> int:
 
 def run_quantize(args: argparse.Namespace) -> int:
     from flows.quantize import check_request, quantize_flow
+    from tasks.corpus import CorpusSpec, corpus_text
 
-    out = check_request(args.method, args.out, args.name)  # here too, so that bad input ends before Prefect starts
+    # checked here too, so that bad input ends before Prefect starts
+    out = check_request(args.method, args.out, args.name, args.group_size)
+    corpus_text(CorpusSpec(args.calibration, args.text_column))
     manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
                              bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
                              samples=args.samples, seq_len=args.seq_len, seed=args.seed,
@@ -142,15 +160,15 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 def _checked_config(path: str, overrides: list[str]):
     """Load, validate and preflight an audit config: bad input ends here, before any model loads."""
-    from tasks.audit import preflight
-    from tasks.config import load_audit_config
-    from tasks.corpus import corpus_text
+    from tasks.audit import check_calibration_room, preflight
+    from tasks.config import CorpusConfig, load_audit_config
     from tasks.tracking import use_tracking
 
     config = load_audit_config(path, overrides)
     use_tracking(config.tracking.uri)  # models:/ variants are checked against the audit's registry
     preflight(config)
-    corpus_text(config.corpus.spec())  # read once more in the flow; a bad corpus is refused here, not there
+    # read once more in the flow; a bad corpus is refused here, not there
+    check_calibration_room(config, config.corpus.text(), CorpusConfig.text)
     return config
 
 
@@ -196,22 +214,39 @@ def run_ui(args: argparse.Namespace) -> int:
 
 
 def run_sync(args: argparse.Namespace) -> int:
-    from tasks.spool import mark_synced, pending
+    from tasks.spool import claim, mark_synced, pending, sweep_partials
     from tasks.tracking import replay
 
+    sweep_partials()
     waiting = pending()
-    failed = 0
+    synced = elsewhere = failed = 0
     for folder in waiting:
-        try:
-            run_id = replay(folder, args.tracking_uri)
-        except Exception as error:  # keep going: each record is independent
-            failed += 1
-            print(f"{folder.name}: not synced ({type(error).__name__}: {str(error).splitlines()[0][:200]})", file=sys.stderr)
-            continue
-        mark_synced(folder)
+        with claim(folder) as state:
+            if state != "mine":  # another sync, or an audit tracking its own record: not a failure
+                elsewhere += 1
+                print(f"{folder.name}: skipped, {'being synced' if state == 'busy' else 'synced'} by another process")
+                continue
+            try:
+                run_id = replay(folder, args.tracking_uri)
+            except Exception as error:  # keep going: each record is independent
+                failed += 1
+                print(f"{folder.name}: not synced ({type(error).__name__}: {str(error).splitlines()[0][:200]})",
+                      file=sys.stderr)
+                continue
+            mark_synced(folder)
+        synced += 1
         print(f"{folder.name}: synced as MLflow run {run_id}")
-    print(f"{len(waiting) - failed} of {len(waiting)} spooled audit(s) synced")
+    others = f", {elsewhere} by another process" if elsewhere else ""
+    print(f"{synced} of {len(waiting)} spooled audit(s) synced{others}")
     return 1 if failed else 0
+
+
+def run_notify(args: argparse.Namespace) -> int:
+    from flows.notify import notify
+
+    sent = notify(args.model, method=args.method, bits=args.bits, name=args.name, baseline=args.baseline)
+    print(f"quantization.completed for {Path(args.model).resolve()} sent: event {sent}")
+    return 0
 
 
 def run_setup(args: argparse.Namespace) -> int:
@@ -239,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     sync = commands.add_parser("sync", help="send spooled audits (tracking was down) to MLflow")
     sync.add_argument("--tracking-uri", help="default: each audit's configured URI, MLFLOW_TRACKING_URI, or the local store")
     commands.add_parser("setup", help="build the embedded model and corpus (once; cached)")
+    _add_notify(commands)
     args = parser.parse_args(argv)
     handlers = {"ppl": run_ppl, "quantize": run_quantize, "run": run_audit, "serve": run_serve, "ui": run_ui,
-                "sync": run_sync, "setup": run_setup}
+                "sync": run_sync, "setup": run_setup, "notify": run_notify}
     try:
         return handlers[args.command](args)
     except InputError as error:
@@ -252,5 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> NoReturn:
+    """The ``ppl-audit`` console script: ``main`` in a child that takes every process it started down with it,
+    even when the process the user started is killed (flows/lifetime.py). Tests call ``main`` in-process."""
+    from flows import lifetime
+
+    lifetime.run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -14,19 +14,22 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from tasks.config import NAME, QUANTIZED_BY_US
+from flows.notify import announcement
+from tasks.config import NAME, QUANTIZED_BY_US, check_group_size
 from tasks.corpus import CorpusSpec, cached_tokenize, corpus_text
 from tasks.errors import InputError
 from tasks.models import load_tokenizer
 from tasks.quantize import draw_calibration, quantize
 
-EVENT = "quantization.completed"
 
-
-def check_request(method: str, out: str, name: str | None) -> Path:
+def check_request(method: str, out: str, name: str | None, group_size: int) -> Path:
     """The checkpoint's folder (new or empty), or one line saying which argument to change."""
     if method not in QUANTIZED_BY_US:
         raise InputError(f"method {method} cannot be quantized here; use gptq or awq")
+    try:
+        check_group_size(method, group_size)
+    except ValueError as error:
+        raise InputError(str(error)) from None
     if name is not None and not re.match(NAME, name):
         raise InputError(f"name '{name}' may hold only letters, digits, '_', '.' and '-'")
     folder = Path(out)
@@ -58,14 +61,9 @@ def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int
         name: the variant's name in audits of this checkpoint (it picks the gate); recorded in the
             manifest and sent with the event.
     """
-    folder = check_request(method, out, name)
+    folder = check_request(method, out, name, group_size)
     manifest = quantize_model(model, method, bits, group_size, sym, calibration, column, samples, seq_len, seed,
                               holdout_tokens, out, name)
-    emit_event(
-        event=EVENT,
-        resource={"prefect.resource.id": f"ppl-audit.model.{folder.resolve()}", "prefect.resource.name": folder.name},
-        payload={"model_path": str(folder.resolve()), "method": method, "bits": bits, "group_size": group_size,
-                 "baseline": model, "calibration_digest": manifest["calibration"]["digest"],
-                 **({"name": name} if name else {})},
-    )
+    emit_event(**announcement(folder, {"method": method, "bits": bits, "group_size": group_size, "baseline": model,
+                                       "calibration_digest": manifest["calibration"]["digest"], "name": name}))
     return manifest

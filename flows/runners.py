@@ -10,9 +10,9 @@ from contextlib import nullcontext
 
 from prefect import flow
 
-from tasks.audit import Evaluation, VariantResult, one_line
+from tasks.audit import Evaluation, VariantResult
 from tasks.config import AuditConfig
-from tasks.errors import InputError
+from tasks.errors import InputError, one_line
 from tasks.steps import score
 
 

@@ -13,7 +13,8 @@ from prefect.events import DeploymentEventTrigger
 from prefect.schedules import Cron
 
 from flows.audit import audit
-from flows.quantize import EVENT, quantize_flow
+from flows.notify import EVENT
+from flows.quantize import quantize_flow
 from tasks.config import load_audit_config
 
 # the event's payload becomes the audit's parameters: that checkpoint against that baseline. Only

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from tasks.batching import auto_batch_size
-from tasks.config import VariantSpec
+from tasks.config import AuditConfig, VariantSpec
 from tasks.corpus import TokenStream, cached_tokenize, default_bos
 from tasks.divergence import TopKCache
 from tasks.embedded import cache_dir
-from tasks.errors import InputError, NumericalError, TransientError
-from tasks.models import load_tokenizer, resolve_model_path
+from tasks.errors import InputError, NumericalError, TransientError, one_line
+from tasks.models import check_checkpoint, load_tokenizer, resolve_model_path
 from tasks.perplexity import PerplexityResult, chunk_limit, count_scored_text, perplexity
-from tasks.quantize import check_disjoint, draw_calibration, model_digest, quantize, read_manifest
+from tasks.quantize import Calibration, check_disjoint, draw_calibration, model_digest, quantize, read_manifest
 from tasks.variants import VariantFacts, check_same_tokenizer, load_variant
 
 
@@ -99,19 +99,39 @@ def preflight(config, variants: bool = True) -> None:
     if positions is not None and window > positions:
         raise InputError(f"evaluation.window {window} is longer than the baseline's {positions} positions; "
                          f"use {positions} or less")
+    check_checkpoint(config.baseline.path)
     for spec in config.variants if variants else []:
         if spec.path is not None:
-            resolve_model_path(spec.path)
+            check_checkpoint(spec.path)
 
 
-def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of) -> str:
-    """The folder of a gptq/awq variant made from the baseline, quantizing it on first use (cached).
+def audit_evaluation(config: AuditConfig, text: str, progress: bool = False) -> Evaluation:
+    """The audit's ``Evaluation`` of ``text``, as its ``evaluation`` settings say."""
+    settings = config.evaluation
+    return evaluation(text, load_tokenizer(config.baseline.path), settings.bos, settings.max_tokens, settings.window,
+                      settings.effective_stride, settings.batch_size, progress=progress, chunks=settings.chunks,
+                      mode=settings.mode, divergence=settings.divergence, top_k=settings.top_k)
+
+
+def check_calibration_room(config: AuditConfig, text: str, corpus_text_of) -> None:
+    """Draw the calibration of every variant quantized here: one without room is refused now, not after
+    the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
+    makers = [spec for spec in config.variants if spec.quantize_here]
+    scored = audit_evaluation(config, text) if makers else None
+    for spec in makers:
+        try:
+            calibration_for(spec, config.baseline.path, scored, corpus_text_of)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None
+
+
+def calibration_for(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of) -> Calibration:
+    """The calibration samples a gptq/awq variant made here is quantized with.
 
     Args:
         corpus_text_of: maps a calibration ``CorpusConfig`` to its text (only called when one is given).
     """
     settings = spec.calibration
-    bits, group_size, sym = spec.quantization
     samples, seq_len, seed = (settings.samples, settings.seq_len, settings.seed) if settings else (128, 512, 0)
     if settings and settings.corpus:
         text, source = corpus_text_of(settings.corpus), settings.corpus.source
@@ -120,17 +140,18 @@ def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluati
     stream = cached_tokenize(text, load_tokenizer(baseline), bos="none")
     # the evaluated text, under whatever name, keeps its evaluated tokens out of calibration
     exclude = evaluation_.evaluated if stream.text_digest == evaluation_.stream.text_digest else None
-    calibration = draw_calibration(stream.ids, samples, seq_len, seed, source, stream.text_digest, exclude)
+    return draw_calibration(stream.ids, samples, seq_len, seed, source, stream.text_digest, exclude)
+
+
+def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of) -> str:
+    """The folder of a gptq/awq variant made from the baseline, quantizing it on first use (cached)."""
+    bits, group_size, sym = spec.quantization
+    calibration = calibration_for(spec, baseline, evaluation_, corpus_text_of)
     key = json.dumps([model_digest(resolve_model_path(baseline)), spec.method, bits, group_size, sym, calibration.digest])
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if read_manifest(str(out)) is None:
         quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name)
     return str(out)
-
-
-def one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **divergence) -> PerplexityResult:

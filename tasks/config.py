@@ -10,13 +10,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.corpus import CorpusSpec
+from tasks.corpus import CorpusSpec, corpus_text
 from tasks.errors import InputError
 from tasks.perplexity import chunk_limit
 
 Method = Literal["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"]
 NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file names, YAML keys
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
+# what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
+KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
 TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
 
@@ -33,9 +35,14 @@ class CorpusConfig(Strict):
     hf_config: str | None = None
     hf_split: str = "test"
     joiner: str = "\n\n"
+    encoding: str = Field("utf-8", description="text encoding of .txt and .jsonl files, a Python codec name")
 
     def spec(self) -> CorpusSpec:
-        return CorpusSpec(self.source, self.column, self.hf_config, self.hf_split, self.joiner)
+        return CorpusSpec(self.source, self.column, self.hf_config, self.hf_split, self.joiner, self.encoding)
+
+    def text(self) -> str:
+        """The corpus as one text (``tasks.corpus.corpus_text``)."""
+        return corpus_text(self.spec())
 
 
 class CalibrationConfig(Strict):
@@ -50,6 +57,14 @@ class CalibrationConfig(Strict):
     seed: int = 0
 
 
+def check_group_size(method: str, group_size: int) -> None:
+    """Refuse a group size no kernel of ``method`` could run, before hours of quantization."""
+    sizes = KERNEL_GROUP_SIZES[method]
+    if group_size not in sizes:
+        raise ValueError(f"group_size {group_size} is not one {method} kernels support; use one of "
+                         f"{', '.join(map(str, sizes))} (-1: per channel)")
+
+
 class VariantSpec(Strict):
     """One model of an audit: the baseline or a quantized variant of it.
 
@@ -62,7 +77,7 @@ class VariantSpec(Strict):
     method: Method = "baseline"
     path: str | None = None
     bits: Literal[2, 3, 4, 8] | None = None
-    group_size: int | None = Field(None, ge=-1)
+    group_size: int | None = None
     sym: bool | None = None
     calibration: CalibrationConfig | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
@@ -75,8 +90,8 @@ class VariantSpec(Strict):
             raise ValueError(f"{', '.join(settings)} only apply to gptq and awq, not to method {self.method}")
         if settings and self.path is not None:
             raise ValueError(f"give either path (a quantized checkpoint) or {', '.join(settings)}, not both")
-        if self.group_size == 0:
-            raise ValueError("group_size must be -1 (per channel) or a positive number of columns")
+        if self.group_size is not None:
+            check_group_size(self.method, self.group_size)
         return self
 
     @property

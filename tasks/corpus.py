@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -18,9 +19,12 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from tasks.errors import InputError
+from tasks.errors import InputError, one_line
+from tasks.files import prune
 
 BosPolicy = Literal["none", "stream", "window"]
+# the token cache keeps the most recently used streams within this size (4 bytes a token: 512M tokens)
+TOKEN_CACHE_BYTES = 2 << 30
 BOS_POLICIES = ("none", "stream", "window")
 
 
@@ -33,29 +37,58 @@ class CorpusSpec:
     hf_config: str | None = None
     hf_split: str = "test"
     joiner: str = "\n\n"
+    encoding: str = "utf-8"
 
 
-def _column(rows: list[dict], column: str, where: str) -> list[str]:
-    if rows and column not in rows[0]:
-        raise InputError(f"column '{column}' not in {where} (columns: {', '.join(rows[0])}); set the text column")
-    return [row[column] or "" for row in rows]
+def _read_text(path: Path, encoding: str) -> str:
+    """A text file's contents; a binary file or text in another encoding is one line saying so."""
+    data = path.read_bytes()
+    try:
+        return data.decode(encoding)
+    except LookupError:
+        raise InputError(f"unknown text encoding '{encoding}'; use a Python codec name such as utf-8 or latin-1") from None
+    except UnicodeDecodeError as error:
+        head = data[:8192]
+        # text in any single-byte or UTF-8 encoding has no NUL bytes and few control bytes
+        controls = sum(byte < 32 and byte not in b"\t\n\r\f" for byte in head)
+        if b"\0" in head and controls > len(head) // 10:
+            raise InputError(f"corpus {path} is a binary file, not text (it starts with bytes {head[:4].hex(' ')}); "
+                             "give a text, JSONL or Parquet file") from None
+        raise InputError(f"corpus {path} is not {encoding} text (byte 0x{data[error.start]:02x} at offset "
+                         f"{error.start}); give its encoding with corpus.encoding or --encoding "
+                         "(e.g. latin-1, cp1252, utf-16)") from None
 
 
-def _read_jsonl(path: Path, column: str) -> list[str]:
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise InputError(f"{path}:{number} is not valid JSON ({error.msg}); fix the line") from None
-    return _column(rows, column, str(path))
+def _read_jsonl(path: Path, column: str, encoding: str) -> list[str]:
+    """The ``column`` of every JSONL row; a line that is not a JSON object with a text there is named."""
+    texts = []
+    for number, line in enumerate(_read_text(path, encoding).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path}:{number} is not valid JSON ({error.msg}); fix the line") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{number} is not a JSON object ({line.strip()[:40]}); "
+                             f"each line must be an object with a '{column}' field")
+        if column not in row:
+            raise InputError(f"column '{column}' not in {path}:{number} (columns: {', '.join(row) or 'none'}); "
+                             "set the text column")
+        if not isinstance(row[column], (str, type(None))):
+            raise InputError(f"{path}:{number}: column '{column}' holds {json.dumps(row[column])[:40]}, not text")
+        texts.append(row[column] or "")
+    return texts
 
 
 def _read_parquet(path: Path, column: str) -> list[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    names = pq.read_schema(path).names
+    try:
+        names = pq.read_schema(path).names
+    except pa.ArrowException as error:
+        raise InputError(f"corpus {path} is not a Parquet file pyarrow can read ({one_line(error)})") from None
     if column not in names:
         raise InputError(f"column '{column}' not in {path} (columns: {', '.join(names)}); set the text column")
     return [text or "" for text in pq.read_table(path, columns=[column]).column(column).to_pylist()]
@@ -68,8 +101,8 @@ def _read_hf(spec: CorpusSpec) -> list[str]:
     try:
         data = datasets.load_dataset(name, spec.hf_config, split=spec.hf_split)
     except Exception as error:  # the datasets library raises many types; the user needs the first line
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(f"cannot load dataset '{name}' (config {spec.hf_config}, split {spec.hf_split}): {first_line}") from None
+        raise InputError(f"cannot load dataset '{name}' (config {spec.hf_config}, split {spec.hf_split}): "
+                         f"{one_line(error)}") from None
     if spec.column not in data.column_names:
         raise InputError(f"column '{spec.column}' not in dataset '{name}' (columns: {', '.join(data.column_names)}); set the text column")
     return [text or "" for text in data[spec.column]]
@@ -90,22 +123,22 @@ def load_documents(spec: CorpusSpec) -> list[str]:
         if path.is_dir():
             files = sorted(path.glob("*.txt"))
             if not files:
-                raise InputError(f"corpus folder {path} holds no .txt files")
-            return [file.read_text(encoding="utf-8") for file in files]
+                raise InputError(f"corpus folder {path} holds no .txt files; put the text in .txt files")
+            return [_read_text(file, spec.encoding) for file in files]
         if path.suffix == ".jsonl":
-            return _read_jsonl(path, spec.column)
+            return _read_jsonl(path, spec.column, spec.encoding)
         if path.suffix == ".parquet":
             return _read_parquet(path, spec.column)
-        return [path.read_text(encoding="utf-8")]
-    except (OSError, UnicodeDecodeError) as error:
-        raise InputError(f"cannot read corpus {path}: {error}") from None
+        return [_read_text(path, spec.encoding)]
+    except OSError as error:
+        raise InputError(f"cannot read corpus {path}: {error.strerror or error}") from None
 
 
 def corpus_text(spec: CorpusSpec) -> str:
     """The whole corpus as one string: the documents joined with ``spec.joiner``."""
     text = spec.joiner.join(load_documents(spec))
     if not text.strip():
-        raise InputError(f"corpus {spec.source} is empty; give a source with text")
+        raise InputError(f"corpus {spec.source} is empty or only whitespace; give a source with text")
     return text
 
 
@@ -271,6 +304,7 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
     file = cache_dir() / "tokens" / f"{key}.npz"
     if file.is_file():
         try:
+            os.utime(file)  # recently used: kept when the cache is pruned
             saved = np.load(file)
             meta = json.loads(str(saved["meta"]))
             return TokenStream(ids=torch.from_numpy(saved["ids"].astype(np.int64)), prefix=tuple(meta["prefix"]),
@@ -281,7 +315,8 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
     stream = tokenize(text, tokenizer, bos, max_tokens, progress)
     file.parent.mkdir(parents=True, exist_ok=True)
     meta = {"prefix": list(stream.prefix), "n_bytes": stream.n_bytes, "n_words": stream.n_words, "bos_id": stream.bos_id}
-    partial = file.with_suffix(".tmp.npz")
+    partial = file.with_suffix(f".{os.getpid()}.tmp.npz")
     np.savez(partial, ids=stream.ids.numpy().astype(np.int32), meta=json.dumps(meta))
     partial.rename(file)
+    prune(file.parent, TOKEN_CACHE_BYTES)
     return stream

@@ -13,6 +13,12 @@ class TransientError(RuntimeError):
     """A failure worth retrying: network or remote storage. Prefect tasks retry on it, nothing else."""
 
 
+def one_line(error: BaseException) -> str:
+    """An error's first line (its type's name when it has no message): what a user is shown."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
 def is_network_error(error: BaseException) -> bool:
     """Whether an error, or one it was raised from, is a connection or timeout failure."""
     seen = error

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from tasks.errors import InputError, TransientError, is_network_error
+from tasks.errors import InputError, TransientError, is_network_error, one_line
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +52,33 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_checkpoint(name: str) -> None:
+    """Refuse a local model folder without weights or tokenizer (or with shards its index names missing)."""
+    path = Path(resolve_model_path(name))
+    if not path.is_dir():
+        return  # a Hub id: the Hub holds the files
+    from tasks.variants import WEIGHT_SUFFIXES
+
+    missing = []
+    for index in path.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            raise InputError(f"model folder {path}: {index.name} is not a weight index; copy the checkpoint again") from None
+        missing += sorted(shard for shard in shards if not (path / shard).is_file())
+    if missing:
+        raise InputError(f"model folder {path} lacks weight shard(s) its index names: {', '.join(missing[:3])}"
+                         f"{' …' if len(missing) > 3 else ''}; copy the whole checkpoint")
+    if not any(file.suffix in WEIGHT_SUFFIXES for file in path.iterdir()):
+        raise InputError(f"model folder {path} has no weights (*.safetensors or *.bin); copy the whole checkpoint")
+    if not any((path / file).is_file() for file in TOKENIZER_FILES):
+        raise InputError(f"model folder {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+                         "save the tokenizer beside the weights (tokenizer.save_pretrained)")
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
@@ -58,7 +86,7 @@ def load_tokenizer(name: str):
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
-        raise InputError(f"cannot load the tokenizer of {name}: {str(error).strip().splitlines()[0]}") from None
+        raise InputError(f"cannot load the tokenizer of {name}: {one_line(error)}") from None
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretrained):
@@ -77,8 +105,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=str(device), **from_pretrained)
     except (OSError, ValueError) as error:
         if is_network_error(error):
-            raise TransientError(f"cannot reach the model store for {name}: {str(error).strip().splitlines()[0]}") from error
-        raise InputError(f"cannot load model {name}: {str(error).strip().splitlines()[0]}") from None
+            raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
+        raise InputError(f"cannot load model {name}: {one_line(error)}") from None
     return model.eval()
 
 
@@ -89,7 +117,7 @@ def load_config(name: str):
     try:
         return AutoConfig.from_pretrained(resolve_model_path(name))
     except (OSError, ValueError) as error:
-        raise InputError(f"cannot load the config of {name}: {str(error).strip().splitlines()[0]}") from None
+        raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
 
 
 def max_positions(config) -> int | None:

@@ -364,16 +364,21 @@ class PerplexityResult:
     window_nll: np.ndarray = field(repr=False)
     window_tokens: np.ndarray = field(repr=False)
     extra: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    absent: dict[str, str] = field(default_factory=dict)  # figure -> why it is None
 
     def summary(self) -> dict:
-        """Every scalar field, for JSON and tracking (the arrays are left out)."""
-        return {k: v for k, v in asdict(self).items() if not isinstance(v, (np.ndarray, dict))}
+        """Every scalar field and ``absent``, for JSON and tracking (the arrays are left out)."""
+        return {k: v for k, v in asdict(self).items() if k != "extra" and not isinstance(v, np.ndarray)}
 
 
-def _per_unit_ppl(nll_sum: float, units: int) -> float | None:
-    """``exp(nll_sum / units)``; None where nothing was counted or it is past a float (text with few
-    whitespace-separated words, as Chinese or Japanese has, gives a word PPL of e^thousands)."""
-    if not units or nll_sum / units > math.log(sys.float_info.max):
+def _per_unit_ppl(nll_sum: float, units: int, unit: str, absent: dict[str, str]) -> float | None:
+    """``exp(nll_sum / units)``, or None with the reason put in ``absent``: nothing was counted, or it is
+    past a float (text with few whitespace-separated words, as Chinese or Japanese has, gives e^thousands)."""
+    if not units:
+        absent[f"{unit}_ppl"] = f"no {unit}s were counted in the scored text"
+        return None
+    if nll_sum / units > math.log(sys.float_info.max):
+        absent[f"{unit}_ppl"] = f"e^{nll_sum / units:.0f} is past a float: the scored text has too few {unit}s ({units})"
         return None
     return math.exp(nll_sum / units)
 
@@ -391,12 +396,13 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
     stderr = math.sqrt(variance / n)
     ppl = math.exp(mean)
     n_bytes, n_words = (stream.n_bytes, stream.n_words) if stream.counted_for == facts["mode"] else (0, 0)
+    absent: dict[str, str] = {}
     return PerplexityResult(
         n_tokens=n, nll_sum=nll_sum, mean_nll=mean, ppl=ppl, stderr=stderr, ppl_stderr=ppl * stderr,
         n_bytes=n_bytes, n_words=n_words,
         bits_per_byte=nll_sum / (n_bytes * math.log(2)) if n_bytes else None,
-        byte_ppl=_per_unit_ppl(nll_sum, n_bytes),
-        word_ppl=_per_unit_ppl(nll_sum, n_words),
+        byte_ppl=_per_unit_ppl(nll_sum, n_bytes, "byte", absent),
+        word_ppl=_per_unit_ppl(nll_sum, n_words, "word", absent), absent=absent,
         bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
         token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
         window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, **facts,

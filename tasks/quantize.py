@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ from pathlib import Path
 import torch
 
 from tasks.errors import InputError
-from tasks.files import read_json, write_atomically
+from tasks.embedded import cache_dir
+from tasks.files import read_json, scratch, write_atomically
 from tasks.models import load_tokenizer, resolve_model_path
 from tasks.variants import WEIGHT_SUFFIXES, versions
 
@@ -148,11 +148,13 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
 
     source = resolve_model_path(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym)
     tokenizer = load_tokenizer(source)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as staging:
-        quantizer = GPTQModel.load(_with_pad(source, tokenizer, Path(staging)), scheme, device=device)
+    # ours, so that a killed run's offloaded layers are removed next time (gptqmodel's own go to /tmp for good)
+    with scratch(cache_dir() / "scratch") as staging:
+        scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
+                                                                 offload_to_disk_path=str(staging / "offload"))
+        quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
         options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
         rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
         quantizer.quantize(rows, batch_size=1, **options)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed
 
-from tasks.audit import Evaluation, VariantResult, evaluation, score_variant
+from tasks.audit import Evaluation, VariantResult, audit_evaluation, score_variant
 from tasks.config import AuditConfig, CorpusConfig, VariantSpec
-from tasks.corpus import corpus_text
 from tasks.errors import TransientError
 from tasks.models import load_tokenizer
-from tasks.spool import mark_synced, write_record
+from tasks.spool import claim, mark_synced, spool_dir, synced_dir, token_arrays, write_record
 from tasks.tracking import is_tracking_outage, replay
 from tasks.corpus import tokenizer_digest
 
@@ -29,7 +29,7 @@ def _transient(task, run, state) -> bool:
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
 def read_corpus(corpus: CorpusConfig) -> str:
     """The corpus as one text (a Hub dataset download is retried, a bad source is not)."""
-    return corpus_text(corpus.spec())
+    return corpus.text()
 
 
 @task(cache_policy=NO_CACHE)
@@ -39,10 +39,7 @@ def tokenize_corpus(text: str, config: AuditConfig) -> Evaluation:
     The stream is cached on disk by corpus digest, tokenizer digest and settings (``cached_tokenize``),
     so a later audit of the same corpus reads it back; no model is ever hashed.
     """
-    settings = config.evaluation
-    return evaluation(text, load_tokenizer(config.baseline.path), settings.bos, settings.max_tokens,
-                      settings.window, settings.effective_stride, settings.batch_size, progress=True,
-                      chunks=settings.chunks, mode=settings.mode, divergence=settings.divergence, top_k=settings.top_k)
+    return audit_evaluation(config, text, progress=True)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{spec.name}",
@@ -55,21 +52,34 @@ def score(spec: VariantSpec, config: AuditConfig, evaluation_: Evaluation,
     """
     baseline = config.baseline.path
     return score_variant(spec, baseline, tokenizer_digest(load_tokenizer(baseline)), evaluation_,
-                         corpus_text_of=lambda corpus: corpus_text(corpus.spec()), progress=True,
+                         corpus_text_of=CorpusConfig.text, progress=True,
                          baseline_outcome=baseline_outcome, baseline_spec=config.baseline)
 
 
 @task(cache_policy=NO_CACHE)
-def spool_audit(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
-                results: list[VariantResult]) -> Path:
-    """Write the audit's record locally first: nothing computed is lost if tracking fails."""
-    return write_record(config, config_path, scored, summary, results)
+def spool_audit(record: dict, results: list[VariantResult]) -> Path:
+    """Write the audit's record locally first: nothing computed is lost if tracking fails.
+
+    A record that cannot be written (disk full, read-only, ...) ends the task Failed with one line
+    naming the folder and the OS error, not a traceback: the flow then prints the record instead.
+    """
+    try:
+        return write_record(record, token_arrays(results))
+    except OSError as error:
+        return Failed(message=f"could not write the audit's record in {spool_dir()}: {error}")
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       retry_condition_fn=lambda task, run, state: is_tracking_outage(state.result(raise_on_failure=False)))
 def track(folder: Path) -> str:
-    """Log the record to MLflow (retried: the tracking server may blip); returns the parent run id."""
-    run_id = replay(folder)
-    mark_synced(folder)
-    return run_id
+    """Log the record to MLflow (retried: the tracking server may blip); returns the parent run id.
+
+    A ``ppl-audit sync`` may be replaying this very record: then this waits for it, and when it did
+    log the record, its run is found (``replay`` of a complete audit logs nothing) instead of made twice.
+    """
+    with claim(folder, wait=True) as state:
+        if state == "mine":
+            run_id = replay(folder)
+            mark_synced(folder)
+            return run_id
+    return replay(synced_dir() / folder.name)

@@ -2,6 +2,7 @@
 
 ``replay`` is idempotent: an audit already complete in the server is left alone, a partial one (the
 server died mid-audit) is deleted and logged again, so a synced audit has exactly the runs of a clean one.
+Two processes never replay one record at once: they hold it first (``tasks.spool.claim``).
 """
 
 from __future__ import annotations
@@ -51,13 +52,21 @@ def tracking_uri(configured: str | None = None) -> str:
 
 
 def _experiment(client, name: str, uri: str) -> str:
+    from mlflow.exceptions import MlflowException
+
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     location = None
     if uri.startswith("sqlite:"):  # a local store keeps its artifacts beside it, not in the current folder
         location = (home() / "mlartifacts" / name).as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:
+        found = client.get_experiment_by_name(name)  # a concurrent sync or audit made it meanwhile
+        if found is None:
+            raise
+        return found.experiment_id
 
 
 def _dataset_input(record: dict):
@@ -187,7 +196,8 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
         child = client.create_run(experiment_id, start_time=timestamp, run_name=entry["name"], tags={
             "mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"], "ppl_audit.variant": entry["name"],
             "ppl_audit.kind": entry["role"], "audit.verdict": status,
-            "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000]}).info.run_id
+            "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
+            **{f"absent.{figure}": why for figure, why in (entry["result"] or {}).get("absent", {}).items()}}).info.run_id
         _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),
                      [RunTag("ppl_audit.status", entry["status"])])
         client.log_inputs(child, datasets=[dataset])

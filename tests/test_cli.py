@@ -115,3 +115,7 @@ def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir,
     result = json.loads(out.strip().splitlines()[-1], parse_constant=refuse)
     assert result["n_words"] <= 1 and result["word_ppl"] is None
     assert result["ppl"] > 1 and result["bits_per_byte"] > 0
+    why = result["absent"]["word_ppl"]
+    assert why in ("no words were counted in the scored text", "e^{:.0f} is past a float: the scored text has too few "
+                   "words (1)".format(result["nll_sum"]))
+    assert f"no word_ppl: {why}" in out

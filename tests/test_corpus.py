@@ -98,5 +98,75 @@ def test_missing_and_empty_corpora_are_refused(tmp_path):
     with pytest.raises(InputError, match="corpus not found"):
         corpus_text(CorpusSpec(str(tmp_path / "nope.txt")))
     (tmp_path / "empty.txt").write_text("  \n")
-    with pytest.raises(InputError, match="is empty"):
+    with pytest.raises(InputError, match="is empty or only whitespace"):
         corpus_text(CorpusSpec(str(tmp_path / "empty.txt")))
+
+
+# each: the file's name and bytes, and the one line that refuses it
+UNREADABLE = {
+    "binary": ("model.txt", bytes(range(256)) * 64, "is a binary file, not text (it starts with bytes 00 01 02 03)"),
+    "latin-1": ("french.txt", "Déjà vu à l'été".encode("latin-1"), "is not utf-8 text (byte 0xe9 at offset 1); give its "
+                "encoding with corpus.encoding or --encoding"),
+    "bad json line": ("rows.jsonl", b'{"text": "fine"}\n{"text": oops}\n', "rows.jsonl:2 is not valid JSON"),
+    "json array line": ("rows.jsonl", b'{"text": "fine"}\n["text"]\n', "rows.jsonl:2 is not a JSON object ([\"text\"])"),
+    "row without the column": ("rows.jsonl", b'{"text": "fine"}\n{"body": "x"}\n',
+                               "column 'text' not in {path}:2 (columns: body)"),
+    "number as text": ("rows.jsonl", b'{"text": 7}\n', "rows.jsonl:1: column 'text' holds 7, not text"),
+    "broken parquet": ("rows.parquet", b"PAR1 not really", "is not a Parquet file pyarrow can read"),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE, ids=list(UNREADABLE))
+def test_unreadable_corpora_are_one_line(tmp_path, case):
+    name, data, expected = UNREADABLE[case]
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(InputError) as refused:
+        corpus_text(CorpusSpec(str(path)))
+    assert expected.format(path=path) in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_another_encoding_can_be_given(tmp_path):
+    path = tmp_path / "french.txt"
+    path.write_bytes("Déjà vu à l'été".encode("latin-1"))
+    assert corpus_text(CorpusSpec(str(path), encoding="latin-1")) == "Déjà vu à l'été"
+    with pytest.raises(InputError, match="unknown text encoding 'klingon'"):
+        corpus_text(CorpusSpec(str(path), encoding="klingon"))
+
+
+def test_a_folder_without_text_files_is_refused(tmp_path):
+    (tmp_path / "notes.md").write_text("words")
+    with pytest.raises(InputError, match="holds no .txt files"):
+        corpus_text(CorpusSpec(str(tmp_path)))
+
+
+def test_an_unreachable_hub_dataset_is_one_line(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InputError) as refused:
+        corpus_text(CorpusSpec("hf:no-such-org/no-such-dataset"))
+    assert str(refused.value).startswith("cannot load dataset 'no-such-org/no-such-dataset'")
+    assert "\n" not in str(refused.value)
+
+
+def test_the_token_cache_keeps_the_recently_used_streams_within_its_size(tmp_path, monkeypatch, tokenizer):
+    import os
+    import time
+
+    from conftest import make_text
+    from tasks import corpus
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
+    texts = [make_text(400, seed) for seed in range(3)]
+    entries = []
+    for age, text in zip((300, 200), texts):
+        before = set((tmp_path / "tokens").glob("*")) if (tmp_path / "tokens").is_dir() else set()
+        corpus.cached_tokenize(text, tokenizer)
+        (entry,) = set((tmp_path / "tokens").glob("*")) - before
+        os.utime(entry, (time.time() - age, time.time() - age))
+        entries.append(entry)
+    monkeypatch.setattr(corpus, "TOKEN_CACHE_BYTES", 2.5 * max(e.stat().st_size for e in entries))
+    corpus.cached_tokenize(texts[0], tokenizer)  # the oldest entry, read again: recently used now
+    corpus.cached_tokenize(texts[2], tokenizer)  # a third entry: the cache is over its size
+    kept = set((tmp_path / "tokens").glob("*"))
+    assert entries[0] in kept and entries[1] not in kept and len(kept) == 2

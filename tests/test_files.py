@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import platform
+import sys
 
 import pytest
 
@@ -64,3 +66,51 @@ def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, t
     size = auto_batch_size(tiny_model64, stream, 64, 32)
     assert size >= 1 and "batch size cache" in capsys.readouterr().err
     assert list(json.loads((tmp_path / "batch_sizes.json").read_text()).values()) == [size]
+
+
+def test_scratch_folders_of_processes_that_died_are_removed_next_time(tmp_path):
+    import subprocess
+
+    from tasks.files import scratch
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / f"{gone.stdout.strip()}@{platform.node()}~x1"  # as a killed process leaves it
+    alive = tmp_path / f"1@{platform.node()}~x2"  # pid 1 lives as long as the machine
+    for folder in (left, alive):
+        folder.mkdir()
+    with scratch(tmp_path) as mine:
+        assert mine.is_dir() and not left.exists() and alive.is_dir()
+    assert not mine.exists()
+
+
+def test_a_killed_quantization_leaves_nothing_in_tmp_and_its_scratch_goes_next_time(tmp_path, trained_model_dir):
+    """gptqmodel offloads finished layers to disk: into our scratch folder, not a /tmp folder of its own."""
+    import signal
+    import subprocess
+    import time
+
+    from tasks.files import scratch
+
+    tmp, cache = tmp_path / "tmp", tmp_path / "cache"
+    tmp.mkdir()
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from tasks.quantize import draw_calibration, quantize\n"
+        "ids = torch.randint(0, 300, (64 * 256,))\n"
+        "drawn = draw_calibration(ids, 64, 256, 0, 'random', 'none')\n"
+        "quantize(sys.argv[1], 'gptq', 4, 32, True, drawn, Path(sys.argv[2]))\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp), "PPL_AUDIT_CACHE": str(cache)}
+    process = subprocess.Popen([sys.executable, "-c", script, str(trained_model_dir), str(tmp_path / "out")], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not list((cache / "scratch").glob("*/offload/*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, f"quantization ended before it offloaded a layer: {process.stderr.read()[-2000:]}"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert list(tmp.iterdir()) == []
+    (left,) = (cache / "scratch").iterdir()
+    with scratch(cache / "scratch"):
+        assert not left.exists()

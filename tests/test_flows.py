@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -172,17 +174,103 @@ def test_bad_config_is_one_line_naming_the_key_before_any_model_loads(tmp_path, 
 @pytest.mark.parametrize("corpus,expected", [
     ("missing.txt", "corpus not found"),
     ("empty.txt", "is empty"),
+    ("blank.txt", "is empty or only whitespace"),
     ("rows.jsonl", "column 'text' not in"),
+    ("broken.jsonl", "broken.jsonl:2 is not valid JSON"),
+    ("binary.txt", "is a binary file, not text"),
+    ("latin1.txt", "is not utf-8 text (byte 0xe9 at offset 1); give its encoding with corpus.encoding"),
+    ("no-text", "holds no .txt files"),
+    ("hf:no-such-org/no-such-dataset", "cannot load dataset 'no-such-org/no-such-dataset'"),
+    ("calibration", "gptq: column 'text' not in"),
 ])
-def test_a_bad_corpus_is_refused_before_prefect_starts(tmp_path, trained_model_dir, capsys, corpus, expected):
+def test_a_bad_corpus_is_refused_before_prefect_starts(tmp_path, trained_model_dir, corpus_path, capsys, monkeypatch,
+                                                       corpus, expected):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text(" \n\t\n")
     (tmp_path / "rows.jsonl").write_text('{"body": "some words here"}\n')
-    path = write_config(tmp_path / "bad.yaml", trained_model_dir, tmp_path / corpus,
-                        [{"name": "int8", "method": "torchao-int8"}])
+    (tmp_path / "broken.jsonl").write_text('{"text": "some words"}\n{"text": \n')
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 16)
+    (tmp_path / "latin1.txt").write_bytes("Déjà vu".encode("latin-1"))
+    (tmp_path / "no-text").mkdir()
+    variants = [{"name": "int8", "method": "torchao-int8"}]
+    if corpus == "calibration":  # a gptq variant's own calibration corpus is read before anything starts too
+        variants = [{"name": "gptq", "method": "gptq", "calibration": {"corpus": {"source": str(tmp_path / "rows.jsonl")}}}]
+    source = corpus if corpus.startswith("hf:") else corpus_path if corpus == "calibration" else tmp_path / corpus
+    path = write_config(tmp_path / "bad.yaml", trained_model_dir, source, variants)
     assert main(["run", str(path)]) == 2
     captured = capsys.readouterr()
     assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured.err
     assert "Starting temporary server" not in captured.out + captured.err
+
+
+def test_a_chinese_corpus_is_audited_end_to_end(tmp_path, cache, trained_model_dir):
+    """Text without spaces: word PPL is absent with its reason (console, record, MLflow), the rest is there."""
+    from mlflow import MlflowClient
+
+    corpus = tmp_path / "zh.txt"
+    corpus.write_text("我们今天去公园散步，天气很好。她说这封信是昨天写的。" * 200)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = write_config(tmp_path / "zh.yaml", trained_model_dir, corpus, [{"name": "int8", "method": "torchao-int8"}],
+                          name="zh", thresholds={"max_ppl_increase_pct": 1000}, tracking={"uri": uri})
+    state = audit(config=str(config), return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    for outcome in summary["results"]:
+        result = outcome.result
+        assert result.word_ppl is None and result.ppl > 1 and result.bits_per_byte > 0
+        assert result.absent == {"word_ppl": f"e^{result.nll_sum / result.n_words:.0f} is past a float: the scored "
+                                             f"text has too few words ({result.n_words})"}
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("ppl-audit").experiment_id],
+                              filter_string=f"tags.`mlflow.parentRunId` = '{summary['mlflow_run_id']}'")
+    assert len(runs) == 2
+    for run in runs:
+        assert "word_ppl" not in run.data.metrics and run.data.metrics["ppl"] > 1
+        assert run.data.tags["absent.word_ppl"].startswith("e^")
+
+
+def test_checkpoints_and_quantization_that_cannot_work_are_refused_before_any_model_loads(
+        tmp_path, trained_model_dir, corpus_path, capsys):
+    import shutil
+
+    def copy(name: str, leave_out: tuple[str, ...]) -> str:
+        folder = tmp_path / name
+        shutil.copytree(trained_model_dir, folder, ignore=shutil.ignore_patterns(*leave_out))
+        return str(folder)
+
+    sharded = copy("sharded", ())
+    (Path(sharded) / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    cases = {
+        "no weights (*.safetensors or *.bin)": [{"name": "q", "method": "gptq", "path": copy("no-weights", ("*.safetensors",))}],
+        "has no tokenizer (tokenizer.json": [{"name": "q", "method": "gptq", "path": copy("no-tokenizer", ("tokenizer*",))}],
+        "lacks weight shard(s) its index names: model-00001-of-00002.safetensors": [{"name": "q", "path": sharded}],
+        "variants.0: group_size 100 is not one gptq kernels support; use one of -1, 16, 32":
+            [{"name": "q", "method": "gptq", "group_size": 100}],
+        "variants.0: group_size 256 is not one awq kernels support": [{"name": "q", "method": "awq", "group_size": 256}],
+        "q: no 4096-token calibration block lies outside the evaluated tokens of audit corpus":
+            [{"name": "q", "method": "gptq", "calibration": {"seq_len": 4096}}],
+    }
+    for expected, variants in cases.items():
+        path = write_config(tmp_path / "bad.yaml", trained_model_dir, corpus_path, variants)
+        assert main(["run", str(path)]) == 2, expected
+        captured = capsys.readouterr()
+        assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured.err
+        assert "Starting temporary server" not in captured.out + captured.err
+    assert main(["quantize", "--model", str(trained_model_dir), "--method", "awq", "--group-size", "256",
+                 "--calibration", str(corpus_path), "--out", str(tmp_path / "out")]) == 2
+    assert "group_size 256 is not one awq kernels support" in capsys.readouterr().err
+
+
+def test_kernel_group_sizes_are_those_gptqmodel_supports():
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+
+    from tasks.config import KERNEL_GROUP_SIZES
+
+    assert KERNEL_GROUP_SIZES == {"gptq": tuple(TorchLinear.SUPPORTS_GROUP_SIZE),
+                                  "awq": tuple(AwqTorchLinear.SUPPORTS_GROUP_SIZE)}
 
 
 def test_set_overrides_and_missing_config(capsys, tmp_path):

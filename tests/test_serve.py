@@ -80,6 +80,22 @@ def emit(env: dict, payload: dict) -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
+@pytest.mark.parametrize("api_url,expected", [
+    (None, "no Prefect server is configured: set PREFECT_API_URL"),
+    ("http://127.0.0.1:{port}/api", "the Prefect server http://127.0.0.1:{port}/api does not answer"),
+])
+def test_notify_refuses_when_no_server_would_hear_it(tmp_path, trained_model_dir, api_url, expected):
+    """Without a server, emit_event says "emitted" into a temporary server of its own and no audit starts."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(tmp_path)}
+    if api_url:
+        env["PREFECT_API_URL"] = api_url.format(port=port)
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "notify", "--model", str(trained_model_dir)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and expected.format(port=port) in done.stderr
+
+
 def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zone(server, tmp_path, trained_model_dir,
                                                                                    corpus_path, gptq_checkpoint):
     """Two events for one checkpoint: named by the config's matching variant it passes that variant's
@@ -115,7 +131,10 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
         assert matched["parameters"]["baseline"] == str(trained_model_dir)
         assert matched["parameters"]["config"] == str(config.resolve())
 
-        emit(env, {**payload, "name": "gptq-strict"})
+        # as a job that names its variant announces it with `ppl-audit notify`
+        subprocess.run([sys.executable, "-m", "flows.cli", "notify", "--model", str(gptq_checkpoint), "--method", "gptq",
+                        "--bits", "4", "--baseline", str(trained_model_dir), "--name", "gptq-strict"],
+                       env=env, check=True, timeout=120)
 
         strict = wait_for(lambda: next(iter(runs("gptq-strict")), None), 400, "the audit of the checkpoint named by its event")
         assert strict["state_type"] == "FAILED", (strict["state"], log_path.read_text()[-3000:])

@@ -152,7 +152,7 @@ def test_failing_variants_do_not_stop_the_others(audit, tokenizer, tmp_path):
     ({"name": "x", "method": "int4"}, "method: Input should be"),
     ({"name": "x", "method": "bnb-int8", "bits": 4}, "bits only apply to gptq and awq"),
     ({"name": "x", "method": "gptq", "path": "/p", "bits": 4}, "either path"),
-    ({"name": "x", "method": "gptq", "group_size": 0}, "group_size must be -1"),
+    ({"name": "x", "method": "gptq", "group_size": 0}, "group_size 0 is not one gptq kernels support"),
     ({"name": "x", "method": "gptq", "calibration": {"samples": 0}}, "calibration.samples"),
     ({"name": "x", "methd": "gptq"}, "methd: unknown key"),
 ])

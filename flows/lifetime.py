@@ -1,0 +1,112 @@
+"""Whatever ``ppl-audit`` starts ends with it, however it is stopped (Linux; elsewhere ``run`` calls ``main``).
+
+Prefect's local mode starts a temporary API server (uvicorn, ~220 MB) and stops it from an ``atexit``
+handler; ``ppl-audit ui`` starts ``mlflow server``, which starts uvicorn workers and a job runner. A
+SIGTERM (whose default action skips ``atexit``) or a ``kill -9`` left all of them running and listening.
+
+So the command runs in a forked child, and the process the user started becomes a thin supervisor:
+
+- it forwards SIGTERM, SIGHUP and SIGINT to the child and exits with the child's status. Not the
+  terminal's Ctrl-C: that SIGINT reaches the whole foreground process group, the child included, and a
+  second one would interrupt the child's cleanup. (A hangup reaches only the session leader, which the
+  supervisor can be, so SIGHUP is always forwarded; the child stops once however many it gets);
+- the child gets SIGTERM when the supervisor dies, ``kill -9`` included (``PR_SET_PDEATHSIG``);
+- on SIGTERM or SIGHUP the child exits as on an exception, not at once: ``finally`` and ``with`` blocks
+  run, and ``atexit`` handlers such as Prefect's, which stops its server. (During a flow run Prefect's
+  own handler comes first: it records the run as crashed, then hands the signal on; ``serve``'s runner
+  replaces the handler with its own, which shuts the runner down and exits);
+- when the child ends, every descendant still there is stopped: by the child as its last ``atexit``
+  handler, by the supervisor if the child was killed outright (the OOM killer picks the biggest
+  process). Both are subreapers, so a process whose own parent died first is still found.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+from contextlib import suppress
+from types import FrameType
+from typing import NoReturn
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+SI_KERNEL = 0x80  # si_code of a signal the kernel sent, such as the terminal's Ctrl-C
+
+GRACE_S = 5.0  # between SIGTERM and SIGKILL of a descendant (uvicorn lets its requests finish)
+
+STOPPING = (signal.SIGTERM, signal.SIGHUP)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def run(main: Callable[[], int]) -> NoReturn:
+    """Exit with ``main()``'s code; on Linux, run it in a supervised child (see the module's docstring)."""
+    if not sys.platform.startswith("linux"):
+        sys.exit(main())
+    watched = {*FORWARDED, signal.SIGCHLD}
+    # blocked before the fork: none is lost (or acts by default) before the supervisor waits for it
+    signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    supervisor = os.getpid()
+    child = os.fork()
+    if child:
+        _supervise(child, watched)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    for signum in STOPPING:
+        signal.signal(signum, _stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)  # processes it starts inherit its mask
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != supervisor:  # the supervisor died before the line above: no signal will come
+        sys.exit(128 + signal.SIGTERM)
+    atexit.register(stop_descendants)  # registered first, so it runs last: after Prefect stops its server
+    sys.exit(main())
+
+
+def stop_descendants(grace: float = GRACE_S) -> None:
+    """SIGTERM every descendant, then SIGKILL those still running ``grace`` seconds later."""
+    import psutil
+
+    found = psutil.Process().children(recursive=True)
+    for process in found:
+        with suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(found, timeout=grace)
+    for process in alive:
+        with suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def _supervise(child: int, watched: set[signal.Signals]) -> NoReturn:
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    while True:
+        info = signal.sigwaitinfo(watched)
+        if info.si_signo != signal.SIGCHLD:
+            if info.si_signo != signal.SIGINT or info.si_code != SI_KERNEL:
+                os.kill(child, info.si_signo)
+            continue
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            break
+    stop_descendants()
+    code = os.waitstatus_to_exitcode(status)
+    # _exit: this is a copy of the process the child already is; its buffers and atexit handlers are the child's
+    os._exit(128 - code if code < 0 else code)
+
+
+def _stop(signum: int, frame: FrameType | None) -> NoReturn:
+    for stopping in STOPPING:
+        signal.signal(stopping, _again)
+    raise SystemExit(128 + signum)
+
+
+def _again(signum: int, frame: FrameType | None) -> None:
+    """A second SIGTERM or SIGHUP must not interrupt the unwinding the first began. Not SIG_IGN: processes
+    started while unwinding would inherit it and ignore SIGTERM themselves."""
+
+
+def _prctl(option: int, value: int) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}, {value}) failed")

@@ -1,0 +1,274 @@
+"""The spool under stress: two syncs at once, a sync during an audit's own tracking, a record that cannot
+be written, an audit killed mid-write. Real processes, a real Prefect server and real MLflow stores."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from conftest import write_config
+from flows.audit import audit
+from flows.cli import main
+from tasks.spool import pending, read_record, spool_dir, write_record
+
+ROOT = Path(__file__).resolve().parents[1]  # the tree under test: its subprocesses import this code
+PARTIAL = ".partial-"  # spelled out, not imported: these tests also run against the code from before it
+
+# `ppl-audit sync`, entered once its slow imports are done (it says so in a file) and a gate file appears,
+# so that two of them (or one and the test) really start replaying at the same moment
+GATED_SYNC = """
+import sys, time, pathlib
+import mlflow, tasks.plots, tasks.tracking
+from flows.cli import main
+pathlib.Path(sys.argv[1]).touch()
+while not pathlib.Path(sys.argv[2]).exists():
+    time.sleep(0.005)
+sys.exit(main(["sync"]))
+"""
+
+# `ppl-audit run` in a process that may write files of `limit` bytes at most, as on a disk that is full;
+# SIGXFSZ ignored (Python's default), a write past it fails with EFBIG, else the kernel kills the process
+LIMITED_RUN = """
+import resource, signal, sys
+import flows.audit, flows.cli  # compiled before the limit
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN if sys.argv[1] == "error" else signal.SIG_DFL)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.exit(flows.cli.main(["run", sys.argv[3]]))
+"""
+LIMIT = 12_000  # above the token cache (7 KB), below one variant's per-token arrays (17 KB)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """This test's PPL_AUDIT_HOME, for it and the processes it starts."""
+    folder = tmp_path / "home"
+    folder.mkdir()
+    monkeypatch.setenv("PPL_AUDIT_HOME", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory, prefect_harness, trained_model_dir, corpus_path) -> Path:
+    """The record of a real audit (a baseline and one variant) as the flow wrote it."""
+    folder = tmp_path_factory.mktemp("audited")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_HOME", str(folder / "home"))
+        patch.setenv("PPL_AUDIT_CACHE", str(folder / "cache"))
+        config = write_config(folder / "audit.yaml", trained_model_dir, corpus_path,
+                              [{"name": "copy", "path": str(trained_model_dir)}], name="spooled",
+                              tracking={"uri": f"sqlite:///{folder / 'first.db'}", "experiment": "tests"})
+        state = audit(config=str(config), return_state=True)
+        assert state.is_completed(), state.message
+        [record] = (folder / "home" / "synced").iterdir()
+    return record
+
+
+def spool_copy(audited: Path, target: Path, uri: str) -> str:
+    """A copy of the real record at ``target`` as a distinct audit (a new id) tracked to ``uri``; its id."""
+    record = read_record(audited) | {"audit_id": uuid.uuid4().hex}
+    record["config"]["tracking"]["uri"] = uri
+    shutil.copytree(audited, target)
+    (target / "record.json").write_text(json.dumps(record))
+    return record["audit_id"]
+
+
+def spool_copies(audited: Path, count: int, uri: str) -> list[str]:
+    return [spool_copy(audited, spool_dir() / f"{audited.name}-{i}", uri) for i in range(count)]
+
+
+def fresh_store(tmp_path: Path) -> str:
+    """A local SQLite store, its tables made (two processes both making them is MLflow's own race)."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    MlflowClient(uri).search_experiments()
+    return uri
+
+
+def runs_of(client: MlflowClient, audit_id: str) -> tuple[list, list]:
+    """(parent runs, child runs) in the store for one audit id."""
+    experiment = client.get_experiment_by_name("tests")
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`ppl_audit.audit_id` = '{audit_id}'")
+    parents = [r for r in runs if r.data.tags.get("ppl_audit.kind") == "audit"]
+    return parents, [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+
+
+def logged_once(client: MlflowClient, audit_id: str) -> str:
+    """The audit's one parent run id, after checking it is complete and has its children, once each."""
+    parents, children = runs_of(client, audit_id)
+    assert len(parents) == 1 and parents[0].data.tags.get("ppl_audit.complete") == "true"
+    assert sorted(r.info.run_name for r in children) == ["baseline", "copy"]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    return parents[0].info.run_id
+
+
+def gated_syncs(folder: Path, count: int) -> tuple[list[subprocess.Popen], Path]:
+    """``count`` syncs ready to start; touching the returned gate starts them."""
+    gate = folder / "go"
+    syncs = [subprocess.Popen([sys.executable, "-c", GATED_SYNC, str(folder / f"ready-{i}"), str(gate)], cwd=ROOT,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(count)]
+    deadline = time.monotonic() + 120
+    while not all((folder / f"ready-{i}").exists() for i in range(count)):
+        assert time.monotonic() < deadline and all(s.poll() is None for s in syncs), "a sync died before the gate"
+        time.sleep(0.05)
+    return syncs, gate
+
+
+def test_two_syncs_at_once_log_each_audit_once(tmp_path, home, audited):
+    uri = fresh_store(tmp_path)
+    ids = spool_copies(audited, 4, uri)
+    syncs, gate = gated_syncs(tmp_path, 2)
+    gate.touch()
+    outputs = [process.communicate(timeout=300)[0] for process in syncs]
+    for process, output in zip(syncs, outputs):
+        assert process.returncode == 0 and "Traceback" not in output, output
+    counts = [int(line.split(" of ")[0]) for out in outputs for line in out.splitlines() if "spooled audit(s)" in line]
+    assert sum(counts) == 4, outputs
+    client = MlflowClient(uri)
+    for audit_id in ids:
+        logged_once(client, audit_id)
+    assert pending() == [] and len(list((home / "synced").iterdir())) == 4
+
+
+def test_a_sync_during_an_audits_own_tracking_logs_it_once(tmp_path, home, audited):
+    from tasks.steps import track
+
+    uri = fresh_store(tmp_path)
+    [audit_id] = spool_copies(audited, 1, uri)
+    [folder] = pending()
+    [sync], gate = gated_syncs(tmp_path, 1)
+    gate.touch()
+    run_id = track.fn(folder)  # the task's own body, as the flow runs it, against a real sync process
+    output = sync.communicate(timeout=300)[0]
+    assert sync.returncode == 0 and "Traceback" not in output, output
+    assert logged_once(MlflowClient(uri), audit_id) == run_id
+    assert pending() == [] and [p.name for p in (home / "synced").iterdir()] == [folder.name]
+
+
+def test_tracking_waits_for_a_sync_that_holds_the_record_and_returns_its_run(tmp_path, home, audited):
+    from tasks.spool import claim, mark_synced
+    from tasks.steps import track
+    from tasks.tracking import replay
+
+    uri = fresh_store(tmp_path)
+    [audit_id] = spool_copies(audited, 1, uri)
+    [folder] = pending()
+    tracked = {}
+    with claim(folder) as state:  # as `ppl-audit sync` holds it while it replays the record
+        assert state == "mine"
+        waiting = threading.Thread(target=lambda: tracked.update(run_id=track.fn(folder)))
+        waiting.start()
+        run_id = replay(folder)
+        mark_synced(folder)
+    waiting.join(timeout=120)
+    assert tracked["run_id"] == run_id == logged_once(MlflowClient(uri), audit_id)
+
+
+def run_in_process(tmp_path: Path, trained_model_dir: Path, corpus_path: Path, name: str,
+                   limit: int | None = None, on_limit: str = "error") -> subprocess.CompletedProcess:
+    """``ppl-audit run`` of an audit (a baseline and one variant) in its own process, on the session's
+    Prefect server, writing files of ``limit`` bytes at most when given."""
+    from prefect.settings import PREFECT_API_URL
+
+    config = write_config(tmp_path / "audit.yaml", trained_model_dir, corpus_path,
+                          [{"name": "copy", "path": str(trained_model_dir)}], name=name,
+                          tracking={"uri": f"sqlite:///{tmp_path / 'store.db'}", "experiment": "tests"})
+    command = ["-m", "flows.cli", "run", str(config)] if limit is None else \
+        ["-c", LIMITED_RUN, on_limit, str(limit), str(config)]
+    return subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+                               "PPL_AUDIT_CACHE": str(tmp_path / "cache")})
+
+
+@pytest.mark.parametrize("failure", ["spool is a file", "file too large"])
+def test_an_audit_whose_record_cannot_be_written_prints_it_fails_and_leaves_nothing(
+        tmp_path, home, prefect_harness, trained_model_dir, corpus_path, failure):
+    if failure == "spool is a file":
+        (home / "spool").write_text("")
+        done = run_in_process(tmp_path, trained_model_dir, corpus_path, "unspooled")
+    else:  # EFBIG while writing the first per-token arrays, as a full disk fails a write
+        done = run_in_process(tmp_path, trained_model_dir, corpus_path, "unspooled", limit=LIMIT)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    loud = [line for line in done.stderr.splitlines() if line.startswith("ppl-audit: ERROR:")]
+    assert len(loud) == 1 and f"could not write the audit's record in {home / 'spool'}: [Errno" in loud[0], done.stderr
+    assert {"spool is a file": "File exists", "file too large": "File too large"}[failure] in loud[0]
+    assert done.stderr.strip().splitlines()[-1].startswith("ppl-audit: audit failed: record not written: ")
+    record, _ = json.JSONDecoder().raw_decode(done.stdout[done.stdout.index("\n{\n") + 1:])
+    assert record["name"] == "unspooled" and record["verdict"]["status"] == "pass"
+    assert [v["name"] for v in record["variants"]] == ["baseline", "copy"]
+    assert record["variants"][1]["row"]["ppl"] == pytest.approx(record["variants"][0]["row"]["ppl"])
+    assert record["variants"][0]["result"]["n_tokens"] > 1000 and record["config"]["name"] == "unspooled"
+    assert not (tmp_path / "store.db").exists()  # nothing was sent that the spool did not hold first
+    if failure == "file too large":
+        assert list((home / "spool").iterdir()) == []
+
+
+def test_an_audit_killed_while_writing_its_record_leaves_no_pending_folder_and_sync_sweeps_it(
+        tmp_path, home, prefect_harness, trained_model_dir, corpus_path, capsys):
+    done = run_in_process(tmp_path, trained_model_dir, corpus_path, "killed", limit=LIMIT, on_limit="die")
+    assert done.returncode == -signal.SIGXFSZ, done.stderr[-3000:]  # killed by the kernel mid-write
+    [leftover] = spool_dir().iterdir()
+    assert leftover.name.startswith(PARTIAL) and not (leftover / "record.json").exists()
+    assert pending() == []
+    assert main(["sync"]) == 0
+    assert list(spool_dir().iterdir()) == []
+    assert f"removed {leftover.name}, an unfinished record of a process that died" in capsys.readouterr().err
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def partial(name: str, pid: int, host: str = platform.node()) -> Path:
+    """A partial folder as a writer that did not get to record.json leaves it."""
+    folder = spool_dir() / f"{PARTIAL}{pid}@{host}@20250101T000000-{name}-0123abcd"
+    folder.mkdir(parents=True)
+    (folder / "baseline.parquet").write_bytes(b"PAR1")
+    return folder
+
+
+def test_sync_sweeps_partial_folders_of_dead_writers_only(home, capsys):
+    dead = dead_pid()
+    unfinished = partial("unfinished", dead)
+    writing = partial("writing", os.getpid())
+    (writing / "record.json").write_text("{}")  # a live writer, between record.json and the rename
+    elsewhere = partial("elsewhere", dead, host="another-host")  # its pids mean nothing here
+    assert pending() == []
+    assert main(["sync"]) == 0
+    assert not unfinished.exists() and writing.exists() and elsewhere.exists()
+    assert f"removed {unfinished.name}" in capsys.readouterr().err
+    assert pending() == []
+
+
+def test_a_complete_record_whose_writer_died_before_the_rename_is_recovered_and_synced(tmp_path, home, audited,
+                                                                                        capsys):
+    uri = fresh_store(tmp_path)
+    final = "20250101T000000-spooled-0123abcd"
+    audit_id = spool_copy(audited, spool_dir() / f"{PARTIAL}{dead_pid()}@{platform.node()}@{final}", uri)
+    assert pending() == []
+    assert main(["sync"]) == 0
+    assert f"recovered the record {final}" in capsys.readouterr().err
+    assert [p.name for p in (home / "synced").iterdir()] == [final] and list(spool_dir().iterdir()) == []
+    logged_once(MlflowClient(uri), audit_id)
+
+
+def test_writing_a_record_sweeps_what_dead_writers_left(home):
+    unfinished = partial("unfinished", dead_pid())
+    record = {"audit_id": uuid.uuid4().hex, "name": "next", "created": datetime.now(timezone.utc).isoformat()}
+    written = write_record(record, {})
+    assert not unfinished.exists() and list(spool_dir().iterdir()) == pending() == [written]
+    assert read_record(written) == record
