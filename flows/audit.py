@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from datetime import datetime, timezone
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -92,6 +93,7 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
             one checkpoint (``bits`` is informative) against ``baseline`` (else the config's), under
             the name ``tasks.events`` chooses (it picks the gate).
     """
+    started = datetime.now(timezone.utc)
     try:
         settings = load_audit_config(config, overrides or [])
         if model_path:
@@ -107,7 +109,7 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     results = [baseline_result, *variant_results]
     summary = report(settings, baseline_result, variant_results)
     print(summary["table"])
-    record = audit_record(settings, config, scored, summary, results)
+    record = audit_record(settings, config, scored, summary, results, started)
     spooled = spool_audit(record, results, return_state=True)  # first: tracking and artifacts can fill a disk too
     if not spooled.is_completed():
         return _unspooled(record, spooled.message)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,8 @@ class VariantResult:
     facts: VariantFacts | None = None
     manifest: dict | None = field(default=None, repr=False)
     divergence: dict = field(default_factory=dict)
+    started: float | None = None  # epoch seconds: when it began and ended (quantizing and loading included)
+    ended: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -209,7 +212,7 @@ def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, eva
         baseline_tokenizer: ``tokenizer_digest`` of the baseline's tokenizer.
     """
     model = reference = None
-    outcome = VariantResult(spec.name, spec.method, "failed")
+    outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
     try:
         if spec.quantize_here:
             source = quantized_checkpoint(spec, baseline, evaluation_, corpus_text_of)
@@ -247,4 +250,5 @@ def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, eva
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        outcome.ended = time.time()
     return outcome

@@ -83,8 +83,11 @@ def arrays_file(outcome: VariantResult) -> str | None:
 
 
 def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
-                 results: list[VariantResult]) -> dict:
-    """An audit's record: everything it computed but the per-token arrays (``token_arrays``)."""
+                 results: list[VariantResult], started: datetime) -> dict:
+    """An audit's record: everything it computed but the per-token arrays (``token_arrays``).
+
+    ``started`` is when the audit began; ``created`` (now) is when it ended.
+    """
     created = datetime.now(timezone.utc)
     verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
     variants = []
@@ -95,13 +98,14 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
                  "spec": spec.model_dump(mode="json"), "status": outcome.status, "reason": outcome.reason,
                  "row": row, "verdict": verdicts.get(outcome.name), "manifest": outcome.manifest,
                  "result": outcome.result.summary() if outcome.result else None,
-                 "facts": outcome.facts.summary() if outcome.facts else None}
+                 "facts": outcome.facts.summary() if outcome.facts else None,
+                 "started": outcome.started, "ended": outcome.ended}
         if arrays_file(outcome):
             entry["arrays"] = arrays_file(outcome)
         variants.append(entry)
     stream = scored.stream
     return {
-        "audit_id": uuid.uuid4().hex, "name": config.name, "created": created.isoformat(),
+        "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.isoformat(), "created": created.isoformat(),
         "config": config.model_dump(mode="json"), "config_path": str(config_path),
         "config_text": Path(config_path).read_text() if Path(config_path).is_file() else "",
         "corpus": {"source": config.corpus.source, "location": corpus_location(config.corpus.source),

@@ -141,6 +141,50 @@ def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
     return metrics
 
 
+# what a reviewer compares across variants: on the parent as ``<variant>.<figure>``, columns of the runs table
+AT_A_GLANCE = ("ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean", "top1_agreement")
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def _limit(record: dict, name: str) -> float | None:
+    thresholds = record["config"]["thresholds"]
+    override = (thresholds.get("per_variant") or {}).get(name) or {}
+    return override.get("max_ppl_increase_pct") or thresholds.get("max_ppl_increase_pct")
+
+
+def _cell(row: dict, key: str, form: str) -> str:
+    return format(row[key], form) if isinstance(row.get(key), (int, float)) else "—"
+
+
+def description(record: dict) -> str:
+    """The parent run's note (MLflow shows it as the run's description): the verdict and a row per model."""
+    verdict = record["verdict"]
+    lines = [f"**{verdict['status'].upper()}**: {verdict['reason']}", "",
+             "| model | PPL | ΔPPL % [95% CI] | KLD | top-1 | limit ΔPPL % | verdict |", "|---|---|---|---|---|---|---|"]
+    for entry in record["variants"]:
+        row, said = entry["row"], entry["verdict"] or {}
+        delta = _cell(row, "delta_ppl_pct", "+.2f")
+        if "delta_ppl_pct_low" in row:
+            delta += f" [{row['delta_ppl_pct_low']:+.2f}, {row['delta_ppl_pct_high']:+.2f}]"
+        top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
+        limit = _limit(record, entry["name"]) if entry["role"] == "variant" else None
+        status = said.get("status") or ("baseline" if entry["status"] == "ok" else f"error: {entry['reason']}")
+        lines.append(f"| {entry['name']} | {_cell(row, 'ppl', '.4f')} | {delta} | {_cell(row, 'kld_mean', '.4f')} | "
+                     f"{top1} | {'—' if limit is None else f'≤ {limit:g}'} | {status} |")
+    return "\n".join(lines)
+
+
+def _glance_metrics(record: dict, timestamp: int) -> list:
+    from mlflow.entities import Metric
+
+    return [Metric(f"{entry['name']}.{key}", float(entry["row"][key]), timestamp, 0)
+            for entry in record["variants"] for key in AT_A_GLANCE
+            if isinstance(entry["row"].get(key), (int, float)) and entry["row"][key] == entry["row"][key]]
+
+
 def _log_batches(client, run_id: str, metrics: list, params: list, tags: list) -> None:
     client.log_batch(run_id, params=params, tags=tags)
     for start in range(0, len(metrics), 1000):  # the server takes at most 1000 metrics a call
@@ -174,12 +218,16 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     if done:
         return done
     timestamp = int(pd.Timestamp(record["created"]).timestamp() * 1000)
+    # the audit's own start and end, not the replay's (records from before "started" keep the end only)
+    started = int(pd.Timestamp(record.get("started", record["created"])).timestamp() * 1000)
     verdict = record["verdict"]
     dataset = _dataset_input(record)
-    parent = client.create_run(experiment_id, start_time=timestamp, run_name=record["name"], tags={
-        AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"], "audit.reason": verdict["reason"][:5000],
-        "ppl_audit.kind": "audit"}).info.run_id
-    client.log_batch(parent, params=_params(_audit_params(record)))
+    parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {verdict['status'].upper()}",
+                               tags={AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"],
+                                     "audit.reason": verdict["reason"][:5000], "ppl_audit.kind": "audit",
+                                     "ppl_audit.audit": record["name"],
+                                     "mlflow.note.content": description(record)}).info.run_id
+    _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
     client.log_inputs(parent, datasets=[dataset])
     client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")
     client.log_text(parent, record["table"], "comparison.txt")
@@ -193,7 +241,8 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
         plots.close(figure)
     for entry in record["variants"]:
         status = (entry["verdict"] or {}).get("status") or ("baseline" if entry["status"] == "ok" else "error")
-        child = client.create_run(experiment_id, start_time=timestamp, run_name=entry["name"], tags={
+        child = client.create_run(experiment_id, start_time=_ms(entry["started"]) if entry.get("started") else started,
+                                  run_name=entry["name"], tags={
             "mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"], "ppl_audit.variant": entry["name"],
             "ppl_audit.kind": entry["role"], "audit.verdict": status,
             "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
@@ -203,10 +252,11 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
         client.log_inputs(child, datasets=[dataset])
         if entry.get("arrays"):
             client.log_artifact(child, str(folder / entry["arrays"]), "nll")
-        client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED")
+        client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED",
+                              end_time=_ms(entry["ended"]) if entry.get("ended") else timestamp)
         if is_registered(entry["spec"]["path"]):
             tag_version(client, entry["spec"]["path"], status, ((entry["verdict"] or {}).get("reason") or entry["reason"]),
                         child, parent)
     client.set_tag(parent, COMPLETE, "true")
-    client.set_terminated(parent, "FINISHED")
+    client.set_terminated(parent, "FINISHED", end_time=timestamp)
     return parent

@@ -46,7 +46,7 @@ def run_audit(config: str, tmp_path: Path):
 def audits(client: MlflowClient, name: str) -> list:
     experiment = client.get_experiment_by_name("tests")
     runs = client.search_runs([experiment.experiment_id], filter_string="tags.`ppl_audit.kind` = 'audit'")
-    return [r for r in runs if r.info.run_name == name]
+    return [r for r in runs if r.data.tags["ppl_audit.audit"] == name]
 
 
 def children(client: MlflowClient, parent) -> dict:
@@ -82,6 +82,20 @@ def check_record(client: MlflowClient, parent) -> dict:
                 "top1_agreement", "top1_agreement_low", "dp_mean", "dp_rms"} <= set(runs[name].data.metrics)
         assert runs[name].data.params["divergence"] in ("lockstep", "topk")
     assert runs["missing"].info.status == "FAILED"
+    # at a glance: the verdict in the parent's name, a row per model in its description, figures as columns
+    assert parent.info.run_name == "tracked · ERROR"
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("**ERROR**: missing: ") and "| model | PPL | ΔPPL % [95% CI] | KLD | top-1 | limit ΔPPL % |" in note
+    for name in ("int8", "nf4"):
+        row = next(line for line in note.splitlines() if line.startswith(f"| {name} |"))
+        assert f"{runs[name].data.metrics['delta_ppl_pct']:+.2f} [" in row and row.endswith("| ≤ 5 | pass |")
+        assert parent.data.metrics[f"{name}.delta_ppl_pct"] == runs[name].data.metrics["delta_ppl_pct"]
+        assert parent.data.metrics[f"{name}.kld_mean"] == runs[name].data.metrics["kld_mean"]
+    assert "| missing | — | — | — | — | ≤ 5 | error |" in note
+    # the audit's own times, not the replay's: every model ran inside the parent's span, one after another
+    spans = sorted((r.info.start_time, r.info.end_time) for r in runs.values())
+    assert parent.info.start_time <= spans[0][0] and spans[-1][1] <= parent.info.end_time
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
     return {n: {k: v for k, v in r.data.metrics.items() if k not in ("tokens_per_second", "wall_seconds",
                                                                         "load_seconds", "peak_memory_bytes")}
             for n, r in runs.items()}
