@@ -22,6 +22,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 AUDIT_ID = "ppl_audit.audit_id"
 COMPLETE = "ppl_audit.complete"
+EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
 FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
@@ -52,21 +53,23 @@ def tracking_uri(configured: str | None = None) -> str:
 
 
 def _experiment(client, name: str, uri: str) -> str:
+    """The experiment's id, made if needed, declared a model-development one unless it says otherwise."""
     from mlflow.exceptions import MlflowException
 
     found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    location = None
-    if uri.startswith("sqlite:"):  # a local store keeps its artifacts beside it, not in the current folder
-        location = (home() / "mlartifacts" / name).as_uri()
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except MlflowException:
-        found = client.get_experiment_by_name(name)  # a concurrent sync or audit made it meanwhile
-        if found is None:
-            raise
-        return found.experiment_id
+    if found is None:
+        location = None
+        if uri.startswith("sqlite:"):  # a local store keeps its artifacts beside it, not in the current folder
+            location = (home() / "mlartifacts" / name).as_uri()
+        try:
+            client.create_experiment(name, artifact_location=location)
+        except MlflowException:
+            if client.get_experiment_by_name(name) is None:  # else a concurrent sync or audit made it meanwhile
+                raise
+        found = client.get_experiment_by_name(name)
+    if EXPERIMENT_KIND not in found.tags:  # else MLflow 3 opens the experiment in its GenAI (traces) view
+        client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+    return found.experiment_id
 
 
 def _dataset_input(record: dict):

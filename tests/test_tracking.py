@@ -83,6 +83,7 @@ def check_record(client: MlflowClient, parent) -> dict:
         assert runs[name].data.params["divergence"] in ("lockstep", "topk")
     assert runs["missing"].info.status == "FAILED"
     # at a glance: the verdict in the parent's name, a row per model in its description, figures as columns
+    assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert parent.info.run_name == "tracked · ERROR"
     note = parent.data.tags["mlflow.note.content"]
     assert note.startswith("**ERROR**: missing: ") and "| model | PPL | ΔPPL % [95% CI] | KLD | top-1 | limit ΔPPL % |" in note
