@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tasks.errors import InputError, NumericalError
+from tasks.errors import InputError, NumericalError, one_line
 
 
 def _offline_defaults() -> None:
@@ -230,7 +230,7 @@ def run_sync(args: argparse.Namespace) -> int:
                 run_id = replay(folder, args.tracking_uri)
             except Exception as error:  # keep going: each record is independent
                 failed += 1
-                print(f"{folder.name}: not synced ({type(error).__name__}: {str(error).splitlines()[0][:200]})",
+                print(f"{folder.name}: not synced ({type(error).__name__}: {one_line(error)[:200]})",
                       file=sys.stderr)
                 continue
             mark_synced(folder)

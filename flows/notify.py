@@ -8,10 +8,9 @@ Prefect would emit into a temporary server of the emitter's own, and no audit wo
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from tasks.config import NAME
+from tasks.config import check_name
 from tasks.errors import InputError, one_line
 
 EVENT = "quantization.completed"
@@ -50,7 +49,7 @@ def notify(model_path: str, **payload) -> str:
         payload: ``method``, ``bits``, ``name``, ``baseline``: optional, None leaves one out.
 
     Returns:
-        The event's id.
+        ``"<event id> to <server URL>"``.
     """
     import asyncio
 
@@ -59,9 +58,7 @@ def notify(model_path: str, **payload) -> str:
 
     from tasks.models import check_checkpoint
 
-    name = payload.get("name")
-    if name is not None and not re.match(NAME, name):
-        raise InputError(f"name '{name}' may hold only letters, digits, '_', '.' and '-'")
+    check_name(payload.get("name"))
     check_checkpoint(model_path)
     url = configured_server()
     event = Event(**announcement(Path(model_path), payload))

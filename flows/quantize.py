@@ -7,7 +7,6 @@ and, when one is given, the variant's ``name`` (see ``tasks.events`` for how an 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from prefect import flow, task
@@ -15,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
 from flows.notify import announcement
-from tasks.config import NAME, QUANTIZED_BY_US, check_group_size
+from tasks.config import QUANTIZED_BY_US, check_group_size, check_name
 from tasks.corpus import CorpusSpec, cached_tokenize, corpus_text
 from tasks.errors import InputError
 from tasks.models import load_tokenizer
@@ -30,8 +29,7 @@ def check_request(method: str, out: str, name: str | None, group_size: int) -> P
         check_group_size(method, group_size)
     except ValueError as error:
         raise InputError(str(error)) from None
-    if name is not None and not re.match(NAME, name):
-        raise InputError(f"name '{name}' may hold only letters, digits, '_', '.' and '-'")
+    check_name(name)
     folder = Path(out)
     if folder.exists() and any(folder.iterdir()):
         raise InputError(f"output folder {folder} is not empty; give a new folder")

@@ -6,6 +6,7 @@ Unknown keys are refused (a typo must not silently fall back to a default).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -55,6 +56,12 @@ class CalibrationConfig(Strict):
     samples: int = Field(128, ge=1, le=100_000)
     seq_len: int = Field(512, ge=8)
     seed: int = 0
+
+
+def check_name(name: str | None) -> None:
+    """Refuse a variant name given outside a config (``quantize --name``, ``notify --name``) that no audit could use."""
+    if name is not None and not re.match(NAME, name):
+        raise InputError(f"name '{name}' may hold only letters, digits, '_', '.' and '-'")
 
 
 def check_group_size(method: str, group_size: int) -> None:

@@ -11,6 +11,7 @@ import os
 import warnings
 from pathlib import Path
 
+from tasks.config import Thresholds
 from tasks.registry import is_registered, tag_version
 from tasks.spool import home, read_record
 
@@ -136,7 +137,7 @@ def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
         if key in facts:
             metrics.append(Metric(key, float(facts[key]), timestamp, 0))
     for key, value in row.items():
-        if key.startswith(COMPARISON_PREFIXES) and isinstance(value, (int, float)) and value == value:
+        if key.startswith(COMPARISON_PREFIXES) and _measured(value):
             metrics.append(Metric(key, float(value), timestamp, 0))
     if entry.get("arrays"):
         per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
@@ -152,10 +153,9 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
-def _limit(record: dict, name: str) -> float | None:
-    thresholds = record["config"]["thresholds"]
-    override = (thresholds.get("per_variant") or {}).get(name) or {}
-    return override.get("max_ppl_increase_pct") or thresholds.get("max_ppl_increase_pct")
+def _measured(value) -> bool:
+    """A number a metric can hold: not a string, not None, not NaN."""
+    return isinstance(value, (int, float)) and value == value
 
 
 def _cell(row: dict, key: str, form: str) -> str:
@@ -164,7 +164,7 @@ def _cell(row: dict, key: str, form: str) -> str:
 
 def description(record: dict) -> str:
     """The parent run's note (MLflow shows it as the run's description): the verdict and a row per model."""
-    verdict = record["verdict"]
+    verdict, thresholds = record["verdict"], Thresholds.model_validate(record["config"]["thresholds"])
     lines = [f"**{verdict['status'].upper()}**: {verdict['reason']}", "",
              "| model | PPL | ΔPPL % [95% CI] | KLD | top-1 | limit ΔPPL % | verdict |", "|---|---|---|---|---|---|---|"]
     for entry in record["variants"]:
@@ -173,7 +173,7 @@ def description(record: dict) -> str:
         if "delta_ppl_pct_low" in row:
             delta += f" [{row['delta_ppl_pct_low']:+.2f}, {row['delta_ppl_pct_high']:+.2f}]"
         top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
-        limit = _limit(record, entry["name"]) if entry["role"] == "variant" else None
+        limit = thresholds.for_variant(entry["name"]).max_ppl_increase_pct if entry["role"] == "variant" else None
         status = said.get("status") or ("baseline" if entry["status"] == "ok" else f"error: {entry['reason']}")
         lines.append(f"| {entry['name']} | {_cell(row, 'ppl', '.4f')} | {delta} | {_cell(row, 'kld_mean', '.4f')} | "
                      f"{top1} | {'—' if limit is None else f'≤ {limit:g}'} | {status} |")
@@ -185,7 +185,7 @@ def _glance_metrics(record: dict, timestamp: int) -> list:
 
     return [Metric(f"{entry['name']}.{key}", float(entry["row"][key]), timestamp, 0)
             for entry in record["variants"] for key in AT_A_GLANCE
-            if isinstance(entry["row"].get(key), (int, float)) and entry["row"][key] == entry["row"][key]]
+            if _measured(entry["row"].get(key))]
 
 
 def _log_batches(client, run_id: str, metrics: list, params: list, tags: list) -> None:
@@ -220,9 +220,9 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     done = _delete_partial(client, experiment_id, record["audit_id"])
     if done:
         return done
-    timestamp = int(pd.Timestamp(record["created"]).timestamp() * 1000)
+    timestamp = _ms(pd.Timestamp(record["created"]).timestamp())
     # the audit's own start and end, not the replay's (records from before "started" keep the end only)
-    started = int(pd.Timestamp(record.get("started", record["created"])).timestamp() * 1000)
+    started = _ms(pd.Timestamp(record.get("started", record["created"])).timestamp())
     verdict = record["verdict"]
     dataset = _dataset_input(record)
     parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {verdict['status'].upper()}",

@@ -133,6 +133,34 @@ def prefect_harness():
         yield
 
 
+def wait_for(check, timeout: float, what: str, every: float = 1.0, tolerate: tuple[type[BaseException], ...] = ()):
+    """``check()``'s first truthy answer, asked every ``every`` seconds; an error in ``tolerate`` (or an HTTP
+    error: a server still starting) counts as no answer."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            found = check()
+        except (httpx.HTTPError, *tolerate):
+            found = None
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (as a killed writer's is)."""
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
 def free_port() -> int:
     import socket
 

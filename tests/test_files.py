@@ -69,12 +69,10 @@ def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, t
 
 
 def test_scratch_folders_of_processes_that_died_are_removed_next_time(tmp_path):
-    import subprocess
-
+    from conftest import dead_pid
     from tasks.files import scratch
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    left = tmp_path / f"{gone.stdout.strip()}@{platform.node()}~x1"  # as a killed process leaves it
+    left = tmp_path / f"{dead_pid()}@{platform.node()}~x1"  # as a killed process leaves it
     alive = tmp_path / f"1@{platform.node()}~x2"  # pid 1 lives as long as the machine
     for folder in (left, alive):
         folder.mkdir()

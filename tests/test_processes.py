@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from conftest import free_port, write_config
+from conftest import wait_for as waiting
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPPED_WITHIN_S = 20
@@ -58,16 +59,8 @@ def listening(port: int) -> bool:
 
 
 def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            found = check()
-        except (psutil.NoSuchProcess, httpx.HTTPError):
-            found = None
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    """``conftest.wait_for`` at process speed; a process may end while it is looked at."""
+    return waiting(check, timeout, what, every=0.2, tolerate=(psutil.NoSuchProcess,))
 
 
 def descendant(process: psutil.Process, *words: str) -> psutil.Process | None:

@@ -17,22 +17,9 @@ from zoneinfo import ZoneInfo
 import httpx
 import pytest
 
-from conftest import free_port, make_text, write_config
+from conftest import free_port, make_text, wait_for, write_config
 from tasks.quantize import draw_calibration, quantize
 from tasks.corpus import tokenize
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            found = check()
-        except httpx.HTTPError:
-            found = None
-        if found:
-            return found
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def stop(process: subprocess.Popen) -> None:

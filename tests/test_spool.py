@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import write_config
+from conftest import dead_pid, write_config
 from flows.audit import audit
 from flows.cli import main
 from tasks.spool import pending, read_record, spool_dir, write_record
@@ -225,12 +225,6 @@ def test_an_audit_killed_while_writing_its_record_leaves_no_pending_folder_and_s
     assert main(["sync"]) == 0
     assert list(spool_dir().iterdir()) == []
     assert f"removed {leftover.name}, an unfinished record of a process that died" in capsys.readouterr().err
-
-
-def dead_pid() -> int:
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
 
 
 def partial(name: str, pid: int, host: str = platform.node()) -> Path:
