@@ -7,14 +7,15 @@ The flow ends Completed when every variant passes its gate, Failed with a one-li
 
 from __future__ import annotations
 
+import json
 import logging
-import sys
 from datetime import datetime, timezone
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, Failed
 
+from tasks import console
 from tasks.audit import VariantResult, preflight
 from tasks.config import AuditConfig, load_audit_config
 from tasks.errors import InputError
@@ -61,9 +62,9 @@ def _failed(reason: str, summary: dict | None = None):
 def _unspooled(record: dict, why: str):
     """The Failed state of an audit whose record could not be written: the record (all but the per-token
     arrays) goes to stdout as JSON instead, so that nothing computed is lost, and the error to stderr."""
-    print(record_json(record), flush=True)
+    print(record_json(record), file=console.out(), flush=True)
     print(f"ppl-audit: ERROR: {why}; the audit's record is printed above as JSON instead: keep it",
-          file=sys.stderr, flush=True)
+          file=console.err(), flush=True)
     return _failed(f"record not written: {why}")
 
 
@@ -71,6 +72,19 @@ def summary_of(state) -> dict | None:
     """What an ``audit`` run computed, passed or failed (None when it ended before a verdict)."""
     result = state.result(raise_on_failure=False)
     return result if isinstance(result, dict) else getattr(result, "summary", None)
+
+
+def summary_json(summary: dict) -> str:
+    """One JSON line of what an audit found: its verdict and each model's row with its verdict."""
+    def plain(row: dict, **verdict) -> dict:  # JSON has no NaN
+        return {k: None if isinstance(v, float) and v != v else v for k, v in row.items()} | verdict
+
+    baseline, *variants = summary["rows"]
+    models = [plain(baseline, verdict="baseline")] + [plain(row, verdict=v.status, verdict_reason=v.reason)
+                                                       for row, v in zip(variants, summary["verdicts"])]
+    verdict = summary["verdict"]
+    return json.dumps({"audit": summary["name"], "verdict": verdict.status, "reason": verdict.reason,
+                       "mlflow_run_id": summary.get("mlflow_run_id"), "record": summary["record"], "models": models})
 
 
 def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantResult]) -> dict:
@@ -121,6 +135,7 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     else:
         where = f"kept in {folder} (tracking failed: {tracked.message}); run `ppl-audit sync` later"
     print(f"record: {where}")
+    summary["record"] = where
     summary["results"] = results
     verdict = summary["verdict"]
     create_markdown_artifact(

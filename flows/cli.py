@@ -6,9 +6,11 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from tasks import console
 from tasks.errors import InputError, NumericalError, one_line
 
 
@@ -127,17 +129,19 @@ def run_ppl(args: argparse.Namespace) -> int:
     check_settings(args.window, stride, args.batch_size, scored.stream, positions, args.mode)
     outcome = score_variant(spec, args.model, tokenizer_digest(tokenizer), scored, progress=True)
     if not outcome.ok:
-        print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=sys.stderr)
+        print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=console.err())
         return 1
     result = outcome.result
     per_byte = f"{result.bits_per_byte:.4f} bits/byte, " if result.bits_per_byte is not None else ""
+    say = console.out()
     print(f"{spec.name}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} tokens "
-          f"(mean NLL {result.mean_nll:.5f}, {per_byte}{result.tokens_per_second:.0f} tok/s, {outcome.facts.backend})")
+          f"(mean NLL {result.mean_nll:.5f}, {per_byte}{result.tokens_per_second:.0f} tok/s, {outcome.facts.backend})",
+          file=say)
     for figure, why in result.absent.items():
-        print(f"{spec.name}: no {figure}: {why}")
+        print(f"{spec.name}: no {figure}: {why}", file=say)
     if args.json:
         print(json.dumps({**result.summary(), "name": spec.name, "model": spec.path or args.model,
-                          "method": spec.method, "variant": outcome.facts.summary()}))
+                          "method": spec.method, "variant": outcome.facts.summary()}), file=say)
     return 0
 
 
@@ -154,7 +158,7 @@ def run_quantize(args: argparse.Namespace) -> int:
                              holdout_tokens=args.holdout_tokens, name=args.name)
     print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint in {out} "
           f"({manifest['calibration']['samples']} calibration samples, {manifest['seconds']} s); "
-          "emitted quantization.completed")
+          "emitted quantization.completed", file=console.out())
     return 0
 
 
@@ -168,21 +172,25 @@ def _checked_config(path: str, overrides: list[str]):
     use_tracking(config.tracking.uri)  # models:/ variants are checked against the audit's registry
     preflight(config)
     # read once more in the flow; a bad corpus is refused here, not there
-    check_calibration_room(config, config.corpus.text(), CorpusConfig.text)
+    check_calibration_room(config, config.corpus.text(), CorpusConfig.text, progress=True)
     return config
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from flows.audit import audit, summary_of
+    from flows.audit import audit, summary_json, summary_of
 
     _checked_config(args.config, args.set)
     state = audit(config=args.config, overrides=args.set, return_state=True)
     summary = summary_of(state)
     if summary is None:
-        print(f"ppl-audit: audit failed: {state.message}", file=sys.stderr)
+        print(f"ppl-audit: audit failed: {state.message}", file=console.err())
         return 1
-    verdict = summary["verdict"]
-    print(f"verdict: {verdict.status.upper()} — {verdict.reason}")
+    verdict, say = summary["verdict"], console.out()
+    print(summary["table"], file=say)
+    print(f"verdict: {verdict.status.upper()} — {verdict.reason}", file=say)
+    print(f"record: {summary['record']}", file=say)
+    if args.json:
+        print(summary_json(summary), file=say)
     return 0 if verdict.status == "pass" else 1
 
 
@@ -197,7 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_ui(args: argparse.Namespace) -> int:
     import subprocess
 
-    from tasks.spool import home
+    from tasks.places import home
     from tasks.tracking import default_uri
 
     home().mkdir(parents=True, exist_ok=True)
@@ -224,20 +232,21 @@ def run_sync(args: argparse.Namespace) -> int:
         with claim(folder) as state:
             if state != "mine":  # another sync, or an audit tracking its own record: not a failure
                 elsewhere += 1
-                print(f"{folder.name}: skipped, {'being synced' if state == 'busy' else 'synced'} by another process")
+                print(f"{folder.name}: skipped, {'being synced' if state == 'busy' else 'synced'} by another process",
+                      file=console.out())
                 continue
             try:
                 run_id = replay(folder, args.tracking_uri)
             except Exception as error:  # keep going: each record is independent
                 failed += 1
                 print(f"{folder.name}: not synced ({type(error).__name__}: {one_line(error)[:200]})",
-                      file=sys.stderr)
+                      file=console.err())
                 continue
             mark_synced(folder)
         synced += 1
-        print(f"{folder.name}: synced as MLflow run {run_id}")
+        print(f"{folder.name}: synced as MLflow run {run_id}", file=console.out())
     others = f", {elsewhere} by another process" if elsewhere else ""
-    print(f"{synced} of {len(waiting)} spooled audit(s) synced{others}")
+    print(f"{synced} of {len(waiting)} spooled audit(s) synced{others}", file=console.out())
     return 1 if failed else 0
 
 
@@ -245,20 +254,38 @@ def run_notify(args: argparse.Namespace) -> int:
     from flows.notify import notify
 
     sent = notify(args.model, method=args.method, bits=args.bits, name=args.name, baseline=args.baseline)
-    print(f"quantization.completed for {Path(args.model).resolve()} sent: event {sent}")
+    print(f"quantization.completed for {Path(args.model).resolve()} sent: event {sent}", file=console.out())
     return 0
 
 
 def run_setup(args: argparse.Namespace) -> int:
     from tasks.embedded import ensure_embedded_corpus, ensure_embedded_model
 
-    print(f"embedded model:  {ensure_embedded_model()}")
-    print(f"embedded corpus: {ensure_embedded_corpus()}")
+    print(f"embedded model:  {ensure_embedded_model()}", file=console.out())
+    print(f"embedded corpus: {ensure_embedded_corpus()}", file=console.out())
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    _offline_defaults()
+# one job each, whose library output goes to a log file; `ui` and `serve` are services: their output is their log
+LOGGED = ("ppl", "quantize", "run", "sync", "setup", "notify")
+LOG_BYTES = 256 * 2**20  # the oldest logs go beyond this
+
+
+def _log_file(args: argparse.Namespace) -> Path:
+    """``<home>/logs/<time>-<command>[-<config>]-<pid>.log``: one per command run, the oldest pruned."""
+    from datetime import datetime
+
+    from tasks.files import prune
+    from tasks.places import log_dir
+
+    folder = log_dir()
+    if folder.is_dir():
+        prune(folder, LOG_BYTES)
+    about = f"-{Path(args.config).stem}" if getattr(args, "config", None) else ""
+    return folder / f"{datetime.now():%Y%m%dT%H%M%S}-{args.command}{about}-{os.getpid()}.log"
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppl-audit", description="Audit quantized LLMs by perplexity.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_ppl(commands)
@@ -267,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", help="audit YAML, e.g. configs/demo.yaml")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set evaluation.max_tokens=4096 (repeatable)")
+    run.add_argument("--json", action="store_true", help="end stdout with one JSON line of the audit's result")
     serve = commands.add_parser("serve", help="serve the audit deployment: cron schedule + quantization.completed trigger")
     serve.add_argument("config", help="audit YAML")
     ui = commands.add_parser("ui", help="start the MLflow UI on the local store (127.0.0.1)")
@@ -275,17 +303,47 @@ def main(argv: list[str] | None = None) -> int:
     sync.add_argument("--tracking-uri", help="default: each audit's configured URI, MLFLOW_TRACKING_URI, or the local store")
     commands.add_parser("setup", help="build the embedded model and corpus (once; cached)")
     _add_notify(commands)
-    args = parser.parse_args(argv)
-    handlers = {"ppl": run_ppl, "quantize": run_quantize, "run": run_audit, "serve": run_serve, "ui": run_ui,
-                "sync": run_sync, "setup": run_setup, "notify": run_notify}
+    for name in LOGGED:
+        commands.choices[name].add_argument(
+            "--verbose", action="store_true",
+            help="show library output (warnings, gptqmodel, Prefect) live on stderr; it is always in the log file")
+    return parser
+
+
+HANDLERS = {"ppl": run_ppl, "quantize": run_quantize, "run": run_audit, "serve": run_serve, "ui": run_ui,
+            "sync": run_sync, "setup": run_setup, "notify": run_notify}
+
+
+def main(argv: list[str] | None = None, capture: bool = False) -> int:
+    """Run one command; returns its exit code.
+
+    Args:
+        capture: send library output to a log file under ``<home>/logs`` (named on stderr at the end),
+            keeping the terminal for answers and progress bars. The console script does; tests calling
+            ``main`` in-process do not, as it changes the process's stdout and stderr for good.
+    """
+    _offline_defaults()
+    args = _parser().parse_args(argv)
+    log = _log_file(args) if capture and args.command in LOGGED else None
+    if log is not None:
+        console.capture(log, live=args.verbose)
+    code = 1
     try:
-        return handlers[args.command](args)
+        code = HANDLERS[args.command](args)
     except InputError as error:
-        print(f"ppl-audit: error: {error}", file=sys.stderr)
-        return 2
+        print(f"ppl-audit: error: {error}", file=console.err())
+        code = 2
     except NumericalError as error:
-        print(f"ppl-audit: failed: {error}", file=sys.stderr)
-        return 1
+        print(f"ppl-audit: failed: {error}", file=console.err())
+    except Exception as error:
+        if log is None:
+            raise
+        traceback.print_exc()  # into the log
+        print(f"ppl-audit: crashed: {type(error).__name__}: {one_line(error)}", file=console.err())
+    finally:
+        if log is not None and code != 2:  # bad input: the one line says it all
+            print(f"log: {log}", file=console.err())
+    return code
 
 
 def entry() -> NoReturn:
@@ -293,7 +351,7 @@ def entry() -> NoReturn:
     even when the process the user started is killed (flows/lifetime.py). Tests call ``main`` in-process."""
     from flows import lifetime
 
-    lifetime.run(main)
+    lifetime.run(lambda: main(capture=True))
 
 
 if __name__ == "__main__":

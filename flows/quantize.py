@@ -41,10 +41,10 @@ def quantize_model(model: str, method: str, bits: int, group_size: int, sym: boo
                    column: str, samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str,
                    name: str | None) -> dict:
     stream = cached_tokenize(corpus_text(CorpusSpec(calibration, column)), load_tokenizer(model), bos="none",
-                             progress=True)
+                             progress="tokenize calibration")
     holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
     drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration, stream.text_digest, holdout)
-    return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name)
+    return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name, progress=True)
 
 
 @flow(name="ppl-audit-quantize", flow_run_name="quantize-{method}-{bits}bit")

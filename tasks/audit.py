@@ -18,7 +18,7 @@ from tasks.batching import auto_batch_size
 from tasks.config import AuditConfig, VariantSpec
 from tasks.corpus import TokenStream, cached_tokenize, default_bos
 from tasks.divergence import TopKCache
-from tasks.embedded import cache_dir
+from tasks.places import cache_dir
 from tasks.errors import InputError, NumericalError, TransientError, one_line
 from tasks.models import check_checkpoint, load_tokenizer, resolve_model_path
 from tasks.perplexity import PerplexityResult, chunk_limit, count_scored_text, perplexity
@@ -76,7 +76,8 @@ def evaluation(text: str, tokenizer, bos: str | None, max_tokens: int | None, wi
     """
     mode = options.get("mode", "sliding")
     max_tokens = chunk_limit(chunks, window, mode, max_tokens)
-    stream = cached_tokenize(text, tokenizer, bos or default_bos(tokenizer, mode), max_tokens, progress)
+    stream = cached_tokenize(text, tokenizer, bos or default_bos(tokenizer, mode), max_tokens,
+                             "tokenize" if progress else None)
     if mode != "sliding":
         stream = count_scored_text(stream, tokenizer, window, mode)
     evaluated_text_tokens = len(stream.ids) - (1 if stream.bos == "stream" else 0)
@@ -116,19 +117,20 @@ def audit_evaluation(config: AuditConfig, text: str, progress: bool = False) -> 
                       mode=settings.mode, divergence=settings.divergence, top_k=settings.top_k)
 
 
-def check_calibration_room(config: AuditConfig, text: str, corpus_text_of) -> None:
+def check_calibration_room(config: AuditConfig, text: str, corpus_text_of, progress: bool = False) -> None:
     """Draw the calibration of every variant quantized here: one without room is refused now, not after
     the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
     makers = [spec for spec in config.variants if spec.quantize_here]
-    scored = audit_evaluation(config, text) if makers else None
+    scored = audit_evaluation(config, text, progress) if makers else None
     for spec in makers:
         try:
-            calibration_for(spec, config.baseline.path, scored, corpus_text_of)
+            calibration_for(spec, config.baseline.path, scored, corpus_text_of, progress)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
 
 
-def calibration_for(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of) -> Calibration:
+def calibration_for(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of,
+                    progress: bool = False) -> Calibration:
     """The calibration samples a gptq/awq variant made here is quantized with.
 
     Args:
@@ -140,20 +142,21 @@ def calibration_for(spec: VariantSpec, baseline: str, evaluation_: Evaluation, c
         text, source = corpus_text_of(settings.corpus), settings.corpus.source
     else:
         text, source = evaluation_.text, "audit corpus"
-    stream = cached_tokenize(text, load_tokenizer(baseline), bos="none")
+    stream = cached_tokenize(text, load_tokenizer(baseline), bos="none", progress="tokenize calibration" if progress else None)
     # the evaluated text, under whatever name, keeps its evaluated tokens out of calibration
     exclude = evaluation_.evaluated if stream.text_digest == evaluation_.stream.text_digest else None
     return draw_calibration(stream.ids, samples, seq_len, seed, source, stream.text_digest, exclude)
 
 
-def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of) -> str:
+def quantized_checkpoint(spec: VariantSpec, baseline: str, evaluation_: Evaluation, corpus_text_of,
+                         progress: bool = False) -> str:
     """The folder of a gptq/awq variant made from the baseline, quantizing it on first use (cached)."""
     bits, group_size, sym = spec.quantization
     calibration = calibration_for(spec, baseline, evaluation_, corpus_text_of)
     key = json.dumps([model_digest(resolve_model_path(baseline)), spec.method, bits, group_size, sym, calibration.digest])
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if read_manifest(str(out)) is None:
-        quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name)
+        quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name, progress=progress)
     return str(out)
 
 
@@ -215,7 +218,7 @@ def score_variant(spec: VariantSpec, baseline: str, baseline_tokenizer: str, eva
     outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
     try:
         if spec.quantize_here:
-            source = quantized_checkpoint(spec, baseline, evaluation_, corpus_text_of)
+            source = quantized_checkpoint(spec, baseline, evaluation_, corpus_text_of, progress)
         else:
             source = spec.path or baseline
         outcome.manifest = read_manifest(resolve_model_path(source))

@@ -15,7 +15,7 @@ import time
 import torch
 
 from tasks.corpus import TokenStream
-from tasks.embedded import cache_dir
+from tasks.places import cache_dir
 from tasks.files import read_json, write_atomically
 from tasks.perplexity import plan, score_windows
 

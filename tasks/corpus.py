@@ -10,15 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from tqdm.auto import tqdm
 
+from tasks import console
 from tasks.errors import InputError, one_line
 from tasks.files import prune
 
@@ -147,44 +146,46 @@ def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     return encoding["input_ids"], encoding["offset_mapping"]
 
 
-def _encode_chunked(tokenizer, text: str, chunk_chars: int, lookahead: int, progress: bool):
+def _encode_chunked(tokenizer, text: str, chunk_chars: int, lookahead: int, advance=None):
     """Tokenize piece by piece, keeping only tokens that end well before each piece's cut.
 
     Each piece reaches ``lookahead`` characters past the part whose tokens are kept, so that what a
     tokenizer decides at a token depends on text the piece still holds; the next piece starts at the
     first token not kept. ``encode`` checks the result against a single call before trusting it.
+    ``advance`` is called with the characters each piece moved on (a progress bar's ``update``).
     """
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []
     pos = 0
-    with tqdm(total=len(text), unit="char", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
-        while pos < len(text):
-            piece_ids, piece_offsets = _encode(tokenizer, text[pos : pos + chunk_chars + lookahead])
-            keep = len(piece_ids)
-            if pos + chunk_chars + lookahead < len(text):
-                keep = sum(1 for _, end in piece_offsets if end <= chunk_chars)
-                keep = max(1, min(keep, len(piece_ids) - 1))
-            ids.extend(piece_ids[:keep])
-            offsets.extend((start + pos, end + pos) for start, end in piece_offsets[:keep])
-            step = piece_offsets[keep][0] if keep < len(piece_ids) else len(text) - pos
-            bar.update(step)
-            pos += step
+    while pos < len(text):
+        piece_ids, piece_offsets = _encode(tokenizer, text[pos : pos + chunk_chars + lookahead])
+        keep = len(piece_ids)
+        if pos + chunk_chars + lookahead < len(text):
+            keep = sum(1 for _, end in piece_offsets if end <= chunk_chars)
+            keep = max(1, min(keep, len(piece_ids) - 1))
+        ids.extend(piece_ids[:keep])
+        offsets.extend((start + pos, end + pos) for start, end in piece_offsets[:keep])
+        step = piece_offsets[keep][0] if keep < len(piece_ids) else len(text) - pos
+        if advance:
+            advance(step)
+        pos += step
     return ids, offsets
 
 
-def encode(tokenizer, text: str, chunk_chars: int = 1 << 18, progress: bool = False):
+def encode(tokenizer, text: str, chunk_chars: int = 1 << 18, progress: str | None = None):
     """Token ids and character offsets equal to ``tokenizer(text, add_special_tokens=False)``.
 
-    Long texts are tokenized in pieces (with a progress bar). Whether this tokenizer gives the same
+    Long texts are tokenized in pieces. ``progress`` names a progress bar (none when None). Whether this tokenizer gives the same
     ids in pieces is checked first on a sample cut into small pieces; where it does not (a tokenizer
     that treats the start of a text specially, say), the text is tokenized in one call.
     """
-    if len(text) <= chunk_chars:
-        return _encode(tokenizer, text)
-    sample = text[: 4 * 4096]
-    if _encode_chunked(tokenizer, sample, 4096, 1024, False)[0] != _encode(tokenizer, sample)[0]:
-        return _encode(tokenizer, text)
-    return _encode_chunked(tokenizer, text, chunk_chars, max(4096, chunk_chars // 16), progress)
+    with console.bar(len(text), progress or "tokenize", "char", enabled=progress is not None) as bar:
+        sample = text[: 4 * 4096]
+        if len(text) > chunk_chars and _encode_chunked(tokenizer, sample, 4096, 1024)[0] == _encode(tokenizer, sample)[0]:
+            return _encode_chunked(tokenizer, text, chunk_chars, max(4096, chunk_chars // 16), bar.update)
+        whole = _encode(tokenizer, text)
+        bar.update(len(text))
+        return whole
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ def default_bos(tokenizer, mode: str = "sliding") -> BosPolicy:
 
 
 def tokenize(
-    text: str, tokenizer, bos: BosPolicy | None = None, max_tokens: int | None = None, progress: bool = False
+    text: str, tokenizer, bos: BosPolicy | None = None, max_tokens: int | None = None, progress: str | None = None
 ) -> TokenStream:
     """Tokenize a corpus text once into a ``TokenStream``.
 
@@ -259,6 +260,7 @@ def tokenize(
         bos: ``none``, ``stream`` (one BOS first) or ``window`` (BOS first in every window);
             default ``stream`` when the tokenizer has a BOS token.
         max_tokens: keep only the first ``max_tokens`` tokens of the stream (BOS included).
+        progress: the progress bar's name (none when None).
     """
     bos = bos or default_bos(tokenizer)
     if bos not in BOS_POLICIES:
@@ -288,7 +290,7 @@ def tokenize(
 
 
 def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_tokens: int | None = None,
-                    progress: bool = False) -> TokenStream:
+                    progress: str | None = None) -> TokenStream:
     """``tokenize``, with the stream kept on disk by corpus digest, tokenizer digest and settings.
 
     A second audit of the same corpus with the same tokenizer reads ``N`` int32 ids instead of
@@ -296,7 +298,7 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
     """
     import numpy as np
 
-    from tasks.embedded import cache_dir
+    from tasks.places import cache_dir
 
     bos = bos or default_bos(tokenizer)
     text_digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -311,7 +313,7 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
                                bos=bos, n_bytes=meta["n_bytes"], n_words=meta["n_words"], text_digest=text_digest,
                                bos_id=meta["bos_id"])
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-            print(f"ppl-audit: warning: token cache {file} is damaged; it is ignored and made again", file=sys.stderr)
+            print(f"ppl-audit: warning: token cache {file} is damaged; it is ignored and made again", file=console.err())
     stream = tokenize(text, tokenizer, bos, max_tokens, progress)
     file.parent.mkdir(parents=True, exist_ok=True)
     meta = {"prefix": list(stream.prefix), "n_bytes": stream.n_bytes, "n_words": stream.n_words, "bos_id": stream.bos_id}

@@ -10,7 +10,6 @@ fetched with ``apt-get download`` and read straight out of the .deb, no R needed
 from __future__ import annotations
 
 import io
-import os
 import shutil
 import subprocess
 import tarfile
@@ -19,15 +18,12 @@ from importlib import metadata
 from pathlib import Path
 
 from tasks.errors import InputError
+from tasks.places import cache_dir
 from tasks.rdata import read_lazyload_db
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 AUSTEN_PACKAGE = "r-cran-janeaustenr"
 AUSTEN_DATA = "./usr/lib/R/site-library/janeaustenr/data/Rdata"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PPL_AUDIT_CACHE", Path.home() / ".cache" / "ppl-audit"))
 
 
 def embedded_model_dir() -> Path:

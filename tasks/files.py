@@ -6,11 +6,12 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tasks import console
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -40,7 +41,7 @@ def read_json(path: Path, what: str) -> dict | None:
     except (ValueError, UnicodeDecodeError):
         found = None
     if not isinstance(found, dict):
-        print(f"ppl-audit: warning: {what} {path} is damaged; it is ignored and made again", file=sys.stderr)
+        print(f"ppl-audit: warning: {what} {path} is damaged; it is ignored and made again", file=console.err())
         return None
     return found
 

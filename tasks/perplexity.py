@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from tasks import divergence
+from tasks import console, divergence
 from tasks.corpus import TokenStream
 from tasks.errors import InputError, NumericalError
 from tasks.memory import PeakMemory
@@ -267,7 +266,7 @@ def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index
 
 @torch.inference_mode()
 def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
-                  batch_size: int = 1, progress: bool = False, first_token: int | None = None,
+                  batch_size: int = 1, label: str | None = None, first_token: int | None = None,
                   keep_top_k: int = 0, reference=None) -> WindowScores:
     """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
 
@@ -278,6 +277,7 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         windows: from ``plan_windows`` or ``plan_chunks``, in any order.
         prefix: ids put before every window (BOS under the ``window`` policy).
         batch_size: windows per forward pass; results do not depend on it.
+        label: the progress bar's name (``score <model>``); no bar when None.
         first_token: written over each window's first token (llama.cpp convention).
         keep_top_k: keep the ``k`` most likely tokens per scored token (the baseline's ``TopKCache``).
         reference: the baseline, to measure divergence from: a model (lockstep, exact) or its
@@ -307,7 +307,7 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         bar.update(len(slots))
 
     pending = None  # the previous batch, whose results are read once this batch is queued
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="scoring", disable=not progress) as bar:
+    with console.bar(total, label or "score", "tok", enabled=label is not None) as bar:
         for b in range(0, len(windows), batch_size):
             batch = windows[b : b + batch_size]
             input_ids, mask, row_index, columns, targets = _batch_inputs(ids, batch, prefix_ids, first_token)
@@ -484,7 +484,8 @@ def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256,
     device = model.device
     with PeakMemory(device) as memory:
         started = time.perf_counter()
-        scores = score_windows(model, stream.ids, windows, stream.prefix, batch_size, progress, first_token,
+        label = f"score {model_name or model.name_or_path}" if progress else None
+        scores = score_windows(model, stream.ids, windows, stream.prefix, batch_size, label, first_token,
                                keep_top_k, reference)
         wall = time.perf_counter() - started
     n_scored = int(scores.window_tokens.sum())

@@ -12,13 +12,16 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tasks import console
 from tasks.errors import InputError
-from tasks.embedded import cache_dir
+from tasks.places import cache_dir
 from tasks.files import read_json, scratch, write_atomically
 from tasks.models import load_tokenizer, resolve_model_path
 from tasks.variants import WEIGHT_SUFFIXES, versions
@@ -128,8 +131,42 @@ def _with_pad(source: str, tokenizer, staging: Path) -> str:
     return str(staging)
 
 
+@contextmanager
+def _layer_progress(quantizer, label: str, enabled: bool) -> Iterator[None]:
+    """A progress bar over the decoder layers gptqmodel quantizes, one after the other: a layer's first
+    forward pass means those before it are done."""
+    from gptqmodel.utils.model import get_layers_with_prefixes
+
+    layers = get_layers_with_prefixes(quantizer.model, quantizer.extract_layers_node())[0]
+    with console.bar(len(layers), label, "layer", enabled) as bar:
+        def started(index: int) -> None:
+            bar.update(max(0, index - bar.n))
+
+        hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: started(i)) for i, layer in enumerate(layers)]
+        try:
+            yield
+            bar.update(len(layers) - bar.n)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
+@contextmanager
+def _logs_in(folder: Path) -> Iterator[None]:
+    """gptqmodel 7.6.0 writes each quantizer's per-layer log to ``./logs``, in whatever folder the user
+    is in; it has no setting for that, so its module's path is pointed at ``folder`` meanwhile."""
+    from gptqmodel.looper import loop_processor
+
+    kept = loop_processor._PROJECT_LOG_DIR
+    loop_processor._PROJECT_LOG_DIR = folder
+    try:
+        yield
+    finally:
+        loop_processor._PROJECT_LOG_DIR = kept
+
+
 def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: Calibration,
-             out: Path, name: str | None = None) -> dict:
+             out: Path, name: str | None = None, progress: bool = False) -> dict:
     """Quantize ``model`` with gptqmodel and save it to ``out`` with its manifest.
 
     Args:
@@ -139,9 +176,11 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
         calibration: samples drawn by ``draw_calibration``.
         out: folder for the checkpoint.
         name: the variant's name, recorded for audits triggered by this checkpoint's event.
+        progress: show a progress bar over the layers (``quantize <name>``).
 
     Returns:
-        The manifest, also written to ``out / "ppl-audit.json"``.
+        The manifest, also written to ``out / "ppl-audit.json"``; gptqmodel's per-layer logs (losses,
+        timings) are kept in ``out / "quantize-logs"``.
     """
     _prepare_gptqmodel()
     from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
@@ -157,7 +196,8 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
         quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
         options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
         rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
-        quantizer.quantize(rows, batch_size=1, **options)
+        with _logs_in(out / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress):
+            quantizer.quantize(rows, batch_size=1, **options)
         out.mkdir(parents=True, exist_ok=True)
         quantizer.save(str(out))
     # gptqmodel saves its tokenizer with the pad token it set; a pad token that was not special

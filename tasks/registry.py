@@ -33,7 +33,7 @@ def download(uri: str) -> str:
     import mlflow
     from mlflow import MlflowClient
 
-    from tasks.embedded import cache_dir
+    from tasks.places import cache_dir
 
     try:
         name, version = model_version(uri, MlflowClient())

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,15 +27,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from tasks import console
 from tasks.audit import Evaluation, VariantResult
 from tasks.config import AuditConfig
+from tasks.places import home
 from tasks.files import died, owner_tag, write_atomically
 from tasks.variants import versions
-
-
-def home() -> Path:
-    """Where audit records live: ``$PPL_AUDIT_HOME``, default ``~/.ppl-audit``."""
-    return Path(os.environ.get("PPL_AUDIT_HOME", Path.home() / ".ppl-audit"))
 
 
 # a record being written: ``.partial-<pid>@<host>@<folder>``, hidden from ``pending()`` until renamed to <folder>
@@ -176,10 +172,10 @@ def sweep_partials() -> None:
             except FileNotFoundError:  # another sweep got there first
                 continue
             print(f"ppl-audit: recovered the record {folder}, complete when the process writing it died",
-                  file=sys.stderr)
+                  file=console.err())
         else:
             shutil.rmtree(partial, ignore_errors=True)  # one that cannot be removed now is tried again next time
-            print(f"ppl-audit: removed {partial.name}, an unfinished record of a process that died", file=sys.stderr)
+            print(f"ppl-audit: removed {partial.name}, an unfinished record of a process that died", file=console.err())
 
 
 def read_record(folder: Path) -> dict:

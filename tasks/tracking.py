@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tasks.config import Thresholds
 from tasks.registry import is_registered, tag_version
-from tasks.spool import home, read_record
+from tasks.places import home
+from tasks.spool import read_record
 
 # A dead tracking server must not hang an audit for minutes (MLflow's default retries take ~4 min).
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -69,7 +70,11 @@ def _experiment(client, name: str, uri: str) -> str:
                 raise
         found = client.get_experiment_by_name(name)
     if EXPERIMENT_KIND not in found.tags:  # else MLflow 3 opens the experiment in its GenAI (traces) view
-        client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+        try:
+            client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+        except MlflowException:
+            if EXPERIMENT_KIND not in client.get_experiment(found.experiment_id).tags:  # else a concurrent one set it
+                raise
     return found.experiment_id
 
 
@@ -212,6 +217,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     from mlflow.entities import RunTag
 
     from tasks import plots
+    from tasks.report import html_report
 
     record = read_record(folder)
     uri = tracking_uri(uri or record["config"]["tracking"]["uri"])
@@ -237,17 +243,16 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
              for entry in record["variants"]]
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
-    for name, figure in (("ppl_by_variant.png", plots.ppl_bars(record)),
-                         ("delta_nll_per_window.png", plots.delta_nll_per_window(record, folder)),
-                         ("kld_histogram.png", plots.kld_histogram(record, folder))):
+    for name, figure in plots.charts(record, folder).items():  # the ΔPPL chart first: what a reviewer needs
         client.log_figure(parent, figure, name)
-        plots.close(figure)
+    client.log_text(parent, html_report(record, folder), "report.html")  # MLflow's artifact viewer shows it inline
     for entry in record["variants"]:
-        status = (entry["verdict"] or {}).get("status") or ("baseline" if entry["status"] == "ok" else "error")
+        status = plots.verdict_of(entry)
         child = client.create_run(experiment_id, start_time=_ms(entry["started"]) if entry.get("started") else started,
-                                  run_name=entry["name"], tags={
+                                  run_name=f"{entry['name']} · {status.upper()}", tags={
             "mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"], "ppl_audit.variant": entry["name"],
             "ppl_audit.kind": entry["role"], "audit.verdict": status,
+            "mlflow.runColor": plots.COLOURS[status],  # the UI's dot and lines for the run: the charts' colours
             "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
             **{f"absent.{figure}": why for figure, why in (entry["result"] or {}).get("absent", {}).items()}}).info.run_id
         _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),

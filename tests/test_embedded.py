@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from tasks.embedded import austen_novels, cache_dir, reflow
+from tasks.embedded import austen_novels, reflow
+from tasks.places import cache_dir
 
 NOVELS = {"emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"}
 

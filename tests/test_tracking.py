@@ -16,6 +16,7 @@ from mlflow import MlflowClient
 from conftest import free_port, write_config
 from flows.audit import audit, summary_of
 from flows.cli import main
+from tasks.plots import COLOURS
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -50,8 +51,9 @@ def audits(client: MlflowClient, name: str) -> list:
 
 
 def children(client: MlflowClient, parent) -> dict:
+    """The parent's nested runs by model name."""
     runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    return {r.info.run_name: r for r in runs}
+    return {r.data.tags["ppl_audit.variant"]: r for r in runs}
 
 
 def check_record(client: MlflowClient, parent) -> dict:
@@ -60,13 +62,17 @@ def check_record(client: MlflowClient, parent) -> dict:
     assert parent.data.params["window"] == "64" and parent.data.params["corpus.tokens"] == "1500"
     assert len(parent.data.params["corpus.digest"]) == 64 and "version.torch" in parent.data.params
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"config.yaml", "comparison.json", "comparison.txt", "ppl_by_variant.png", "delta_nll_per_window.png",
-            "kld_histogram.png"} <= artifacts
+    assert {"config.yaml", "comparison.json", "comparison.txt", "delta_ppl_pct.png", "ppl_by_model.png",
+            "window_delta_nll.png", "token_kld_histogram.png", "report.html"} <= artifacts
     assert parent.inputs.dataset_inputs and parent.inputs.dataset_inputs[0].dataset.digest
     runs = children(client, parent)
-    assert set(runs) == {"baseline", "int8", "nf4", "missing"}
+    # a child's verdict in its name (the runs table's first column) and in a tag (to filter on)
+    assert {n: r.info.run_name for n, r in runs.items()} == \
+        {"baseline": "baseline · BASELINE", "int8": "int8 · PASS", "nf4": "nf4 · PASS", "missing": "missing · ERROR"}
     assert {n: r.data.tags["audit.verdict"] for n, r in runs.items()} == \
         {"baseline": "baseline", "int8": "pass", "nf4": "pass", "missing": "error"}
+    assert {n: r.data.tags["mlflow.runColor"] for n, r in runs.items()} == \
+        {n: COLOURS[r.data.tags["audit.verdict"]] for n, r in runs.items()}  # the UI's dot: the charts' colour
     for name in ("baseline", "int8", "nf4"):
         run = runs[name]
         assert {"ppl", "mean_nll", "stderr", "bits_per_byte", "word_ppl", "byte_ppl", "tokens_per_second",
@@ -157,15 +163,15 @@ def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trai
     clean = run_audit(config, tmp_path)
     assert "mlflow_run_id" in clean
 
-    real_bars = tasks.plots.ppl_bars
+    real_chart = tasks.plots.delta_ppl_chart
 
     def dies_while_logging(record):  # the server goes down after the parent run was made
         server.stop()
-        return real_bars(record)
+        return real_chart(record)
 
-    monkeypatch.setattr(tasks.plots, "ppl_bars", dies_while_logging)
+    monkeypatch.setattr(tasks.plots, "delta_ppl_chart", dies_while_logging)
     interrupted = run_audit(config, tmp_path)
-    monkeypatch.setattr(tasks.plots, "ppl_bars", real_bars)
+    monkeypatch.setattr(tasks.plots, "delta_ppl_chart", real_chart)
     assert "mlflow_run_id" not in interrupted and interrupted["verdict"].status == "error"
     spooled = sorted((Path(os.environ["PPL_AUDIT_HOME"]) / "spool").iterdir())
     assert len(spooled) == 1

@@ -1,0 +1,111 @@
+"""What a reviewer reads first: the ΔPPL chart and the HTML report of a real audit, as MLflow holds them."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from matplotlib.colors import to_rgb
+from mlflow import MlflowClient
+
+from conftest import write_config
+from flows.audit import audit, summary_of
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+HOSTILE = "gone<b>x</b>&amp;"  # a folder name that markup would swallow if the report did not escape it
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path, prefect_harness):
+    """One audit with a verdict of each kind: int8 passes (limit 5%), noisy fails its own limit (1%),
+    missing errs (its folder, named with markup, does not exist). Returns (client, parent run, record)."""
+    folder = tmp_path_factory.mktemp("report")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_HOME", str(folder / "home"))
+        uri = f"sqlite:///{folder / 'mlflow.db'}"
+        config = write_config(folder / "report.yaml", trained_model_dir, corpus_path,
+                              [{"name": "int8", "method": "torchao-int8"},
+                               {"name": "noisy", "path": str(noisy_model_dir)},
+                               {"name": "missing", "path": str(folder / HOSTILE)}],
+                              name="reported", tracking={"uri": uri, "experiment": "tests"},
+                              thresholds={"max_ppl_increase_pct": 5,
+                                          "per_variant": {"noisy": {"max_ppl_increase_pct": 1}}})
+        summary = summary_of(audit(config=str(config), return_state=True))
+        [record_folder] = (folder / "home" / "synced").iterdir()
+    client = MlflowClient(uri)
+    record = json.loads((record_folder / "record.json").read_text())
+    assert {v.name: v.status for v in summary["verdicts"]} == {"int8": "pass", "noisy": "fail", "missing": "error"}
+    return client, client.get_run(summary["mlflow_run_id"]), record
+
+
+def report_of(client: MlflowClient, run, tmp_path: Path) -> str:
+    return Path(client.download_artifacts(run.info.run_id, "report.html", str(tmp_path))).read_text()
+
+
+def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audited, tmp_path):
+    from PIL import Image
+
+    client, parent, record = audited
+    report = report_of(client, parent, tmp_path)
+    # nothing fetched from elsewhere: a mailed copy reads the same offline
+    assert not re.search(r"""((src|href)\s*=\s*["']?|url\(\s*["']?)\s*(https?:|//)|@import""", report, re.IGNORECASE)
+    assert "<script" not in report.lower() and "<link" not in report.lower()
+    images = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)"', report)
+    assert [name for name, _ in images] == ["delta_ppl_pct.png", "ppl_by_model.png", "token_kld_histogram.png",
+                                            "window_delta_nll.png"]  # the ΔPPL chart first
+    assert all(Image.open(io.BytesIO(base64.b64decode(data))).size[0] >= 1200 for _, data in images)
+    assert re.search(r'<h1>Audit reported <span class="badge fail">FAIL</span></h1>', report)
+    children = {r.data.tags["ppl_audit.variant"]: r for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    for name, verdict in (("int8", "PASS"), ("noisy", "FAIL"), ("missing", "ERROR")):
+        row = re.search(rf'<tr class="model"><th>{name}</th>.*?</tr>', report).group(0)
+        assert f'<span class="badge {verdict.lower()}">{verdict}</span>' in row
+        if name != "missing":
+            metrics = children[name].data.metrics
+            assert (f"{metrics['delta_ppl_pct']:+.2f} [{metrics['delta_ppl_pct_low']:+.2f}, "
+                    f"{metrics['delta_ppl_pct_high']:+.2f}]") in row
+    assert "≤ 1</td>" in re.search(r'<tr class="model"><th>noisy</th>.*?</tr>', report).group(0)  # its own limit, not the 5%
+    # settings and lineage: what was scored, how, and from what
+    assert record["corpus"]["digest"] in report and record["audit_id"] in report
+    assert record["environment"]["versions"]["torch"] in report
+    # the hostile folder name is shown as text, in the reason and in the lineage, never as markup
+    assert "<b>x</b>" not in report and report.count("gone&lt;b&gt;x&lt;/b&gt;&amp;amp;") >= 2
+
+
+def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_its_own_limit(audited):
+    from matplotlib.collections import LineCollection
+    from matplotlib.patches import Rectangle
+
+    from tasks.plots import delta_ppl_chart, ppl_chart
+
+    _, _, record = audited
+    rows = {v["name"]: v["row"] for v in record["variants"]}
+    [axis] = delta_ppl_chart(record).axes
+    bars = {round(bar.get_y() + bar.get_height() / 2): bar for bar in axis.patches if isinstance(bar, Rectangle)}
+    names = [label.get_text() for label in axis.get_yticklabels()]
+    assert names == ["int8", "noisy", "missing"]  # the config's order, top to bottom
+    assert sorted(bars) == [0, 1]  # the missing variant has no bar
+    for slot, name in enumerate(names[:2]):
+        assert bars[slot].get_width() == pytest.approx(rows[name]["delta_ppl_pct"])
+    red, green, _ = to_rgb(bars[0].get_facecolor())
+    assert green > 1.5 * red  # int8 passed
+    red, green, _ = to_rgb(bars[1].get_facecolor())
+    assert red > 1.5 * green  # noisy failed
+    # each variant's own gate limit: 5% for int8 and missing, 1% for noisy (its per_variant override)
+    limits = {round(start[1]): start[0] for collection in axis.collections if isinstance(collection, LineCollection)
+              for start, end in collection.get_segments() if start[0] == end[0]}  # upright: not a whisker
+    assert limits == {0: 5, 1: 1, 2: 5}
+    texts = [t.get_text() for t in axis.texts]
+    for name in names[:2]:
+        row = rows[name]
+        assert any(t.startswith(f"{row['delta_ppl_pct']:+.2f}% [{row['delta_ppl_pct_low']:+.2f}, ") for t in texts)
+    assert any(t.startswith("error: model folder not found") for t in texts)
+    legend = [t.get_text() for t in axis.figure.legends[0].get_texts()]
+    assert legend == ["pass", "fail", "error", "estimate, paired 95% interval", "gate limit (max ΔPPL %)"]
+    [ppl_axis] = ppl_chart(record).axes
+    assert ppl_axis.get_xlim()[0] == 0  # zero-based: bar lengths compare perplexities
