@@ -73,8 +73,8 @@ def _comparison(record: dict) -> str:
         limit = plots.ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
         reason = (entry["verdict"] or {}).get("reason") or entry["reason"]
         error = f" ± {row['ppl_stderr']:.4f}" if plots.measured(row.get("ppl_stderr")) else ""
-        cells = [_figure(row, "ppl", ".4f") + error,
-                 _delta(row), _figure(row, "kld_mean", ".4f"),
+        cells = [figure_text(row, "ppl", ".4f") + error,
+                 delta_text(row), figure_text(row, "kld_mean", ".4f"),
                  f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—",
                  "—" if limit is None else f"≤ {limit:g}"]
         rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>'
@@ -169,13 +169,14 @@ def _badge(verdict: str) -> str:
     return f'<span class="badge {colour}">{escape(verdict.upper())}</span>'
 
 
-def _figure(row: dict, key: str, form: str) -> str:
+def figure_text(row: dict, key: str, form: str) -> str:
+    """``row[key]`` in ``form``, or a dash where it was not measured (here and in the run's description)."""
     return format(row[key], form) if plots.measured(row.get(key)) else "—"
 
 
-def _delta(row: dict) -> str:
-    """ΔPPL % and its paired 95% interval, as the run's description writes them."""
-    text = _figure(row, "delta_ppl_pct", "+.2f")
+def delta_text(row: dict) -> str:
+    """ΔPPL % and its paired 95% interval (here and in the run's description)."""
+    text = figure_text(row, "delta_ppl_pct", "+.2f")
     if plots.measured(row.get("delta_ppl_pct_low")):
         text += f" [{row['delta_ppl_pct_low']:+.2f}, {row['delta_ppl_pct_high']:+.2f}]"
     return text

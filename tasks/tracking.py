@@ -11,7 +11,6 @@ import os
 import warnings
 from pathlib import Path
 
-from tasks.config import Thresholds
 from tasks.registry import is_registered, tag_version
 from tasks.places import home
 from tasks.spool import read_record
@@ -133,6 +132,8 @@ def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
     import pyarrow.parquet as pq
     from mlflow.entities import Metric
 
+    from tasks.plots import measured
+
     metrics = []
     result, facts, row = entry["result"] or {}, entry["facts"] or {}, entry["row"]
     for key in METRICS:
@@ -142,7 +143,7 @@ def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
         if key in facts:
             metrics.append(Metric(key, float(facts[key]), timestamp, 0))
     for key, value in row.items():
-        if key.startswith(COMPARISON_PREFIXES) and _measured(value):
+        if key.startswith(COMPARISON_PREFIXES) and measured(value):
             metrics.append(Metric(key, float(value), timestamp, 0))
     if entry.get("arrays"):
         per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
@@ -158,29 +159,21 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
-def _measured(value) -> bool:
-    """A number a metric can hold: not a string, not None, not NaN."""
-    return isinstance(value, (int, float)) and value == value
-
-
-def _cell(row: dict, key: str, form: str) -> str:
-    return format(row[key], form) if isinstance(row.get(key), (int, float)) else "—"
-
-
 def description(record: dict) -> str:
     """The parent run's note (MLflow shows it as the run's description): the verdict and a row per model."""
-    verdict, thresholds = record["verdict"], Thresholds.model_validate(record["config"]["thresholds"])
+    from tasks.plots import ppl_limit
+    from tasks.report import delta_text, figure_text
+
+    verdict = record["verdict"]
     lines = [f"**{verdict['status'].upper()}**: {verdict['reason']}", "",
              "| model | PPL | ΔPPL % [95% CI] | KLD | top-1 | limit ΔPPL % | verdict |", "|---|---|---|---|---|---|---|"]
     for entry in record["variants"]:
         row, said = entry["row"], entry["verdict"] or {}
-        delta = _cell(row, "delta_ppl_pct", "+.2f")
-        if "delta_ppl_pct_low" in row:
-            delta += f" [{row['delta_ppl_pct_low']:+.2f}, {row['delta_ppl_pct_high']:+.2f}]"
         top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
-        limit = thresholds.for_variant(entry["name"]).max_ppl_increase_pct if entry["role"] == "variant" else None
+        limit = ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
         status = said.get("status") or ("baseline" if entry["status"] == "ok" else f"error: {entry['reason']}")
-        lines.append(f"| {entry['name']} | {_cell(row, 'ppl', '.4f')} | {delta} | {_cell(row, 'kld_mean', '.4f')} | "
+        lines.append(f"| {entry['name']} | {figure_text(row, 'ppl', '.4f')} | {delta_text(row)} | "
+                     f"{figure_text(row, 'kld_mean', '.4f')} | "
                      f"{top1} | {'—' if limit is None else f'≤ {limit:g}'} | {status} |")
     return "\n".join(lines)
 
@@ -188,9 +181,11 @@ def description(record: dict) -> str:
 def _glance_metrics(record: dict, timestamp: int) -> list:
     from mlflow.entities import Metric
 
+    from tasks.plots import measured
+
     return [Metric(f"{entry['name']}.{key}", float(entry["row"][key]), timestamp, 0)
             for entry in record["variants"] for key in AT_A_GLANCE
-            if _measured(entry["row"].get(key))]
+            if measured(entry["row"].get(key))]
 
 
 def _log_batches(client, run_id: str, metrics: list, params: list, tags: list) -> None:
