@@ -22,7 +22,7 @@ from tasks.errors import InputError
 from tasks.events import event_config
 from tasks.spool import audit_record, record_json
 from tasks.steps import read_corpus, spool_audit, tokenize_corpus, track
-from tasks.tracking import use_tracking
+from tasks.tracking import run_link, tracking_uri, use_tracking
 from tasks.verdict import comparison_row, format_table, judge, overall
 from flows.runners import score_all
 
@@ -132,6 +132,8 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     if tracked.is_completed():
         summary["mlflow_run_id"] = tracked.result()
         where = f"MLflow run {summary['mlflow_run_id']} (experiment {settings.tracking.experiment})"
+        link = run_link(tracking_uri(settings.tracking.uri), summary["mlflow_run_id"])
+        where += f": {link}" if link else ""
     else:
         where = f"kept in {folder} (tracking failed: {tracked.message}); run `ppl-audit sync` later"
     print(f"record: {where}")

@@ -205,13 +205,19 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_ui(args: argparse.Namespace) -> int:
     import subprocess
 
+    from mlflow import MlflowClient
+
     from tasks.places import home
-    from tasks.tracking import default_uri
+    from tasks.tracking import default_uri, ui_link
 
     home().mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
-    print(f"MLflow UI on {url} (store {default_uri()}); runs table: {url}/#/experiments/<id>/runs; Ctrl-C stops it",
-          flush=True)
+    experiments = []  # a store not made yet has none (and reading it would make it, with a page of logs)
+    if (home() / "mlflow.db").exists():
+        experiments = [e for e in MlflowClient(default_uri()).search_experiments() if e.name != "Default"]
+    print(f"MLflow UI on {url} (store {default_uri()}); Ctrl-C stops it", flush=True)
+    for experiment in experiments:
+        print(f"  {experiment.name}: {ui_link(url, experiment.experiment_id)}", flush=True)
     mlflow = Path(sys.executable).parent / "mlflow"
     command = [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri",
                default_uri(), "--default-artifact-root", (home() / "mlartifacts").as_uri()]
@@ -341,6 +347,7 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
         traceback.print_exc()  # into the log
         print(f"ppl-audit: crashed: {type(error).__name__}: {one_line(error)}", file=console.err())
     finally:
+        console.settle()
         if log is not None and code != 2:  # bad input: the one line says it all
             print(f"log: {log}", file=console.err())
     return code

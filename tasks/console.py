@@ -7,15 +7,18 @@ terminal here (``capture``). Used as a library, nothing is captured and both are
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import threading
+from contextlib import suppress
 from pathlib import Path
 from typing import TextIO
 
 from tqdm import tqdm
 
 _terminal: tuple[TextIO, TextIO] | None = None
+_live: tuple[threading.Thread, int] | None = None  # with --verbose: the thread copying the log to the terminal, the log
 
 
 def out() -> TextIO:
@@ -35,10 +38,47 @@ def bar(total: int, desc: str, unit: str = "it", enabled: bool = True) -> tqdm:
                 disable=not (enabled and err().isatty()))
 
 
+class _Forgiving(io.TextIOBase):
+    """A text stream on a file descriptor that drops what cannot be written.
+
+    Library output goes to the log file: a full disk (ENOSPC) or a size limit (EFBIG) there must cost the
+    log only, not raise from a ``print`` or a logger in the middle of an audit before its record is kept.
+    Unbuffered, so a failed write leaves nothing behind to fail again.
+    """
+
+    def __init__(self, fd: int, encoding: str) -> None:
+        super().__init__()
+        self._fd, self._encoding = fd, encoding
+
+    @property
+    def encoding(self) -> str:
+        return self._encoding
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        _write(self._fd, text.encode(self._encoding, "replace"))
+        return len(text)
+
+
+def _write(fd: int, data: bytes) -> None:
+    """All of ``data`` to ``fd``, or as much as fits before it fails."""
+    with suppress(OSError):
+        while data:
+            data = data[os.write(fd, data):]
+
+
 def _copy(source: int, *targets: int) -> None:
     while chunk := os.read(source, 1 << 16):
         for target in targets:
-            os.write(target, chunk)
+            _write(target, chunk)
 
 
 def capture(log: Path, live: bool = False) -> None:
@@ -51,7 +91,7 @@ def capture(log: Path, live: bool = False) -> None:
         log: the log file (appended to; its folder is made).
         live: also copy the log to the terminal's stderr as it is written (``--verbose``).
     """
-    global _terminal
+    global _terminal, _live
     sys.stdout.flush()
     sys.stderr.flush()
     terminal = (os.fdopen(os.dup(1), "w", buffering=1, encoding=sys.stdout.encoding, errors="replace"),
@@ -60,10 +100,28 @@ def capture(log: Path, live: bool = False) -> None:
     target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     if live:
         reader, writer = os.pipe()
-        # daemon: the write end stays open in fds 1 and 2 until the process ends
-        threading.Thread(target=_copy, args=(reader, target, terminal[1].fileno()), daemon=True).start()
+        # daemon: children may hold the write end after ``settle``
+        copier = threading.Thread(target=_copy, args=(reader, target, terminal[1].fileno()), daemon=True)
+        copier.start()
+        _live = (copier, os.dup(target))
         target = writer
     os.dup2(target, 1)
     os.dup2(target, 2)
     os.close(target)
+    sys.stdout, sys.stderr = _Forgiving(1, sys.stdout.encoding), _Forgiving(2, sys.stderr.encoding)
     _terminal = terminal
+
+
+def settle(timeout: float = 5) -> None:
+    """With ``live``: show the rest of what was written, then send fds 1 and 2 straight to the log, so that
+    what the process writes while it exits is kept (in the log only) rather than cut off with the process.
+    Call once the command's work is done, before its last line."""
+    global _live
+    if _live is None:
+        return
+    copier, log = _live
+    os.dup2(log, 1)  # closes this process's write ends of the pipe: the copier reads to its end
+    os.dup2(log, 2)
+    os.close(log)
+    copier.join(timeout)
+    _live = None

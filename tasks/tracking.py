@@ -53,6 +53,26 @@ def tracking_uri(configured: str | None = None) -> str:
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
 
 
+def ui_link(server: str, experiment_id: str, run_id: str | None = None) -> str:
+    """An experiment's runs, or one run, in the MLflow UI at ``server``, in its model-training view.
+
+    MLflow 3.17's UI does not open an experiment by its ``mlflow.experimentKind``: it opens the view last
+    picked in that browser (GenAI until a user picks "Model training"), unless the link names one.
+    """
+    page = f"runs/{run_id}" if run_id else "runs"
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/{page}?workflowType=machine_learning"
+
+
+def run_link(uri: str, run_id: str) -> str | None:
+    """A run's page in the UI of the tracking server at ``uri``; None for a local store (``ppl-audit ui``
+    lists its experiments' links)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    from mlflow import MlflowClient
+
+    return ui_link(uri, MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id, run_id)
+
+
 def _experiment(client, name: str, uri: str) -> str:
     """The experiment's id, made if needed, declared a model-development one unless it says otherwise."""
     from mlflow.exceptions import MlflowException
@@ -159,23 +179,31 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
+# where a model's row goes in the parent run's description: what needs a reviewer first, first
+DESCRIPTION_ORDER = {"error": 0, "fail": 1, "pass": 2, "baseline": 3}
+
+
 def description(record: dict) -> str:
-    """The parent run's note (MLflow shows it as the run's description): the verdict and a row per model."""
-    from tasks.plots import ppl_limit
+    """The parent run's note (MLflow shows it as the run's description): a row per model and its verdict.
+
+    MLflow 3.17 shows a run's description 100 pixels high until "Show more" is pressed, and fades its
+    lower half when there is more: the header and four rows fit. So the table is all of it (the run's name
+    says the audit's verdict, its ``audit.reason`` tag why), erring and failing variants on top, the
+    baseline at the end.
+    """
+    from tasks.plots import ppl_limit, verdict_of
     from tasks.report import delta_text, figure_text
 
-    verdict = record["verdict"]
-    lines = [f"**{verdict['status'].upper()}**: {verdict['reason']}", "",
-             "| model | PPL | ΔPPL % [95% CI] | KLD | top-1 | limit ΔPPL % | verdict |", "|---|---|---|---|---|---|---|"]
-    for entry in record["variants"]:
-        row, said = entry["row"], entry["verdict"] or {}
+    lines = ["| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 |", "|---|---|---|---|---|---|---|"]
+    for entry in sorted(record["variants"], key=lambda entry: DESCRIPTION_ORDER[verdict_of(entry)]):
+        row, status = entry["row"], verdict_of(entry)
         top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
         limit = ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
-        status = said.get("status") or ("baseline" if entry["status"] == "ok" else f"error: {entry['reason']}")
-        lines.append(f"| {entry['name']} | {figure_text(row, 'ppl', '.4f')} | {delta_text(row)} | "
-                     f"{figure_text(row, 'kld_mean', '.4f')} | "
-                     f"{top1} | {'—' if limit is None else f'≤ {limit:g}'} | {status} |")
+        lines.append(f"| {entry['name']} | {status.upper()} | {delta_text(row)} | "
+                     f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
+                     f"{figure_text(row, 'kld_mean', '.4f')} | {top1} |")
     return "\n".join(lines)
+
 
 
 def _glance_metrics(record: dict, timestamp: int) -> list:
@@ -229,8 +257,8 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {verdict['status'].upper()}",
                                tags={AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"],
                                      "audit.reason": verdict["reason"][:5000], "ppl_audit.kind": "audit",
-                                     "ppl_audit.audit": record["name"],
-                                     "mlflow.note.content": description(record)}).info.run_id
+                                     "ppl_audit.audit": record["name"], "mlflow.note.content": description(record),
+                                     "mlflow.runColor": plots.COLOURS[verdict["status"]]}).info.run_id
     _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
     client.log_inputs(parent, datasets=[dataset])
     client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")

@@ -125,3 +125,24 @@ def test_bad_input_is_one_line_and_names_no_log(tmp_path, tiny_model_dir):
     assert done.returncode == 2 and done.stdout == ""
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("ppl-audit: error: corpus not found")
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["quiet", "verbose"])
+def test_a_log_that_cannot_be_written_costs_the_log_only(live):
+    """A full disk under the log (/dev/full answers every write with ENOSPC) must not raise from a library's
+    print, warning or log line, and --verbose still shows them: the audit goes on to keep its record."""
+    script = f"""
+import logging, sys, warnings
+from pathlib import Path
+from tasks import console
+console.capture(Path("/dev/full"), live={live})
+print("library chatter " * 10000)
+warnings.warn("a library warning")
+logging.basicConfig()
+logging.getLogger("library").error("a library error")
+console.settle()
+print("answer", file=console.out())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "answer\n"), done.stderr
+    assert ("a library error" in done.stderr) == live and "Traceback" not in done.stderr

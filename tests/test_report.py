@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import io
 import json
 import re
@@ -17,7 +18,7 @@ from flows.audit import audit, summary_of
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-HOSTILE = "gone<b>x</b>&amp;"  # a folder name that markup would swallow if the report did not escape it
+HOSTILE = "gone<b>x</b>&amp;|*y*"  # a folder name that markup would swallow if the report did not escape it
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,23 @@ def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audite
     assert record["corpus"]["digest"] in report and record["audit_id"] in report
     assert record["environment"]["versions"]["torch"] in report
     # the hostile folder name is shown as text, in the reason and in the lineage, never as markup
-    assert "<b>x</b>" not in report and report.count("gone&lt;b&gt;x&lt;/b&gt;&amp;amp;") >= 2
+    assert "<b>x</b>" not in report and report.count(html.escape(HOSTILE, quote=False)) >= 2
+
+
+def test_the_run_description_shows_each_verdict_before_show_more(audited):
+    from markdown_it import MarkdownIt
+
+    _, parent, _ = audited
+    note = parent.data.tags["mlflow.note.content"]
+    page = MarkdownIt("commonmark").enable("table").render(note)
+    rows = re.findall(r"<tr>(.*?)</tr>", page, re.DOTALL)
+    cells = [re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.DOTALL) for row in rows]
+    # the header and four rows are what MLflow 3.17 shows unfolded: failures first, the baseline last
+    assert [c[:2] for c in cells] == [["model", "verdict"], ["missing", "ERROR"], ["noisy", "FAIL"], ["int8", "PASS"],
+                                      ["baseline", "BASELINE"]]
+    assert all(len(c) == 7 for c in cells)
+    # the reason (with the hostile folder name) is the audit.reason tag's, not markup here
+    assert "<b>" not in page and "<em>" not in page and "missing: " in parent.data.tags["audit.reason"]
 
 
 def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_its_own_limit(audited):

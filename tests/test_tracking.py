@@ -13,7 +13,7 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, write_config
+from conftest import free_port, wait_for, write_config
 from flows.audit import audit, summary_of
 from flows.cli import main
 from tasks.plots import COLOURS
@@ -91,14 +91,18 @@ def check_record(client: MlflowClient, parent) -> dict:
     # at a glance: the verdict in the parent's name, a row per model in its description, figures as columns
     assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert parent.info.run_name == "tracked · ERROR"
-    note = parent.data.tags["mlflow.note.content"]
-    assert note.startswith("**ERROR**: missing: ") and "| model | PPL | ΔPPL % [95% CI] | KLD | top-1 | limit ΔPPL % |" in note
+    assert parent.data.tags["mlflow.runColor"] == COLOURS["error"]
+    note = parent.data.tags["mlflow.note.content"].splitlines()
+    # the table first (MLflow shows the header and four rows before "Show more"), what needs a reviewer on top
+    assert note[0] == "| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 |"
+    assert [line.split(" | ")[0] for line in note[2:6]] == ["| missing", "| int8", "| nf4", "| baseline"]
+    assert note[2] == "| missing | ERROR | — | ≤ 5 | — | — | — |" and note[5].startswith("| baseline | BASELINE | — | — |")
     for name in ("int8", "nf4"):
-        row = next(line for line in note.splitlines() if line.startswith(f"| {name} |"))
-        assert f"{runs[name].data.metrics['delta_ppl_pct']:+.2f} [" in row and row.endswith("| ≤ 5 | pass |")
+        row = next(line for line in note if line.startswith(f"| {name} |"))
+        assert row.startswith(f"| {name} | PASS | {runs[name].data.metrics['delta_ppl_pct']:+.2f} [") and "| ≤ 5 |" in row
         assert parent.data.metrics[f"{name}.delta_ppl_pct"] == runs[name].data.metrics["delta_ppl_pct"]
         assert parent.data.metrics[f"{name}.kld_mean"] == runs[name].data.metrics["kld_mean"]
-    assert "| missing | — | — | — | — | ≤ 5 | error |" in note
+    assert len(note) == 6 and parent.data.tags["audit.reason"].startswith("missing: ")  # MLflow shows six lines unfolded
     # the audit's own times, not the replay's: every model ran inside the parent's span, one after another
     spans = sorted((r.info.start_time, r.info.end_time) for r in runs.values())
     assert parent.info.start_time <= spans[0][0] and spans[-1][1] <= parent.info.end_time
@@ -161,7 +165,10 @@ def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trai
 
     config = config_for(tmp_path, trained_model_dir, corpus_path, server.uri)
     clean = run_audit(config, tmp_path)
-    assert "mlflow_run_id" in clean
+    experiment_id = MlflowClient(server.uri).get_experiment_by_name("tests").experiment_id
+    # the record's line links the run's page in the model-training view (what MLflow's UI reads: see below)
+    assert clean["record"].endswith(f": {server.uri}/#/experiments/{experiment_id}/runs/{clean['mlflow_run_id']}"
+                                    "?workflowType=machine_learning")
 
     real_chart = tasks.plots.delta_ppl_chart
 
@@ -211,3 +218,31 @@ def test_registered_model_version_is_audited_and_tagged(tmp_path, trained_model_
     bad = client.get_model_version("tiny-bad", versions["bad"])
     assert bad.tags["ppl_audit.verdict"] == "fail" and "breaks the limit" in bad.tags["ppl_audit.reason"]
     assert not client.get_registered_model("tiny-bad").aliases
+
+
+def test_the_ui_opens_the_model_training_view_only_where_a_link_says_so():
+    """MLflow 3.17's UI picks its view from the link's ``workflowType`` or the browser's last choice (GenAI
+    at first), not from the experiment's ``mlflow.experimentKind``: the links we print rely on that."""
+    import mlflow
+
+    bundle = Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js"
+    main_js = next(bundle.glob("main.*.js")).read_text()
+    assert 'e.get("workflowType")' in main_js and 'MACHINE_LEARNING="machine_learning"' in main_js
+    assert 'key:"mlflow.workflowType",version:1,initialValue:c' in main_js and "const c=l.GENAI" in main_js
+
+
+def test_ui_lists_each_experiment_with_its_model_training_link(tmp_path, monkeypatch):
+    home = tmp_path / "ui-home"
+    monkeypatch.setenv("PPL_AUDIT_HOME", str(home))
+    home.mkdir()
+    experiment_id = MlflowClient(f"sqlite:///{home / 'mlflow.db'}").create_experiment("audits")
+    port = free_port()
+    ui = subprocess.Popen([str(Path(sys.executable).parent / "ppl-audit"), "ui", "--port", str(port)],
+                          stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").is_success, 120, "the MLflow UI")
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+    lines = ui.communicate(timeout=60)[0].splitlines(keepends=True)
+    assert lines[0].startswith(f"MLflow UI on http://127.0.0.1:{port} ")
+    assert lines[1] == f"  audits: http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning\n"
