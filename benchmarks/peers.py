@@ -34,10 +34,12 @@ import time
 
 import torch
 
-from tasks.corpus import CorpusSpec, corpus_text, tokenize
+from tasks.config import CorpusConfig
+from tasks.corpus import corpus_text, tokenize
 from tasks.memory import PeakMemory
 from tasks.models import load_model, load_tokenizer, resolve_device, resolve_dtype
-from tasks.perplexity import Window, _batch_inputs, perplexity, plan
+from tasks.perplexity import _batch_inputs, perplexity
+from tasks.windows import Window, plan
 
 METHODS = ("HF documentation loop", "ppl-audit engine", "bare forward passes", "lm-eval rolling",
            "ppl-audit, lm-eval's windows")
@@ -203,7 +205,7 @@ def main() -> None:
     tokenizer = load_tokenizer("embedded" if shaped else args.model)
     model = llama_shaped(args.model, dtype, device) if shaped else load_model(args.model, dtype, device)
     L, S = args.window, args.stride
-    stream = tokenize(corpus_text(CorpusSpec(args.corpus)), tokenizer, bos="none",
+    stream = tokenize(corpus_text(CorpusConfig(source=args.corpus)), tokenizer, bos="none",
                       max_tokens=L + (args.windows - 1) * S)
     text = tokenizer.decode(stream.ids)
     disjoint_stream = tokenize(text, tokenizer, bos="stream")

@@ -20,7 +20,8 @@ import tempfile
 import torch
 
 from tasks.config import VariantSpec
-from tasks.corpus import CorpusSpec, corpus_text, tokenize
+from tasks.config import CorpusConfig
+from tasks.corpus import corpus_text, tokenize
 from tasks.models import load_tokenizer, resolve_device, resolve_dtype
 from tasks.perplexity import perplexity
 from tasks.variants import load_variant
@@ -53,7 +54,7 @@ def main() -> None:
         llama_shaped("llama-1b", torch.bfloat16, torch.device("cpu")).save_pretrained(model_dir)
         load_tokenizer("embedded").save_pretrained(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    stream = tokenize(corpus_text(CorpusSpec(args.corpus)), tokenizer, bos="none", max_tokens=args.max_tokens)
+    stream = tokenize(corpus_text(CorpusConfig(source=args.corpus)), tokenizer, bos="none", max_tokens=args.max_tokens)
 
     rows = []
     for method in args.methods:

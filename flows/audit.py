@@ -16,13 +16,15 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed, Failed
 
 from tasks import console
-from tasks.audit import VariantResult, preflight
 from tasks.config import AuditConfig, load_audit_config
 from tasks.errors import InputError
 from tasks.events import event_config
-from tasks.spool import audit_record, record_json
-from tasks.steps import read_corpus, spool_audit, tokenize_corpus, track
-from tasks.tracking import run_link, tracking_uri, use_tracking
+from tasks.preflight import preflight
+from tasks.record import audit_record
+from tasks.results import VariantResult
+from tasks.spool import record_json
+from tasks.steps import prepare_models, read_corpus, spool_audit, tokenize_corpus, track
+from tasks.tracking import run_link, tracking_uri
 from tasks.verdict import comparison_row, format_table, judge, overall
 from flows.runners import score_all
 
@@ -95,7 +97,7 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
             "table": format_table(rows, {v.name: v for v in verdicts})}
 
 
-@flow(name="ppl-audit", flow_run_name="audit-{config}")
+@flow(name="ppl-audit", flow_run_name="audit-{config}", log_prints=True)
 def audit(config: str, overrides: list[str] | None = None, model_path: str | None = None, method: str | None = None,
           bits: int | str | None = None, baseline: str | None = None, name: str | None = None):
     """Audit a baseline and its variants by perplexity.
@@ -113,13 +115,13 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
         if model_path:
             settings, why = event_config(settings, model_path, method or None, baseline or None, name or None)
             print(f"auditing {model_path} as {settings.variants[0].name}: {why}")
-        use_tracking(settings.tracking.uri)  # models:/ variants resolve against the audit's registry
         preflight(settings, variants=False)
+        lineup = prepare_models(settings)
     except InputError as error:
         return _failed(f"error: {error}")
     text = read_corpus(settings.corpus)
-    scored = tokenize_corpus(text, settings)
-    baseline_result, variant_results = score_all(settings, scored)
+    scored = tokenize_corpus(text, settings, lineup)
+    baseline_result, variant_results = score_all(settings, lineup, scored)
     results = [baseline_result, *variant_results]
     summary = report(settings, baseline_result, variant_results)
     print(summary["table"])

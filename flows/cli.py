@@ -8,13 +8,17 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import Literal, NoReturn, get_args, get_origin
 
 from tasks import console
 from tasks.errors import InputError, NumericalError, one_line
 
 
-def _offline_defaults() -> None:
+def process_defaults() -> None:
+    """The process's set-up, done once by the command line (and by the tests, which call flows directly):
+    environment defaults the libraries read, and the loggers that are noise. A user's own setting wins."""
+    import logging
+
     # Telemetry calls hang or fail without internet; users can still turn them back on.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -22,6 +26,13 @@ def _offline_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Prefect's local mode starts a temporary server; on 2 busy cores it can take longer than the 20 s default
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # A dead tracking server must not hang an audit for minutes (MLflow's default retries take ~4 min).
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    # bitsandbytes warns on every int8 forward that it casts inputs; once is news, every call is noise
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def _batch_size(value: str) -> int | str:
@@ -33,47 +44,68 @@ def _batch_size(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"'{value}' is not a whole number or auto") from None
 
 
+def _field(model, name: str):
+    """A config field's default and, for a ``Literal`` (or an optional one), its choices: the CLI's
+    defaults and choice lists are the config's, written once."""
+    info = model.model_fields[name]
+    kinds = [info.annotation] if get_origin(info.annotation) is Literal else \
+        [a for a in get_args(info.annotation) if a is not type(None)]
+    if kinds and all(get_origin(kind) is Literal for kind in kinds):
+        return info.default, [choice for kind in kinds for choice in get_args(kind)]
+    return info.default, None
+
+
 def _add_ppl(commands) -> None:
+    from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
+
+    def option(flag: str, model, name: str, **kwargs) -> None:
+        default, choices = _field(model, name)
+        ppl.add_argument(flag, default=default, choices=choices, **kwargs)
+
     ppl = commands.add_parser("ppl", help="perplexity of one model on one corpus")
     ppl.add_argument("--model", required=True, help="model folder, Hugging Face Hub id, or 'embedded'")
     ppl.add_argument("--corpus", required=True,
                      help="text file, folder of .txt, .jsonl/.parquet file, hf:DATASET, or 'embedded'")
-    ppl.add_argument("--text-column", default="text", help="text column of JSONL/Parquet/HF sources")
-    ppl.add_argument("--hf-config", help="Hugging Face dataset config (e.g. wikitext-2-raw-v1)")
-    ppl.add_argument("--hf-split", default="test", help="Hugging Face dataset split")
-    ppl.add_argument("--joiner", default="\n\n", help="separator put between documents")
-    ppl.add_argument("--encoding", default="utf-8", help="text encoding of .txt/.jsonl corpora (e.g. latin-1)")
-    ppl.add_argument("--window", type=int, default=512, help="tokens per window (L)")
-    ppl.add_argument("--stride", type=int, help="tokens each window moves (S); default L/2")
-    ppl.add_argument("--batch-size", type=_batch_size, default=1,
-                     help="windows per forward pass, or auto (searched once per model, window and device)")
-    ppl.add_argument("--bos", choices=["none", "stream", "window"],
-                     help="BOS policy; default: each mode's own (sliding: 'stream' when the tokenizer has a BOS "
-                          "token; gptq: 'none'; llama.cpp: 'stream' when the tokenizer adds BOS, else 'none')")
-    ppl.add_argument("--max-tokens", type=int, help="truncate the token stream to this many tokens")
-    ppl.add_argument("--chunks", type=int, help="gptq/llama.cpp modes: score the first N chunks (llama-perplexity --chunks)")
-    ppl.add_argument("--mode", choices=["sliding", "gptq", "llama.cpp"], default="sliding",
-                     help="sliding window (default), or a published convention: gptq (GPTQ/AWQ papers), llama.cpp")
-    ppl.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    ppl.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 or float64")
-    ppl.add_argument("--method", choices=["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"],
+    option("--text-column", CorpusConfig, "column", help="text column of JSONL/Parquet/HF sources")
+    option("--hf-config", CorpusConfig, "hf_config", help="Hugging Face dataset config (e.g. wikitext-2-raw-v1)")
+    option("--hf-split", CorpusConfig, "hf_split", help="Hugging Face dataset split")
+    option("--joiner", CorpusConfig, "joiner", help="separator put between documents")
+    option("--encoding", CorpusConfig, "encoding", help="text encoding of .txt/.jsonl corpora (e.g. latin-1)")
+    option("--window", EvaluationConfig, "window", type=int, help="tokens per window (L)")
+    option("--stride", EvaluationConfig, "stride", type=int, help="tokens each window moves (S); default L/2")
+    option("--batch-size", EvaluationConfig, "batch_size", type=_batch_size,
+           help="windows per forward pass, or auto (searched once per model, window and device)")
+    option("--bos", EvaluationConfig, "bos",
+           help="BOS policy; default: each mode's own (sliding: 'stream' when the tokenizer has a BOS token; "
+                "gptq: 'none'; llama.cpp: 'stream' when the tokenizer adds BOS, else 'none')")
+    option("--max-tokens", EvaluationConfig, "max_tokens", type=int, help="truncate the token stream to this many tokens")
+    option("--chunks", EvaluationConfig, "chunks", type=int,
+           help="gptq/llama.cpp modes: score the first N chunks (llama-perplexity --chunks)")
+    option("--mode", EvaluationConfig, "mode",
+           help="sliding window (default), or a published convention: gptq (GPTQ/AWQ papers), llama.cpp")
+    option("--device", VariantSpec, "device", help="cpu, cuda, cuda:N or auto")
+    option("--dtype", VariantSpec, "dtype", help="weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    ppl.add_argument("--method", choices=_field(VariantSpec, "method")[1],
                      help="measure --model quantized this way (gptq/awq are quantized on the spot)")
     ppl.add_argument("--variant", help="a variant spec: a YAML file or inline YAML, e.g. '{name: q, method: gptq, path: DIR}'")
     ppl.add_argument("--json", action="store_true", help="end stdout with one JSON line of the result")
 
 
 def _add_quantize(commands) -> None:
+    from tasks.config import DEFAULT_BITS, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, QUANTIZED_BY_US, CorpusConfig, VariantSpec
+
     quantize = commands.add_parser("quantize", help="make a GPTQ or AWQ checkpoint from a model (gptqmodel)")
     quantize.add_argument("--model", required=True, help="model folder, Hub id, or 'embedded'")
-    quantize.add_argument("--method", required=True, choices=["gptq", "awq"])
-    quantize.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8])
-    quantize.add_argument("--group-size", type=int, default=128, help="columns per quantization group (-1: per channel)")
+    quantize.add_argument("--method", required=True, choices=QUANTIZED_BY_US)
+    quantize.add_argument("--bits", type=int, default=DEFAULT_BITS, choices=_field(VariantSpec, "bits")[1])
+    quantize.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+                          help="columns per quantization group (-1: per channel)")
     quantize.add_argument("--asym", action="store_true", help="asymmetric quantization (default symmetric)")
     quantize.add_argument("--calibration", required=True, help="calibration corpus (same forms as --corpus)")
-    quantize.add_argument("--text-column", default="text")
-    quantize.add_argument("--samples", type=int, default=128, help="calibration sequences")
-    quantize.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
-    quantize.add_argument("--seed", type=int, default=0)
+    quantize.add_argument("--text-column", default=_field(CorpusConfig, "column")[0])
+    quantize.add_argument("--samples", type=int, default=DEFAULT_CALIBRATION.samples, help="calibration sequences")
+    quantize.add_argument("--seq-len", type=int, default=DEFAULT_CALIBRATION.seq_len, help="tokens per calibration sequence")
+    quantize.add_argument("--seed", type=int, default=DEFAULT_CALIBRATION.seed)
     quantize.add_argument("--holdout-tokens", type=int, default=0,
                           help="never calibrate on the first N tokens (what an audit with max_tokens N scores)")
     quantize.add_argument("--out", required=True, help="folder for the quantized checkpoint")
@@ -81,10 +113,12 @@ def _add_quantize(commands) -> None:
 
 
 def _add_notify(commands) -> None:
+    from tasks.config import VariantSpec
+
     notify = commands.add_parser("notify", help="announce a checkpoint (quantization.completed) to the Prefect "
                                                 "server at PREFECT_API_URL: `serve` audits it")
     notify.add_argument("--model", required=True, help="the checkpoint's folder, as the serving machine reads it")
-    notify.add_argument("--method", choices=["gptq", "awq", "bnb-int8", "bnb-nf4", "torchao-int8"],
+    notify.add_argument("--method", choices=[m for m in _field(VariantSpec, "method")[1] if m != "baseline"],
                         help="how it was quantized (default: the checkpoint's manifest, else gptq)")
     notify.add_argument("--bits", type=int, help="informative")
     notify.add_argument("--name", help="the variant's name in the audit (it picks the gate)")
@@ -110,24 +144,38 @@ def _variant(args: argparse.Namespace):
                                "device": args.device}, "arguments")
 
 
+def _ppl_settings(args: argparse.Namespace):
+    """The corpus and evaluation settings of `ppl`, validated as an audit's are (one line per mistake)."""
+    from tasks.config import CorpusConfig, EvaluationConfig, parse
+
+    corpus = parse(CorpusConfig, {"source": args.corpus, "column": args.text_column, "hf_config": args.hf_config,
+                                  "hf_split": args.hf_split, "joiner": args.joiner, "encoding": args.encoding},
+                   "arguments")
+    # `ppl` measures one model: nothing is kept for a KL it does not take
+    settings = parse(EvaluationConfig, {"window": args.window, "stride": args.stride, "batch_size": args.batch_size,
+                                        "bos": args.bos, "max_tokens": args.max_tokens, "chunks": args.chunks,
+                                        "mode": args.mode, "divergence": "off"}, "arguments")
+    return corpus, settings
+
+
 def run_ppl(args: argparse.Namespace) -> int:
-    from tasks.audit import evaluation, score_variant
-    from tasks.corpus import CorpusSpec, corpus_text
-    from tasks.models import load_config, load_tokenizer, max_positions, resolve_device, resolve_dtype
-    from tasks.perplexity import check_settings
-    from tasks.corpus import tokenizer_digest
+    from tasks.checkpoints import prepare
+    from tasks.config import VariantSpec
+    from tasks.evaluation import evaluation
+    from tasks.models import load_config, max_positions, resolve_device, resolve_dtype
+    from tasks.scoring import score_variant
+    from tasks.windows import check_window
 
     spec = _variant(args)
+    corpus, settings = _ppl_settings(args)
     resolve_dtype(spec.dtype, resolve_device(spec.device))
-    stride = args.stride if args.stride is not None else args.window // 2
-    positions = max_positions(load_config(spec.path or args.model))
-    tokenizer = load_tokenizer(args.model)
-    corpus = CorpusSpec(args.corpus, args.text_column, args.hf_config, args.hf_split, args.joiner, args.encoding)
-    # `ppl` measures one model: nothing is kept for a KL it does not take
-    scored = evaluation(corpus_text(corpus), tokenizer, args.bos, args.max_tokens, args.window, stride,
-                        args.batch_size, progress=True, chunks=args.chunks, mode=args.mode, divergence="off")
-    check_settings(args.window, stride, args.batch_size, scored.stream, positions, args.mode)
-    outcome = score_variant(spec, args.model, tokenizer_digest(tokenizer), scored, progress=True)
+    check_window(settings.window, max_positions(load_config(spec.path or args.model)))
+    lineup = prepare(VariantSpec(name="baseline", path=args.model), [spec])
+    [checkpoint] = lineup.variants
+    if checkpoint.problem:
+        raise InputError(checkpoint.problem)
+    scored = evaluation(corpus.text(), lineup.tokenizer, settings, progress=True)
+    outcome = score_variant(checkpoint, lineup, scored, progress=True)
     if not outcome.ok:
         print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=console.err())
         return 1
@@ -147,11 +195,11 @@ def run_ppl(args: argparse.Namespace) -> int:
 
 def run_quantize(args: argparse.Namespace) -> int:
     from flows.quantize import check_request, quantize_flow
-    from tasks.corpus import CorpusSpec, corpus_text
+    from tasks.config import CorpusConfig
 
     # checked here too, so that bad input ends before Prefect starts
     out = check_request(args.method, args.out, args.name, args.group_size)
-    corpus_text(CorpusSpec(args.calibration, args.text_column))
+    CorpusConfig(source=args.calibration, column=args.text_column).text()
     manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
                              bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
                              samples=args.samples, seq_len=args.seq_len, seed=args.seed,
@@ -164,15 +212,13 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 def _checked_config(path: str, overrides: list[str]):
     """Load, validate and preflight an audit config: bad input ends here, before any model loads."""
-    from tasks.audit import check_calibration_room, preflight
-    from tasks.config import CorpusConfig, load_audit_config
-    from tasks.tracking import use_tracking
+    from tasks.config import load_audit_config
+    from tasks.preflight import check_calibration_room, preflight
 
     config = load_audit_config(path, overrides)
-    use_tracking(config.tracking.uri)  # models:/ variants are checked against the audit's registry
     preflight(config)
     # read once more in the flow; a bad corpus is refused here, not there
-    check_calibration_room(config, config.corpus.text(), CorpusConfig.text, progress=True)
+    check_calibration_room(config, config.corpus.text(), progress=True)
     return config
 
 
@@ -328,7 +374,7 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
             keeping the terminal for answers and progress bars. The console script does; tests calling
             ``main`` in-process do not, as it changes the process's stdout and stderr for good.
     """
-    _offline_defaults()
+    process_defaults()
     args = _parser().parse_args(argv)
     log = _log_file(args) if capture and args.command in LOGGED else None
     if log is not None:

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 from prefect.events import emit_event
 
 from flows.notify import announcement
-from tasks.config import QUANTIZED_BY_US, check_group_size, check_name
-from tasks.corpus import CorpusSpec, cached_tokenize, corpus_text
+from tasks.config import (DEFAULT_BITS, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, QUANTIZED_BY_US, CorpusConfig,
+                          check_group_size, check_name)
 from tasks.errors import InputError
-from tasks.models import load_tokenizer
-from tasks.quantize import draw_calibration, quantize
+from tasks.steps import quantize_model
 
 
 def check_request(method: str, out: str, name: str | None, group_size: int) -> Path:
@@ -36,21 +34,11 @@ def check_request(method: str, out: str, name: str | None, group_size: int) -> P
     return folder
 
 
-@task(cache_policy=NO_CACHE)
-def quantize_model(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: str,
-                   column: str, samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str,
-                   name: str | None) -> dict:
-    stream = cached_tokenize(corpus_text(CorpusSpec(calibration, column)), load_tokenizer(model), bos="none",
-                             progress="tokenize calibration")
-    holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
-    drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration, stream.text_digest, holdout)
-    return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name, progress=True)
-
-
 @flow(name="ppl-audit-quantize", flow_run_name="quantize-{method}-{bits}bit")
-def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int = 4, group_size: int = 128,
-                  sym: bool = True, column: str = "text", samples: int = 128, seq_len: int = 512, seed: int = 0,
-                  holdout_tokens: int = 0, name: str | None = None) -> dict:
+def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int = DEFAULT_BITS,
+                  group_size: int = DEFAULT_GROUP_SIZE, sym: bool = True, column: str = "text",
+                  samples: int = DEFAULT_CALIBRATION.samples, seq_len: int = DEFAULT_CALIBRATION.seq_len,
+                  seed: int = DEFAULT_CALIBRATION.seed, holdout_tokens: int = 0, name: str | None = None) -> dict:
     """Quantize ``model`` into ``out`` and emit ``quantization.completed`` for it.
 
     Args:
@@ -60,8 +48,8 @@ def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int
             manifest and sent with the event.
     """
     folder = check_request(method, out, name, group_size)
-    manifest = quantize_model(model, method, bits, group_size, sym, calibration, column, samples, seq_len, seed,
-                              holdout_tokens, out, name)
+    manifest = quantize_model(model, method, bits, group_size, sym, CorpusConfig(source=calibration, column=column),
+                              samples, seq_len, seed, holdout_tokens, out, name)
     emit_event(**announcement(folder, {"method": method, "bits": bits, "group_size": group_size, "baseline": model,
                                        "calibration_digest": manifest["calibration"]["digest"], "name": name}))
     return manifest

@@ -10,9 +10,11 @@ from contextlib import nullcontext
 
 from prefect import flow
 
-from tasks.audit import Evaluation, VariantResult
+from tasks.checkpoints import Lineup
 from tasks.config import AuditConfig
 from tasks.errors import InputError, one_line
+from tasks.evaluation import Evaluation
+from tasks.results import VariantResult
 from tasks.steps import score
 
 
@@ -52,27 +54,32 @@ def _placement(config: AuditConfig):
     return remote_options(num_gpus=gpus)
 
 
-def _outcome(spec, value) -> VariantResult:
+def _outcome(checkpoint, value) -> VariantResult:
     """A task's result, or a failed result for a task that raised (retries exhausted)."""
     if isinstance(value, BaseException):
+        spec = checkpoint.spec
         return VariantResult(spec.name, spec.method, "failed", f"{type(value).__name__}: {one_line(value)}")
     return value
 
 
-def _concurrently(config: AuditConfig, scored: Evaluation, baseline: VariantResult) -> list[VariantResult]:
+@flow(name="ppl-audit-variants", validate_parameters=False)  # it takes the audit's own objects, checked already
+def score_concurrently(config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult
+                       ) -> list[VariantResult]:
+    """Every variant at once, one task each, on the task runner this flow is given (Dask or Ray)."""
     with _placement(config):
-        futures = [score.submit(spec, config, scored, baseline) for spec in config.variants]
-    return [_outcome(spec, future.result(raise_on_failure=False)) for spec, future in zip(config.variants, futures)]
+        futures = [score.submit(checkpoint, lineup, scored, baseline) for checkpoint in lineup.variants]
+    return [_outcome(checkpoint, future.result(raise_on_failure=False))
+            for checkpoint, future in zip(lineup.variants, futures)]
 
 
-def score_all(config: AuditConfig, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
+def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
     """Score the baseline, then every variant against it; a variant whose task failed becomes a failed result."""
-    baseline = _outcome(config.baseline, score(config.baseline, config, scored, return_state=True)
+    baseline = _outcome(lineup.baseline, score(lineup.baseline, lineup, scored, return_state=True)
                         .result(raise_on_failure=False))
     runner = task_runner(config)
     if runner is None:
-        variants = [_outcome(spec, score(spec, config, scored, baseline, return_state=True).result(raise_on_failure=False))
-                    for spec in config.variants]
+        variants = [_outcome(checkpoint, score(checkpoint, lineup, scored, baseline, return_state=True)
+                             .result(raise_on_failure=False)) for checkpoint in lineup.variants]
     else:
-        variants = flow(name="ppl-audit-variants", task_runner=runner)(_concurrently)(config, scored, baseline)
+        variants = score_concurrently.with_options(task_runner=runner)(config, lineup, scored, baseline)
     return baseline, variants

@@ -17,7 +17,8 @@ import torch
 from tasks.corpus import TokenStream
 from tasks.places import cache_dir
 from tasks.files import read_json, write_atomically
-from tasks.perplexity import plan, score_windows
+from tasks.perplexity import score_windows
+from tasks.windows import plan
 
 
 def _cache_key(model, window: int, mode: str) -> str:

@@ -11,13 +11,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.corpus import CorpusSpec, corpus_text
 from tasks.errors import InputError
-from tasks.perplexity import chunk_limit
+from tasks.windows import BosPolicy, Mode, check_plan, chunk_limit
 
 Method = Literal["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"]
 NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file names, YAML keys
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
+DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
 # what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
 KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
@@ -29,7 +29,12 @@ class Strict(BaseModel):
 
 
 class CorpusConfig(Strict):
-    """A corpus source (see ``tasks.corpus``) and how its documents are read and joined."""
+    """A corpus source and how its documents are read and joined (``tasks.corpus`` reads it).
+
+    Attributes:
+        source: a text file, a folder of .txt, a .jsonl/.parquet file, ``hf:NAME`` or ``embedded``.
+        column: the text column of JSONL, Parquet and Hugging Face sources.
+    """
 
     source: str
     column: str = "text"
@@ -38,12 +43,11 @@ class CorpusConfig(Strict):
     joiner: str = "\n\n"
     encoding: str = Field("utf-8", description="text encoding of .txt and .jsonl files, a Python codec name")
 
-    def spec(self) -> CorpusSpec:
-        return CorpusSpec(self.source, self.column, self.hf_config, self.hf_split, self.joiner, self.encoding)
-
     def text(self) -> str:
         """The corpus as one text (``tasks.corpus.corpus_text``)."""
-        return corpus_text(self.spec())
+        from tasks.corpus import corpus_text
+
+        return corpus_text(self)
 
 
 class CalibrationConfig(Strict):
@@ -56,6 +60,9 @@ class CalibrationConfig(Strict):
     samples: int = Field(128, ge=1, le=100_000)
     seq_len: int = Field(512, ge=8)
     seed: int = 0
+
+
+DEFAULT_CALIBRATION = CalibrationConfig()  # what `quantize` and a variant without calibration settings use
 
 
 def check_name(name: str | None) -> None:
@@ -108,18 +115,18 @@ class VariantSpec(Strict):
     @property
     def quantization(self) -> tuple[int, int, bool]:
         """``(bits, group_size, sym)`` a gptq/awq variant is quantized with, defaults filled in."""
-        return (self.bits or 4, self.group_size or 128, True if self.sym is None else self.sym)
+        return (self.bits or DEFAULT_BITS, self.group_size or DEFAULT_GROUP_SIZE, True if self.sym is None else self.sym)
 
 
 def one_line(error: ValidationError, where: str) -> str:
     """The first validation error as one line naming the key; the count of any others after it."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    key = ".".join(str(part) for part in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown key; check its spelling against the documented keys"
     more = len(error.errors()) - 1
-    return f"{where}: {key}: {message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+    return f"{where}: {key + ': ' if key else ''}{message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
 
 def parse(model: type[Strict], data: object, where: str):
@@ -131,31 +138,36 @@ def parse(model: type[Strict], data: object, where: str):
 
 
 class EvaluationConfig(Strict):
-    """How every model of the audit is scored (see ``tasks.perplexity``)."""
+    """How every model of the audit is scored (see ``tasks.perplexity``); ``stride`` is filled in
+    (``window // 2``) once validated, so nothing downstream sees None."""
 
-    window: int = Field(512, ge=2)
-    stride: int | None = Field(None, ge=1, description="default window // 2")
+    window: int = 512
+    stride: int | None = Field(None, description="default window // 2")
     batch_size: int | Literal["auto"] = Field(1, ge=1)
-    bos: Literal["none", "stream", "window"] | None = None
+    bos: BosPolicy | None = Field(None, description="default: the mode's own")
     max_tokens: int | None = Field(None, ge=2)
-    chunks: int | None = Field(None, ge=1, description="chunk modes: the first N chunks (llama-perplexity --chunks)")
-    mode: Literal["sliding", "gptq", "llama.cpp"] = "sliding"
+    chunks: int | None = Field(None, description="chunk modes: the first N chunks (llama-perplexity --chunks)")
+    mode: Mode = "sliding"
     divergence: Literal["auto", "lockstep", "topk", "off"] = "auto"
     top_k: int = Field(32, ge=1, le=4096)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stride_is_half_the_window_unless_given(cls, data):
+        if isinstance(data, dict) and data.get("stride") is None:
+            window = data.get("window", cls.model_fields["window"].default)
+            if isinstance(window, int):  # else the window's own error says what is wrong
+                data = {**data, "stride": window // 2}
+        return data
+
     @model_validator(mode="after")
-    def _stride_below_window(self) -> "EvaluationConfig":
-        if self.stride is not None and self.stride >= self.window:
-            raise ValueError(f"stride {self.stride} must be below window {self.window}")
-        try:
+    def _a_plan_the_engine_can_make(self) -> "EvaluationConfig":
+        try:  # the engine's own checks, so that a config and `ppl` get the same line
+            check_plan(self.window, self.stride, self.mode, 1 if self.bos == "window" else 0)
             chunk_limit(self.chunks, self.window, self.mode, self.max_tokens)
         except InputError as error:
             raise ValueError(str(error)) from None
         return self
-
-    @property
-    def effective_stride(self) -> int:
-        return self.stride if self.stride is not None else self.window // 2
 
 
 class Gate(Strict):

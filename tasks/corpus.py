@@ -13,30 +13,20 @@ import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import torch
 
 from tasks import console
 from tasks.errors import InputError, one_line
 from tasks.files import prune
+from tasks.windows import BOS_POLICIES, BosPolicy
 
-BosPolicy = Literal["none", "stream", "window"]
+if TYPE_CHECKING:
+    from tasks.config import CorpusConfig
+
 # the token cache keeps the most recently used streams within this size (4 bytes a token: 512M tokens)
 TOKEN_CACHE_BYTES = 2 << 30
-BOS_POLICIES = ("none", "stream", "window")
-
-
-@dataclass(frozen=True)
-class CorpusSpec:
-    """Where the text comes from. ``column`` is used by JSONL, Parquet and Hugging Face sources."""
-
-    source: str
-    column: str = "text"
-    hf_config: str | None = None
-    hf_split: str = "test"
-    joiner: str = "\n\n"
-    encoding: str = "utf-8"
 
 
 def _read_text(path: Path, encoding: str) -> str:
@@ -93,7 +83,7 @@ def _read_parquet(path: Path, column: str) -> list[str]:
     return [text or "" for text in pq.read_table(path, columns=[column]).column(column).to_pylist()]
 
 
-def _read_hf(spec: CorpusSpec) -> list[str]:
+def _read_hf(spec: CorpusConfig) -> list[str]:
     import datasets
 
     name = spec.source.removeprefix("hf:")
@@ -107,12 +97,12 @@ def _read_hf(spec: CorpusSpec) -> list[str]:
     return [text or "" for text in data[spec.column]]
 
 
-def load_documents(spec: CorpusSpec) -> list[str]:
+def load_documents(spec: CorpusConfig) -> list[str]:
     """Read the documents of a corpus source, in order."""
     if spec.source == "embedded":
         from tasks.embedded import ensure_embedded_corpus
 
-        return load_documents(CorpusSpec(str(ensure_embedded_corpus()), joiner=spec.joiner))
+        return load_documents(spec.model_copy(update={"source": str(ensure_embedded_corpus())}))
     if spec.source.startswith("hf:"):
         return _read_hf(spec)
     path = Path(spec.source)
@@ -133,7 +123,7 @@ def load_documents(spec: CorpusSpec) -> list[str]:
         raise InputError(f"cannot read corpus {path}: {error.strerror or error}") from None
 
 
-def corpus_text(spec: CorpusSpec) -> str:
+def corpus_text(spec: CorpusConfig) -> str:
     """The whole corpus as one string: the documents joined with ``spec.joiner``."""
     text = spec.joiner.join(load_documents(spec))
     if not text.strip():

@@ -31,16 +31,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_model_path(name: str) -> str:
-    """A local folder as a string, or a Hub id left as it is."""
+def resolve_model_path(name: str, registry: str | None = None) -> str:
+    """A local folder as a string, or a Hub id left as it is.
+
+    Args:
+        registry: the tracking server whose model registry holds ``models:/`` names (default: MLflow's
+            ``MLFLOW_TRACKING_URI``, else the local store).
+    """
     if name == "embedded":
         from tasks.embedded import ensure_embedded_model
 
         return str(ensure_embedded_model())
     if name.startswith("models:/"):
         from tasks.registry import download
+        from tasks.tracking import tracking_uri
 
-        return download(name)
+        return download(name, tracking_uri(registry))
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
@@ -55,9 +61,9 @@ def resolve_model_path(name: str) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def check_checkpoint(name: str) -> None:
+def check_checkpoint(name: str, registry: str | None = None) -> None:
     """Refuse a local model folder without weights or tokenizer (or with shards its index names missing)."""
-    path = Path(resolve_model_path(name))
+    path = Path(resolve_model_path(name, registry))
     if not path.is_dir():
         return  # a Hub id: the Hub holds the files
     from tasks.variants import WEIGHT_SUFFIXES
@@ -110,12 +116,12 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
     return model.eval()
 
 
-def load_config(name: str):
+def load_config(name: str, registry: str | None = None):
     """The model's config alone: enough to check settings before any weights are loaded."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(resolve_model_path(name))
+        return AutoConfig.from_pretrained(resolve_model_path(name, registry))
     except (OSError, ValueError) as error:
         raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
 

@@ -21,64 +21,15 @@ import torch
 
 from tasks import console, divergence
 from tasks.corpus import TokenStream
-from tasks.errors import InputError, NumericalError
+from tasks.errors import NumericalError
 from tasks.memory import PeakMemory
 from tasks.models import max_positions
+from tasks.windows import Window, check_settings, plan, plan_chunks
 
 # Bounds one chunk of float32 logits, by device. CPU: 341 rows at vocab 49k, 128 at 128k. CUDA: 512 rows
 # at 128k; fewer rows re-read the head's weights too often (64 MiB chunks ran the 128k head at a quarter
 # of an H100's matmul rate), and the fused NLL below never writes the float32 chunk anyway.
 HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
-
-
-@dataclass(frozen=True)
-class Window:
-    """Stream tokens ``[start, end)`` go through the model; tokens ``[first_scored, end)`` are scored."""
-
-    index: int
-    start: int
-    end: int
-    first_scored: int
-
-    @property
-    def n_scored(self) -> int:
-        return self.end - self.first_scored
-
-
-def plan_windows(n_tokens: int, window: int, stride: int, first_scored: int = 1) -> list[Window]:
-    """Cover a stream of ``n_tokens`` with sliding windows.
-
-    Args:
-        n_tokens: stream length N.
-        window: the most tokens one window holds (L).
-        stride: how far each window's end moves (S, ``1 <= S < L``).
-        first_scored: the first stream position to score: 1, or 0 when a prefix (BOS) precedes every
-            window and so gives the first token a context.
-    """
-    if not 1 <= stride < window:
-        raise InputError(f"stride {stride} must be at least 1 and below the window length {window}; lower --stride")
-    windows: list[Window] = []
-    scored_until = first_scored
-    while scored_until < n_tokens:
-        end = min(window + len(windows) * stride, n_tokens)
-        windows.append(Window(len(windows), max(0, end - window), end, scored_until))
-        scored_until = end
-    return windows
-
-
-def plan_chunks(n_tokens: int, window: int, mode: str) -> list[Window]:
-    """Disjoint ``window``-token chunks of the published conventions; the tail that does not fill one is dropped.
-
-    - ``gptq`` (the GPTQ/AWQ papers): every token of a chunk but its first is scored.
-    - ``llama.cpp`` (``llama-perplexity``): only the second half of each chunk is scored (tokens
-      ``window//2 + 1 .. window - 1``); the caller writes BOS over each chunk's first token.
-    """
-    chunks = n_tokens // window
-    if chunks == 0:
-        raise InputError(f"mode {mode} needs at least one full window: the stream has {n_tokens} tokens, the window "
-                         f"{window}; lower --window or give more text")
-    first = 1 if mode == "gptq" else window // 2 + 1
-    return [Window(i, i * window, (i + 1) * window, i * window + first) for i in range(chunks)]
 
 
 def _upcast(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -409,64 +360,12 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
     )
 
 
-MODES = ("sliding", "gptq", "llama.cpp")
-
-
-def check_settings(window: int, stride: int, batch_size: int, stream: TokenStream, positions: int | None,
-                   mode: str = "sliding") -> None:
-    """Refuse settings the engine cannot honour, before any model work starts.
-
-    Args:
-        positions: the model's maximum positions (``max_positions(config)``), if known.
-        mode: ``sliding`` (ours), or the published ``gptq`` / ``llama.cpp`` conventions (no stride).
-    """
-    if mode not in MODES:
-        raise InputError(f"unknown mode '{mode}'; use one of {', '.join(MODES)}")
-    if window < 2:
-        raise InputError(f"window {window} must hold at least 2 tokens (one context, one scored); use --window 512, say")
-    if mode != "sliding":
-        if stream.prefix:
-            raise InputError(f"mode {mode} does its own BOS handling; use --bos stream or none with it")
-        if positions is not None and window > positions:
-            raise InputError(f"window {window} is longer than the model's {positions} positions; use --window {positions} or less")
-        return
-    if positions is not None and window > positions:
-        raise InputError(f"window {window} is longer than the model's {positions} positions; use --window {positions} or less")
-    if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
-        raise InputError(f"batch size {batch_size} must be a whole number of at least 1, or auto")
-    capacity = window - len(stream.prefix)
-    if not 1 <= stride < capacity:
-        held = f"{capacity} (the window of {window} less the BOS it starts with)" if stream.prefix else str(window)
-        raise InputError(f"stride {stride} must be at least 1 and below {held}; lower --stride")
-
-
-def plan(stream: TokenStream, window: int, stride: int, mode: str = "sliding") -> list[Window]:
-    """The windows of a run in any mode."""
-    if mode == "sliding":
-        return plan_windows(len(stream.ids), window - len(stream.prefix), stride, stream.first_scored)
-    return plan_chunks(len(stream.ids), window, mode)
-
-
 def count_scored_text(stream: TokenStream, tokenizer, window: int, mode: str) -> TokenStream:
     """The stream with ``n_bytes``/``n_words`` of the text a chunk mode actually scores, decoded from
     the scored tokens of each chunk (the dropped tail and each chunk's unscored part are left out)."""
     texts = [tokenizer.decode(stream.ids[w.first_scored : w.end]) for w in plan_chunks(len(stream.ids), window, mode)]
     return dataclasses.replace(stream, n_bytes=sum(len(text.encode("utf-8")) for text in texts),
                                n_words=sum(len(text.split()) for text in texts), counted_for=mode)
-
-
-def chunk_limit(chunks: int | None, window: int, mode: str, max_tokens: int | None) -> int | None:
-    """The stream length that ``chunks`` chunks of ``window`` tokens take (llama-perplexity's ``--chunks``):
-    a BOS at the stream's start counts toward it, as it takes the first chunk's first slot."""
-    if chunks is None:
-        return max_tokens
-    if mode == "sliding":
-        raise InputError("chunks applies to modes gptq and llama.cpp; with the sliding window use max_tokens")
-    if max_tokens is not None:
-        raise InputError("give chunks or max_tokens, not both")
-    if chunks < 1:
-        raise InputError(f"chunks is {chunks}; give at least 1")
-    return chunks * window
 
 
 def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,

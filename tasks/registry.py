@@ -28,19 +28,27 @@ def model_version(uri: str, client) -> tuple[str, str]:
     return name, version
 
 
-def download(uri: str) -> str:
-    """A local folder holding the registered version's model (the shallowest folder with config.json)."""
+def download(uri: str, tracking: str) -> str:
+    """A local folder holding the registered version's model (the shallowest folder with config.json).
+
+    Args:
+        tracking: the tracking server whose model registry holds it.
+    """
     import mlflow
     from mlflow import MlflowClient
 
     from tasks.places import cache_dir
 
     try:
-        name, version = model_version(uri, MlflowClient())
+        client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+        name, version = model_version(uri, client)
         target = cache_dir() / "registry" / name / version
         if not any(target.rglob("config.json")):
             target.mkdir(parents=True, exist_ok=True)
-            mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(target))
+            # the version's own files: MLflow 3.17 resolves a models:/ URI against the process-wide registry,
+            # whatever registry_uri it is given
+            mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri(name, version),
+                                                dst_path=str(target), tracking_uri=tracking)
     except mlflow.exceptions.MlflowException as error:
         raise InputError(f"cannot fetch {uri} from the model registry: {str(error).splitlines()[0]}") from None
     configs = sorted(target.rglob("config.json"), key=lambda p: len(p.parts))

@@ -14,7 +14,7 @@ from html import escape
 from pathlib import Path
 
 from tasks import plots
-from tasks.config import Thresholds
+from tasks.config import EvaluationConfig, Thresholds
 
 STYLE = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #212121; margin: 24px;
@@ -103,7 +103,7 @@ def _settings(record: dict) -> str:
     gates = [[v["name"], *(_limit(getattr(thresholds.for_variant(v["name"]), key))
                            for key in ("max_ppl_increase_pct", "max_kld_mean", "min_top1_agreement"))]
              for v in record["variants"] if v["role"] == "variant"]
-    evaluation = {**evaluation, "stride": evaluation["stride"] or evaluation["window"] // 2}  # as it was scored
+    evaluation = EvaluationConfig.model_validate(evaluation).model_dump()  # as scored: the stride filled in
     return ('<h2>Settings</h2><div class="side">'
             + _pairs("Evaluation", evaluation)
             + _pairs("Corpus", {"source": source, "location": corpus.get("location"),

@@ -12,13 +12,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
-from tasks.audit import Evaluation, VariantResult, audit_evaluation, score_variant
-from tasks.config import AuditConfig, CorpusConfig, VariantSpec
+from tasks.checkpoints import Checkpoint, Lineup, prepare
+from tasks.config import AuditConfig, CorpusConfig
+from tasks.corpus import cached_tokenize
 from tasks.errors import TransientError
-from tasks.models import load_tokenizer
-from tasks.spool import claim, mark_synced, spool_dir, synced_dir, token_arrays, write_record
+from tasks.evaluation import Evaluation, evaluation
+from tasks.quantize import draw_calibration, quantize
+from tasks.record import token_arrays
+from tasks.results import VariantResult
+from tasks.scoring import score_variant
+from tasks.spool import claim, mark_synced, spool_dir, synced_dir, write_record
 from tasks.tracking import is_tracking_outage, replay
-from tasks.corpus import tokenizer_digest
 
 
 def _transient(task, run, state) -> bool:
@@ -32,28 +36,46 @@ def read_corpus(corpus: CorpusConfig) -> str:
     return corpus.text()
 
 
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
+def prepare_models(config: AuditConfig) -> Lineup:
+    """Resolve the baseline and every variant once (folders, tokenizer digests, manifests); a registered
+    or Hub model is fetched here, retried when the network blips."""
+    return prepare(config.baseline, config.variants, config.tracking.uri)
+
+
 @task(cache_policy=NO_CACHE)
-def tokenize_corpus(text: str, config: AuditConfig) -> Evaluation:
-    """Tokenize the corpus once for every model of the audit.
+def tokenize_corpus(text: str, config: AuditConfig, lineup: Lineup) -> Evaluation:
+    """Tokenize the corpus once, with the baseline's tokenizer, for every model of the audit.
 
     The stream is cached on disk by corpus digest, tokenizer digest and settings (``cached_tokenize``),
     so a later audit of the same corpus reads it back; no model is ever hashed.
     """
-    return audit_evaluation(config, text, progress=True)
+    return evaluation(text, lineup.tokenizer, config.evaluation, progress=True)
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{spec.name}",
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{checkpoint.name}",
       retry_condition_fn=_transient)
-def score(spec: VariantSpec, config: AuditConfig, evaluation_: Evaluation,
+def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
           baseline_outcome: VariantResult | None = None) -> VariantResult:
-    """Load (or make) one variant and score it; a failure is a failed result, not a failed task.
+    """Load (or make) one model and score it; a failure is a failed result, not a failed task.
 
     Variants get the baseline's outcome, to measure their divergence from it.
     """
-    baseline = config.baseline.path
-    return score_variant(spec, baseline, tokenizer_digest(load_tokenizer(baseline)), evaluation_,
-                         corpus_text_of=CorpusConfig.text, progress=True,
-                         baseline_outcome=baseline_outcome, baseline_spec=config.baseline)
+    return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=CorpusConfig.text, progress=True,
+                         baseline_outcome=baseline_outcome)
+
+
+@task(cache_policy=NO_CACHE)
+def quantize_model(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: CorpusConfig,
+                   samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str, name: str | None) -> dict:
+    """Make a gptq/awq checkpoint of ``model`` in ``out``, calibrated on ``samples`` × ``seq_len`` tokens of
+    ``calibration`` (never its first ``holdout_tokens``); returns its manifest."""
+    from tasks.models import load_tokenizer
+
+    stream = cached_tokenize(calibration.text(), load_tokenizer(model), bos="none", progress="tokenize calibration")
+    holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
+    drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration.source, stream.text_digest, holdout)
+    return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name, progress=True)
 
 
 @task(cache_policy=NO_CACHE)

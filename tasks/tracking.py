@@ -11,15 +11,10 @@ import os
 import warnings
 from pathlib import Path
 
+from tasks.config import EvaluationConfig
 from tasks.registry import is_registered, tag_version
 from tasks.places import home
 from tasks.spool import read_record
-
-# A dead tracking server must not hang an audit for minutes (MLflow's default retries take ~4 min).
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 AUDIT_ID = "ppl_audit.audit_id"
 COMPLETE = "ppl_audit.complete"
@@ -35,13 +30,6 @@ def is_tracking_outage(error: BaseException) -> bool:
     from tasks.errors import is_network_error
 
     return is_network_error(error) or type(error).__name__ == "MlflowException"
-
-
-def use_tracking(configured: str | None) -> str:
-    """Point MLflow (runs and the model registry) at the audit's tracking URI for this process."""
-    uri = tracking_uri(configured)
-    os.environ["MLFLOW_TRACKING_URI"] = uri
-    return uri
 
 
 def default_uri() -> str:
@@ -127,7 +115,7 @@ def _audit_params(record: dict) -> dict:
     config, corpus, env = record["config"], record["corpus"], record["environment"]
     evaluation = config["evaluation"]
     params = {"audit": record["name"], "window": evaluation["window"],
-              "stride": evaluation["stride"] or evaluation["window"] // 2, "batch_size": evaluation["batch_size"],
+              "stride": EvaluationConfig.model_validate(evaluation).stride, "batch_size": evaluation["batch_size"],
               "bos": corpus["bos"], "max_tokens": evaluation["max_tokens"], "corpus.source": corpus["source"],
               "corpus.digest": corpus["digest"], "corpus.tokens": corpus["n_tokens"], "hardware": env["hardware"],
               "baseline": config["baseline"]["path"]}

@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 from tasks.config import VariantSpec
-from tasks.corpus import tokenizer_digest
 from tasks.errors import InputError
-from tasks.models import load_model, resolve_device, resolve_dtype, resolve_model_path
+from tasks.models import load_model, resolve_device, resolve_dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -135,14 +134,15 @@ def load_variant(spec: VariantSpec, source: str):
              "gptq": ("gptqmodel", "optimum"), "awq": ("gptqmodel",)}.get(spec.method, ())
     facts = VariantFacts(
         method=spec.method, source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
-        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(resolve_model_path(source)),
+        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(source),
         weight_memory_bytes=weight_bytes(model), quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*tools),
     )
     return model, facts
 
 
-def check_same_tokenizer(name: str, baseline_digest: str, tokenizer) -> None:
-    if tokenizer_digest(tokenizer) != baseline_digest:
+def check_same_tokenizer(name: str, baseline_digest: str, digest: str) -> None:
+    """Refuse a variant whose tokenizer (``tokenizer_digest``) is not the baseline's."""
+    if digest != baseline_digest:
         raise InputError(f"variant '{name}' has a different tokenizer from the baseline (vocab, merges or special "
                          "tokens): token perplexities are not comparable; audit it against its own baseline")

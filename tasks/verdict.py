@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.audit import VariantResult
+from tasks.results import VariantResult
 from tasks.config import Thresholds
 from tasks.paired import divergence_summary, paired_difference
 

@@ -205,11 +205,11 @@ def noisy_model_dir(tmp_path_factory, trained_model_dir, tokenizer) -> Path:
     return folder
 
 
-@pytest.fixture(autouse=True)
-def restore_tracking_uri(monkeypatch):
-    """An audit points MLflow at its tracking URI for the process; no test leaks that to the next."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "unset")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+def pytest_configure(config):
+    """The tests call flows and tasks as the command line does, after the same process set-up."""
+    from flows.cli import process_defaults
+
+    process_defaults()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.corpus import CorpusSpec, corpus_text, encode, load_documents, tokenize
+from tasks.config import CorpusConfig
+from tasks.corpus import corpus_text, encode, load_documents, tokenize
 from tasks.errors import InputError
 
 
@@ -24,7 +25,7 @@ def test_embedded_corpus_stream_equals_one_tokenizer_call():
     from tasks.models import load_tokenizer
 
     tokenizer = load_tokenizer("embedded")
-    text = corpus_text(CorpusSpec("embedded"))[:1_500_000]
+    text = corpus_text(CorpusConfig(source="embedded"))[:1_500_000]
     assert encode(tokenizer, text)[0] == tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -61,14 +62,14 @@ def documents():
 def test_text_file_is_one_document(tmp_path, documents):
     path = tmp_path / "corpus.txt"
     path.write_text("\n\n".join(documents))
-    assert load_documents(CorpusSpec(str(path))) == ["\n\n".join(documents)]
+    assert load_documents(CorpusConfig(source=str(path))) == ["\n\n".join(documents)]
 
 
 def test_folder_is_read_in_name_order_and_joined(tmp_path, documents):
     for name, doc in zip(["b.txt", "a.txt", "c.txt"], documents):
         (tmp_path / name).write_text(doc)
     (tmp_path / "ignored.md").write_text("not text")
-    spec = CorpusSpec(str(tmp_path), joiner=" || ")
+    spec = CorpusConfig(source=str(tmp_path), joiner=" || ")
     assert corpus_text(spec) == " || ".join([documents[1], documents[0], documents[2]])
 
 
@@ -78,9 +79,9 @@ def test_jsonl_and_parquet_columns(tmp_path, documents):
     parquet = tmp_path / "corpus.parquet"
     pq.write_table(pa.table({"id": [0, 1, 2], "body": documents}), parquet)
     for path in (jsonl, parquet):
-        assert load_documents(CorpusSpec(str(path), column="body")) == documents
+        assert load_documents(CorpusConfig(source=str(path), column="body")) == documents
         with pytest.raises(InputError, match="column 'text' not in .*columns: id, body"):
-            load_documents(CorpusSpec(str(path)))
+            load_documents(CorpusConfig(source=str(path)))
 
 
 def test_hugging_face_dataset_source_on_local_data(tmp_path, documents):
@@ -88,18 +89,18 @@ def test_hugging_face_dataset_source_on_local_data(tmp_path, documents):
     folder = tmp_path / "dataset"
     folder.mkdir()
     pq.write_table(pa.table({"text": documents}), folder / "test.parquet")
-    spec = CorpusSpec(f"hf:{folder}")  # split "test", from the file name, as wikitext has
+    spec = CorpusConfig(source=f"hf:{folder}")  # split "test", from the file name, as wikitext has
     assert load_documents(spec) == documents
     with pytest.raises(InputError, match="column 'body' not in dataset"):
-        load_documents(CorpusSpec(f"hf:{folder}", column="body"))
+        load_documents(CorpusConfig(source=f"hf:{folder}", column="body"))
 
 
 def test_missing_and_empty_corpora_are_refused(tmp_path):
     with pytest.raises(InputError, match="corpus not found"):
-        corpus_text(CorpusSpec(str(tmp_path / "nope.txt")))
+        corpus_text(CorpusConfig(source=str(tmp_path / "nope.txt")))
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(InputError, match="is empty or only whitespace"):
-        corpus_text(CorpusSpec(str(tmp_path / "empty.txt")))
+        corpus_text(CorpusConfig(source=str(tmp_path / "empty.txt")))
 
 
 # each: the file's name and bytes, and the one line that refuses it
@@ -122,29 +123,29 @@ def test_unreadable_corpora_are_one_line(tmp_path, case):
     path = tmp_path / name
     path.write_bytes(data)
     with pytest.raises(InputError) as refused:
-        corpus_text(CorpusSpec(str(path)))
+        corpus_text(CorpusConfig(source=str(path)))
     assert expected.format(path=path) in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_another_encoding_can_be_given(tmp_path):
     path = tmp_path / "french.txt"
     path.write_bytes("Déjà vu à l'été".encode("latin-1"))
-    assert corpus_text(CorpusSpec(str(path), encoding="latin-1")) == "Déjà vu à l'été"
+    assert corpus_text(CorpusConfig(source=str(path), encoding="latin-1")) == "Déjà vu à l'été"
     with pytest.raises(InputError, match="unknown text encoding 'klingon'"):
-        corpus_text(CorpusSpec(str(path), encoding="klingon"))
+        corpus_text(CorpusConfig(source=str(path), encoding="klingon"))
 
 
 def test_a_folder_without_text_files_is_refused(tmp_path):
     (tmp_path / "notes.md").write_text("words")
     with pytest.raises(InputError, match="holds no .txt files"):
-        corpus_text(CorpusSpec(str(tmp_path)))
+        corpus_text(CorpusConfig(source=str(tmp_path)))
 
 
 def test_an_unreachable_hub_dataset_is_one_line(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(InputError) as refused:
-        corpus_text(CorpusSpec("hf:no-such-org/no-such-dataset"))
+        corpus_text(CorpusConfig(source="hf:no-such-org/no-such-dataset"))
     assert str(refused.value).startswith("cannot load dataset 'no-such-org/no-such-dataset'")
     assert "\n" not in str(refused.value)
 

@@ -45,11 +45,12 @@ def embedded():
     """The embedded model in float32 and its tokenizer, with 1024 tokens of the embedded corpus."""
     import torch
 
-    from tasks.corpus import CorpusSpec, corpus_text, tokenize
+    from tasks.config import CorpusConfig
+    from tasks.corpus import corpus_text, tokenize
     from tasks.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer("embedded")
-    stream = tokenize(corpus_text(CorpusSpec("embedded")), tokenizer, bos="none", max_tokens=1024)
+    stream = tokenize(corpus_text(CorpusConfig(source="embedded")), tokenizer, bos="none", max_tokens=1024)
     return load_model("embedded", torch.float32, torch.device("cpu")), tokenizer, stream
 
 

@@ -77,9 +77,9 @@ def test_dask_runner_scores_variants_on_two_local_workers(tmp_path, cache, train
 
 
 def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corpus_path, monkeypatch):
-    import tasks.audit
+    import tasks.scoring
 
-    real = tasks.audit.load_variant
+    real = tasks.scoring.load_variant
     calls = []
 
     def flaky(spec, source):  # the remote store drops the first connection
@@ -88,7 +88,7 @@ def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corp
             raise TransientError("connection reset by the model store")
         return real(spec, source)
 
-    monkeypatch.setattr(tasks.audit, "load_variant", flaky)
+    monkeypatch.setattr(tasks.scoring, "load_variant", flaky)
     config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}])
     state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message
@@ -277,7 +277,7 @@ def test_set_overrides_and_missing_config(capsys, tmp_path):
     assert main(["run", str(tmp_path / "none.yaml")]) == 2
     assert "config not found" in capsys.readouterr().err
     assert main(["run", "configs/demo.yaml", "--set", "evaluation.stride=9999"]) == 2
-    assert "stride 9999 must be below window 512" in capsys.readouterr().err
+    assert "stride 9999 must be at least 1 and below 512" in capsys.readouterr().err
     assert main(["run", "configs/demo.yaml", "--set", "variants.9.bits=4"]) == 2
     assert "variants.9.bits=4: 9 is not an index of that list (it has 3 items: 0 to 2)" in capsys.readouterr().err
     assert main(["run", "configs/demo.yaml", "--set", "variants.x.name=x"]) == 2

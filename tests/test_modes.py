@@ -8,7 +8,8 @@ import torch
 from tasks.corpus import tokenize
 from tasks.divergence import TopKCache
 from tasks.errors import InputError
-from tasks.perplexity import perplexity, plan, score_windows
+from tasks.perplexity import perplexity, score_windows
+from tasks.windows import plan
 
 
 def gptq_reference(model, ids: torch.Tensor, window: int) -> tuple[float, int]:

@@ -10,7 +10,8 @@ import torch
 
 from tasks.corpus import tokenize
 from tasks.errors import InputError, NumericalError
-from tasks.perplexity import perplexity, plan_windows, score_windows
+from tasks.perplexity import perplexity, score_windows
+from tasks.windows import plan_windows
 
 
 def brute_force_nll_sum(model, stream, window: int, stride: int) -> tuple[float, int]:

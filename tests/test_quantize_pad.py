@@ -7,9 +7,10 @@ import json
 import pytest
 
 from conftest import build_llama, make_text
-from tasks.audit import evaluation, score_variant
-from tasks.config import CalibrationConfig, VariantSpec
-from tasks.corpus import tokenizer_digest
+from tasks.checkpoints import prepare
+from tasks.evaluation import evaluation
+from tasks.scoring import score_variant
+from tasks.config import CalibrationConfig, EvaluationConfig, VariantSpec
 from tasks.models import load_tokenizer
 
 
@@ -36,10 +37,11 @@ def bos_only_dir(tokenizer, tmp_path_factory):
 def test_tokenizer_without_pad_or_eos_quantizes_with_the_same_tokenizer(bos_only_dir, tmp_path, monkeypatch, method):
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
     baseline = load_tokenizer(str(bos_only_dir))
-    audit = evaluation(make_text(1500), baseline, None, 600, window=64, stride=32, batch_size=8)
+    audit = evaluation(make_text(1500), baseline, EvaluationConfig(max_tokens=600, window=64, stride=32, batch_size=8))
     spec = VariantSpec(name=method, method=method, bits=4, group_size=32,
                        calibration=CalibrationConfig(samples=4, seq_len=64))
-    outcome = score_variant(spec, str(bos_only_dir), tokenizer_digest(baseline), audit)
+    lineup = prepare(VariantSpec(name="baseline", path=str(bos_only_dir)), [spec])
+    outcome = score_variant(lineup.variants[0], lineup, audit)
     assert outcome.ok, outcome.reason  # loaded and scored after passing check_same_tokenizer
     assert outcome.result.ppl > 1 and outcome.facts.quantized_layers == 14
     saved = load_tokenizer(outcome.facts.source)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from conftest import build_llama, build_tokenizer, make_text
-from tasks.audit import evaluation, score_variant
-from tasks.config import CalibrationConfig, CorpusConfig, VariantSpec, parse
+from tasks.checkpoints import prepare
+from tasks.evaluation import evaluation
+from tasks.scoring import score_variant
+from tasks.config import CalibrationConfig, CorpusConfig, EvaluationConfig, VariantSpec, parse
 from tasks.errors import InputError
 from tasks.quantize import check_disjoint, draw_calibration
-from tasks.corpus import tokenizer_digest
 
 CALIBRATION = CalibrationConfig(samples=16, seq_len=128)
 
@@ -31,15 +32,17 @@ def audit(tokenizer, trained_model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPL_AUDIT_CACHE", str(cache))
         yield {
-            "evaluation": evaluation(make_text(3000), tokenizer, None, 2000, window=64, stride=32, batch_size=8),
+            "evaluation": evaluation(make_text(3000), tokenizer,
+                                     EvaluationConfig(max_tokens=2000, window=64, stride=32, batch_size=8)),
             "baseline": str(trained_model_dir),
-            "tokenizer": tokenizer_digest(tokenizer),
             "cache": cache,
         }
 
 
-def run(audit, spec: VariantSpec):
-    return score_variant(spec, audit["baseline"], audit["tokenizer"], audit["evaluation"])
+def run(audit, spec: VariantSpec, evaluation_=None, **options):
+    """Score ``spec`` against the audit's baseline, prepared as an audit prepares its models."""
+    lineup = prepare(VariantSpec(name="baseline", path=audit["baseline"]), [spec])
+    return score_variant(lineup.variants[0], lineup, evaluation_ or audit["evaluation"], **options)
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +108,9 @@ def test_calibration_overlapping_the_evaluation_is_refused(audit, tokenizer, tra
     outcome = run(audit, VariantSpec(name="leaky", path=str(folder)))
     assert not outcome.ok and "calibrated on tokens 0-128" in outcome.reason
     # the whole corpus evaluated leaves no calibration text in it
-    whole = evaluation(make_text(300), tokenizer, None, None, 64, 32, 8)
+    whole = evaluation(make_text(300), tokenizer, EvaluationConfig(window=64, stride=32, batch_size=8))
     spec = VariantSpec(name="g", method="gptq", bits=4, group_size=32, calibration=CALIBRATION)
-    outcome = score_variant(spec, str(trained_model_dir), audit["tokenizer"], whole)
+    outcome = run(audit, spec, whole)
     assert not outcome.ok and "outside the evaluated tokens" in outcome.reason
 
 
@@ -117,8 +120,7 @@ def test_calibration_corpus_that_is_the_evaluated_text_is_caught(audit, tmp_path
     calibration = CalibrationConfig(corpus=CorpusConfig(source=str(copy)), samples=200, seq_len=128)
     spec = VariantSpec(name="g", method="gptq", bits=4, group_size=32, calibration=calibration)
     drawn = []
-    outcome = score_variant(spec, str(trained_model_dir), audit["tokenizer"], audit["evaluation"],
-                            corpus_text_of=lambda corpus: drawn.append(corpus) or copy.read_text())
+    outcome = run(audit, spec, corpus_text_of=lambda corpus: drawn.append(corpus) or copy.read_text())
     assert drawn and outcome.ok, outcome.reason
     assert all(start >= audit["evaluation"].evaluated[1] for start, _ in outcome.manifest["calibration"]["token_ranges"])
 

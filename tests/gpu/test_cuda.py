@@ -13,7 +13,8 @@ import torch
 
 from tasks.corpus import TokenStream, tokenize
 from tasks.memory import PeakMemory
-from tasks.perplexity import _chunk_rows, head_chunk_bytes, perplexity, plan_windows, score_windows
+from tasks.perplexity import _chunk_rows, head_chunk_bytes, perplexity, score_windows
+from tasks.windows import plan_windows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,7 +92,9 @@ def test_head_chunks_bound_memory_at_a_128k_vocabulary():
 
 def test_out_of_memory_halves_the_batch_size(tmp_path, monkeypatch):
     """A batch that does not fit is halved until it does, with the same result as a batch that fits."""
-    from tasks.audit import Evaluation, perplexity_with_backoff
+    from tasks.config import EvaluationConfig
+    from tasks.evaluation import Evaluation
+    from tasks.scoring import perplexity_with_backoff
     from tasks.batching import auto_batch_size
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
@@ -110,7 +113,7 @@ def test_out_of_memory_halves_the_batch_size(tmp_path, monkeypatch):
         with pytest.raises(torch.OutOfMemoryError):
             perplexity(model, stream, window, stride, batch_size=16)
         torch.cuda.empty_cache()
-        evaluation = Evaluation(stream, "", (0, len(stream.ids)), window, stride, batch_size=16)
+        evaluation = Evaluation(stream, "", (0, len(stream.ids)), EvaluationConfig(window=window, stride=stride, batch_size=16))
         result = perplexity_with_backoff(model, evaluation, "random", progress=False)
         found = auto_batch_size(model, stream, window, stride)
     finally:

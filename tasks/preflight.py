@@ -1,0 +1,51 @@
+"""Checks of an audit before any model is loaded: each mistake is one line naming what to change."""
+
+from __future__ import annotations
+
+from tasks.config import AuditConfig
+from tasks.errors import InputError
+from tasks.models import check_checkpoint, load_config, max_positions, resolve_device
+from tasks.tracking import tracking_uri
+from tasks.windows import check_window
+
+
+def preflight(config: AuditConfig, variants: bool = True) -> None:
+    """Check an audit's devices, window and checkpoints.
+
+    Args:
+        variants: also check that every variant's checkpoint exists (the CLI does, before a run; a flow
+            run does not, so that a checkpoint gone missing fails its variant, not the audit).
+    """
+    registry = tracking_uri(config.tracking.uri)  # models:/ names are the audit's tracking server's
+    for spec in [config.baseline, *config.variants]:
+        try:
+            resolve_device(spec.device)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None
+    try:
+        check_window(config.evaluation.window, max_positions(load_config(config.baseline.path, registry)), "the baseline")
+    except InputError as error:
+        raise InputError(f"evaluation.{error}") from None
+    check_checkpoint(config.baseline.path, registry)
+    for spec in config.variants if variants else []:
+        if spec.path is not None:
+            check_checkpoint(spec.path, registry)
+
+
+def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:
+    """Draw the calibration of every variant quantized here: one without room is refused now, not after
+    the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
+    from tasks.checkpoints import calibration_for, prepare
+    from tasks.config import CorpusConfig
+    from tasks.evaluation import evaluation
+
+    makers = [spec for spec in config.variants if spec.quantize_here]
+    if not makers:
+        return
+    lineup = prepare(config.baseline, [], config.tracking.uri)
+    scored = evaluation(corpus_text, lineup.tokenizer, config.evaluation, progress)
+    for spec in makers:
+        try:
+            calibration_for(spec, lineup, scored, CorpusConfig.text, progress)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None
