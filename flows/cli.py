@@ -169,12 +169,13 @@ def run_ppl(args: argparse.Namespace) -> int:
     spec = _variant(args)
     corpus, settings = _ppl_settings(args)
     resolve_dtype(spec.dtype, resolve_device(spec.device))
+    text = corpus.text()
     check_window(settings.window, max_positions(load_config(spec.path or args.model)))
     lineup = prepare(VariantSpec(name="baseline", path=args.model), [spec])
     [checkpoint] = lineup.variants
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
-    scored = evaluation(corpus.text(), lineup.tokenizer, settings, progress=True)
+    scored = evaluation(text, lineup.tokenizer, settings, progress=True)
     outcome = score_variant(checkpoint, lineup, scored, progress=True)
     if not outcome.ok:
         print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=console.err())
