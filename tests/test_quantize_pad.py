@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import build_llama, make_text
+from helpers import build_llama, make_text
 from tasks.audit import evaluation, score_variant
 from tasks.config import CalibrationConfig, VariantSpec
 from tasks.corpus import tokenizer_digest

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import build_llama, build_tokenizer, make_text
+from helpers import build_llama, build_tokenizer, make_text
 from tasks.audit import evaluation, score_variant
 from tasks.config import CalibrationConfig, CorpusConfig, VariantSpec, parse
 from tasks.errors import InputError
