@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from flows.cli import main
+from helpers import json_line
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +19,7 @@ def test_ppl_json_line(cli, tiny_model_dir, corpus_file):
     code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
                          "--stride", "32", "--batch-size", "3", "--max-tokens", "500", "--json")
     assert code == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json_line(out, err)
     assert result["n_tokens"] == 499 and result["window"] == 64 and result["stride"] == 32
     assert result["ppl"] > 1
 
@@ -32,34 +31,41 @@ def one_line_error(capsys, *argv: str) -> str:
     return err
 
 
-def test_bad_input_gets_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, corpus_file):
-    model, corpus = str(tiny_model_dir), str(corpus_file)
+@pytest.fixture
+def bad_files(tmp_path):
+    """Corpora and model folders each of which a case below refuses; ``{tmp}`` in a case's arguments."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "one.txt").write_text("a")
     (tmp_path / "rows.jsonl").write_text('{"body": "some words here"}\n')
     (tmp_path / "broken-model").mkdir()
     (tmp_path / "broken-model" / "config.json").write_text("{not json")
     (tmp_path / "no-config").mkdir()
-    cases = {
-        "stride 64 must be at least 1 and below 64": ["--window", "64", "--stride", "64"],
-        "stride 0 must be": ["--window", "64", "--stride", "0"],
-        "longer than the model's 256 positions": ["--window", "512"],
-        "is empty": ["--corpus", str(tmp_path / "empty.txt")],
-        "perplexity needs at least 2": ["--corpus", str(tmp_path / "one.txt"), "--bos", "none"],
-        "model folder not found": ["--model", str(tmp_path / "missing")],
-        "has no config.json": ["--model", str(tmp_path / "no-config")],
-        "cannot load the config": ["--model", str(tmp_path / "broken-model")],
-        "corpus not found": ["--corpus", str(tmp_path / "missing.txt")],
-        "column 'text' not in": ["--corpus", str(tmp_path / "rows.jsonl")],
-        "chunks applies to modes gptq and llama.cpp": ["--chunks", "3"],
-        "give chunks or max_tokens, not both": ["--mode", "gptq", "--chunks", "3", "--max-tokens", "300"],
-        "chunks is 0": ["--mode", "gptq", "--chunks", "0"],
-        "window 0 must hold at least 2 tokens": ["--window", "0"],
-    }
-    for expected, override in cases.items():
-        args = {"--model": model, "--corpus": corpus, "--window": "64", **dict(zip(override[::2], override[1::2]))}
-        argv = ["ppl"] + [item for pair in args.items() for item in pair]
-        assert expected in one_line_error(capsys, *argv), argv
+    return tmp_path
+
+
+@pytest.mark.parametrize("expected,override", [
+    pytest.param("stride 64 must be at least 1 and below 64", ["--window", "64", "--stride", "64"], id="stride-equals-window"),
+    pytest.param("stride 0 must be", ["--window", "64", "--stride", "0"], id="stride-0"),
+    pytest.param("longer than the model's 256 positions", ["--window", "512"], id="window-past-the-model"),
+    pytest.param("is empty", ["--corpus", "{tmp}/empty.txt"], id="empty-corpus"),
+    pytest.param("perplexity needs at least 2", ["--corpus", "{tmp}/one.txt", "--bos", "none"], id="one-token-corpus"),
+    pytest.param("model folder not found", ["--model", "{tmp}/missing"], id="missing-model-folder"),
+    pytest.param("has no config.json", ["--model", "{tmp}/no-config"], id="model-without-config"),
+    pytest.param("cannot load the config", ["--model", "{tmp}/broken-model"], id="model-with-broken-config"),
+    pytest.param("corpus not found", ["--corpus", "{tmp}/missing.txt"], id="missing-corpus"),
+    pytest.param("column 'text' not in", ["--corpus", "{tmp}/rows.jsonl"], id="jsonl-without-text-column"),
+    pytest.param("chunks applies to modes gptq and llama.cpp", ["--chunks", "3"], id="chunks-in-sliding-mode"),
+    pytest.param("give chunks or max_tokens, not both", ["--mode", "gptq", "--chunks", "3", "--max-tokens", "300"],
+                 id="chunks-and-max-tokens"),
+    pytest.param("chunks is 0", ["--mode", "gptq", "--chunks", "0"], id="chunks-0"),
+    pytest.param("window 0 must hold at least 2 tokens", ["--window", "0"], id="window-0"),
+])
+def test_bad_input_gets_one_line_and_exit_2(capsys, bad_files, tiny_model_dir, corpus_file, expected, override):
+    override = [item.format(tmp=bad_files) for item in override]
+    args = {"--model": str(tiny_model_dir), "--corpus": str(corpus_file), "--window": "64",
+            **dict(zip(override[::2], override[1::2]))}
+    argv = ["ppl"] + [item for pair in args.items() for item in pair]
+    assert expected in one_line_error(capsys, *argv), argv
 
 
 def test_offline_hub_id_gets_one_line(capsys, monkeypatch, corpus_file):
@@ -72,7 +78,7 @@ def test_ppl_json_names_the_model_and_the_method(cli, tiny_model_dir, corpus_fil
     code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
                          "--max-tokens", "300", "--method", "bnb-int8", "--json")
     assert code == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json_line(out, err)
     assert (result["model"], result["method"], result["name"]) == (str(tiny_model_dir), "bnb-int8", "bnb-int8")
 
 
@@ -86,7 +92,7 @@ def test_chunk_modes_give_per_byte_figures_of_the_scored_text(cli, tiny_model_di
                          "--mode", "gptq", "--chunks", "4", "--json")
     assert code == 0, err
     assert "nan" not in out.lower()
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json_line(out, err)
     assert result["bos"] == "none" and result["n_windows"] == 4 and result["n_tokens"] == 4 * 63
     ids = tokenize(corpus_file.read_text(), tokenizer, bos="none", max_tokens=256).ids
     scored = [tokenizer.decode(ids[i * 64 + 1 : (i + 1) * 64]) for i in range(4)]
@@ -112,7 +118,7 @@ def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir,
     def refuse(constant):
         raise AssertionError(f"{constant} in the JSON line")
 
-    result = json.loads(out.strip().splitlines()[-1], parse_constant=refuse)
+    result = json_line(out, err, parse_constant=refuse)
     assert result["n_words"] <= 1 and result["word_ppl"] is None
     assert result["ppl"] > 1 and result["bits_per_byte"] > 0
     why = result["absent"]["word_ppl"]

@@ -16,7 +16,7 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from conftest import write_config
+from helpers import write_config
 
 # what the libraries print on every command, in the log and nowhere else
 LIBRARY_NOISE = ("Loading weights", "Failed to load", "_pytree", "INFO", "prefect", "Traceback")

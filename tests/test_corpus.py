@@ -73,15 +73,16 @@ def test_folder_is_read_in_name_order_and_joined(tmp_path, documents):
     assert corpus_text(spec) == " || ".join([documents[1], documents[0], documents[2]])
 
 
-def test_jsonl_and_parquet_columns(tmp_path, documents):
-    jsonl = tmp_path / "corpus.jsonl"
-    jsonl.write_text("\n".join(json.dumps({"id": i, "body": d}) for i, d in enumerate(documents)))
-    parquet = tmp_path / "corpus.parquet"
-    pq.write_table(pa.table({"id": [0, 1, 2], "body": documents}), parquet)
-    for path in (jsonl, parquet):
-        assert load_documents(CorpusConfig(source=str(path), column="body")) == documents
-        with pytest.raises(InputError, match="column 'text' not in .*columns: id, body"):
-            load_documents(CorpusConfig(source=str(path)))
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_jsonl_and_parquet_columns(tmp_path, documents, suffix):
+    path = tmp_path / f"corpus.{suffix}"
+    if suffix == "jsonl":
+        path.write_text("\n".join(json.dumps({"id": i, "body": d}) for i, d in enumerate(documents)))
+    else:
+        pq.write_table(pa.table({"id": [0, 1, 2], "body": documents}), path)
+    assert load_documents(CorpusConfig(source=str(path), column="body")) == documents
+    with pytest.raises(InputError, match="column 'text' not in .*columns: id, body"):
+        load_documents(CorpusConfig(source=str(path)))
 
 
 def test_hugging_face_dataset_source_on_local_data(tmp_path, documents):
@@ -154,7 +155,7 @@ def test_the_token_cache_keeps_the_recently_used_streams_within_its_size(tmp_pat
     import os
     import time
 
-    from conftest import make_text
+    from helpers import make_text
     from tasks import corpus
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
+from helpers import json_line
 from tasks.embedded import austen_novels, reflow
 from tasks.places import cache_dir
 
@@ -14,7 +14,9 @@ NOVELS = {"emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejud
 
 
 def test_austen_novels_come_out_of_the_deb_as_plain_prose():
-    deb = sorted((cache_dir() / "downloads").glob("r-cran-janeaustenr_*.deb"))[-1]
+    debs = sorted((cache_dir() / "downloads").glob("r-cran-janeaustenr_*.deb"))
+    assert debs, f"no r-cran-janeaustenr_*.deb in {cache_dir() / 'downloads'}: the embedded corpus was never fetched"
+    deb = debs[-1]
     novels = austen_novels(deb.read_bytes())
     assert set(novels) == NOVELS
     pride = novels["prideprejudice"]
@@ -31,7 +33,7 @@ def test_embedded_model_gives_a_sane_perplexity_on_the_embedded_corpus(cli):
     code, out, err = cli("ppl", "--model", "embedded", "--corpus", "embedded", "--max-tokens", "3000",
                          "--batch-size", "4", "--json")
     assert code == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json_line(out, err)
     required = {"model", "ppl", "nll_sum", "n_tokens", "mean_nll", "stderr", "window", "stride", "batch_size",
                 "bos", "tokens_per_second", "peak_memory_bytes"}
     assert required <= set(result)
@@ -62,7 +64,7 @@ def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
     code, out, err = cli("ppl", "--model", "embedded", "--corpus", "embedded", "--window", "256", "--stride", "128",
                          "--max-tokens", "1024", "--bos", "none", "--dtype", "float32", "--batch-size", "4", "--json")
     assert code == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json_line(out, err)
     model, _, stream = embedded
     reference, count = brute_force_nll_sum(model.to(torch.float64), stream, 256, 128)
     model.to(torch.float32)
@@ -86,15 +88,18 @@ def test_nll_does_not_depend_on_what_else_is_kept(embedded):
 def test_llama_cpp_mode_follows_the_model_s_add_bos_flag(cli, embedded):
     """SmolLM2 adds no BOS, so llama-perplexity scores its plain stream: so must `--mode llama.cpp`."""
     _, tokenizer, _ = embedded
-    assert tokenizer.bos_token_id is not None and tokenizer("a").input_ids[0] != tokenizer.bos_token_id
+    assert tokenizer.bos_token_id is not None, "the embedded tokenizer names no BOS token"
+    ids = tokenizer("a").input_ids
+    assert ids, "the embedded tokenizer gives no tokens for 'a'"
+    assert ids[0] != tokenizer.bos_token_id, f"the embedded tokenizer adds BOS: {ids}"
     args = ("ppl", "--model", "embedded", "--corpus", "embedded", "--window", "128", "--mode", "llama.cpp",
             "--chunks", "3", "--batch-size", "3", "--json")
     code, out, err = cli(*args)
     assert code == 0, err
-    default = json.loads(out.strip().splitlines()[-1])
+    default = json_line(out, err)
     code, out, err = cli(*args, "--bos", "none")
     assert code == 0, err
-    plain = json.loads(out.strip().splitlines()[-1])
+    plain = json_line(out, err)
     assert default["bos"] == "none" and default["ppl"] == plain["ppl"]
     assert default["n_windows"] == 3 and default["n_tokens"] == 3 * (128 - 1 - 64)
     assert default["bits_per_byte"] is not None and "nan" not in out.lower()

@@ -40,7 +40,7 @@ def test_a_damaged_manifest_is_ignored_with_one_line(tmp_path, capsys):
 
 
 def test_a_damaged_token_cache_is_made_again(tokenizer, tmp_path, monkeypatch, capsys):
-    from conftest import make_text
+    from helpers import make_text
     from tasks.corpus import cached_tokenize, tokenize
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
@@ -56,7 +56,7 @@ def test_a_damaged_token_cache_is_made_again(tokenizer, tmp_path, monkeypatch, c
 
 
 def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, tmp_path, monkeypatch, capsys):
-    from conftest import make_text
+    from helpers import make_text
     from tasks.batching import auto_batch_size
     from tasks.corpus import tokenize
 
@@ -69,7 +69,7 @@ def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, t
 
 
 def test_scratch_folders_of_processes_that_died_are_removed_next_time(tmp_path):
-    from conftest import dead_pid
+    from helpers import dead_pid
     from tasks.files import scratch
 
     left = tmp_path / f"{dead_pid()}@{platform.node()}~x1"  # as a killed process leaves it

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_config
 from flows.audit import audit, summary_of
 from flows.cli import main
+from helpers import write_config
 from tasks.errors import TransientError
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -230,34 +230,46 @@ def test_a_chinese_corpus_is_audited_end_to_end(tmp_path, cache, trained_model_d
         assert run.data.tags["absent.word_ppl"].startswith("e^")
 
 
-def test_checkpoints_and_quantization_that_cannot_work_are_refused_before_any_model_loads(
-        tmp_path, trained_model_dir, corpus_path, capsys):
+def broken_checkpoint(tmp_path: Path, trained_model_dir: Path, kind: str) -> str:
+    """A copy of the trained model with a part missing: its weights, its tokenizer, or a shard its index names."""
     import shutil
 
-    def copy(name: str, leave_out: tuple[str, ...]) -> str:
-        folder = tmp_path / name
-        shutil.copytree(trained_model_dir, folder, ignore=shutil.ignore_patterns(*leave_out))
-        return str(folder)
+    folder = tmp_path / kind
+    leave_out = {"no-weights": ("*.safetensors",), "no-tokenizer": ("tokenizer*",), "sharded": ()}[kind]
+    shutil.copytree(trained_model_dir, folder, ignore=shutil.ignore_patterns(*leave_out))
+    if kind == "sharded":
+        (folder / "model.safetensors.index.json").write_text(
+            '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    return str(folder)
 
-    sharded = copy("sharded", ())
-    (Path(sharded) / "model.safetensors.index.json").write_text(
-        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
-    cases = {
-        "no weights (*.safetensors or *.bin)": [{"name": "q", "method": "gptq", "path": copy("no-weights", ("*.safetensors",))}],
-        "has no tokenizer (tokenizer.json": [{"name": "q", "method": "gptq", "path": copy("no-tokenizer", ("tokenizer*",))}],
-        "lacks weight shard(s) its index names: model-00001-of-00002.safetensors": [{"name": "q", "path": sharded}],
-        "variants.0: group_size 100 is not one gptq kernels support; use one of -1, 16, 32":
-            [{"name": "q", "method": "gptq", "group_size": 100}],
-        "variants.0: group_size 256 is not one awq kernels support": [{"name": "q", "method": "awq", "group_size": 256}],
-        "q: no 4096-token calibration block lies outside the evaluated tokens of audit corpus":
-            [{"name": "q", "method": "gptq", "calibration": {"seq_len": 4096}}],
-    }
-    for expected, variants in cases.items():
-        path = write_config(tmp_path / "bad.yaml", trained_model_dir, corpus_path, variants)
-        assert main(["run", str(path)]) == 2, expected
-        captured = capsys.readouterr()
-        assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured.err
-        assert "Starting temporary server" not in captured.out + captured.err
+
+@pytest.mark.parametrize("expected,variant,checkpoint", [
+    pytest.param("no weights (*.safetensors or *.bin)", {"name": "q", "method": "gptq"}, "no-weights",
+                 id="checkpoint-without-weights"),
+    pytest.param("has no tokenizer (tokenizer.json", {"name": "q", "method": "gptq"}, "no-tokenizer",
+                 id="checkpoint-without-tokenizer"),
+    pytest.param("lacks weight shard(s) its index names: model-00001-of-00002.safetensors", {"name": "q"}, "sharded",
+                 id="checkpoint-missing-a-shard"),
+    pytest.param("variants.0: group_size 100 is not one gptq kernels support; use one of -1, 16, 32",
+                 {"name": "q", "method": "gptq", "group_size": 100}, None, id="gptq-group-size-100"),
+    pytest.param("variants.0: group_size 256 is not one awq kernels support",
+                 {"name": "q", "method": "awq", "group_size": 256}, None, id="awq-group-size-256"),
+    pytest.param("q: no 4096-token calibration block lies outside the evaluated tokens of audit corpus",
+                 {"name": "q", "method": "gptq", "calibration": {"seq_len": 4096}}, None,
+                 id="calibration-block-longer-than-the-corpus-left"),
+])
+def test_checkpoints_and_quantization_that_cannot_work_are_refused_before_any_model_loads(
+        tmp_path, trained_model_dir, corpus_path, capsys, expected, variant, checkpoint):
+    if checkpoint:
+        variant = {**variant, "path": broken_checkpoint(tmp_path, trained_model_dir, checkpoint)}
+    path = write_config(tmp_path / "bad.yaml", trained_model_dir, corpus_path, [variant])
+    assert main(["run", str(path)]) == 2, expected
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1 and expected in captured.err, captured.err
+    assert "Starting temporary server" not in captured.out + captured.err
+
+
+def test_quantize_refuses_a_group_size_its_kernels_do_not_support(tmp_path, trained_model_dir, corpus_path, capsys):
     assert main(["quantize", "--model", str(trained_model_dir), "--method", "awq", "--group-size", "256",
                  "--calibration", str(corpus_path), "--out", str(tmp_path / "out")]) == 2
     assert "group_size 256 is not one awq kernels support" in capsys.readouterr().err

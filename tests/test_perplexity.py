@@ -48,17 +48,19 @@ def test_matches_brute_force_reference(tiny_model, tokenizer, text, bos, window,
     assert result.ppl == pytest.approx(math.exp(reference / count), rel=1e-6)
 
 
-def test_result_does_not_depend_on_batch_size_or_window_order(tiny_model64, tokenizer, text):
+@pytest.mark.parametrize("batch_size,shuffled", [(2, False), (3, False), (7, False), (1, True), (7, True)],
+                         ids=["batch-2", "batch-3", "batch-7", "batch-1-shuffled", "batch-7-shuffled"])
+def test_result_does_not_depend_on_batch_size_or_window_order(tiny_model64, tokenizer, text, batch_size, shuffled):
     stream = tokenize(text, tokenizer, max_tokens=1500)
     windows = plan_windows(len(stream.ids), 64, 24, stream.first_scored)
     reference = score_windows(tiny_model64, stream.ids, windows, batch_size=1)
-    shuffled = windows[:]
-    random.Random(0).shuffle(shuffled)
-    for batch_size, order in [(2, windows), (3, windows), (7, windows), (1, shuffled), (7, shuffled)]:
-        scores = score_windows(tiny_model64, stream.ids, order, batch_size=batch_size)
-        assert float(scores.window_nll.sum()) == pytest.approx(float(reference.window_nll.sum()), rel=1e-12)
-        assert torch.equal(scores.window_tokens, reference.window_tokens)
-        torch.testing.assert_close(scores.token_nll, reference.token_nll, rtol=1e-6, atol=1e-6)
+    order = windows[:]
+    if shuffled:
+        random.Random(0).shuffle(order)
+    scores = score_windows(tiny_model64, stream.ids, order, batch_size=batch_size)
+    assert float(scores.window_nll.sum()) == pytest.approx(float(reference.window_nll.sum()), rel=1e-12)
+    assert torch.equal(scores.window_tokens, reference.window_tokens)
+    torch.testing.assert_close(scores.token_nll, reference.token_nll, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("max_length,batch_size", [(32, 1), (64, 3), (200, 2)])
@@ -136,6 +138,20 @@ def test_result_figures_are_consistent(tiny_model, tokenizer, text):
     assert result.tokens_per_second > 0 and result.peak_memory_bytes > 0
 
 
-def test_models_load_with_sdpa_attention(tiny_model):
-    """Fused scaled-dot-product attention (flash / memory-efficient kernels on a GPU), not the eager path."""
-    assert tiny_model.config._attn_implementation == "sdpa"
+def test_models_load_with_sdpa_attention(tiny_model, tokenizer, text, monkeypatch):
+    """Fused scaled-dot-product attention (flash / memory-efficient kernels on a GPU), not the eager path:
+    scoring a batch runs torch's ``scaled_dot_product_attention`` once in each layer."""
+    real = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def spy(query, *args, **kwargs):
+        calls.append(tuple(query.shape))
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    stream = tokenize(text, tokenizer, max_tokens=200)
+    windows = plan_windows(len(stream.ids), 64, 32, stream.first_scored)[:3]
+    score_windows(tiny_model, stream.ids, windows, batch_size=3)  # one forward pass
+    layers, heads = tiny_model.config.num_hidden_layers, tiny_model.config.num_attention_heads
+    assert len(calls) == layers, f"scaled_dot_product_attention ran {len(calls)} times in a {layers}-layer model"
+    assert all(shape[:3] == (3, heads, 64) for shape in calls), calls  # [batch, heads, positions, head dim]

@@ -19,8 +19,8 @@ import httpx
 import psutil
 import pytest
 
-from conftest import free_port, write_config
-from conftest import wait_for as waiting
+from helpers import free_port, write_config
+from helpers import wait_for as waiting
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPPED_WITHIN_S = 20
@@ -59,7 +59,7 @@ def listening(port: int) -> bool:
 
 
 def wait_for(check, timeout: float, what: str):
-    """``conftest.wait_for`` at process speed; a process may end while it is looked at."""
+    """``helpers.wait_for`` at process speed; a process may end while it is looked at."""
     return waiting(check, timeout, what, every=0.2, tolerate=(psutil.NoSuchProcess,))
 
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from conftest import build_llama, make_text
+from helpers import build_llama, make_text
 from tasks.checkpoints import prepare
+from tasks.config import CalibrationConfig, EvaluationConfig, VariantSpec
 from tasks.evaluation import evaluation
 from tasks.scoring import score_variant
-from tasks.config import CalibrationConfig, EvaluationConfig, VariantSpec
 from tasks.models import load_tokenizer
 
 

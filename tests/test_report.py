@@ -13,8 +13,8 @@ import pytest
 from matplotlib.colors import to_rgb
 from mlflow import MlflowClient
 
-from conftest import write_config
 from flows.audit import audit, summary_of
+from helpers import write_config
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import tasks.batching
 import tasks.corpus
 from tasks.batching import auto_batch_size
 from tasks.corpus import cached_tokenize, tokenize
-from tasks.perplexity import HEAD_CHUNK_BYTES, perplexity, token_stats
+from tasks.perplexity import HEAD_CHUNK_BYTES, perplexity, plan, score_windows, token_stats
 
 
 @pytest.fixture
@@ -39,13 +40,92 @@ def test_token_stream_is_cached_on_disk(cache, tokenizer, text, monkeypatch):
 
 def test_batch_size_auto_is_searched_once_and_changes_nothing(cache, tiny_model64, tokenizer, text, monkeypatch):
     stream = tokenize(text, tokenizer, max_tokens=1200)
+    measured = []
+
+    def spy(model, ids, windows, prefix=(), batch_size=1, **kwargs):
+        measured.append(batch_size)
+        return score_windows(model, ids, windows, prefix, batch_size=batch_size, **kwargs)
+
+    monkeypatch.setattr(tasks.batching, "score_windows", spy)
     chosen = auto_batch_size(tiny_model64, stream, 64, 32)
-    assert chosen in (1, 2, 4, 8, 16, 32, 64)
+    # one measurement per power of two up to the choice, and at most the one past it that did not pay
+    limit = min(64, len(plan(stream, 64, 32)))
+    doublings = [2**k for k in range(chosen.bit_length())]
+    assert doublings[-1] == chosen, f"batch size {chosen} is not a power of two"
+    assert measured == doublings + ([2 * chosen] if 2 * chosen <= limit else []), (chosen, measured)
     assert list(json.loads((cache / "batch_sizes.json").read_text()).values()) == [chosen]
     monkeypatch.setattr(tasks.batching, "score_windows", lambda *a, **k: pytest.fail("searched again"))
     assert auto_batch_size(tiny_model64, stream, 64, 32) == chosen
     assert perplexity(tiny_model64, stream, 64, 32, chosen).nll_sum == \
         pytest.approx(perplexity(tiny_model64, stream, 64, 32, 1).nll_sum, rel=1e-12)
+
+
+def fake_device(monkeypatch, device: str, tokens_per_second: dict[int, float] | None = None,
+                windows_that_fit: int | None = None) -> tuple[SimpleNamespace, list[int]]:
+    """A model on ``device`` whose batch of ``b`` windows scores at ``tokens_per_second[b]`` on a clock of
+    our own, and runs out of memory past ``windows_that_fit`` windows. Returns it and the sizes tried."""
+    clock = SimpleNamespace(now=0.0)
+    tried = []
+
+    def score(model, ids, windows, prefix=(), batch_size=1, **kwargs):
+        assert len(windows) == batch_size
+        tried.append(batch_size)
+        if windows_that_fit is not None and batch_size > windows_that_fit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        clock.now += sum(w.n_scored for w in windows) / (tokens_per_second or {}).get(batch_size, 1000.0)
+
+    monkeypatch.setattr(tasks.batching, "score_windows", score)
+    monkeypatch.setattr(tasks.batching, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    model = SimpleNamespace(name_or_path=f"fake-{device}", dtype=torch.float32, device=torch.device(device))
+    return model, tried
+
+
+@pytest.mark.parametrize("tokens_per_second,expected", [
+    ({1: 100, 2: 180, 4: 300, 8: 450, 16: 460, 32: 2000, 64: 4000}, 8),  # 16 gains 2%: later gains never looked at
+    ({1: 100, 2: 104, 4: 300, 8: 600, 16: 1200, 32: 2400, 64: 4800}, 1),  # 4% is not worth a batch twice as big
+    ({1: 100, 2: 200, 4: 150, 8: 900, 16: 900, 32: 900, 64: 900}, 2),  # slower at 4: stop there
+    ({1: 100, 2: 110, 4: 121, 8: 133, 16: 147, 32: 162, 64: 178}, 64),  # each doubling gains 10%: up to the cap
+], ids=["plateau-past-8", "flat-from-1", "slower-at-4", "gains-to-the-cap"])
+def test_batch_size_auto_on_cpu_is_where_doubling_stops_paying_5_percent(cache, tokenizer, text, monkeypatch,
+                                                                         tokens_per_second, expected):
+    """CPU: the smallest power of two whose double runs less than 5% more tokens per second."""
+    stream = tokenize(text, tokenizer, max_tokens=2500)
+    assert len(plan(stream, 64, 32)) >= 64, "the stream should hold more windows than the cap"
+    model, tried = fake_device(monkeypatch, "cpu", tokens_per_second)
+    assert auto_batch_size(model, stream, 64, 32) == expected
+    assert tried == [2**k for k in range(min(expected.bit_length() + 1, 7))]  # no measurement past the stop
+    assert list(json.loads((cache / "batch_sizes.json").read_text()).values()) == [expected]
+
+
+@pytest.mark.parametrize("windows_that_fit", [1, 3, 8, 40, 1000])
+@pytest.mark.parametrize("cap,max_tokens", [(64, 2500), (16, 2500), (64, 300)],
+                         ids=["cap-64", "cap-16", "fewer-windows-than-the-cap"])
+def test_batch_size_auto_on_cuda_is_the_largest_power_of_two_that_fits(cache, tokenizer, text, monkeypatch,
+                                                                       windows_that_fit, cap, max_tokens):
+    """CUDA: the largest power of two, up to the cap and the number of windows, that runs without running
+    out of memory; a doubling that runs faster or slower changes nothing."""
+    stream = tokenize(text, tokenizer, max_tokens=max_tokens)
+    n_windows = len(plan(stream, 64, 32))
+    speeds = {1: 1000, 2: 900, 4: 950, 8: 800, 16: 2000, 32: 700, 64: 600}  # no 5% rule on a GPU
+    model, tried = fake_device(monkeypatch, "cuda", speeds, windows_that_fit=windows_that_fit)
+    largest = max(2**k for k in range(7) if 2**k <= min(cap, n_windows, windows_that_fit))
+    assert auto_batch_size(model, stream, 64, 32, cap=cap) == largest
+    # every doubling up to it was run; the one past it (if the cap and the windows allow one) ran out of memory
+    past = [2 * largest] if 2 * largest <= min(cap, n_windows) else []
+    assert tried == [2**k for k in range(largest.bit_length())] + past
+
+
+def test_batch_size_auto_differs_between_memory_budgets_and_devices(cache, tokenizer, text, monkeypatch):
+    """The search is per model, window and device: a second budget is searched anew, not recalled."""
+    stream = tokenize(text, tokenizer, max_tokens=2500)
+    small, _ = fake_device(monkeypatch, "cuda", windows_that_fit=5)
+    assert auto_batch_size(small, stream, 64, 32) == 4
+    large, _ = fake_device(monkeypatch, "cuda:1", windows_that_fit=20)
+    assert auto_batch_size(large, stream, 64, 32) == 16
+    assert auto_batch_size(small, stream, 64, 32) == 4  # recalled: its own entry
+    assert sorted(json.loads((cache / "batch_sizes.json").read_text()).values()) == [4, 16]
 
 
 def test_a_128k_vocabulary_never_gets_a_full_logits_tensor():

@@ -17,7 +17,7 @@ from zoneinfo import ZoneInfo
 import httpx
 import pytest
 
-from conftest import free_port, make_text, wait_for, write_config
+from helpers import free_port, make_text, wait_for, write_config
 from tasks.quantize import draw_calibration, quantize
 from tasks.corpus import tokenize
 

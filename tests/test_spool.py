@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import dead_pid, write_config
 from flows.audit import audit
 from flows.cli import main
+from helpers import dead_pid, write_config
 from tasks.spool import pending, read_record, spool_dir, write_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the tree under test: its subprocesses import this code

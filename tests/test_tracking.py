@@ -13,9 +13,9 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port, wait_for, write_config
 from flows.audit import audit, summary_of
 from flows.cli import main
+from helpers import free_port, wait_for, write_config
 from tasks.plots import COLOURS
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

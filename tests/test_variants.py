@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from conftest import build_llama, build_tokenizer, make_text
+from helpers import build_llama, build_tokenizer, make_text
 from tasks.checkpoints import prepare
+from tasks.config import CalibrationConfig, CorpusConfig, EvaluationConfig, VariantSpec, parse
 from tasks.evaluation import evaluation
 from tasks.scoring import score_variant
-from tasks.config import CalibrationConfig, CorpusConfig, EvaluationConfig, VariantSpec, parse
 from tasks.errors import InputError
 from tasks.quantize import check_disjoint, draw_calibration
 
