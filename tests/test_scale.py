@@ -12,7 +12,8 @@ import tasks.batching
 import tasks.corpus
 from tasks.batching import auto_batch_size
 from tasks.corpus import cached_tokenize, tokenize
-from tasks.perplexity import HEAD_CHUNK_BYTES, perplexity, plan, score_windows, token_stats
+from tasks.perplexity import HEAD_CHUNK_BYTES, perplexity, score_windows, token_stats
+from tasks.windows import plan
 
 
 @pytest.fixture
