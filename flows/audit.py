@@ -64,9 +64,13 @@ def _failed(reason: str, summary: dict | None = None):
 def _unspooled(record: dict, why: str):
     """The Failed state of an audit whose record could not be written: the record (all but the per-token
     arrays) goes to stdout as JSON instead, so that nothing computed is lost, and the error to stderr."""
-    print(record_json(record), file=console.out(), flush=True)
-    print(f"ppl-audit: ERROR: {why}; the audit's record is printed above as JSON instead: keep it",
-          file=console.err(), flush=True)
+    # written, not printed: the flow's log_prints would send a print to Prefect's logger, which may be
+    # the very thing that cannot write
+    for stream, text in ((console.out(), record_json(record)),
+                         (console.err(), f"ppl-audit: ERROR: {why}; the audit's record is printed above as JSON "
+                                         "instead: keep it")):
+        stream.write(text + "\n")
+        stream.flush()
     return _failed(f"record not written: {why}")
 
 
