@@ -36,7 +36,8 @@ def check_request(method: str, out: str, name: str | None, group_size: int) -> P
 
 @flow(name="ppl-audit-quantize", flow_run_name="quantize-{method}-{bits}bit")
 def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int = DEFAULT_BITS,
-                  group_size: int = DEFAULT_GROUP_SIZE, sym: bool = True, column: str = "text",
+                  group_size: int = DEFAULT_GROUP_SIZE, sym: bool = True,
+                  column: str = CorpusConfig.model_fields["column"].default,
                   samples: int = DEFAULT_CALIBRATION.samples, seq_len: int = DEFAULT_CALIBRATION.seq_len,
                   seed: int = DEFAULT_CALIBRATION.seed, holdout_tokens: int = 0, name: str | None = None) -> dict:
     """Quantize ``model`` into ``out`` and emit ``quantization.completed`` for it.
