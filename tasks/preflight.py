@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from tasks.config import AuditConfig
+from tasks.checkpoints import calibration_for, prepare
+from tasks.config import AuditConfig, CorpusConfig
 from tasks.errors import InputError
+from tasks.evaluation import evaluation
 from tasks.models import check_checkpoint, load_config, max_positions, resolve_device
 from tasks.tracking import tracking_uri
 from tasks.windows import check_window
@@ -35,10 +37,6 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
 def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:
     """Draw the calibration of every variant quantized here: one without room is refused now, not after
     the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
-    from tasks.checkpoints import calibration_for, prepare
-    from tasks.config import CorpusConfig
-    from tasks.evaluation import evaluation
-
     makers = [spec for spec in config.variants if spec.quantize_here]
     if not makers:
         return

@@ -17,6 +17,7 @@ from tasks.config import AuditConfig, CorpusConfig
 from tasks.corpus import cached_tokenize
 from tasks.errors import TransientError
 from tasks.evaluation import Evaluation, evaluation
+from tasks.models import load_tokenizer
 from tasks.quantize import draw_calibration, quantize
 from tasks.record import token_arrays
 from tasks.results import VariantResult
@@ -70,8 +71,6 @@ def quantize_model(model: str, method: str, bits: int, group_size: int, sym: boo
                    samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str, name: str | None) -> dict:
     """Make a gptq/awq checkpoint of ``model`` in ``out``, calibrated on ``samples`` × ``seq_len`` tokens of
     ``calibration`` (never its first ``holdout_tokens``); returns its manifest."""
-    from tasks.models import load_tokenizer
-
     stream = cached_tokenize(calibration.text(), load_tokenizer(model), bos="none", progress="tokenize calibration")
     holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
     drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration.source, stream.text_digest, holdout)

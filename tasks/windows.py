@@ -70,12 +70,13 @@ def chunk_limit(chunks: int | None, window: int, mode: str, max_tokens: int | No
     return chunks * window
 
 
-def check_plan(window: int, stride: int, mode: str, prefix: int = 0) -> None:
+def check_plan(window: int, stride: int, mode: str, prefix: int = 0, positions: int | None = None) -> None:
     """A plan can be made in ``mode`` with this window, stride and BOS ``prefix`` (tokens before every
-    window: 1 with the ``window`` BOS policy); the chunk modes place their BOS themselves."""
+    window: 1 with the ``window`` BOS policy), for a model of ``positions`` positions if known; the chunk
+    modes place their BOS themselves."""
     if mode not in MODES:
         raise InputError(f"unknown mode '{mode}'; use one of {', '.join(MODES)}")
-    check_window(window)
+    check_window(window, positions)
     if mode != "sliding":
         if prefix:
             raise InputError(f"mode {mode} does its own BOS handling; use bos stream or none with it")
@@ -87,10 +88,9 @@ def check_settings(window: int, stride: int, batch_size: int | str, stream: Toke
                    mode: str = "sliding") -> None:
     """Refuse settings the engine cannot honour on ``stream`` with a model of ``positions`` positions
     (if known), before any forward pass."""
-    check_window(window, positions)
     if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
         raise InputError(f"batch size {batch_size} must be a whole number of at least 1, or auto")
-    check_plan(window, stride, mode, len(stream.prefix))
+    check_plan(window, stride, mode, len(stream.prefix), positions)
 
 
 def plan_windows(n_tokens: int, window: int, stride: int, first_scored: int = 1) -> list[Window]:
