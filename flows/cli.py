@@ -154,7 +154,7 @@ def _ppl_settings(args: argparse.Namespace):
     # `ppl` measures one model: nothing is kept for a KL it does not take
     settings = parse(EvaluationConfig, {"window": args.window, "stride": args.stride, "batch_size": args.batch_size,
                                         "bos": args.bos, "max_tokens": args.max_tokens, "chunks": args.chunks,
-                                        "mode": args.mode, "divergence": "off"}, "arguments")
+                                        "mode": args.mode, "divergence": False}, "arguments")
     return corpus, settings
 
 
@@ -234,11 +234,108 @@ def run_audit(args: argparse.Namespace) -> int:
         return 1
     verdict, say = summary["verdict"], console.out()
     print(summary["table"], file=say)
+    if args.stats == "full":
+        from tasks.verdict import format_stats
+
+        print(f"\n{format_stats(summary['rows'])}\n", file=say)
     print(f"verdict: {verdict.status.upper()} — {verdict.reason}", file=say)
     print(f"record: {summary['record']}", file=say)
     if args.json:
         print(summary_json(summary), file=say)
     return 0 if verdict.status == "pass" else 1
+
+
+def _duration(value: str) -> float:
+    units = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    if len(value) < 2 or value[-1] not in units or not value[:-1].replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"'{value}' is not an age; use a number and m, h, d or w, e.g. 30d")
+    return float(value[:-1]) * units[value[-1]]
+
+
+def _size(value: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    number, unit = (value[:-1], value[-1].upper()) if value[-1:].upper() in units else (value, "")
+    if not number.replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"'{value}' is not a size; use a number and K, M, G or T, e.g. 20G")
+    return int(float(number) * units.get(unit, 1))
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f} MiB" if size >= 2**20 else f"{size / 2**10:,.0f} KiB"
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    from tasks import reference
+    from tasks.places import references_dir
+    from tasks.verdict import drift_text
+
+    say = console.out()
+    if args.action == "build":
+        from flows.reference import build_reference
+
+        _checked_config(args.config, args.set)
+        outcome = build_reference(config=args.config, overrides=args.set)
+        if not outcome.ok:
+            print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
+            return 1
+        said, result = outcome.reference, outcome.result
+        where = f"reference {said['key']} in {said['path']}" if said.get("path") else f"no reference: {said['problem']}"
+        print(f"baseline {said['baseline']}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} "
+              f"tokens; {where}", file=say)
+        if said.get("drift"):
+            print(drift_text(said["drift"]), file=say)
+        return 0 if said.get("path") else 1
+    if args.action == "ls":
+        found = reference.stored()
+        print(f"{'key':<17}{'created':<17}{'last used':<17}{'size':>10}  {'tokens':>8}  {'dtype':<9}{'device':<12}"
+              "torch / transformers  model", file=say)
+        for r in found:
+            m = r.manifest
+            print(f"{r.key:<17}{_when(m['created']):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  "
+                  f"{m['result']['n_tokens']:>8}  {m['identity']['dtype']:<9}{m['environment']['device'][:11]:<12}"
+                  f"{m['environment'].get('torch')} / {m['environment'].get('transformers')}  {m['source']}", file=say)
+        print(f"{len(found)} reference(s), {_mib(sum(r.size_bytes for r in found))} in {references_dir()}",
+              file=say)
+        return 0
+    if not (args.keys or args.all or args.older_than is not None or args.over is not None):
+        raise InputError("reference rm: name the keys to remove (see `ppl-audit reference ls`), or give --all, "
+                         "--older-than AGE or --over SIZE")
+    found = {r.key: r for r in reference.stored()}
+    unknown = [key for key in args.keys if key not in found]
+    if unknown:
+        raise InputError(f"reference rm: no reference {', '.join(unknown)}; `ppl-audit reference ls` lists them")
+    removed = [found[key] for key in args.keys] if not args.all else list(found.values())
+    for r in removed:
+        reference.remove(r)
+    if args.older_than is not None or args.over is not None:
+        removed += reference.prune(args.older_than, args.over)
+    print(f"removed {len(removed)} reference(s), {_mib(sum(r.manifest['size_bytes'] for r in removed))}"
+          + "".join(f"\n  {r.key}" for r in removed), file=say)
+    return 0
+
+
+def _when(epoch: float) -> str:
+    from datetime import datetime
+
+    return f"{datetime.fromtimestamp(epoch):%Y-%m-%d %H:%M}"
+
+
+def _add_reference(commands) -> None:
+    reference = commands.add_parser("reference", help="stored baseline references: build, list, remove")
+    actions = reference.add_subparsers(dest="action", required=True)
+    build = actions.add_parser("build", help="score an audit's baseline once and store its reference "
+                                             "(audits then reuse it and load only their variants)")
+    build.add_argument("config", help="audit YAML: its baseline, corpus and evaluation settings")
+    build.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set baseline.rescore=always (repeatable)")
+    build.add_argument("--verbose", action="store_true", help=VERBOSE)
+    actions.add_parser("ls", help="list the stored references")
+    rm = actions.add_parser("rm", help="remove references by key, by age or to a size")
+    rm.add_argument("keys", nargs="*", help="keys from `ppl-audit reference ls`")
+    rm.add_argument("--all", action="store_true", help="remove every reference")
+    rm.add_argument("--older-than", type=_duration, metavar="AGE", help="remove those unused for AGE (30d, 12h, ...)")
+    rm.add_argument("--over", type=_size, metavar="SIZE",
+                    help="remove the least recently used until the rest fit in SIZE (20G, 500M, ...)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -319,8 +416,10 @@ def run_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-# one job each, whose library output goes to a log file; `ui` and `serve` are services: their output is their log
+# one job each, whose library output goes to a log file (and `reference build`); `ui` and `serve` are
+# services: their output is their log
 LOGGED = ("ppl", "quantize", "run", "sync", "setup", "notify")
+VERBOSE = "show library output (warnings, gptqmodel, Prefect) live on stderr; it is always in the log file"
 LOG_BYTES = 256 * 2**20  # the oldest logs go beyond this
 
 
@@ -348,6 +447,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set evaluation.max_tokens=4096 (repeatable)")
     run.add_argument("--json", action="store_true", help="end stdout with one JSON line of the audit's result")
+    run.add_argument("--stats", choices=("summary", "full"), default="summary",
+                     help="full: after the table, llama-perplexity's statistics block for each variant (KL both "
+                          "ways, its percentiles, Δp, same top token)")
     serve = commands.add_parser("serve", help="serve the audit deployment: cron schedule + quantization.completed trigger")
     serve.add_argument("config", help="audit YAML")
     ui = commands.add_parser("ui", help="start the MLflow UI on the local store (127.0.0.1)")
@@ -356,15 +458,14 @@ def _parser() -> argparse.ArgumentParser:
     sync.add_argument("--tracking-uri", help="default: each audit's configured URI, MLFLOW_TRACKING_URI, or the local store")
     commands.add_parser("setup", help="build the embedded model and corpus (once; cached)")
     _add_notify(commands)
+    _add_reference(commands)
     for name in LOGGED:
-        commands.choices[name].add_argument(
-            "--verbose", action="store_true",
-            help="show library output (warnings, gptqmodel, Prefect) live on stderr; it is always in the log file")
+        commands.choices[name].add_argument("--verbose", action="store_true", help=VERBOSE)
     return parser
 
 
 HANDLERS = {"ppl": run_ppl, "quantize": run_quantize, "run": run_audit, "serve": run_serve, "ui": run_ui,
-            "sync": run_sync, "setup": run_setup, "notify": run_notify}
+            "sync": run_sync, "setup": run_setup, "notify": run_notify, "reference": run_reference}
 
 
 def main(argv: list[str] | None = None, capture: bool = False) -> int:
@@ -377,7 +478,8 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
     """
     process_defaults()
     args = _parser().parse_args(argv)
-    log = _log_file(args) if capture and args.command in LOGGED else None
+    logged = args.command in LOGGED or getattr(args, "action", None) == "build"
+    log = _log_file(args) if capture and logged else None
     if log is not None:
         console.capture(log, live=args.verbose)
     code = 1

@@ -21,6 +21,7 @@ DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bi
 # what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
 KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
+RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
 TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
 
 
@@ -118,6 +119,17 @@ class VariantSpec(Strict):
         return (self.bits or DEFAULT_BITS, self.group_size or DEFAULT_GROUP_SIZE, True if self.sym is None else self.sym)
 
 
+class BaselineSpec(VariantSpec):
+    """The model an audit compares with, and when its stored reference (``tasks.reference``) is reused.
+
+    ``rescore``: ``auto`` reuses the reference made from the same model, tokens, settings, library
+    versions and device kind; ``always`` scores the baseline again; ``never`` reuses one made in
+    another environment too. A baseline scored while a reference exists is compared with it (drift).
+    """
+
+    rescore: Literal["auto", "always", "never"] = "auto"
+
+
 def one_line(error: ValidationError, where: str) -> str:
     """The first validation error as one line naming the key; the count of any others after it."""
     first = error.errors()[0]
@@ -148,8 +160,19 @@ class EvaluationConfig(Strict):
     max_tokens: int | None = Field(None, ge=2)
     chunks: int | None = Field(None, description="chunk modes: the first N chunks (llama-perplexity --chunks)")
     mode: Mode = "sliding"
-    divergence: Literal["auto", "lockstep", "topk", "off"] = "auto"
-    top_k: int = Field(32, ge=1, le=4096)
+    divergence: bool = Field(True, description="KL, top-1 and Δp from the baseline reference (YAML on/off)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_settings(cls, data):
+        if isinstance(data, dict):
+            if data.get("divergence") in RETIRED_DIVERGENCE:
+                raise ValueError(f"divergence {data['divergence']} is retired: KL is now always exact, from the "
+                                 "baseline's stored reference at one model's cost; use on (or off)")
+            if "top_k" in data:
+                raise ValueError("top_k is retired with the top-k cache: KL is now exact, from the baseline's "
+                                 "stored reference; remove it")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -159,6 +182,15 @@ class EvaluationConfig(Strict):
             if isinstance(window, int):  # else the window's own error says what is wrong
                 data = {**data, "stride": window // 2}
         return data
+
+    @classmethod
+    def of_record(cls, data: dict) -> "EvaluationConfig":
+        """The settings an audit record was scored with (a record from before the reference keeps the
+        retired settings, whose KL was on)."""
+        data = {key: value for key, value in data.items() if key != "top_k"}
+        if data.get("divergence") in RETIRED_DIVERGENCE:
+            data["divergence"] = True
+        return cls.model_validate(data)
 
     @model_validator(mode="after")
     def _a_plan_the_engine_can_make(self) -> "EvaluationConfig":
@@ -259,7 +291,7 @@ class AuditConfig(Strict):
     """One audit: a baseline, its variants, the corpus, how to score, and the gate."""
 
     name: str = Field(min_length=1, pattern=NAME)
-    baseline: VariantSpec
+    baseline: BaselineSpec
     corpus: CorpusConfig
     evaluation: EvaluationConfig = EvaluationConfig()
     variants: list[VariantSpec] = []

@@ -76,11 +76,3 @@ class PeakMemory:
         self.peak_bytes = max(self.peak_bytes, self._current_peak())
         _active.remove(self)
 
-
-def lockstep_fits(baseline_weight_bytes: int, device: torch.device) -> bool:
-    """Whether a second copy of the baseline fits beside the variant with room to spare."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = psutil.virtual_memory().available
-    return 2 * baseline_weight_bytes < free // 2

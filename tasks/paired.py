@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 Z95 = 1.959963984540054
-PERCENTILES = (90, 95, 99, 99.9)
+# llama-perplexity's statistics block: the percentiles it prints of the per-token KL and of Δp
+KLD_PERCENTILES = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
+DP_PERCENTILES = (99.9, 99, 95, 90, 75, 50, 25, 10, 5, 1, 0.1)
 
 
 @dataclass(frozen=True)
@@ -72,15 +74,31 @@ def paired_difference(base_nll: np.ndarray, variant_nll: np.ndarray, window_toke
             "window_lnppl_correlation": correlation}
 
 
+def _spread(values: np.ndarray, name: str, percentiles: tuple[float, ...]) -> dict[str, float]:
+    return {f"{name}_max": float(values.max()), **{f"{name}_p{p:g}": float(np.percentile(values, p)) for p in percentiles},
+            f"{name}_min": float(values.min())}
+
+
 def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, variant_nll: np.ndarray,
                        window_tokens: np.ndarray) -> dict[str, float]:
-    """KL(base‖variant), top-1 agreement and Δp (probability of the correct token) summaries."""
-    kl = np.asarray(extra["kl"], np.float64)
-    summary = {**cluster_mean(kl, window_tokens).as_dict("kld_mean"), "kld_median": float(np.median(kl)),
-               "kld_max": float(kl.max()), "kld_bound_mean": float(np.mean(extra["kl_bound"]))}
-    summary |= {f"kld_p{p:g}": float(np.percentile(kl, p)) for p in PERCENTILES}
+    """llama-perplexity's KL-divergence and token-probability statistics, errors taken over windows.
+
+    KL both ways (``kld``: KL(base‖variant), as llama.cpp; ``kld_reverse``: KL(variant‖base)): mean with
+    error and interval, max, ``KLD_PERCENTILES``, min. Δp (the variant's probability of the right token
+    less the baseline's): mean with error, RMS with error, max, ``DP_PERCENTILES``, min. Same top token:
+    mean with error. ``token_lnppl_correlation``: llama.cpp's Cor(ln(PPL(Q)), ln(PPL(base))), the
+    correlation of the two models' per-token NLL (``window_lnppl_correlation`` is per window).
+    """
+    summary: dict[str, float] = {}
+    for name in ("kld", "kld_reverse"):
+        values = np.asarray(extra["kl" if name == "kld" else "kl_reverse"], np.float64)
+        summary |= cluster_mean(values, window_tokens).as_dict(f"{name}_mean") | _spread(values, name, KLD_PERCENTILES)
     summary |= cluster_mean(np.asarray(extra["top1"], np.float64), window_tokens).as_dict("top1_agreement")
-    dp = np.exp(-np.asarray(variant_nll, np.float64)) - np.exp(-np.asarray(base_nll, np.float64))
-    summary |= {"dp_mean": float(dp.mean()), "dp_rms": float(np.sqrt((dp**2).mean()))}
-    summary |= {f"dp_p{p:g}": float(np.percentile(dp, p)) for p in (1, 5, 50, 95, 99)}
+    base, variant = np.asarray(base_nll, np.float64), np.asarray(variant_nll, np.float64)
+    dp = np.exp(-variant) - np.exp(-base)
+    squares = cluster_mean(dp**2, window_tokens)
+    rms = math.sqrt(squares.value)
+    summary |= cluster_mean(dp, window_tokens).as_dict("dp_mean") | _spread(dp, "dp", DP_PERCENTILES)
+    summary |= {"dp_rms": rms, "dp_rms_stderr": squares.stderr / (2 * rms) if rms else math.nan}
+    summary["token_lnppl_correlation"] = float(np.corrcoef(base, variant)[0, 1]) if len(base) > 1 else math.nan
     return summary

@@ -14,6 +14,7 @@ import functools
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -66,15 +67,34 @@ def _fused_nll(logits: torch.Tensor, target: torch.Tensor, softcap: float | None
     return _compiled_nll()(logits, target, softcap)
 
 
-def _log_probs_and_nll(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor,
-                       softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full log-probabilities ``[rows, V]`` (for top-k and KL) and the NLL of ``target``, both from one
-    logsumexp: the NLL then equals ``_nll``'s whatever else is kept (a float32 ``log_softmax`` gathered at
-    the target is ~1e-5 nats low per token at a 49k vocabulary, which would bias every path that keeps
-    log-probabilities against the one that does not)."""
-    logits = _upcast(head(hidden), softcap)
-    lse = torch.logsumexp(logits, -1, keepdim=True)
-    return logits - lse, (lse - logits.gather(-1, target)).squeeze(-1)
+def _log_probs(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = _upcast(logits, softcap)
+    return logits - torch.logsumexp(logits, -1, keepdim=True)
+
+
+def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, softcap: float | None,
+                base_softcap: float | None) -> dict[str, torch.Tensor]:
+    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits."""
+    return divergence.exact(_log_probs(base_logits, base_softcap), _log_probs(logits, softcap))
+
+
+@functools.cache
+def _divergence_kernel(device_type: str):
+    """``_divergence`` compiled into a few fused passes over the chunk, where it compiles.
+
+    Eager, the two log-softmaxes, the difference, both exps and both weighted sums each read or write a
+    ``[rows, V]`` array: on 2 CPU cores that took 1.5 times the baseline head's matmul, five times the
+    compiled kernel. Inductor needs a C++ compiler on CPU (Triton on CUDA); without one, eager gives the
+    same numbers, more slowly. The NLL is not taken here but by the plain path's own function, so that
+    a variant's PPL is the same number whether or not its KL is taken.
+    """
+    compiled = torch.compile(_divergence, dynamic=True)
+    try:
+        probe = torch.zeros(2, 3, device=device_type)
+        compiled(probe, probe, None, None)
+    except Exception:  # inductor could not build here (no compiler); torch raises many kinds
+        return _divergence
+    return compiled
 
 
 def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
@@ -87,8 +107,8 @@ def head_chunk_bytes(device: torch.device) -> int:
 
 
 def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
-                chunk_bytes: int | None = None, keep_top_k: int = 0, reference=None) -> dict[str, torch.Tensor]:
-    """Per-token NLL (and divergence from a reference), running the LM head in chunks of rows.
+                chunk_bytes: int | None = None, reference: BaselineBatch | None = None) -> dict[str, torch.Tensor]:
+    """Per-token NLL (and divergence from the baseline), running the LM head in chunks of rows.
 
     Args:
         head: the output projection, ``[..., H] -> [..., V]``.
@@ -96,14 +116,12 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         targets: ``[T]`` token ids.
         softcap: final logit soft-capping of the model, if it has one (Gemma 2).
         chunk_bytes: bound on one chunk's float32 logits (default by device, ``HEAD_CHUNK_BYTES``); the
-            full ``[T, V]`` is never built.
-        keep_top_k: also return the ``k`` most likely ids and log-probs per token (a ``TopKCache``).
-        reference: ``(head, hidden, softcap)`` of a baseline run on the same batch (lockstep), or
-            ``(ids, logp)`` top-k rows of a baseline cache aligned with ``targets``.
+            full ``[T, V]`` is never built, for the variant nor for the baseline.
+        reference: the baseline's head and its hidden states at the same ``T`` positions.
 
     Returns:
-        ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``keep_top_k`` ``topk_ids`` and
-        ``topk_logp``; with ``reference`` ``kl``, ``kl_bound``, ``top1`` and ``base_nll`` (lockstep).
+        ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``reference`` also ``kl``
+        (KL(base‖variant)), ``kl_reverse`` (KL(variant‖base)) and ``top1`` (same most likely token).
     """
     rows = _chunk_rows(head, chunk_bytes or head_chunk_bytes(hidden.device))
     nll = _fused_nll if hidden.is_cuda else _nll
@@ -111,29 +129,21 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     for start in range(0, hidden.shape[0], rows):
         stop = start + rows
         target = targets[start:stop, None]
-        if not keep_top_k and reference is None:
+        if reference is None:
             parts = {"nll": nll(head(hidden[start:stop]), target, softcap)}
         else:
-            logp, token_nll = _log_probs_and_nll(head, hidden[start:stop], target, softcap)
-            parts = {"nll": token_nll}
-        if keep_top_k:
-            parts["topk_ids"], parts["topk_logp"] = divergence.top_k(logp, keep_top_k)
-        if isinstance(reference, LockstepReference):
-            base, base_nll = _log_probs_and_nll(reference.head, reference.hidden[start:stop], target,
-                                                reference.softcap)
-            parts |= divergence.exact(base, logp)
-            parts["base_nll"] = base_nll.float()
-        elif reference is not None:
-            ids, base_top = reference
-            parts |= divergence.from_top_k(ids[start:stop], base_top[start:stop], logp)
+            logits = head(hidden[start:stop])
+            parts = {"nll": nll(logits, target, softcap),
+                     **_divergence_kernel(hidden.device.type)(logits, reference.head(reference.hidden[start:stop]),
+                                                              softcap, reference.softcap)}
         for key, value in parts.items():
             out.setdefault(key, []).append(value)
     return {key: torch.cat(values) for key, values in out.items()}
 
 
 @dataclass
-class LockstepReference:
-    """A baseline's head and final hidden states for the batch a variant is scoring."""
+class BaselineBatch:
+    """The baseline's head and its final hidden states ``[T, H]`` for the batch a variant is scoring."""
 
     head: torch.nn.Module
     hidden: torch.Tensor
@@ -141,16 +151,31 @@ class LockstepReference:
 
 
 @dataclass
+class Baseline:
+    """What a variant's divergence is measured against: the baseline's LM head and a source of its final
+    hidden states at the scored positions (a stored reference, ``tasks.reference``).
+
+    Attributes:
+        states: ``(slots, inputs) -> [T, H]``: the hidden states of the scored tokens ``slots`` (their
+            places in the token arrays), given the batch's ``(input_ids, mask, row_index, columns)``.
+    """
+
+    head: torch.nn.Module
+    softcap: float | None
+    states: Callable[[torch.Tensor, tuple], torch.Tensor]
+
+
+@dataclass
 class WindowScores:
     """Per-token and per-window results of scoring a stream.
 
     Attributes:
-        token_nll: ``[n_scored]`` float32 NLL of each scored token, window by window in index order
-            (stream order for the sliding window).
+        token_nll: ``[n_scored]`` NLL of each scored token (float32; float64 for a float64 model),
+            window by window in index order (stream order for the sliding window).
         window_nll: ``[n_windows]`` float64 NLL sum of each window's scored tokens.
         window_tokens: ``[n_windows]`` int64 number of tokens each window scored.
-        extra: further per-token arrays aligned with ``token_nll``: ``topk_ids``/``topk_logp`` (a
-            baseline's cache), ``kl``/``kl_bound``/``top1`` (divergence from the baseline), ``base_nll``.
+        extra: further per-token arrays aligned with ``token_nll``: ``kl``, ``kl_reverse`` (float64),
+            ``top1`` (divergence from the baseline).
     """
 
     token_nll: torch.Tensor
@@ -218,7 +243,7 @@ def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index
 @torch.inference_mode()
 def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
                   batch_size: int = 1, label: str | None = None, first_token: int | None = None,
-                  keep_top_k: int = 0, reference=None) -> WindowScores:
+                  reference: Baseline | None = None, keep_hidden: Callable | None = None) -> WindowScores:
     """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
 
     Args:
@@ -230,9 +255,10 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         batch_size: windows per forward pass; results do not depend on it.
         label: the progress bar's name (``score <model>``); no bar when None.
         first_token: written over each window's first token (llama.cpp convention).
-        keep_top_k: keep the ``k`` most likely tokens per scored token (the baseline's ``TopKCache``).
-        reference: the baseline, to measure divergence from: a model (lockstep, exact) or its
-            ``TopKCache`` from a run over the same windows.
+        reference: the baseline, to measure each token's divergence from.
+        keep_hidden: called as ``keep_hidden(slots, hidden)`` with each batch's final hidden states
+            ``[T, H]`` (on the host, in the model's dtype) and their places in the token arrays: how a
+            baseline reference is written batch by batch, never held whole.
     """
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -248,11 +274,14 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
     def store(batch: list[Window], slots: torch.Tensor, host: dict[str, torch.Tensor], copied) -> None:
         if copied is not None:
             copied.synchronize()
+        if "hidden" in host:
+            keep_hidden(slots, host.pop("hidden"))
         for w, part in zip(batch, host["nll"].split([w.n_scored for w in batch])):
             window_nll[w.index] = part.double().sum()
         for key, value in host.items():
             if key not in arrays:
-                dtype = torch.float32 if value.is_floating_point() else value.dtype
+                # at least float32 (a bf16 model's figures are float32); a float64 model's stay float64
+                dtype = torch.promote_types(value.dtype, torch.float32) if value.is_floating_point() else value.dtype
                 arrays[key] = torch.zeros((total, *value.shape[1:]), dtype=dtype)
             arrays[key][slots] = value.to(arrays[key].dtype)
         bar.update(len(slots))
@@ -261,19 +290,17 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
     with console.bar(total, label or "score", "tok", enabled=label is not None) as bar:
         for b in range(0, len(windows), batch_size):
             batch = windows[b : b + batch_size]
-            input_ids, mask, row_index, columns, targets = _batch_inputs(ids, batch, prefix_ids, first_token)
+            inputs = _batch_inputs(ids, batch, prefix_ids, first_token)
+            input_ids, mask, row_index, columns, targets = inputs
             slots = torch.cat([torch.arange(int(offsets[w.index]), int(offsets[w.index]) + w.n_scored) for w in batch])
             hidden = _hidden(model, input_ids, mask, row_index, columns)
             against = None
-            if isinstance(reference, divergence.TopKCache):
-                against = (_to_device(reference.ids[slots], hidden.device),
-                           _to_device(reference.logp[slots], hidden.device))
-            elif reference is not None:
-                against = LockstepReference(reference.get_output_embeddings(),
-                                            _hidden(reference, input_ids, mask, row_index, columns),
-                                            getattr(reference.config, "final_logit_softcapping", None))
-            stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, keep_top_k=keep_top_k,
-                                reference=against)
+            if reference is not None:
+                against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),
+                                        reference.softcap)
+            stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against)
+            if keep_hidden is not None:
+                stats["hidden"] = hidden
             if pending is not None:
                 store(*pending)
             pending = (batch, slots, *_to_host(stats, hidden.device))
@@ -369,13 +396,13 @@ def count_scored_text(stream: TokenStream, tokenizer, window: int, mode: str) ->
 
 
 def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
-               progress: bool = False, model_name: str = "", mode: str = "sliding", keep_top_k: int = 0,
-               reference=None) -> PerplexityResult:
+               progress: bool = False, model_name: str = "", mode: str = "sliding", reference: Baseline | None = None,
+               keep_hidden: Callable | None = None) -> PerplexityResult:
     """Perplexity of ``model`` on ``stream`` with a sliding window of ``window`` tokens moving by ``stride``.
 
     With the ``window`` BOS policy the BOS counts towards the window, so ``window - 1`` stream tokens fit.
-    ``mode`` selects a published convention instead (see ``plan_chunks``); ``keep_top_k`` and
-    ``reference`` are passed to ``score_windows`` (a baseline's cache, divergence from a baseline).
+    ``mode`` selects a published convention instead (see ``plan_chunks``); ``reference`` (divergence from
+    a baseline) and ``keep_hidden`` (writing a baseline reference) are passed to ``score_windows``.
     """
     check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
     windows = plan(stream, window, stride, mode)
@@ -385,7 +412,7 @@ def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256,
         started = time.perf_counter()
         label = f"score {model_name or model.name_or_path}" if progress else None
         scores = score_windows(model, stream.ids, windows, stream.prefix, batch_size, label, first_token,
-                               keep_top_k, reference)
+                               reference, keep_hidden)
         wall = time.perf_counter() - started
     n_scored = int(scores.window_tokens.sum())
     return summarize(

@@ -1,4 +1,4 @@
-"""The two folders ppl-audit keeps things in; standard library only, so any command can ask cheaply."""
+"""The folders ppl-audit keeps things in; standard library only, so any command can ask cheaply."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ def cache_dir() -> Path:
     """What can be made again (embedded model and corpus, quantized checkpoints, token streams):
     ``$PPL_AUDIT_CACHE``, default ``~/.cache/ppl-audit``."""
     return Path(os.environ.get("PPL_AUDIT_CACHE", Path.home() / ".cache" / "ppl-audit"))
+
+
+def references_dir() -> Path:
+    """Stored baseline references (``tasks.reference``): ``$PPL_AUDIT_REFERENCES``, default
+    ``<cache>/references``. A 70B baseline's takes gigabytes: put them on a disk that has room."""
+    return Path(os.environ.get("PPL_AUDIT_REFERENCES", cache_dir() / "references"))
 
 
 def log_dir() -> Path:

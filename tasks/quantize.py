@@ -89,15 +89,24 @@ def check_disjoint(manifest: dict, corpus_digest: str, evaluated: tuple[int, int
 
 
 def model_digest(path: str) -> str:
-    """sha256 over a model folder's config and weight files."""
-    folder = Path(path)
+    """sha256 over a model folder's config and weight files.
+
+    Remembered by the files' names, sizes and modification times: an audit asks for it every run, and
+    reading a 70B checkpoint again would take minutes.
+    """
+    files = [file for file in sorted(Path(path).iterdir()) if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES]
+    stamp = json.dumps([[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files])
+    remembered = cache_dir() / "digests" / hashlib.sha256(stamp.encode()).hexdigest()
+    if remembered.is_file():
+        return remembered.read_text().strip()
     digest = hashlib.sha256()
-    for file in sorted(folder.iterdir()):
-        if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES:
-            digest.update(file.name.encode())
-            with file.open("rb") as handle:
-                while chunk := handle.read(1 << 24):
-                    digest.update(chunk)
+    for file in files:
+        digest.update(file.name.encode())
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    remembered.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(remembered, digest.hexdigest())
     return digest.hexdigest()
 
 

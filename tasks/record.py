@@ -39,7 +39,7 @@ def _arrays(outcome: VariantResult) -> pa.Table:
     windows = np.arange(len(r.window_tokens))
     token_window = np.repeat(windows, r.window_tokens)  # windows score consecutive stretches, in order
     columns = {"token": np.arange(len(r.token_nll)), "window": token_window, "nll": r.token_nll}
-    columns |= {key: r.extra[key] for key in ("kl", "kl_bound", "top1") if key in r.extra}
+    columns |= {key: r.extra[key] for key in ("kl", "kl_reverse", "top1") if key in r.extra}
     return pa.table(columns)
 
 
@@ -68,6 +68,8 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
                  "started": outcome.started, "ended": outcome.ended}
         if arrays_file(outcome):
             entry["arrays"] = arrays_file(outcome)
+        if entry["role"] == "baseline":
+            entry["reference"] = outcome.reference
         variants.append(entry)
     stream = scored.stream
     return {

@@ -103,7 +103,7 @@ def _settings(record: dict) -> str:
     gates = [[v["name"], *(_limit(getattr(thresholds.for_variant(v["name"]), key))
                            for key in ("max_ppl_increase_pct", "max_kld_mean", "min_top1_agreement"))]
              for v in record["variants"] if v["role"] == "variant"]
-    evaluation = EvaluationConfig.model_validate(evaluation).model_dump()  # as scored: the stride filled in
+    evaluation = EvaluationConfig.of_record(evaluation).model_dump()  # as scored: the stride filled in
     return ('<h2>Settings</h2><div class="side">'
             + _pairs("Evaluation", evaluation)
             + _pairs("Corpus", {"source": source, "location": corpus.get("location"),
@@ -143,7 +143,21 @@ def _model_lineage(entry: dict) -> dict:
             "quantized from (digest)": manifest.get("source_model_digest"),
             "calibration": (f"{calibration.get('samples')} × {calibration.get('seq_len')} tokens, seed "
                             f"{calibration.get('seed')}") if calibration else None,
-            "calibration digest": calibration.get("digest")}
+            "calibration digest": calibration.get("digest"), "baseline reference": _reference_text(entry)}
+
+
+def _reference_text(entry: dict) -> str | None:
+    """The baseline's: scored or reused, its reference, drift; a variant's: the reference its KL came from."""
+    said = entry.get("reference")
+    if not said:
+        key = entry["row"].get("reference")
+        return f"KL against {key}" if key else None
+    from tasks.verdict import drift_text
+
+    parts = [f"{said['baseline']}" + (f", reference {said['key']}" if said.get("key") else "")]
+    parts += [drift_text(said["drift"])] if said.get("drift") else []
+    parts += [said["problem"]] if said.get("problem") else []
+    return "; ".join(parts)
 
 
 def _table(header: list[str] | None, rows: list[list]) -> str:

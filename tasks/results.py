@@ -12,7 +12,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class VariantResult:
-    """One model's outcome. ``divergence`` says how KL was measured (lockstep/topk) and its memory."""
+    """One model's outcome.
+
+    ``divergence``: a variant's, the reference its KL was measured against and the memory its LM head
+    took. ``reference``: the baseline's, whether it was ``scored`` or ``reused`` from its stored
+    reference (``key``, ``path``), the ``drift`` of a rescore from the reference before, or the
+    ``problem`` that left it without one (``tasks.scoring``).
+    """
 
     name: str
     method: str
@@ -22,6 +28,7 @@ class VariantResult:
     facts: VariantFacts | None = None
     manifest: dict | None = field(default=None, repr=False)
     divergence: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)
     started: float | None = None  # epoch seconds: when it began and ended (quantizing and loading included)
     ended: float | None = None
 

@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import ExitStack
 
 import torch
 
+from pathlib import Path
+
+from tasks import reference
 from tasks.batching import auto_batch_size
 from tasks.checkpoints import Checkpoint, Lineup, quantized_checkpoint
-from tasks.divergence import TopKCache
+from tasks.corpus import tokenizer_digest
 from tasks.errors import InputError, NumericalError, TransientError, one_line
 from tasks.evaluation import Evaluation
-from tasks.memory import lockstep_fits
-from tasks.models import load_tokenizer
+from tasks.models import load_tokenizer, resolve_device, resolve_dtype
 from tasks.perplexity import PerplexityResult, perplexity
+from tasks.places import references_dir
 from tasks.quantize import check_disjoint, read_manifest
-from tasks.corpus import tokenizer_digest
 from tasks.results import VariantResult
-from tasks.variants import check_same_tokenizer, load_variant
+from tasks.variants import VariantFacts, check_same_tokenizer, load_variant
+from tasks.windows import plan
 
 
-def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **divergence) -> PerplexityResult:
+def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **options) -> PerplexityResult:
     """Score at the configured batch size, halving it on out-of-memory (the result does not depend on it)."""
     settings = evaluation_.settings
     batch_size = settings.batch_size
@@ -35,7 +39,7 @@ def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress:
     while True:
         try:
             return perplexity(model, evaluation_.stream, settings.window, settings.stride, batch_size,
-                              progress=progress, model_name=name, mode=settings.mode, **divergence)
+                              progress=progress, model_name=name, mode=settings.mode, **options)
         except torch.OutOfMemoryError:
             if batch_size == 1:
                 raise
@@ -45,23 +49,70 @@ def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress:
                 torch.cuda.empty_cache()
 
 
-def divergence_plan(evaluation_: Evaluation, baseline: VariantResult | None, device: torch.device) -> str:
-    """How a variant's KL is measured: ``lockstep``, ``topk`` or ``off``."""
-    wanted = evaluation_.settings.divergence
-    if baseline is None or not baseline.ok or wanted == "off":
-        return "off"
-    if wanted == "auto":
-        return "lockstep" if lockstep_fits(baseline.facts.weight_memory_bytes, device) else "topk"
-    return wanted
+def _reuse(found: reference.Reference) -> tuple[PerplexityResult, VariantFacts]:
+    found.touch()
+    return found.result(), VariantFacts(**found.manifest["facts"])
+
+
+def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: bool
+                    ) -> tuple[PerplexityResult, VariantFacts, dict]:
+    """The baseline's result, from its stored reference or scored (writing one), and what happened, for
+    the record: ``baseline`` (``reused``/``scored``), ``key`` and ``path`` of the reference, ``drift``
+    (a rescore against the reference stored before), ``problem`` (why there is no reference)."""
+    spec, settings = checkpoint.spec, evaluation_.settings
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    identity = reference.identity(checkpoint.source, checkpoint.tokenizer, evaluation_.stream, settings, dtype)
+    if identity is None:
+        model, facts = load_variant(spec, checkpoint.source)
+        result = perplexity_with_backoff(model, evaluation_, spec.name, progress)
+        return result, facts, {"baseline": "scored", "problem": f"{checkpoint.source} is not on this machine: "
+                                                                 "nothing identifies it well enough to keep a reference"}
+    environment = reference.environment(device)
+    reuse, previous = reference.find(identity, environment, spec.rescore)
+    if reuse is not None:
+        result, facts = _reuse(reuse)
+        return result, facts, {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
+    key = reference.key_of(identity, environment)
+    model, facts = load_variant(spec, checkpoint.source)
+    with ExitStack() as stack:
+        try:
+            writer = reference.Writer(stack.enter_context(reference.building()) / key, n_scored(evaluation_))
+            writer.staging.mkdir()
+        except OSError as error:  # the reference is lost, not the baseline's score
+            writer = None
+            problem = f"could not write the baseline reference in {references_dir()}: {error}"
+        result = perplexity_with_backoff(model, evaluation_, spec.name, progress, keep_hidden=writer)
+        said = {"baseline": "scored", "key": None}
+        if previous is not None:
+            said["drift"] = reference.drift(previous, result, environment)
+        if writer is None:
+            return result, facts, said | {"problem": problem}
+        try:
+            manifest = {"identity": identity, "environment": environment, "facts": facts.summary(),
+                        "source": str(reference.model_files(checkpoint.source)),
+                        "softcap": getattr(model.config, "final_logit_softcapping", None)}
+            # a rescore in this environment takes the old one's place; a race with another audit keeps theirs
+            replace = previous is not None and previous.key == key
+            stored = writer.publish(key, manifest, result, model.get_output_embeddings(), replace)
+            said |= {"key": stored.key, "path": str(stored.folder)}
+        except OSError as error:
+            said["problem"] = writer.problem or f"could not write the baseline reference: {error}"
+    return result, facts, said
+
+
+def n_scored(evaluation_: Evaluation) -> int:
+    settings = evaluation_.settings
+    return sum(w.n_scored for w in plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
 
 
 def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
                   progress: bool = False, baseline_outcome: VariantResult | None = None) -> VariantResult:
     """Score one model on the audit's stream; failures become a failed result, never an exception.
 
-    The baseline keeps its top-k cache when KL may be taken from it; a variant then measures KL against
-    the baseline (``baseline_outcome``) in lockstep (loading it beside itself) or from that cache, as the
-    evaluation's ``divergence`` says (``auto``: lockstep when it fits).
+    The baseline is read from its stored reference when one matches (``tasks.reference``), else scored
+    and its reference written; a variant measures its divergence from the baseline (``baseline_outcome``)
+    through that reference: the baseline's LM head and hidden states, never the baseline model.
 
     Only a ``TransientError`` (network, remote storage) is raised, for the caller to retry. Out of
     memory is not retried at the same batch size: the batch size is halved until it fits.
@@ -70,11 +121,16 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
         corpus_text_of: maps a calibration ``CorpusConfig`` to its text (gptq/awq made here).
     """
     spec, settings = checkpoint.spec, evaluation_.settings
-    model = reference = None
+    model = None
     outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
     try:
         if checkpoint.problem:
             raise InputError(checkpoint.problem)
+        if checkpoint.role == "baseline":
+            outcome.manifest = checkpoint.manifest
+            outcome.result, outcome.facts, outcome.reference = _score_baseline(checkpoint, evaluation_, progress)
+            outcome.status = "ok"
+            return outcome
         source, tokenizer, outcome.manifest = checkpoint.source, checkpoint.tokenizer, checkpoint.manifest
         if source is None:  # made here: a new folder, with its own manifest and the baseline's tokenizer saved
             source = quantized_checkpoint(spec, lineup, evaluation_, corpus_text_of, progress)
@@ -83,19 +139,16 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
             check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
         check_same_tokenizer(spec.name, lineup.baseline.tokenizer, tokenizer)
         model, outcome.facts = load_variant(spec, source)
-        options = {}
-        how = divergence_plan(evaluation_, baseline_outcome, model.device)
-        if checkpoint.role == "baseline" and settings.divergence in ("auto", "topk"):
-            options["keep_top_k"] = settings.top_k
-        elif how == "lockstep":
-            reference, _ = load_variant(lineup.baseline.spec, lineup.baseline.source)
-            options["reference"] = reference
-            outcome.divergence = {"method": how, "memory_bytes": baseline_outcome.facts.weight_memory_bytes}
-        elif how == "topk":
-            cache = TopKCache(*(torch.from_numpy(baseline_outcome.result.extra[k]) for k in ("topk_ids", "topk_logp")))
-            options["reference"] = cache
-            outcome.divergence = {"method": how, "memory_bytes": cache.nbytes, "top_k": settings.top_k}
-        outcome.result = perplexity_with_backoff(model, evaluation_, spec.name, progress, **options)
+        against = None
+        baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
+        if settings.divergence and baseline_said.get("path"):
+            against = reference.Reference.open(Path(baseline_said["path"])).baseline(lineup.baseline.source,
+                                                                                     model.device)
+            outcome.divergence = {"reference": baseline_said["key"],
+                                  "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
+        elif settings.divergence:
+            outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
+        outcome.result = perplexity_with_backoff(model, evaluation_, spec.name, progress, reference=against)
         outcome.status = "ok"
     except torch.OutOfMemoryError:
         outcome.reason = "out of memory at batch size 1; use a smaller window or a larger device"
@@ -106,7 +159,7 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
     except Exception as error:  # any other failure of one model must not lose the others
         outcome.reason = f"{type(error).__name__}: {one_line(error)}"
     finally:
-        del model, reference
+        del model
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

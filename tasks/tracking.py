@@ -22,7 +22,7 @@ EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view a
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
 FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
-COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "divergence_mib")
+COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib")
 
 
 def is_tracking_outage(error: BaseException) -> bool:
@@ -115,7 +115,7 @@ def _audit_params(record: dict) -> dict:
     config, corpus, env = record["config"], record["corpus"], record["environment"]
     evaluation = config["evaluation"]
     params = {"audit": record["name"], "window": evaluation["window"],
-              "stride": EvaluationConfig.model_validate(evaluation).stride, "batch_size": evaluation["batch_size"],
+              "stride": EvaluationConfig.of_record(evaluation).stride, "batch_size": evaluation["batch_size"],
               "bos": corpus["bos"], "max_tokens": evaluation["max_tokens"], "corpus.source": corpus["source"],
               "corpus.digest": corpus["digest"], "corpus.tokens": corpus["n_tokens"], "hardware": env["hardware"],
               "baseline": config["baseline"]["path"]}
@@ -130,7 +130,7 @@ def _variant_params(record: dict, entry: dict) -> dict:
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
               "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
-              "mode": record["config"]["evaluation"]["mode"], "divergence": entry["row"].get("divergence"),
+              "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),
               "calibration.samples": (manifest.get("calibration") or {}).get("samples"),
               "source_model_digest": manifest.get("source_model_digest")}
     return params
@@ -204,6 +204,22 @@ def _glance_metrics(record: dict, timestamp: int) -> list:
             if measured(entry["row"].get(key))]
 
 
+def _baseline_tags(record: dict) -> dict[str, str]:
+    """How the audit had its baseline: ``ppl_audit.baseline`` scored or reused, the reference's key, and
+    for a rescore with a reference before it, ``ppl_audit.drift`` (``environment drift`` or ``none``)
+    and the drift's line."""
+    said = next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"), {})
+    tags = {"ppl_audit.baseline": said.get("baseline"), "ppl_audit.reference": said.get("key"),
+            "ppl_audit.reference_problem": said.get("problem")}
+    if said.get("drift"):
+        from tasks.verdict import drift_text
+
+        drift = said["drift"]
+        tags |= {"ppl_audit.drift": "environment drift" if drift["drift"] else "none",
+                 "ppl_audit.drift_detail": drift_text(drift)}
+    return {key: value for key, value in tags.items() if value}
+
+
 def _log_batches(client, run_id: str, metrics: list, params: list, tags: list) -> None:
     client.log_batch(run_id, params=params, tags=tags)
     for start in range(0, len(metrics), 1000):  # the server takes at most 1000 metrics a call
@@ -246,7 +262,8 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
                                tags={AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"],
                                      "audit.reason": verdict["reason"][:5000], "ppl_audit.kind": "audit",
                                      "ppl_audit.audit": record["name"], "mlflow.note.content": description(record),
-                                     "mlflow.runColor": plots.COLOURS[verdict["status"]]}).info.run_id
+                                     "mlflow.runColor": plots.COLOURS[verdict["status"]],
+                                     **_baseline_tags(record)}).info.run_id
     _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
     client.log_inputs(parent, datasets=[dataset])
     client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")

@@ -106,8 +106,10 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True, scope="session")
 def audit_home(tmp_path_factory):
-    """Spooled records and the local MLflow store of every test (and of the processes tests start) stay
+    """Spooled records, baseline references and the local MLflow store of every test (and of the processes tests start) stay
     in a temporary folder, never in the user's ~/.ppl-audit. Modules that inspect it set their own."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPL_AUDIT_HOME", str(tmp_path_factory.mktemp("ppl-audit-home")))
+        # baseline references too: a test's audit never reuses one from an earlier session
+        patch.setenv("PPL_AUDIT_REFERENCES", str(tmp_path_factory.mktemp("references")))
         yield

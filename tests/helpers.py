@@ -128,3 +128,20 @@ def write_config(path: Path, baseline: Path, corpus: Path, variants: list[dict],
               "variants": variants, **sections}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def stored_reference(model, stream, window: int, stride: int, source: Path, key: str, batch_size: int = 3):
+    """Score ``model`` as an audit scores its baseline, writing its reference under ``key``; returns
+    ``(Reference, PerplexityResult)``. The manifest holds what reading it back needs, not a real identity."""
+    from tasks.perplexity import perplexity
+    from tasks.reference import Writer, building, environment
+    from tasks.windows import plan
+
+    with building() as scratch:
+        writer = Writer(scratch / key, sum(w.n_scored for w in plan(stream, window, stride)))
+        writer.staging.mkdir()
+        result = perplexity(model, stream, window, stride, batch_size, keep_hidden=writer)
+        manifest = {"identity": {"dtype": str(model.dtype).removeprefix("torch.")},
+                    "environment": environment(model.device), "facts": {},
+                    "source": str(source), "softcap": None}
+        return writer.publish(key, manifest, result, model.get_output_embeddings(), replace=False), result

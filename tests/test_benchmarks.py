@@ -37,3 +37,20 @@ def test_quantized_benchmark_loads_as_an_audit_does_and_agrees(trained_model_dir
                                                                   ("bnb-int8", "Linear8bitLt")]
     assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"]
     assert abs(rows[1]["ppl"] / rows[0]["ppl"] - 1) < 0.05 and all(row["tokens_per_second"] > 0 for row in rows)
+
+
+def test_reference_benchmark_agrees_with_lockstep_at_one_forward_pass_a_batch(tiny_model_dir, text, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    done = subprocess.run([sys.executable, "benchmarks/reference.py", "--baseline", str(tiny_model_dir), "--corpus",
+                           str(corpus), "--variant-method", "torchao-int8", "--window", "64", "--max-tokens", "600",
+                           "--batch-size", "4", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["n_batches"] == -(-figures["n_windows"] // 4) > 1
+    assert figures["baseline_forward_passes"] == figures["stored_forward_passes"] == figures["n_batches"]
+    assert figures["lockstep_forward_passes"] == 2 * figures["n_batches"]
+    assert figures["kl_max_rel_diff"] <= 1e-6 and figures["mean_kl_rel_diff"] <= 1e-6 and figures["top1_equal"]
+    assert figures["mean_kl"] > 0  # the variant differs from the baseline: the agreement is not of zeros
+    assert figures["reference_files"]["hidden.bin"] == figures["n_scored"] * figures["hidden_size"] * 4  # float32 rows
+    assert figures["pass"]["kl"] and figures["pass"]["forward_passes"]

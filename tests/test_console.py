@@ -25,7 +25,9 @@ LIBRARY_NOISE = ("Loading weights", "Failed to load", "_pytree", "INFO", "prefec
 def ppl_audit(folder: Path, *args: str, home: Path, cache: Path | None = None) -> subprocess.CompletedProcess:
     """The console script's way in (``python -m flows.cli``), started from ``folder`` as a user's shell
     would, with stderr on a terminal (a pseudo-terminal: progress bars are drawn on terminals only)."""
-    env = {**os.environ, "PPL_AUDIT_HOME": str(home), **({"PPL_AUDIT_CACHE": str(cache)} if cache else {})}
+    # a cache of its own holds its own baseline references too: its audit scores its baseline
+    env = {**os.environ, "PPL_AUDIT_HOME": str(home),
+           **({"PPL_AUDIT_CACHE": str(cache), "PPL_AUDIT_REFERENCES": str(cache / "references")} if cache else {})}
     reader, writer = pty.openpty()
     fcntl.ioctl(writer, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns, as a real one has
     chunks: list[bytes] = []

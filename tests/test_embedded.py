@@ -72,17 +72,21 @@ def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
     assert abs(result["ppl"] / math.exp(reference / count) - 1) < 1e-6
 
 
-def test_nll_does_not_depend_on_what_else_is_kept(embedded):
-    """Plain NLL, NLL beside a top-k cache and the lockstep baseline's NLL are one computation."""
-    from tasks.perplexity import perplexity
+def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
+    """Plain NLL, NLL while the hidden states are kept (a reference being written) and NLL beside a
+    baseline reference (KL being taken) are one computation."""
+    from tasks.perplexity import Baseline, _hidden, perplexity
+    from tasks.reference import Writer
 
     model, _, stream = embedded
     plain = perplexity(model, stream, 256, 128, batch_size=4)
-    cached = perplexity(model, stream, 256, 128, batch_size=4, keep_top_k=8)
-    lockstep = perplexity(model, stream, 256, 128, batch_size=4, reference=model)
-    assert abs(cached.nll_sum / plain.nll_sum - 1) < 1e-7
-    assert abs(lockstep.nll_sum / plain.nll_sum - 1) < 1e-7
-    assert abs(float(lockstep.extra["base_nll"].astype("float64").sum()) / plain.nll_sum - 1) < 1e-7
+    writer = Writer(tmp_path, plain.n_tokens)
+    writing = perplexity(model, stream, 256, 128, batch_size=4, keep_hidden=writer)
+    against = Baseline(model.get_output_embeddings(), None, lambda slots, inputs: _hidden(model, *inputs[:4]))
+    beside = perplexity(model, stream, 256, 128, batch_size=4, reference=against)
+    assert writing.nll_sum == plain.nll_sum
+    assert abs(beside.nll_sum / plain.nll_sum - 1) < 1e-7
+    assert float(beside.extra["kl"].max()) < 1e-6 and beside.extra["top1"].all()
 
 
 def test_llama_cpp_mode_follows_the_model_s_add_bos_flag(cli, embedded):

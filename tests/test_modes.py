@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from tasks.corpus import tokenize
-from tasks.divergence import TopKCache
 from tasks.errors import InputError
-from tasks.perplexity import perplexity, score_windows
+from tasks.perplexity import perplexity
 from tasks.windows import plan
 
 
@@ -78,9 +77,10 @@ def perturbed(model_dir, seed: int = 3, scale: float = 0.05):
     return model
 
 
-def full_vocabulary_kl(base, variant, stream, windows) -> torch.Tensor:
-    """Each window alone through both models, KL over the whole vocabulary at every scored position."""
-    kls = []
+def full_vocabulary_kl(base, variant, stream, windows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each window alone through both models: KL(base‖variant), KL(variant‖base) and same top token over
+    the whole vocabulary at every scored position."""
+    forward, reverse, top1 = [], [], []
     for w in sorted(windows, key=lambda w: w.index):
         row = stream.ids[w.start : w.end][None]
         with torch.no_grad():
@@ -88,30 +88,33 @@ def full_vocabulary_kl(base, variant, stream, windows) -> torch.Tensor:
             lv = torch.log_softmax(variant(row).logits[0].double(), -1)
         for q in range(w.first_scored, w.end):
             c = q - w.start - 1
-            kls.append(float((lb[c].exp() * (lb[c] - lv[c])).sum()))
-    return torch.tensor(kls, dtype=torch.float64)
+            forward.append(float((lb[c].exp() * (lb[c] - lv[c])).sum()))
+            reverse.append(float((lv[c].exp() * (lv[c] - lb[c])).sum()))
+            top1.append(bool(lb[c].argmax() == lv[c].argmax()))
+    return torch.tensor(forward, dtype=torch.float64), torch.tensor(reverse, dtype=torch.float64), torch.tensor(top1)
 
 
-def test_engine_kl_lockstep_and_top_k_against_a_full_vocabulary_reference(tiny_model_dir, tokenizer, text):
+def test_engine_kl_from_a_stored_reference_against_a_full_vocabulary_reference(tiny_model_dir, tokenizer, text):
+    """KL both ways and top-1 through the engine (the baseline's stored hidden states, its head read from
+    its checkpoint, chunked) against both models' full logits, window by window, in float64."""
+    from helpers import stored_reference
+
     base = perturbed(tiny_model_dir, scale=0.0)
     variant = perturbed(tiny_model_dir)
     stream = tokenize(text, tokenizer, max_tokens=300)
     windows = plan(stream, 64, 24)
-    reference = full_vocabulary_kl(base, variant, stream, windows)
+    forward, reverse, top1 = full_vocabulary_kl(base, variant, stream, windows)
+    stored, _ = stored_reference(base, stream, 64, 24, tiny_model_dir, "modes", batch_size=5)
+    against = stored.baseline(str(tiny_model_dir), torch.device("cpu"))
 
-    itself = score_windows(base, stream.ids, windows, batch_size=3, reference=base)
-    assert float(itself.extra["kl"].abs().max()) < 1e-9 and bool(itself.extra["top1"].all())
+    itself = perplexity(base, stream, 64, 24, batch_size=3, reference=against).extra
+    assert float(itself["kl"].max()) < 1e-9 and float(itself["kl_reverse"].max()) < 1e-9 and itself["top1"].all()
 
-    lockstep = score_windows(variant, stream.ids, windows, batch_size=3, reference=base)
-    torch.testing.assert_close(lockstep.extra["kl"].double(), reference, rtol=1e-5, atol=1e-7)
-    assert float(reference.mean()) > 1e-3  # the perturbation is really there
-
-    cache = score_windows(base, stream.ids, windows, batch_size=5, keep_top_k=16).extra
-    cached = score_windows(variant, stream.ids, windows, batch_size=2,
-                           reference=TopKCache(cache["topk_ids"], cache["topk_logp"])).extra
-    low, bound = cached["kl"].double(), cached["kl_bound"].double()
-    assert bool((low <= reference + 1e-6).all()) and bool((reference <= low + bound + 1e-6).all())
-    assert torch.equal(cached["top1"], lockstep.extra["top1"])
+    measured = perplexity(variant, stream, 64, 24, batch_size=2, reference=against).extra
+    torch.testing.assert_close(torch.from_numpy(measured["kl"]), forward, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.from_numpy(measured["kl_reverse"]), reverse, rtol=1e-5, atol=1e-7)
+    assert (measured["top1"] == top1.numpy()).all()
+    assert float(forward.mean()) > 1e-3  # the perturbation is really there
 
 
 def test_each_mode_defaults_to_its_own_bos_convention(tokenizer, tmp_path):

@@ -84,9 +84,12 @@ def check_record(client: MlflowClient, parent) -> dict:
         assert run.data.params["method"] == {"baseline": "baseline", "int8": "torchao-int8", "nf4": "bnb-nf4"}[name]
     for name in ("int8", "nf4"):
         assert {"delta_ppl", "ppl_ratio", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "delta_nll_stderr",
-                "window_lnppl_correlation", "kld_mean", "kld_mean_stderr", "kld_median", "kld_p99.9", "kld_max",
-                "top1_agreement", "top1_agreement_low", "dp_mean", "dp_rms"} <= set(runs[name].data.metrics)
-        assert runs[name].data.params["divergence"] in ("lockstep", "topk")
+                "window_lnppl_correlation", "kld_mean", "kld_mean_stderr", "kld_p50", "kld_p0.1", "kld_max", "kld_min",
+                "kld_reverse_mean", "token_lnppl_correlation", "top1_agreement", "top1_agreement_low", "dp_mean",
+                "dp_mean_stderr", "dp_rms", "dp_rms_stderr", "dp_p99.9"} <= set(runs[name].data.metrics)
+        # KL was measured against the baseline's stored reference, named on the parent
+        assert runs[name].data.params["reference"] == parent.data.tags["ppl_audit.reference"]
+    assert parent.data.tags["ppl_audit.baseline"] in ("scored", "reused")
     assert runs["missing"].info.status == "FAILED"
     # at a glance: the verdict in the parent's name, a row per model in its description, figures as columns
     assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"

@@ -1,0 +1,299 @@
+"""The baseline reference: exact divergence without the baseline model, reuse only of a matching one,
+whole-or-nothing writes, concurrent builds, drift, and the `ppl-audit reference` commands."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import build_llama, stored_reference, write_config
+from tasks import reference, scoring
+from tasks.checkpoints import prepare
+from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
+from tasks.corpus import tokenize
+from tasks.errors import InputError
+from tasks.evaluation import evaluation
+from tasks.models import load_model
+from tasks.paired import divergence_summary
+from tasks.perplexity import Baseline, _hidden, perplexity
+from tasks.verdict import comparison_row, judge
+
+CPU = torch.device("cpu")
+
+
+def lockstep(base) -> Baseline:
+    """The baseline model itself run on every batch beside the variant: what the reference replaces."""
+    return Baseline(base.get_output_embeddings(), None, lambda slots, inputs: _hidden(base, *inputs[:4]))
+
+
+def perturbed(model_dir: Path, dtype: torch.dtype, scale: float = 0.05):
+    model = load_model(str(model_dir), dtype, CPU)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator, dtype=torch.float64).to(dtype) * scale)
+    return model
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.float64, 1e-9)])
+def test_kl_top1_and_dp_from_a_reference_equal_lockstep(tiny_model_dir, tokenizer, text, dtype, tolerance):
+    base = load_model(str(tiny_model_dir), dtype, CPU)
+    variant = perturbed(tiny_model_dir, dtype)
+    stream = tokenize(text, tokenizer, max_tokens=400)
+    stored, scored = stored_reference(base, stream, 64, 24, tiny_model_dir, f"equal-{dtype}", batch_size=3)
+    from_reference = perplexity(variant, stream, 64, 24, 3, reference=stored.baseline(str(tiny_model_dir), CPU))
+    in_lockstep = perplexity(variant, stream, 64, 24, 3, reference=lockstep(base))
+    for key in ("kl", "kl_reverse"):
+        assert relative(from_reference.extra[key], in_lockstep.extra[key]) <= tolerance, key
+    assert (from_reference.extra["top1"] == in_lockstep.extra["top1"]).all()
+    assert float(np.mean(in_lockstep.extra["kl"])) > 1e-3  # there is a divergence to measure
+    summary = {name: divergence_summary(r.extra, scored.token_nll, r.token_nll, r.window_tokens)
+               for name, r in (("reference", from_reference), ("lockstep", in_lockstep))}
+    for figure in ("dp_mean", "dp_rms", "kld_mean", "kld_reverse_mean", "top1_agreement", "kld_p99"):
+        assert summary["reference"][figure] == pytest.approx(summary["lockstep"][figure], rel=tolerance, abs=1e-12)
+    if dtype == torch.float64:  # another batch size pads differently: still the same numbers in float64
+        other = perplexity(variant, stream, 64, 24, 5, reference=stored.baseline(str(tiny_model_dir), CPU))
+        assert relative(other.extra["kl"], in_lockstep.extra["kl"]) <= tolerance
+
+
+def audit_parts(model_dir: Path, text: str, rescore: str = "auto", **evaluation_settings):
+    lineup = prepare(BaselineSpec(name="baseline", path=str(model_dir), rescore=rescore), [])
+    settings = parse(EvaluationConfig, {"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 600,
+                                        **evaluation_settings}, "test")
+    return lineup, evaluation(text, lineup.tokenizer, settings)
+
+
+def score_baseline(model_dir: Path, text: str, rescore: str = "auto", **evaluation_settings):
+    lineup, scored = audit_parts(model_dir, text, rescore, **evaluation_settings)
+    outcome = scoring.score_variant(lineup.baseline, lineup, scored)
+    assert outcome.ok, outcome.reason
+    return outcome
+
+
+@pytest.fixture
+def references(tmp_path, monkeypatch) -> Path:
+    """An empty references folder of this test's own."""
+    monkeypatch.setenv("PPL_AUDIT_REFERENCES", str(tmp_path / "references"))
+    return tmp_path / "references"
+
+
+def test_a_reused_baseline_is_bit_identical_and_its_model_is_not_loaded(tiny_model_dir, text, references, monkeypatch):
+    real, loads = scoring.load_variant, []
+
+    def counted(spec, source):
+        loads.append(spec.name)
+        return real(spec, source)
+
+    monkeypatch.setattr(scoring, "load_variant", counted)
+    scored = score_baseline(tiny_model_dir, text)
+    reused = score_baseline(tiny_model_dir, text)
+    assert (scored.reference["baseline"], reused.reference["baseline"]) == ("scored", "reused")
+    assert len(loads) == 1 and scored.reference["key"] == reused.reference["key"]
+    assert reused.result.ppl == scored.result.ppl and reused.result.nll_sum == scored.result.nll_sum
+    assert np.array_equal(reused.result.token_nll, scored.result.token_nll)
+    assert np.array_equal(reused.result.window_nll, scored.result.window_nll)
+    assert reused.facts == scored.facts
+
+
+def test_a_reference_of_another_model_tokenizer_stream_or_settings_is_never_used(tiny_model_dir, tokenizer, text,
+                                                                                  references, tmp_path):
+    first = score_baseline(tiny_model_dir, text)
+    other_model = tmp_path / "other"
+    build_llama(other_model, tokenizer, seed=1)
+    changes = {"model": lambda: score_baseline(other_model, text),
+               "stream": lambda: score_baseline(tiny_model_dir, text, max_tokens=500),
+               "text": lambda: score_baseline(tiny_model_dir, text.replace("the", "a")),
+               "window": lambda: score_baseline(tiny_model_dir, text, window=48),
+               "stride": lambda: score_baseline(tiny_model_dir, text, stride=16),
+               "mode": lambda: score_baseline(tiny_model_dir, text, mode="gptq"),
+               "bos": lambda: score_baseline(tiny_model_dir, text, bos="none")}
+    keys = {first.reference["key"]}
+    for what, run in changes.items():
+        outcome = run()
+        assert outcome.reference["baseline"] == "scored", what
+        assert outcome.reference["key"] not in keys, what
+        keys.add(outcome.reference["key"])
+    # another tokenizer (the digest the audit computed of it) and another dtype: identities of their own
+    lineup, scored = audit_parts(tiny_model_dir, text)
+    base = lineup.baseline
+    assert reference.identity(base.source, "another tokenizer", scored.stream, scored.settings, torch.float32) \
+        != reference.identity(base.source, base.tokenizer, scored.stream, scored.settings, torch.float32)
+    identity = reference.identity(base.source, base.tokenizer, scored.stream, scored.settings, torch.float64)
+    assert reference.find(identity, reference.environment(CPU), "never") == (None, None)
+    # and a reference made with other library versions or another device is reused only under `never`
+    identity = reference.identity(base.source, base.tokenizer, scored.stream, scored.settings, torch.float32)
+    elsewhere = {**reference.environment(CPU), "torch": "0.0.1"}
+    assert reference.find(identity, elsewhere, "auto")[0] is None
+    assert reference.find(identity, elsewhere, "auto")[1].key == first.reference["key"]  # compared with, for drift
+    assert reference.find(identity, elsewhere, "never")[0].key == first.reference["key"]
+    assert len(reference.stored()) == len(keys)
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, "tests")
+    from tasks import reference
+    from test_reference import score_baseline
+    from pathlib import Path
+
+    write = reference.Writer.__call__
+    def write_then_die(self, slots, hidden):
+        write(self, slots, hidden)
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-scoring, the reference half written
+    reference.Writer.__call__ = write_then_die
+    score_baseline(Path(sys.argv[1]), Path(sys.argv[2]).read_text())
+""")
+
+
+def test_a_run_killed_while_writing_leaves_nothing_a_later_run_picks_up(tiny_model_dir, text, references, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tiny_model_dir), str(corpus)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    left = [staging for folder in (references / ".building").iterdir() for staging in folder.iterdir()]
+    assert any((staging / reference.HIDDEN).is_file() for staging in left)  # half written, in its scratch folder
+    assert reference.stored() == []
+    later = score_baseline(tiny_model_dir, text)
+    assert later.reference["baseline"] == "scored" and len(reference.stored()) == 1
+    assert list((references / ".building").iterdir()) == []  # the dead build's folder is gone too
+
+
+def test_two_builds_of_the_same_reference_keep_one(tiny_model_dir, tokenizer, text, references):
+    """The race itself, made certain: the second build to finish finds the first's in place, keeps it and
+    uses it; a rescore (replace) takes its place whole."""
+    model = load_model(str(tiny_model_dir), torch.float32, CPU)
+    stream = tokenize(text, tokenizer, max_tokens=300)
+    first, _ = stored_reference(model, stream, 64, 32, tiny_model_dir, "same")
+    second, _ = stored_reference(model, stream, 64, 32, tiny_model_dir, "same")
+    assert second.folder == first.folder and second.manifest["created"] == first.manifest["created"]
+    assert [r.key for r in reference.stored()] == ["same"] and list((references / ".building").iterdir()) == []
+
+
+def test_two_concurrent_audits_building_the_same_reference_both_succeed(tiny_model_dir, text, references, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    config = write_config(tmp_path / "audit.yaml", tiny_model_dir, corpus, [{"name": "int8", "method": "torchao-int8"}])
+    command = [sys.executable, "-m", "flows.cli", "reference", "build", str(config)]
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=600) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outputs]
+    [stored] = reference.stored()
+    for out, _ in outputs:
+        assert f"reference {stored.key} in {stored.folder}" in out
+    assert list((references / ".building").iterdir()) == []
+
+
+def test_drift_is_flagged_when_the_baseline_s_numbers_move_and_not_on_a_clean_rescore(tiny_model_dir, text,
+                                                                                      references):
+    built = score_baseline(tiny_model_dir, text)
+    clean = score_baseline(tiny_model_dir, text, rescore="always", batch_size=1)  # other padding: float noise only
+    drift = clean.reference["drift"]
+    assert drift["reference"] == built.reference["key"] and not drift["drift"]
+    assert 0 <= drift["max_abs_delta_nll"] < 1e-4 and drift["changed"] == {}
+    # as if the stored numbers came from a torch that computed this model differently
+    stored = reference.Reference.open(Path(clean.reference["path"]))
+    with np.load(stored.folder / reference.SCORES) as scores:
+        arrays = {name: scores[name] for name in scores.files}
+    arrays["token_nll"][::7] += 0.01
+    np.savez(stored.folder / reference.SCORES, **arrays)
+    moved = score_baseline(tiny_model_dir, text, rescore="always")
+    assert moved.reference["drift"]["drift"] and moved.reference["drift"]["max_abs_delta_nll"] == pytest.approx(0.01, rel=1e-3)
+    # the rescore took the drifted reference's place: the next audit reuses the numbers of this environment
+    again = score_baseline(tiny_model_dir, text)
+    assert again.reference["baseline"] == "reused" and again.result.ppl == moved.result.ppl
+
+
+def test_drift_reaches_the_audit_s_reason_and_its_mlflow_run(cli, tiny_model_dir, text, references, tmp_path):
+    from mlflow import MlflowClient
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = write_config(tmp_path / "audit.yaml", tiny_model_dir, corpus, [{"name": "int8", "method": "torchao-int8"}],
+                          tracking={"uri": store, "experiment": "drift"})
+    code, out, err = cli("run", str(config))
+    assert code == 0, err[-2000:]
+    assert "baseline, scored (reference " in out
+    [stored] = reference.stored()
+    with np.load(stored.folder / reference.SCORES) as scores:
+        arrays = {name: scores[name] for name in scores.files}
+    arrays["token_nll"] = arrays["token_nll"] * np.float32(1.01)
+    np.savez(stored.folder / reference.SCORES, **arrays)
+    code, out, err = cli("run", str(config), "--set", "baseline.rescore=always", "--stats", "full")
+    assert code == 0, err[-2000:]
+    assert "ENVIRONMENT DRIFT from" in out and "verdict: PASS — environment drift: the baseline's NLL moved" in out
+    assert "====== KL divergence statistics ======" in out and "Same top p:" in out
+    client = MlflowClient(store)
+    [latest, first] = client.search_runs([client.get_experiment_by_name("drift").experiment_id],
+                                         "tags.`ppl_audit.kind` = 'audit'", order_by=["attributes.start_time DESC"])
+    assert first.data.tags["ppl_audit.baseline"] == "scored" and "ppl_audit.drift" not in first.data.tags
+    assert latest.data.tags["ppl_audit.drift"] == "environment drift"
+    assert latest.data.tags["ppl_audit.reference"] == stored.key
+    assert "environment drift" in latest.data.tags["audit.reason"]
+
+
+def test_reference_commands_list_and_remove(cli, tiny_model_dir, tokenizer, text, references):
+    model = load_model(str(tiny_model_dir), torch.float32, CPU)
+    stream = tokenize(text, tokenizer, max_tokens=300)
+    for key in ("aaaa", "bbbb", "cccc"):
+        stored_reference(model, stream, 64, 32, tiny_model_dir, key)
+    code, out, _ = cli("reference", "ls")
+    assert code == 0 and out.count(str(tiny_model_dir)) == 3 and "3 reference(s)" in out
+    code, out, _ = cli("reference", "rm", "bbbb")
+    assert code == 0 and "removed 1 reference(s)" in out
+    assert sorted(r.key for r in reference.stored()) == ["aaaa", "cccc"]
+    code, out, _ = cli("reference", "rm", "--older-than", "1h")
+    assert code == 0 and "removed 0 reference(s)" in out and len(reference.stored()) == 2
+    reference.Reference.open(references / "cccc").touch()  # reused since it was made: aaaa is the least recent
+    code, out, _ = cli("reference", "rm", "--over", f"{reference.Reference.open(references / 'aaaa').size_bytes + 10}")
+    assert code == 0 and [r.key for r in reference.stored()] == ["cccc"]  # the least recently used went first
+    for bad, says in ((("rm",), "name the keys"), (("rm", "nope"), "no reference nope"),
+                      (("rm", "--older-than", "soon"), "is not an age"), (("rm", "--over", "big"), "is not a size")):
+        code, out, err = cli("reference", *bad)
+        assert code == 2 and says in err and "Traceback" not in err, (bad, err)
+
+
+def test_retired_divergence_settings_and_a_variant_s_rescore_get_one_line(tmp_path):
+    from tasks.config import load_audit_config
+
+    for setting, says in (("evaluation.divergence=lockstep", "divergence lockstep is retired"),
+                          ("evaluation.top_k=32", "top_k is retired"),
+                          ("variants.0.rescore=always", "variants.0.rescore: unknown key")):
+        config = write_config(tmp_path / "audit.yaml", tmp_path, tmp_path, [{"name": "q", "method": "torchao-int8"}])
+        with pytest.raises(InputError, match=says):
+            load_audit_config(str(config), [setting])
+    assert EvaluationConfig.of_record({"window": 64, "divergence": "topk", "top_k": 8}).divergence is True
+    for yaml_word, value in (("on", True), ("off", False)):
+        config = write_config(tmp_path / "audit.yaml", tmp_path, tmp_path, [{"name": "q", "method": "torchao-int8"}])
+        assert load_audit_config(str(config), [f"evaluation.divergence={yaml_word}"]).evaluation.divergence is value
+
+
+def test_a_reference_that_cannot_be_written_loses_the_kl_not_the_scores(tiny_model_dir, text, tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("PPL_AUDIT_REFERENCES", str(blocked / "references"))
+    lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)),
+                     [VariantSpec(name="int8", method="torchao-int8")])
+    scored = evaluation(text, lineup.tokenizer, parse(EvaluationConfig, {"window": 64, "max_tokens": 600}, "test"))
+    baseline = scoring.score_variant(lineup.baseline, lineup, scored)
+    assert baseline.ok and baseline.reference["key"] is None and "could not write the baseline reference" in \
+        baseline.reference["problem"]
+    variant = scoring.score_variant(lineup.variants[0], lineup, scored, baseline_outcome=baseline)
+    assert variant.ok and "kl" not in variant.result.extra
+    verdict = judge(comparison_row(variant, baseline), Thresholds(max_kld_mean=0.1))
+    assert verdict.status == "error" and "could not write the baseline reference" in verdict.reason
+
