@@ -272,8 +272,10 @@ def run_reference(args: argparse.Namespace) -> int:
     say = console.out()
     if args.action == "build":
         from flows.reference import build_reference
+        from tasks.config import load_audit_config
+        from tasks.preflight import preflight
 
-        _checked_config(args.config, args.set)
+        preflight(load_audit_config(args.config, args.set), variants=False)  # before Prefect starts: the baseline only
         outcome = build_reference(config=args.config, overrides=args.set)
         if not outcome.ok:
             print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
