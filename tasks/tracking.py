@@ -105,6 +105,18 @@ def _dataset_input(record: dict):
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "evaluation")])
 
 
+def _log_dataset(client, run_id: str, dataset) -> None:
+    """Log the corpus as the run's input. MLflow's store looks the dataset up and inserts it if absent, so a
+    concurrent sync or audit of the same corpus can insert it in between and this insert then breaks the store's
+    unique constraint; the second try finds the dataset and links it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.log_inputs(run_id, datasets=[dataset])
+    except MlflowException:
+        client.log_inputs(run_id, datasets=[dataset])
+
+
 def _params(values: dict) -> list:
     from mlflow.entities import Param
 
@@ -265,7 +277,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
                                      "mlflow.runColor": plots.COLOURS[verdict["status"]],
                                      **_baseline_tags(record)}).info.run_id
     _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
-    client.log_inputs(parent, datasets=[dataset])
+    _log_dataset(client, parent, dataset)
     client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")
     client.log_text(parent, record["table"], "comparison.txt")
     table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
@@ -285,7 +297,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
             **{f"absent.{figure}": why for figure, why in (entry["result"] or {}).get("absent", {}).items()}}).info.run_id
         _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),
                      [RunTag("ppl_audit.status", entry["status"])])
-        client.log_inputs(child, datasets=[dataset])
+        _log_dataset(client, child, dataset)
         if entry.get("arrays"):
             client.log_artifact(child, str(folder / entry["arrays"]), "nll")
         client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED",

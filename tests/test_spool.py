@@ -141,6 +141,42 @@ def test_two_syncs_at_once_log_each_audit_once(tmp_path, home, audited):
     assert pending() == [] and len(list((home / "synced").iterdir())) == 4
 
 
+def test_syncs_logging_the_same_new_corpus_at_once_all_link_it(tmp_path):
+    """MLflow looks a dataset up, then inserts it: four runs logging the same new corpus at the same moment race
+    on the store's unique constraint (without the retry, most of ten rounds lost a run's input)."""
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput
+
+    from tasks.tracking import _log_dataset
+
+    uri = fresh_store(tmp_path)
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("race")
+    for round_ in range(10):
+        corpus = MetaDataset(source=HTTPDatasetSource("https://example.org/corpus.txt"), name="corpus",
+                             digest=f"{round_:016x}")  # a new dataset each round: the race is on its first insert
+        runs = [client.create_run(experiment).info.run_id for _ in range(4)]
+        start, errors = threading.Barrier(len(runs)), []
+
+        def log(run_id: str) -> None:
+            own = MlflowClient(uri)  # a client each, as separate syncs have
+            start.wait()
+            try:
+                _log_dataset(own, run_id, DatasetInput(corpus._to_mlflow_entity()))
+            except Exception as error:  # noqa: BLE001 -- collected and shown by the assert below
+                errors.append(error)
+
+        threads = [threading.Thread(target=log, args=(run_id,)) for run_id in runs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == [], f"round {round_}: {errors[0]}"
+        for run_id in runs:
+            assert [d.dataset.digest for d in client.get_run(run_id).inputs.dataset_inputs] == [corpus.digest]
+
+
 def test_a_sync_during_an_audits_own_tracking_logs_it_once(tmp_path, home, audited):
     from tasks.steps import track
 
