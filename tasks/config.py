@@ -21,6 +21,7 @@ DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bi
 # what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
 KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
+Rescore = Literal["auto", "always", "never"]  # when a baseline's stored reference is reused (BaselineSpec)
 RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
 TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
 
@@ -127,7 +128,7 @@ class BaselineSpec(VariantSpec):
     another environment too. A baseline scored while a reference exists is compared with it (drift).
     """
 
-    rescore: Literal["auto", "always", "never"] = "auto"
+    rescore: Rescore = "auto"
 
 
 def one_line(error: ValidationError, where: str) -> str:

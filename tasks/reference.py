@@ -30,12 +30,10 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
 import numpy as np
 import torch
 
-from tasks.config import EvaluationConfig
+from tasks.config import EvaluationConfig, Rescore
 from tasks.corpus import TokenStream
 from tasks.errors import InputError
 from tasks.files import read_json, scratch, write_atomically
@@ -53,7 +51,6 @@ STORED_AS = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat1
 # same model on the same tokens. A batch size or kernel choice moves float32 tokens by ~1e-6 and 16-bit
 # ones by up to ~0.1 (the mean far less); a changed model computation moves the mean.
 DRIFT_TOLERANCE = {"float64": (1e-9, 1e-12), "float32": (1e-3, 1e-6), "bfloat16": (0.5, 1e-3), "float16": (0.25, 5e-4)}
-Rescore = Literal["auto", "always", "never"]
 
 
 def model_files(source: str) -> Path | None:
@@ -77,12 +74,13 @@ def stream_digest(stream: TokenStream) -> str:
     return digest.hexdigest()
 
 
-def identity(source: str, tokenizer: str, stream: TokenStream, settings: EvaluationConfig,
-             dtype: torch.dtype) -> dict | None:
-    """What a baseline's numbers are a function of, but for the environment; None when its files are not local."""
-    folder = model_files(source)
-    if folder is None:
-        return None
+def identity(folder: Path, tokenizer: str, stream: TokenStream, settings: EvaluationConfig, dtype: torch.dtype) -> dict:
+    """What a baseline's numbers are a function of, but for the environment.
+
+    Args:
+        folder: the model's local files (``model_files``).
+        tokenizer: the digest of its tokenizer (``tasks.corpus.tokenizer_digest``).
+    """
     return {"format": FORMAT, "model": model_digest(str(folder)), "tokenizer": tokenizer, "stream": stream_digest(stream),
             "mode": settings.mode, "window": settings.window,
             "stride": settings.stride if settings.mode == "sliding" else settings.window, "bos": stream.bos,
@@ -275,7 +273,7 @@ class Writer:
         np.savez(self.staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
                  window_tokens=result.window_tokens)
         tensors = [t.detach() for t in _head_tensors(head)]
-        found = read_head(Path(manifest["source"])) if Path(manifest["source"]).is_dir() else None
+        found = read_head(Path(manifest["source"]))
         read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \
             == tensor_digest(*tensors)
         if not read_back:

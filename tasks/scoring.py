@@ -62,26 +62,27 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
     spec, settings = checkpoint.spec, evaluation_.settings
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    identity = reference.identity(checkpoint.source, checkpoint.tokenizer, evaluation_.stream, settings, dtype)
-    if identity is None:
-        model, facts = load_variant(spec, checkpoint.source)
-        result = perplexity_with_backoff(model, evaluation_, spec.name, progress)
-        return result, facts, {"baseline": "scored", "problem": f"{checkpoint.source} is not on this machine: "
-                                                                 "nothing identifies it well enough to keep a reference"}
+    folder = reference.model_files(checkpoint.source)
     environment = reference.environment(device)
-    reuse, previous = reference.find(identity, environment, spec.rescore)
+    identity = reuse = previous = None
+    if folder is not None:
+        identity = reference.identity(folder, checkpoint.tokenizer, evaluation_.stream, settings, dtype)
+        reuse, previous = reference.find(identity, environment, spec.rescore)
     if reuse is not None:
         result, facts = _reuse(reuse)
         return result, facts, {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
-    key = reference.key_of(identity, environment)
     model, facts = load_variant(spec, checkpoint.source)
     with ExitStack() as stack:
-        try:
-            writer = reference.Writer(stack.enter_context(reference.building()) / key, n_scored(evaluation_))
-            writer.staging.mkdir()
-        except OSError as error:  # the reference is lost, not the baseline's score
-            writer = None
-            problem = f"could not write the baseline reference in {references_dir()}: {error}"
+        writer, key = None, None
+        problem = f"{checkpoint.source} is not on this machine: nothing identifies it well enough to keep a reference"
+        if identity is not None:
+            key = reference.key_of(identity, environment)
+            try:
+                writer = reference.Writer(stack.enter_context(reference.building()) / key, n_scored(evaluation_))
+                writer.staging.mkdir()
+            except OSError as error:  # the reference is lost, not the baseline's score
+                writer = None
+                problem = f"could not write the baseline reference in {references_dir()}: {error}"
         result = perplexity_with_backoff(model, evaluation_, spec.name, progress, keep_hidden=writer)
         said = {"baseline": "scored", "key": None}
         if previous is not None:
@@ -90,8 +91,7 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
             return result, facts, said | {"problem": problem}
         try:
             manifest = {"identity": identity, "environment": environment, "facts": facts.summary(),
-                        "source": str(reference.model_files(checkpoint.source)),
-                        "softcap": getattr(model.config, "final_logit_softcapping", None)}
+                        "source": str(folder), "softcap": getattr(model.config, "final_logit_softcapping", None)}
             # a rescore in this environment takes the old one's place; a race with another audit keeps theirs
             replace = previous is not None and previous.key == key
             stored = writer.publish(key, manifest, result, model.get_output_embeddings(), replace)

@@ -145,3 +145,15 @@ def stored_reference(model, stream, window: int, stride: int, source: Path, key:
                     "environment": environment(model.device), "facts": {},
                     "source": str(source), "softcap": None}
         return writer.publish(key, manifest, result, model.get_output_embeddings(), replace=False), result
+
+
+def perturbed(model_dir: Path, dtype: torch.dtype = torch.float64, scale: float = 0.05, seed: int = 3):
+    """The model in ``model_dir`` with Gaussian noise of ``scale`` on every weight: a variant that really differs."""
+    from tasks.models import load_model
+
+    model = load_model(str(model_dir), dtype, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator, dtype=torch.float64).to(dtype) * scale)
+    return model

@@ -66,17 +66,6 @@ def test_modes_refuse_too_short_streams_and_per_window_bos(tiny_model, tokenizer
         perplexity(tiny_model, tokenize(text, tokenizer, bos="window", max_tokens=200), 32, 16, mode="llama.cpp")
 
 
-def perturbed(model_dir, seed: int = 3, scale: float = 0.05):
-    from tasks.models import load_model
-
-    model = load_model(str(model_dir), torch.float64, torch.device("cpu"))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for weight in model.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator, dtype=weight.dtype) * scale)
-    return model
-
-
 def full_vocabulary_kl(base, variant, stream, windows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each window alone through both models: KL(base‖variant), KL(variant‖base) and same top token over
     the whole vocabulary at every scored position."""
@@ -97,7 +86,7 @@ def full_vocabulary_kl(base, variant, stream, windows) -> tuple[torch.Tensor, to
 def test_engine_kl_from_a_stored_reference_against_a_full_vocabulary_reference(tiny_model_dir, tokenizer, text):
     """KL both ways and top-1 through the engine (the baseline's stored hidden states, its head read from
     its checkpoint, chunked) against both models' full logits, window by window, in float64."""
-    from helpers import stored_reference
+    from helpers import perturbed, stored_reference
 
     base = perturbed(tiny_model_dir, scale=0.0)
     variant = perturbed(tiny_model_dir)

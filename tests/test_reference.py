@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import build_llama, stored_reference, write_config
+from helpers import build_llama, perturbed, stored_reference, write_config
 from tasks import reference, scoring
 from tasks.checkpoints import prepare
 from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
@@ -32,15 +32,6 @@ CPU = torch.device("cpu")
 def lockstep(base) -> Baseline:
     """The baseline model itself run on every batch beside the variant: what the reference replaces."""
     return Baseline(base.get_output_embeddings(), None, lambda slots, inputs: _hidden(base, *inputs[:4]))
-
-
-def perturbed(model_dir: Path, dtype: torch.dtype, scale: float = 0.05):
-    model = load_model(str(model_dir), dtype, CPU)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for weight in model.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator, dtype=torch.float64).to(dtype) * scale)
-    return model
 
 
 def relative(a: np.ndarray, b: np.ndarray) -> float:
@@ -129,12 +120,12 @@ def test_a_reference_of_another_model_tokenizer_stream_or_settings_is_never_used
     # another tokenizer (the digest the audit computed of it) and another dtype: identities of their own
     lineup, scored = audit_parts(tiny_model_dir, text)
     base = lineup.baseline
-    assert reference.identity(base.source, "another tokenizer", scored.stream, scored.settings, torch.float32) \
-        != reference.identity(base.source, base.tokenizer, scored.stream, scored.settings, torch.float32)
-    identity = reference.identity(base.source, base.tokenizer, scored.stream, scored.settings, torch.float64)
+    assert reference.identity(Path(base.source), "another tokenizer", scored.stream, scored.settings, torch.float32) \
+        != reference.identity(Path(base.source), base.tokenizer, scored.stream, scored.settings, torch.float32)
+    identity = reference.identity(Path(base.source), base.tokenizer, scored.stream, scored.settings, torch.float64)
     assert reference.find(identity, reference.environment(CPU), "never") == (None, None)
     # and a reference made with other library versions or another device is reused only under `never`
-    identity = reference.identity(base.source, base.tokenizer, scored.stream, scored.settings, torch.float32)
+    identity = reference.identity(Path(base.source), base.tokenizer, scored.stream, scored.settings, torch.float32)
     elsewhere = {**reference.environment(CPU), "torch": "0.0.1"}
     assert reference.find(identity, elsewhere, "auto")[0] is None
     assert reference.find(identity, elsewhere, "auto")[1].key == first.reference["key"]  # compared with, for drift
