@@ -86,7 +86,8 @@ def _add_ppl(commands) -> None:
     option("--device", VariantSpec, "device", help="cpu, cuda, cuda:N or auto")
     option("--dtype", VariantSpec, "dtype", help="weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     ppl.add_argument("--method", choices=_field(VariantSpec, "method")[1],
-                     help="measure --model quantized this way (gptq/awq are quantized on the spot)")
+                     help="measure --model quantized this way (bnb/torchao/hqq at load, gptq/awq on the spot); "
+                          "default auto: read from the checkpoint (a .gguf file, a quantization_config, or float)")
     ppl.add_argument("--variant", help="a variant spec: a YAML file or inline YAML, e.g. '{name: q, method: gptq, path: DIR}'")
     ppl.add_argument("--json", action="store_true", help="end stdout with one JSON line of the result")
 
@@ -129,7 +130,7 @@ def _variant(args: argparse.Namespace):
     """The one model `ppl` measures: --variant, else --model with --method, as a validated spec."""
     import yaml
 
-    from tasks.config import VariantSpec, parse
+    from tasks.config import QUANTIZED_AT_LOAD, QUANTIZED_BY_US, VariantSpec, parse
 
     if args.variant:
         path = Path(args.variant)
@@ -138,10 +139,12 @@ def _variant(args: argparse.Namespace):
         except yaml.YAMLError as error:
             raise InputError(f"--variant is not valid YAML: {str(error).splitlines()[0]}") from None
         return parse(VariantSpec, data, "--variant")
-    method = args.method or "baseline"
-    name = (Path(args.model).name or args.model) if method == "baseline" else method
-    return parse(VariantSpec, {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype,
-                               "device": args.device}, "arguments")
+    method = args.method or "auto"
+    name = (Path(args.model).name or args.model) if method in ("auto", "baseline") else method
+    spec = {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype, "device": args.device}
+    if method not in QUANTIZED_BY_US + QUANTIZED_AT_LOAD:  # a checkpoint measured as it is, not made from --model
+        spec["path"] = args.model
+    return parse(VariantSpec, spec, "arguments")
 
 
 def _ppl_settings(args: argparse.Namespace):
@@ -160,7 +163,7 @@ def _ppl_settings(args: argparse.Namespace):
 
 def run_ppl(args: argparse.Namespace) -> int:
     from tasks.checkpoints import prepare
-    from tasks.config import VariantSpec
+    from tasks.config import BaselineSpec
     from tasks.evaluation import evaluation
     from tasks.models import load_config, max_positions, resolve_device, resolve_dtype
     from tasks.scoring import score_variant
@@ -171,7 +174,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     resolve_dtype(spec.dtype, resolve_device(spec.device))
     text = corpus.text()
     check_window(settings.window, max_positions(load_config(spec.path or args.model)))
-    lineup = prepare(VariantSpec(name="baseline", path=args.model), [spec])
+    lineup = prepare(BaselineSpec(name="baseline", path=args.model), [spec])
     [checkpoint] = lineup.variants
     if checkpoint.problem:
         raise InputError(checkpoint.problem)

@@ -13,9 +13,10 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from tasks.config import DEFAULT_CALIBRATION, VariantSpec
+from tasks.config import DEFAULT_CALIBRATION, BaselineSpec, VariantSpec
 from tasks.corpus import cached_tokenize, tokenizer_digest
 from tasks.errors import InputError, one_line
+from tasks.formats import detect, locate
 from tasks.evaluation import Evaluation
 from tasks.models import load_tokenizer, resolve_model_path
 from tasks.places import cache_dir
@@ -29,12 +30,13 @@ class Checkpoint:
     Attributes:
         spec: its validated spec.
         role: ``baseline`` (what the others are compared with) or ``variant``.
-        source: the local folder or Hub id it loads from (bnb and torchao variants without a path: the
+        source: the local folder, ``.gguf`` file or Hub id it loads from (bnb and torchao variants without a path: the
             baseline's); None for a gptq/awq variant made from the baseline on first use, or one whose
             files cannot be found (``problem``).
         tokenizer: ``tokenizer_digest`` of its tokenizer, when ``source`` is known.
         manifest: the ``ppl_audit.json`` of a checkpoint we quantized, if it has one.
         problem: why it cannot be scored, in one line; empty when it can.
+        detected: how ``method: auto`` found the method ``spec`` now holds; empty when it was given.
     """
 
     spec: VariantSpec
@@ -43,6 +45,7 @@ class Checkpoint:
     tokenizer: str | None = None
     manifest: dict | None = None
     problem: str = ""
+    detected: str = ""
 
     @property
     def name(self) -> str:
@@ -59,7 +62,7 @@ class Lineup:
     tokenizer: object
 
 
-def prepare(baseline: VariantSpec, variants: list[VariantSpec], registry: str | None = None) -> Lineup:
+def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str | None = None) -> Lineup:
     """Resolve every model once. A baseline that cannot be resolved raises ``InputError`` (there is
     nothing to compare with); a variant that cannot is prepared with its ``problem``.
 
@@ -79,8 +82,13 @@ def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> C
     if spec.path is None:  # quantized from the baseline's files as it loads
         return Checkpoint(spec, "variant", baseline.source, baseline.tokenizer)
     try:
-        folder = resolve_model_path(spec.path, registry)
-        return Checkpoint(spec, "variant", folder, tokenizer_digest(load_tokenizer(folder)), read_manifest(folder))
+        source = locate(spec, registry)
+        detected = ""
+        if spec.method == "auto":
+            method, detected = detect(source)
+            spec = spec.model_copy(update={"method": method})
+        return Checkpoint(spec, "variant", source, tokenizer_digest(load_tokenizer(source)), read_manifest(source),
+                          detected=detected)
     except InputError as error:
         return Checkpoint(spec, "variant", problem=one_line(error))
 

@@ -7,6 +7,7 @@ Unknown keys are refused (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -14,12 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tasks.errors import InputError
 from tasks.windows import BosPolicy, Mode, check_plan, chunk_limit
 
-Method = Literal["baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8"]
+# auto: read from the checkpoint (tasks.formats); baseline: a float model as it is
+Method = Literal["auto", "baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8", "compressed-tensors",
+                 "gguf", "hqq", "fp8"]
 NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file names, YAML keys
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
+QUANTIZED_AT_LOAD = ("bnb-int8", "bnb-nf4", "torchao-int8", "hqq")  # without a path: the baseline, quantized as it loads
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
-# what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
-KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
+# what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device;
+# HQQ quantizes any group size that divides a layer's weights, these are the ones its packing is tested with
+KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128),
+                      "hqq": (16, 32, 64, 128, 256)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
 Rescore = Literal["auto", "always", "never"]  # when a baseline's stored reference is reused (BaselineSpec)
 RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
@@ -84,14 +90,17 @@ def check_group_size(method: str, group_size: int) -> None:
 class VariantSpec(Strict):
     """One model of an audit: the baseline or a quantized variant of it.
 
-    ``path`` is a checkpoint to load (pre-quantized for gptq/awq). Without it, bnb and torchao
-    variants quantize the baseline at load, and gptq/awq variants are quantized from the baseline with
-    ``bits``, ``group_size``, ``sym`` and ``calibration``.
+    ``path`` is a checkpoint to load: a folder, a Hub id, a ``.gguf`` file (or a folder and ``gguf_file``);
+    its method is read from it unless given (``auto``, the default with a path). Without a path, bnb,
+    torchao and hqq variants quantize the baseline as it loads (hqq with ``bits`` and ``group_size``),
+    and gptq/awq variants are quantized from the baseline with ``bits``, ``group_size``, ``sym`` and
+    ``calibration``.
     """
 
     name: str = Field(min_length=1, pattern=NAME)
     method: Method = "baseline"
     path: str | None = None
+    gguf_file: str | None = None
     bits: Literal[2, 3, 4, 8] | None = None
     group_size: int | None = None
     sym: bool | None = None
@@ -99,20 +108,41 @@ class VariantSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
     device: str = "auto"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _method_of_a_checkpoint_is_read_from_it(cls, data: object) -> object:
+        if isinstance(data, dict) and "method" not in data and data.get("path") is not None and cls is VariantSpec:
+            return {**data, "method": "auto"}
+        return data
+
     @model_validator(mode="after")
     def _settings_fit_the_method(self) -> "VariantSpec":
         settings = [key for key in ("bits", "group_size", "sym", "calibration") if getattr(self, key) is not None]
-        if settings and self.method not in QUANTIZED_BY_US:
-            raise ValueError(f"{', '.join(settings)} only apply to gptq and awq, not to method {self.method}")
-        if settings and self.path is not None:
+        if self.method == "hqq":
+            if {"sym", "calibration"} & set(settings):
+                raise ValueError("hqq quantizes at load without calibration: give bits and group_size only")
+        elif settings and self.method not in QUANTIZED_BY_US:
+            raise ValueError(f"{', '.join(settings)} only apply to gptq, awq and hqq, not to method {self.method}")
+        if settings and self.path is not None and self.method != "hqq":  # hqq quantizes whatever float model it loads
             raise ValueError(f"give either path (a quantized checkpoint) or {', '.join(settings)}, not both")
         if self.group_size is not None:
             check_group_size(self.method, self.group_size)
+        if self.gguf_file is not None and (self.path is None or self.method not in ("gguf", "auto")):
+            raise ValueError("gguf_file names a file in the folder given as path, with method gguf (or auto)")
+        if self.method in ("auto", "gguf", "compressed-tensors", "fp8") and self.path is None:
+            raise ValueError(f"method {self.method} loads a checkpoint: give its path")
         return self
 
     @property
     def quantize_here(self) -> bool:
         return self.method in QUANTIZED_BY_US and self.path is None
+
+    @property
+    def location(self) -> str | None:
+        """What ``path`` and ``gguf_file`` name together: a folder, a Hub id or a file."""
+        if self.gguf_file is not None:
+            return str(Path(self.path) / self.gguf_file)
+        return self.path
 
     @property
     def quantization(self) -> tuple[int, int, bool]:

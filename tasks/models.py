@@ -1,4 +1,4 @@
-"""Load a causal LM and its tokenizer from a local folder, ``embedded``, or a Hugging Face Hub id."""
+"""Load a causal LM and its tokenizer from a local folder, a GGUF file, ``embedded``, or a Hugging Face Hub id."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_model_path(name: str, registry: str | None = None) -> str:
-    """A local folder as a string, or a Hub id left as it is.
+    """A local folder or ``.gguf`` file as a string, or a Hub id left as it is.
 
     Args:
         registry: the tracking server whose model registry holds ``models:/`` names (default: MLflow's
@@ -48,14 +48,26 @@ def resolve_model_path(name: str, registry: str | None = None) -> str:
 
         return download(name, tracking_uri(registry))
     path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path)
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise InputError(f"model folder {path} has no config.json; give a folder saved with save_pretrained")
         return str(path)
     looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if not looks_like_hub_id:
-        raise InputError(f"model folder not found: {path} (give a folder with config.json, a Hub id, or embedded)")
+        raise InputError(f"model folder not found: {path} (give a folder with config.json, a .gguf file, a Hub id, "
+                         "or embedded)")
     return name
+
+
+def from_pretrained_args(source: str) -> tuple[str, dict]:
+    """``(folder or Hub id, keyword arguments)`` that transformers' ``from_pretrained`` takes for ``source``:
+    a ``.gguf`` file is its folder and ``gguf_file`` (transformers dequantizes it as it loads)."""
+    if source.endswith(".gguf"):
+        path = Path(source)
+        return str(path.parent), {"gguf_file": path.name}
+    return source, {}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -64,6 +76,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def check_checkpoint(name: str, registry: str | None = None) -> None:
     """Refuse a local model folder without weights or tokenizer (or with shards its index names missing)."""
     path = Path(resolve_model_path(name, registry))
+    if path.suffix == ".gguf":
+        from tasks.formats import check_gguf
+
+        check_gguf(path)
+        return
     if not path.is_dir():
         return  # a Hub id: the Hub holds the files
     from tasks.variants import WEIGHT_SUFFIXES
@@ -88,10 +105,12 @@ def check_checkpoint(name: str, registry: str | None = None) -> None:
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    source = resolve_model_path(name)
+    source, extra = from_pretrained_args(resolve_model_path(name))
     try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as error:
+        return AutoTokenizer.from_pretrained(source, **extra)
+    except Exception as error:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a bad vocabulary
+        if is_network_error(error):
+            raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
         raise InputError(f"cannot load the tokenizer of {name}: {one_line(error)}") from None
 
 
@@ -99,16 +118,17 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
     """Load a causal LM for scoring, in eval mode on ``device``.
 
     Args:
-        name: a local folder, ``embedded``, or a Hugging Face Hub id (needs network).
+        name: a local folder, a ``.gguf`` file, ``embedded``, or a Hugging Face Hub id (needs network).
         dtype: weight dtype for unquantized layers.
         device: where the model runs.
         from_pretrained: extra keyword arguments (a quantization config, say).
     """
     from transformers import AutoModelForCausalLM
 
-    source = resolve_model_path(name)
+    source, extra = from_pretrained_args(resolve_model_path(name))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=str(device), **from_pretrained)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=str(device), **extra,
+                                                     **from_pretrained)
     except (OSError, ValueError) as error:
         if is_network_error(error):
             raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
@@ -120,8 +140,9 @@ def load_config(name: str, registry: str | None = None):
     """The model's config alone: enough to check settings before any weights are loaded."""
     from transformers import AutoConfig
 
+    source, extra = from_pretrained_args(resolve_model_path(name, registry))
     try:
-        return AutoConfig.from_pretrained(resolve_model_path(name, registry))
+        return AutoConfig.from_pretrained(source, **extra)
     except (OSError, ValueError) as error:
         raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
 

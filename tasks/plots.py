@@ -92,7 +92,7 @@ def delta_ppl_chart(record: dict) -> Figure:
                       color=COLOURS[verdict], markeredgecolor="black", ecolor="black", capsize=6, linewidth=1.6,
                       zorder=3)  # the diamond shows an estimate too close to zero for its bar to be seen
         shown.add("interval")
-        _note(axis, y, f"{delta:+.2f}% [{interval[0]:+.2f}, {interval[1]:+.2f}]   {verdict}, {limit_text}", verdict)
+        _note(axis, y, f"{delta:+z.2f}% [{interval[0]:+z.2f}, {interval[1]:+z.2f}]   {verdict}, {limit_text}", verdict)
     marks = {"interval": Line2D([], [], color="black", marker="D", markerfacecolor="white", markersize=7,
                                 linewidth=1.6, label="estimate, paired 95% interval"),
              "limit": Line2D([], [], color=LIMIT_COLOUR, linestyle="--", linewidth=2.2,

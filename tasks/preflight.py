@@ -5,6 +5,7 @@ from __future__ import annotations
 from tasks.checkpoints import calibration_for, prepare
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.errors import InputError
+from tasks.formats import detect, locate, require
 from tasks.evaluation import evaluation
 from tasks.models import check_checkpoint, load_config, max_positions, resolve_device
 from tasks.tracking import tracking_uri
@@ -30,8 +31,16 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         raise InputError(f"evaluation.{error}") from None
     check_checkpoint(config.baseline.path, registry)
     for spec in config.variants if variants else []:
+        method = spec.method
         if spec.path is not None:
-            check_checkpoint(spec.path, registry)
+            source = locate(spec, registry)
+            check_checkpoint(source, registry)
+            if method == "auto":
+                method = detect(source)[0]
+        try:
+            require(method, resolve_device(spec.device).type)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None
 
 
 def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:

@@ -78,7 +78,7 @@ def _comparison(record: dict) -> str:
                  f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—",
                  "—" if limit is None else f"≤ {limit:g}"]
         rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>'
-                    f'<td>{escape(entry["spec"]["method"])}</td>'
+                    f'<td>{escape(row.get("method") or entry["spec"]["method"])}</td>'
                     + "".join(f'<td class="n">{escape(c)}</td>' for c in cells) + "</tr>")
         if reason:  # under its model, across the table: a reason is too long for a column
             rows.append(f'<tr><td class="reason" colspan="8">{escape(reason)}</td></tr>')
@@ -134,7 +134,10 @@ def _model_lineage(entry: dict) -> dict:
     spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
     calibration = manifest.get("calibration") or {}
     size = facts.get("size_on_disk_bytes")
-    return {"role": entry["role"], "method": spec["method"], "path": facts.get("source") or spec["path"],
+    found = facts.get("quantization") or {}
+    return {"role": entry["role"], "method": facts.get("method") or spec["method"],
+            "method found": found.get("detected"), "format": _format_text(found),
+            "path": facts.get("source") or spec["path"],
             "bits": spec["bits"] or manifest.get("bits"),
             "group size": spec["group_size"] or manifest.get("group_size"),
             "symmetric": spec["sym"] if spec["sym"] is not None else manifest.get("sym"),
@@ -144,6 +147,20 @@ def _model_lineage(entry: dict) -> dict:
             "calibration": (f"{calibration.get('samples')} × {calibration.get('seq_len')} tokens, seed "
                             f"{calibration.get('seed')}") if calibration else None,
             "calibration digest": calibration.get("digest"), "baseline reference": _reference_text(entry)}
+
+
+def _format_text(found: dict) -> str | None:
+    """A format's facts in a line: GGUF file type, tensor types and bits per weight; a compressed-tensors
+    scheme and whether its activations were quantized; HQQ's bits, group and backend."""
+    if "file_type" in found:
+        types = ", ".join(f"{n} {name}" for name, n in found["tensor_types"].items())
+        return f"GGUF {found['file_type']}, {found['bits_per_weight']:.2f} bits per weight ({types})"
+    if "scheme" in found:
+        return (f"compressed-tensors {found['scheme']} ({found['format']}): weights {', '.join(found['weights'])}; "
+                f"activations {found['activation_quantization']}")
+    if "packing" in found:
+        return f"HQQ {found['bits']}-bit, group {found['group_size']}, {found['backend']} backend"
+    return None
 
 
 def _reference_text(entry: dict) -> str | None:
@@ -190,9 +207,9 @@ def figure_text(row: dict, key: str, form: str) -> str:
 
 def delta_text(row: dict) -> str:
     """ΔPPL % and its paired 95% interval (here and in the run's description)."""
-    text = figure_text(row, "delta_ppl_pct", "+.2f")
+    text = figure_text(row, "delta_ppl_pct", "+z.2f")
     if plots.measured(row.get("delta_ppl_pct_low")):
-        text += f" [{row['delta_ppl_pct_low']:+.2f}, {row['delta_ppl_pct_high']:+.2f}]"
+        text += f" [{row['delta_ppl_pct_low']:+z.2f}, {row['delta_ppl_pct_high']:+z.2f}]"
     return text
 
 

@@ -139,6 +139,8 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
             check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
         check_same_tokenizer(spec.name, lineup.baseline.tokenizer, tokenizer)
         model, outcome.facts = load_variant(spec, source)
+        if checkpoint.detected:
+            outcome.facts.quantization["detected"] = checkpoint.detected
         against = None
         baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
         if settings.divergence and baseline_said.get("path"):

@@ -137,7 +137,8 @@ def _audit_params(record: dict) -> dict:
 
 def _variant_params(record: dict, entry: dict) -> dict:
     spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
-    params = {**_audit_params(record), "variant": entry["name"], "method": spec["method"], "path": spec["path"],
+    params = {**_audit_params(record), "variant": entry["name"], "method": facts.get("method") or spec["method"],
+              "path": spec["path"],
               "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
@@ -145,6 +146,10 @@ def _variant_params(record: dict, entry: dict) -> dict:
               "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),
               "calibration.samples": (manifest.get("calibration") or {}).get("samples"),
               "source_model_digest": manifest.get("source_model_digest")}
+    # the format's own facts: a GGUF's file type and bits per weight, a compressed-tensors scheme and whether
+    # its activations were quantized, how method auto found the method
+    params.update({f"format.{key}": value if isinstance(value, (str, int, float)) else str(value)
+                   for key, value in (facts.get("quantization") or {}).items()})
     return params
 
 

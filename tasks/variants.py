@@ -1,8 +1,9 @@
 """Load the baseline and its quantized variants, with the facts of each load.
 
-bitsandbytes (LLM.int8, NF4) and torchao (int8 weight-only) quantize at load through transformers;
-GPTQ and AWQ checkpoints load through transformers with gptqmodel's kernels (optimum for GPTQ). The
-same code path runs on CUDA.
+bitsandbytes (LLM.int8, NF4), torchao (int8 weight-only) and HQQ quantize at load through transformers;
+GPTQ and AWQ checkpoints load through transformers with gptqmodel's kernels (optimum for GPTQ),
+compressed-tensors checkpoints with the compressed-tensors package, GGUF files dequantized by
+transformers' GGUF loader. The same code path runs on CUDA.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from tasks.config import VariantSpec
 from tasks.errors import InputError
+from tasks.formats import describe, distributions, ready, require
 from tasks.models import load_model, resolve_device, resolve_dtype
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -37,6 +39,8 @@ class VariantFacts:
     linear_layers: int
     backend: str
     versions: dict[str, str] = field(default_factory=dict)
+    quantization: dict = field(default_factory=dict)  # the format's own facts (tasks.formats.describe)
+    kernels: dict[str, str] = field(default_factory=dict)  # quantized layer -> the kernel class that runs it
 
     def summary(self) -> dict:
         return asdict(self)
@@ -71,22 +75,26 @@ def quantization_config(method: str, dtype: torch.dtype):
     return None
 
 
-def layer_census(model) -> tuple[int, int, str]:
-    """(quantized linear layers, all linear layers, kernel classes in use) of a loaded model."""
-    quantized, linear, kernels = 0, 0, set()
-    for module in model.modules():
+def layer_census(model) -> tuple[int, dict[str, str]]:
+    """``(all linear layers, {quantized layer: the kernel that runs it})`` of a loaded model: a kernel bug
+    shows as bad scores from the layers one kernel runs (GPTQModel #1854), so each layer's is kept."""
+    linear, kernels = 0, {}
+    for layer, module in model.named_modules():
         name = type(module).__name__
         weight = getattr(module, "weight", None)
-        is_linear = isinstance(module, torch.nn.Linear) or "QuantLinear" in name or name.startswith("TorchAten")
+        is_linear = (isinstance(module, torch.nn.Linear) or "QuantLinear" in name or name.startswith("TorchAten")
+                     or name == "HQQLinear")
         if not is_linear:
             continue
         linear += 1
-        packed = hasattr(module, "qweight")  # gptqmodel kernels keep packed int weights
+        scheme = getattr(module, "quantization_scheme", None)  # compressed-tensors' layers stay nn.Linear
+        packed = hasattr(module, "qweight") or hasattr(module, "W_q")  # gptqmodel, HQQ: packed int weights
         subclass = weight is not None and type(weight).__name__ not in ("Parameter", "Tensor")
-        if packed or subclass or name in ("Linear8bitLt", "Linear4bit"):
-            quantized += 1
-            kernels.add(type(weight).__name__ if subclass and name == "Linear" else name)
-    return quantized, linear, ",".join(sorted(kernels)) or "torch.nn.Linear"
+        if scheme is not None:
+            kernels[layer] = f"compressed-tensors {name}"
+        elif packed or subclass or name in ("Linear8bitLt", "Linear4bit"):
+            kernels[layer] = type(weight).__name__ if subclass and name == "Linear" else name
+    return linear, kernels
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -98,12 +106,17 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def weight_bytes(model) -> int:
-    """Memory of a model's parameters and buffers as they are stored (quantized where they are)."""
-    return sum(tensor_bytes(t) for t in list(model.parameters()) + list(model.buffers()))
+    """Memory of a model's parameters and buffers as they are stored (quantized where they are), and of the
+    scales and zero points HQQ keeps beside its packed weights (in each layer's ``meta``)."""
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for module in model.modules() for t in getattr(module, "meta", {}).values() if torch.is_tensor(t)]
+    return sum(tensor_bytes(t) for t in held)
 
 
 def size_on_disk(path: str) -> int:
     folder = Path(path)
+    if folder.is_file():  # a GGUF file
+        return folder.stat().st_size
     if not folder.is_dir():
         return 0
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
@@ -116,6 +129,7 @@ def load_variant(spec: VariantSpec, source: str):
         ``(model, VariantFacts)``.
     """
     device = resolve_device(spec.device)
+    require(spec.method, device.type)
     dtype = resolve_dtype(spec.dtype, device)
     if spec.method == "bnb-nf4" and spec.path is not None and device.type == "cpu":
         raise InputError(f"variant '{spec.name}': a saved NF4 checkpoint reloads corrupted on CPU; "
@@ -126,17 +140,18 @@ def load_variant(spec: VariantSpec, source: str):
         extra["quantization_config"] = config
     started = time.perf_counter()
     model = load_model(source, dtype, device, **extra)
+    ready(spec, model)
     load_seconds = time.perf_counter() - started
-    quantized, linear, backend = layer_census(model)
-    if spec.method != "baseline" and quantized == 0:
+    linear, kernels = layer_census(model)
+    quantized, backend = len(kernels), ",".join(sorted(set(kernels.values()))) or "torch.nn.Linear"
+    if spec.method not in ("baseline", "gguf") and quantized == 0:  # a GGUF file is dequantized as it loads
         raise InputError(f"variant '{spec.name}' ({spec.method}) loaded with no quantized layer; check its path")
-    tools = {"bnb-int8": ("bitsandbytes",), "bnb-nf4": ("bitsandbytes",), "torchao-int8": ("torchao",),
-             "gptq": ("gptqmodel", "optimum"), "awq": ("gptqmodel",)}.get(spec.method, ())
     facts = VariantFacts(
         method=spec.method, source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
         load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(source),
         weight_memory_bytes=weight_bytes(model), quantized_layers=quantized,
-        linear_layers=linear, backend=backend, versions=versions(*tools),
+        linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
+        quantization=describe(spec, source, model), kernels=kernels,
     )
     return model, facts
 

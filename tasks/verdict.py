@@ -21,6 +21,7 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
     row = {"variant": outcome.name, "method": outcome.method, "status": outcome.status, "reason": outcome.reason}
     if outcome.ok:
         r, facts = outcome.result, outcome.facts
+        row["method"] = facts.quantization.get("label", outcome.method)  # "gguf Q4_K_M", not a float model
         row.update(ppl=r.ppl, ppl_stderr=r.ppl_stderr, mean_nll=r.mean_nll, bits_per_byte=r.bits_per_byte,
                    n_tokens=r.n_tokens, tokens_per_second=r.tokens_per_second,
                    weight_mib=facts.weight_memory_bytes / 2**20, load_seconds=facts.load_seconds,
@@ -73,7 +74,7 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
     if gate.max_ppl_increase_pct is not None:
         if "delta_ppl_pct_high" not in row:
             return Verdict(name, "error", "ΔPPL has no interval: the variant did not score the baseline's tokens")
-        interval = f"{row['delta_ppl_pct']:+.2f}% [{row['delta_ppl_pct_low']:+.2f}, {row['delta_ppl_pct_high']:+.2f}]"
+        interval = f"{row['delta_ppl_pct']:+z.2f}% [{row['delta_ppl_pct_low']:+z.2f}, {row['delta_ppl_pct_high']:+z.2f}]"
         checks.append(_check("ΔPPL", row["delta_ppl_pct"], row["delta_ppl_pct_high"], interval,
                              gate.max_ppl_increase_pct, above=True))
     if gate.max_kld_mean is not None or gate.min_top1_agreement is not None:
@@ -81,14 +82,14 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
             why = row.get("divergence_absent") or "evaluation.divergence is off"
             return Verdict(name, "error", f"KL divergence was not measured: {why}")
     if gate.max_kld_mean is not None:
-        interval = f"{row['kld_mean']:.4f} [{row['kld_mean_low']:.4f}, {row['kld_mean_high']:.4f}]"
+        interval = f"{row['kld_mean']:z.4f} [{row['kld_mean_low']:z.4f}, {row['kld_mean_high']:z.4f}]"
         checks.append(_check("KLD mean", row["kld_mean"], row["kld_mean_high"], interval, gate.max_kld_mean, above=True))
     if gate.min_top1_agreement is not None:
         interval = f"{row['top1_agreement']:.4f} [{row['top1_agreement_low']:.4f}, {row['top1_agreement_high']:.4f}]"
         checks.append(_check("top-1 agreement", row["top1_agreement"], row["top1_agreement_low"], interval,
                              gate.min_top1_agreement, above=False))
     if not checks:
-        return Verdict(name, "pass", f"ΔPPL {row['delta_ppl_pct']:+.2f}% (no limit set)")
+        return Verdict(name, "pass", f"ΔPPL {row['delta_ppl_pct']:+z.2f}% (no limit set)")
     failed = [reason for status, reason in checks if status != "pass"]
     if failed:
         return Verdict(name, "fail", "; ".join(failed))
@@ -131,7 +132,7 @@ def _baseline_said(row: dict) -> str:
 
 def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
     """A fixed-width comparison table for the terminal and the logs."""
-    columns = [("variant", "<16"), ("method", "<14"), ("PPL", ">12"), ("± err", ">10"), ("ΔPPL % [95% CI]", ">24"),
+    columns = [("variant", "<16"), ("method", "<16"), ("PPL", ">12"), ("± err", ">10"), ("ΔPPL % [95% CI]", ">24"),
                ("KLD", ">9"), ("top-1", ">8"), ("bits/B", ">8"), ("tok/s", ">8"), ("MiB", ">7")]
     header = "".join(f"{name:{spec}}" for name, spec in columns) + "  verdict"
     lines = [header, "-" * len(header)]
@@ -140,11 +141,11 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
         said = f"{verdict.status}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
         cells = [row["variant"], row["method"]] + [""] * (len(columns) - 2)
         if row["status"] == "ok":
-            delta = f"{row['delta_ppl_pct']:+.2f}" if "delta_ppl_pct" in row else ""
+            delta = f"{row['delta_ppl_pct']:+z.2f}" if "delta_ppl_pct" in row else ""
             if "delta_ppl_pct_low" in row:
-                delta += f" [{row['delta_ppl_pct_low']:+.2f},{row['delta_ppl_pct_high']:+.2f}]"
+                delta += f" [{row['delta_ppl_pct_low']:+z.2f},{row['delta_ppl_pct_high']:+z.2f}]"
             cells[2:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta,
-                         f"{row['kld_mean']:.4f}" if "kld_mean" in row else "",
+                         f"{row['kld_mean']:z.4f}" if "kld_mean" in row else "",
                          f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "",
                          f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "",
                          f"{row['tokens_per_second']:.0f}", f"{row['weight_mib']:.0f}"]
@@ -156,7 +157,7 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
 
 def _percentile_lines(row: dict, name: str, label: str, percentiles: tuple[float, ...], scale: float, unit: str) -> list[str]:
     def line(title: str, key: str) -> str:
-        return f"{title:<8}{label}: {scale * row[key]:{'9.3f' if unit else '11.6f'}}{unit}"
+        return f"{title:<8}{label}: {scale * row[key]:{'z9.3f' if unit else 'z11.6f'}}{unit}"
 
     return ([line("Maximum", f"{name}_max")]
             + [line("Median" if p == 50 else f"{p:.1f}%", f"{name}_p{p:g}") for p in percentiles]

@@ -157,3 +157,90 @@ def perturbed(model_dir: Path, dtype: torch.dtype = torch.float64, scale: float 
         for weight in model.parameters():
             weight.add_(torch.randn(weight.shape, generator=generator, dtype=torch.float64).to(dtype) * scale)
     return model
+
+
+def rewrite_gguf(source: Path, target: Path, quant_type: str | None = None, tokens: dict[int, str] | None = None) -> Path:
+    """A copy of a GGUF file with every quantized tensor re-quantized to ``quant_type`` (gguf-py's own
+    quantizer, from the dequantized values) and tokens ``{id: new text}`` renamed; float tensors as they are.
+    ``tokens`` values that are ids take that token's text (a swap keeps every merge valid)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, arch=reader.get_field("general.architecture").contents())
+    qtype = gguf.GGMLQuantizationType[quant_type] if quant_type else None
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # the writer writes these itself
+        value = field.contents()
+        if field.name == "general.file_type" and qtype is not None:
+            value = gguf.LlamaFileType[f"MOSTLY_{quant_type}"].value
+        if field.name == "tokenizer.ggml.tokens" and tokens:
+            value = [value[tokens[i]] if isinstance(tokens.get(i), int) else tokens.get(i, text)
+                     for i, text in enumerate(value)]
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if qtype is None or tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+            continue
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+# compressed-tensors' preset schemes as llm-compressor names them; W4A16 with 32-column groups (the preset's 128
+# does not divide the test models' 128-wide layers into more than one group)
+COMPRESSED_SCHEMES = {"W4A16": {"group_size": 32}, "W8A8": {}, "FP8_DYNAMIC": {}}
+
+
+def _weight_range(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of a weight over each quantization group (channel, group of columns, or whole tensor)."""
+    from compressed_tensors.quantization import QuantizationStrategy
+
+    w = weight.detach().float()
+    if args.strategy == QuantizationStrategy.CHANNEL:
+        return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    if args.strategy == QuantizationStrategy.GROUP:
+        w = w.unflatten(1, (w.shape[1] // args.group_size, args.group_size))
+        return w.amin(dim=-1), w.amax(dim=-1)
+    return w.amin().reshape(1), w.amax().reshape(1)
+
+
+def make_compressed(source: Path, target: Path, scheme: str) -> Path:
+    """A compressed-tensors checkpoint of a float model, made with compressed-tensors' own API (llm-compressor
+    0.14 pins transformers<=5.17 and cannot install beside ours): the preset scheme applied to every Linear but
+    lm_head, weight scales from each group's min/max (weights need no calibration data; activations are dynamic),
+    compressed in the scheme's format and saved with its quantization_config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.offload import update_offload_parameter
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    chosen = preset_name_to_scheme(scheme, targets=["Linear"])
+    chosen.weights = chosen.weights.model_copy(update=COMPRESSED_SCHEMES[scheme])
+    config = QuantizationConfig(config_groups={"group_0": chosen}, ignore=["lm_head"],
+                                quantization_status=QuantizationStatus.INITIALIZED)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    apply_quantization_config(model, config, show_progress=False)
+    with torch.no_grad():
+        for module in model.modules():
+            if not is_module_quantized(module) or module.quantization_scheme.weights is None:
+                continue
+            args = module.quantization_scheme.weights
+            scale, zero_point = calculate_qparams(*_weight_range(module.weight, args), args)
+            update_offload_parameter(module, "weight_scale", scale.to(module.weight_scale.dtype))
+            if hasattr(module, "weight_zero_point"):
+                update_offload_parameter(module, "weight_zero_point", zero_point.to(module.weight_zero_point.dtype))
+            module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(target)
+    compressor.update_config(target)
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    return target

@@ -71,3 +71,16 @@ def test_table_shows_interval_kl_agreement_and_failures():
     assert "ΔPPL % [95% CI]" in table[0] and "KLD" in table[0] and "top-1" in table[0]
     assert "+0.50 [+0.20,+0.80]" in table[3] and "0.0100" in table[3] and "97.0%" in table[3] and "pass:" in table[3]
     assert table[4].split()[:3] == ["gone", "awq", "—"] and table[4].endswith("model folder not found")
+
+
+def test_a_variant_equal_to_its_baseline_reads_zero_not_minus_zero():
+    """Float noise of an identical variant (the embedded GGUF file) is below the printed digits: +0.00."""
+    from tasks.verdict import format_table
+
+    same = row(delta=-1e-9, low=-2e-9, high=1e-9, kld=1e-12, kld_high=1e-11, top1=1.0, top1_low=1.0, ppl=25.0,
+               ppl_stderr=0.5, bits_per_byte=1.2, tokens_per_second=300, weight_mib=100)
+    same["kld_mean_low"] = -1e-11
+    verdict = judge(same, GATE)
+    table = format_table([same], {"q": verdict})
+    assert "-0.00" not in table and "+0.00 [+0.00,+0.00]" in table
+    assert "ΔPPL +0.00% [+0.00, +0.00]" in verdict.reason and "KLD mean 0.0000 [0.0000, 0.0000]" in verdict.reason

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import build_llama, make_text
 from tasks.checkpoints import prepare
-from tasks.config import CalibrationConfig, EvaluationConfig, VariantSpec
+from tasks.config import BaselineSpec, CalibrationConfig, EvaluationConfig, VariantSpec
 from tasks.evaluation import evaluation
 from tasks.scoring import score_variant
 from tasks.models import load_tokenizer
@@ -40,7 +40,7 @@ def test_tokenizer_without_pad_or_eos_quantizes_with_the_same_tokenizer(bos_only
     audit = evaluation(make_text(1500), baseline, EvaluationConfig(max_tokens=600, window=64, stride=32, batch_size=8))
     spec = VariantSpec(name=method, method=method, bits=4, group_size=32,
                        calibration=CalibrationConfig(samples=4, seq_len=64))
-    lineup = prepare(VariantSpec(name="baseline", path=str(bos_only_dir)), [spec])
+    lineup = prepare(BaselineSpec(name="baseline", path=str(bos_only_dir)), [spec])
     outcome = score_variant(lineup.variants[0], lineup, audit)
     assert outcome.ok, outcome.reason  # loaded and scored after passing check_same_tokenizer
     assert outcome.result.ppl > 1 and outcome.facts.quantized_layers == 14

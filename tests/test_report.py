@@ -68,8 +68,8 @@ def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audite
         assert f'<span class="badge {verdict.lower()}">{verdict}</span>' in row
         if name != "missing":
             metrics = children[name].data.metrics
-            assert (f"{metrics['delta_ppl_pct']:+.2f} [{metrics['delta_ppl_pct_low']:+.2f}, "
-                    f"{metrics['delta_ppl_pct_high']:+.2f}]") in row
+            assert (f"{metrics['delta_ppl_pct']:+z.2f} [{metrics['delta_ppl_pct_low']:+z.2f}, "
+                    f"{metrics['delta_ppl_pct_high']:+z.2f}]") in row
     assert "≤ 1</td>" in re.search(r'<tr class="model"><th>noisy</th>.*?</tr>', report).group(0)  # its own limit, not the 5%
     # settings and lineage: what was scored, how, and from what
     assert record["corpus"]["digest"] in report and record["audit_id"] in report
@@ -120,7 +120,7 @@ def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_
     texts = [t.get_text() for t in axis.texts]
     for name in names[:2]:
         row = rows[name]
-        assert any(t.startswith(f"{row['delta_ppl_pct']:+.2f}% [{row['delta_ppl_pct_low']:+.2f}, ") for t in texts)
+        assert any(t.startswith(f"{row['delta_ppl_pct']:+z.2f}% [{row['delta_ppl_pct_low']:+z.2f}, ") for t in texts)
     assert any(t.startswith("error: model folder not found") for t in texts)
     legend = [t.get_text() for t in axis.figure.legends[0].get_texts()]
     assert legend == ["pass", "fail", "error", "estimate, paired 95% interval", "gate limit (max ΔPPL %)"]

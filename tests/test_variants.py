@@ -9,7 +9,7 @@ import torch
 
 from helpers import build_llama, build_tokenizer, make_text
 from tasks.checkpoints import prepare
-from tasks.config import CalibrationConfig, CorpusConfig, EvaluationConfig, VariantSpec, parse
+from tasks.config import BaselineSpec, CalibrationConfig, CorpusConfig, EvaluationConfig, VariantSpec, parse
 from tasks.evaluation import evaluation
 from tasks.scoring import score_variant
 from tasks.errors import InputError
@@ -20,9 +20,9 @@ CALIBRATION = CalibrationConfig(samples=16, seq_len=128)
 # Measured on this 2-layer model trained briefly: every method moves PPL by under 0.1%. The bounds
 # leave room for other CPUs' kernels yet catch broken dequantization (a corrupted NF4 reload gives
 # PPL in the millions): 8-bit within 1%, 4-bit within 5%.
-BOUNDS = {"bnb-int8": 0.01, "torchao-int8": 0.01, "bnb-nf4": 0.05, "gptq": 0.05, "awq": 0.05}
+BOUNDS = {"bnb-int8": 0.01, "torchao-int8": 0.01, "bnb-nf4": 0.05, "gptq": 0.05, "awq": 0.05, "hqq": 0.05}
 KERNELS = {"bnb-int8": "Linear8bitLt", "bnb-nf4": "Linear4bit", "torchao-int8": "Int8Tensor",
-           "gptq": "TorchAtenLinear", "awq": "TorchAtenAwqLinear"}
+           "gptq": "TorchAtenLinear", "awq": "TorchAtenAwqLinear", "hqq": "HQQLinear"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def audit(tokenizer, trained_model_dir, tmp_path_factory):
 
 def run(audit, spec: VariantSpec, evaluation_=None, **options):
     """Score ``spec`` against the audit's baseline, prepared as an audit prepares its models."""
-    lineup = prepare(VariantSpec(name="baseline", path=audit["baseline"]), [spec])
+    lineup = prepare(BaselineSpec(name="baseline", path=audit["baseline"]), [spec])
     return score_variant(lineup.variants[0], lineup, evaluation_ or audit["evaluation"], **options)
 
 
@@ -63,7 +63,7 @@ def test_each_method_scores_near_the_baseline(audit, baseline, method):
     assert abs(outcome.result.ppl / baseline.result.ppl - 1) < BOUNDS[method]
     facts = outcome.facts
     assert (facts.quantized_layers, facts.linear_layers) == (14, 15)  # every linear but lm_head
-    assert KERNELS[method] in facts.backend
+    assert KERNELS[method] in facts.backend and len(facts.kernels) == 14 and "lm_head" not in facts.kernels
     assert facts.weight_memory_bytes < baseline.facts.weight_memory_bytes
     assert facts.load_seconds > 0 and facts.size_on_disk_bytes > 0
 
@@ -79,9 +79,11 @@ def test_quantize_save_load_round_trip_with_complete_manifest(audit, baseline, m
     assert (manifest["method"], manifest["bits"], manifest["group_size"]) == (method, 4, 64)
     assert manifest["calibration"]["samples"] == 16 and len(manifest["calibration"]["digest"]) == 64
     assert "gptqmodel" in manifest["versions"]
-    # the saved checkpoint loads again by path, as a pre-quantized variant
-    reloaded = run(audit, VariantSpec(name="reloaded", method=method, path=made.facts.source))
+    # the saved checkpoint loads again by path, as a pre-quantized variant whose method is read from it
+    reloaded = run(audit, VariantSpec(name="reloaded", path=made.facts.source))
     assert reloaded.ok, reloaded.reason
+    assert reloaded.method == method and reloaded.facts.quantization["detected"] == f"quantization_config: {method}"
+    assert (reloaded.facts.quantization["bits"], reloaded.facts.quantization["group_size"]) == (4, 64)
     assert reloaded.result.nll_sum == pytest.approx(made.result.nll_sum, rel=1e-9)
 
 

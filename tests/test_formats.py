@@ -1,0 +1,240 @@
+"""The checkpoints users ship: GGUF files, compressed-tensors, HQQ, and ``method: auto`` reading them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import make_compressed, make_text, rewrite_gguf, write_config
+from tasks.checkpoints import prepare
+from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
+from tasks.embedded import embedded_gguf, ensure_embedded_model
+from tasks.evaluation import evaluation
+from tasks.formats import detect
+from tasks.models import load_tokenizer
+from tasks.perplexity import perplexity
+from tasks.scoring import score_variant
+
+SETTINGS = EvaluationConfig(max_tokens=384, window=128, stride=64, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def embedded_audit():
+    """The embedded baseline, scored on a short stream: what the GGUF variants are compared with."""
+    tokens = evaluation(make_text(1500), load_tokenizer("embedded"), SETTINGS)
+    lineup = prepare(BaselineSpec(name="baseline", path="embedded"), [])
+    outcome = score_variant(lineup.baseline, lineup, tokens)
+    assert outcome.ok, outcome.reason
+    return {"evaluation": tokens, "baseline": outcome}
+
+
+def score_gguf(embedded_audit, spec: VariantSpec):
+    lineup = prepare(BaselineSpec(name="baseline", path="embedded"), [spec])
+    return score_variant(lineup.variants[0], lineup, embedded_audit["evaluation"],
+                         baseline_outcome=embedded_audit["baseline"])
+
+
+def test_the_embedded_gguf_file_scores_as_the_model_dequantized_from_it(embedded_audit):
+    outcome = score_gguf(embedded_audit, VariantSpec(name="q4_1", method="gguf", path="embedded"))
+    assert outcome.ok, outcome.reason
+    base = embedded_audit["baseline"].result
+    assert np.abs(outcome.result.token_nll - base.token_nll).max() < 1e-6
+    facts = outcome.facts
+    assert facts.quantization["file_type"] == "Q4_1" and facts.quantization["label"] == "gguf Q4_1"
+    assert facts.quantization["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert facts.quantization["bits_per_weight"] == pytest.approx(5.744, abs=1e-3)
+    assert facts.size_on_disk_bytes == embedded_gguf().stat().st_size
+    assert outcome.result.extra["kl"].max() < 1e-6  # the same distribution at every token
+
+
+def test_a_requantized_gguf_scores_as_its_dequantized_weights(embedded_audit, tmp_path):
+    """Q8_0 written by gguf-py from the Q4_1 file's values; the expected model applies the same Q8_0
+    round trip to the embedded float model's matrices (blocks run along rows, which llama.cpp's Q/K row
+    permutation leaves whole), so it checks transformers' GGUF mapping and dequantization independently."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    path = rewrite_gguf(embedded_gguf(), tmp_path / "smollm2.Q8_0.gguf", "Q8_0")
+    outcome = score_gguf(embedded_audit, VariantSpec(name="q8_0", path=str(path)))
+    assert outcome.ok, outcome.reason
+    assert outcome.method == "gguf" and outcome.facts.quantization["file_type"] == "Q8_0"
+    assert outcome.facts.quantization["detected"] == "a GGUF file"
+    expected = AutoModelForCausalLM.from_pretrained(ensure_embedded_model(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for weight in expected.parameters():
+            if weight.ndim == 2:
+                packed = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                weight.copy_(torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0)))
+    stream = embedded_audit["evaluation"].stream
+    want = perplexity(expected, stream, SETTINGS.window, SETTINGS.stride, SETTINGS.batch_size)
+    assert np.abs(outcome.result.token_nll - want.token_nll).max() < 1e-6
+    assert outcome.result.ppl != embedded_audit["baseline"].result.ppl  # Q8_0 really moved the weights
+
+
+def test_a_gguf_of_another_vocabulary_is_refused(embedded_audit, tmp_path):
+    path = rewrite_gguf(embedded_gguf(), tmp_path / "other.gguf", tokens={1000: 1001, 1001: 1000})
+    outcome = score_gguf(embedded_audit, VariantSpec(name="other", method="gguf", path=str(path)))
+    assert not outcome.ok and "different tokenizer" in outcome.reason
+
+
+def test_a_gguf_whose_tokenizer_cannot_be_built_fails_alone(tmp_path):
+    """Renamed tokens that its merges still name: the tokenizers library raises a bare Exception."""
+    path = rewrite_gguf(embedded_gguf(), tmp_path / "broken.gguf", tokens={1000: "ppl-audit"})
+    lineup = prepare(BaselineSpec(name="baseline", path="embedded"),
+                     [VariantSpec(name="broken", path=str(path)), VariantSpec(name="copy", method="baseline")])
+    broken, copy = lineup.variants
+    assert broken.problem.startswith(f"cannot load the tokenizer of {path}") and "\n" not in broken.problem
+    assert copy.problem == ""
+
+
+def test_a_file_that_is_not_gguf_is_one_line(cli, tmp_path, trained_model_dir, corpus_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file")
+    config = write_config(tmp_path / "audit.yaml", trained_model_dir, corpus_path, [{"name": "fake", "path": str(fake)}])
+    code, out, err = cli("run", str(config))
+    assert code == 2 and "Traceback" not in err
+    assert "is not a GGUF file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_method_auto_reads_a_float_folder_as_a_float_model(trained_model_dir):
+    assert detect(str(trained_model_dir))[0] == "baseline"
+
+
+def test_a_missing_package_is_refused_in_one_line_naming_it():
+    """The package made unimportable in a fresh interpreter, as on a machine without it."""
+    script = ("import sys; sys.modules['compressed_tensors'] = None\n"
+              "from tasks.formats import require\n"
+              "from tasks.errors import InputError\n"
+              "try:\n    require('compressed-tensors', 'cpu')\nexcept InputError as error:\n    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "pip install 'compressed-tensors==0.20.0'" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def small_audit(trained_model_dir):
+    """The trained test Llama as the baseline, scored on 1,000 tokens."""
+    tokens = evaluation(make_text(3000), load_tokenizer(str(trained_model_dir)),
+                        EvaluationConfig(max_tokens=1000, window=64, stride=32, batch_size=8))
+    lineup = prepare(BaselineSpec(name="baseline", path=str(trained_model_dir)), [])
+    outcome = score_variant(lineup.baseline, lineup, tokens)
+    assert outcome.ok, outcome.reason
+    return {"evaluation": tokens, "baseline": outcome, "path": str(trained_model_dir)}
+
+
+def score_small(small_audit, spec: VariantSpec):
+    lineup = prepare(BaselineSpec(name="baseline", path=small_audit["path"]), [spec])
+    return score_variant(lineup.variants[0], lineup, small_audit["evaluation"], baseline_outcome=small_audit["baseline"])
+
+
+# scheme -> (label, whether its activations are quantized); W4A16 moves PPL by 0.3%, the 8-bit ones by < 0.2%
+COMPRESSED = {"W4A16": ("ct W4A16", False), "W8A8": ("ct W8A8-INT8", True), "FP8_DYNAMIC": ("ct W8A8-FP8", True)}
+
+
+@pytest.mark.parametrize("scheme", list(COMPRESSED))
+def test_compressed_tensors_checkpoints_load_by_themselves_and_score_near_float(small_audit, tmp_path, scheme):
+    folder = make_compressed(small_audit["path"], tmp_path / scheme, scheme)
+    outcome = score_small(small_audit, VariantSpec(name=scheme.lower(), path=str(folder)))
+    assert outcome.ok, outcome.reason
+    assert outcome.method == "compressed-tensors"
+    base = small_audit["baseline"].result
+    assert outcome.result.ppl != base.ppl and abs(outcome.result.ppl / base.ppl - 1) < 0.02
+    facts = outcome.facts
+    label, activations = COMPRESSED[scheme]
+    assert facts.quantization["label"] == label
+    assert facts.quantization["detected"] == "quantization_config: compressed-tensors"
+    assert (facts.quantized_layers, facts.linear_layers) == (14, 15)  # every linear but lm_head
+    assert set(facts.kernels.values()) == {"compressed-tensors Linear"} and "lm_head" not in facts.kernels
+    said = facts.quantization["activation_quantization"]
+    assert said.startswith("applied: 14 layers quantize their inputs") if activations else said.startswith("none")
+
+
+def test_a_w8a8_figure_includes_its_activation_quantization(small_audit, tmp_path):
+    """The same checkpoint with its layers' input quantization switched off scores differently: the
+    W8A8 figure is not a weight-only one."""
+    from tasks.variants import load_variant
+
+    folder = make_compressed(small_audit["path"], tmp_path / "w8a8", "W8A8")
+    outcome = score_small(small_audit, VariantSpec(name="w8a8", path=str(folder)))
+    model, _ = load_variant(VariantSpec(name="w8a8", method="compressed-tensors", path=str(folder)), str(folder))
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            module.quantization_enabled = False
+    settings = small_audit["evaluation"].settings
+    weight_only = perplexity(model, small_audit["evaluation"].stream, settings.window, settings.stride, settings.batch_size)
+    assert np.abs(outcome.result.token_nll - weight_only.token_nll).max() > 1e-4
+
+
+def test_hqq_quantizes_the_float_model_as_it_loads(small_audit):
+    outcome = score_small(small_audit, VariantSpec(name="hqq3", method="hqq", bits=3, group_size=32))
+    assert outcome.ok, outcome.reason
+    base = small_audit["baseline"]
+    assert outcome.result.ppl != base.result.ppl and abs(outcome.result.ppl / base.result.ppl - 1) < 0.1
+    facts = outcome.facts
+    assert facts.quantization["label"] == "hqq 3-bit g32" and facts.quantization["backend"] == "PYTORCH"
+    assert set(facts.kernels.values()) == {"HQQLinear"} and len(facts.kernels) == 14
+    assert facts.weight_memory_bytes < base.facts.weight_memory_bytes
+
+
+def test_a_saved_hqq_checkpoint_is_refused_in_one_line(trained_model_dir, tmp_path):
+    """transformers 5.23 cannot load one; the line says what to give instead."""
+    import json
+    import shutil
+
+    from tasks.errors import InputError
+
+    folder = shutil.copytree(trained_model_dir, tmp_path / "hqq")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "hqq", "quant_config": {}}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="give the float model with method hqq"):
+        detect(str(folder))
+
+
+def test_a_variant_with_a_path_and_no_method_is_read_from_its_checkpoint():
+    assert VariantSpec(name="v", path="somewhere").method == "auto"
+    assert VariantSpec(name="v").method == "baseline"  # the baseline's own files, as they are
+    assert BaselineSpec(name="baseline", path="somewhere").method == "baseline"
+    assert VariantSpec(name="v", path="dir", gguf_file="m.gguf").location == "dir/m.gguf"
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"method": "gguf"}, "method gguf loads a checkpoint: give its path"),
+    ({"method": "compressed-tensors"}, "give its path"),
+    ({"path": "dir", "method": "gptq", "gguf_file": "m.gguf"}, "gguf_file names a file in the folder"),
+    ({"method": "hqq", "calibration": {"samples": 4}}, "hqq quantizes at load without calibration"),
+    ({"method": "hqq", "group_size": 48}, "group_size 48 is not one hqq kernels support"),
+])
+def test_format_settings_that_cannot_work_are_one_line(spec, says):
+    from tasks.config import parse
+    from tasks.errors import InputError
+
+    with pytest.raises(InputError, match=says):
+        parse(VariantSpec, {"name": "v", **spec}, "variant")
+
+
+def test_an_audit_with_a_variant_whose_package_is_missing_stops_before_loading(tmp_path, trained_model_dir,
+                                                                                corpus_path):
+    config = write_config(tmp_path / "audit.yaml", trained_model_dir, corpus_path,
+                          [{"name": "int8", "method": "torchao-int8"}, {"name": "h4", "method": "hqq"}])
+    script = ("import sys; sys.modules['hqq'] = None\n"
+              "from flows.cli import main\n"
+              f"sys.exit(main(['run', {str(config)!r}], capture=True))\n")  # as the console script runs it
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "ppl-audit: error: h4: method hqq needs the package hqq: pip install 'hqq==0.2.8.post1' "
+        "(all formats: pip install 'ppl-audit[formats]')"]
+
+
+def test_a_transformers_fp8_checkpoint_on_cpu_is_refused_in_one_line():
+    """transformers' own FP8 quantizer raises a RuntimeError without a GPU; the audit says what to do instead."""
+    from tasks.errors import InputError
+    from tasks.formats import require
+
+    with pytest.raises(InputError, match="need a GPU; on CPU audit a compressed-tensors FP8 checkpoint"):
+        require("fp8", "cpu")
+    require("fp8", "cuda")
