@@ -1,7 +1,8 @@
 """Where the variants of an audit run: one after another here, or on Dask or Ray workers.
 
 Sequential is the default: one device, one model in memory at a time. Dask and Ray run variants
-concurrently, one per worker; with ``gpus_per_variant`` each variant asks its worker for GPUs.
+concurrently, one per worker, on a local cluster started for the audit or on an existing one
+(``runner.address``); with ``gpus_per_variant`` each variant asks its worker for GPUs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def task_runner(config: AuditConfig):
     if runner.kind == "dask":
         from prefect_dask import DaskTaskRunner
 
+        if runner.address:  # the user's cluster: its workers declare their own resources
+            return DaskTaskRunner(address=runner.address)
         resources = {"GPU": runner.gpus_per_variant} if runner.gpus_per_variant else {}
         return DaskTaskRunner(cluster_kwargs=dask_cluster(runner.workers, resources))
     if runner.kind == "ray":
@@ -36,7 +39,7 @@ def task_runner(config: AuditConfig):
             from prefect_ray import RayTaskRunner
         except ImportError:
             raise InputError("runner.kind ray needs prefect-ray: pip install prefect-ray") from None
-        return RayTaskRunner()
+        return RayTaskRunner(address=runner.address)
     return None
 
 

@@ -285,11 +285,28 @@ class Schedule(Strict):
 
 
 class Runner(Strict):
-    """Where variants run: one after another here, or concurrently through Dask or Ray workers."""
+    """Where variants run: one after another here, or concurrently through Dask or Ray workers.
+
+    ``address``: an existing cluster's scheduler (Dask ``tcp://host:8786``; Ray ``ray://host:10001`` or
+    ``auto``); without it ``workers`` local workers are started for the audit.
+    """
 
     kind: Literal["sequential", "dask", "ray"] = "sequential"
     workers: int = Field(2, ge=1)
     gpus_per_variant: float = Field(0, ge=0)
+    address: str | None = None
+
+    @model_validator(mode="after")
+    def _address_fits_the_kind(self) -> "Runner":
+        schemes = {"dask": ("tcp://", "tls://"), "ray": ("ray://",)}.get(self.kind)
+        if self.address is None:
+            return self
+        if schemes is None:
+            raise ValueError("address is a Dask or Ray scheduler's: set kind dask or ray")
+        if not (self.address.startswith(schemes) or (self.kind == "ray" and self.address == "auto")):
+            raise ValueError(f"'{self.address}' is not a {self.kind} scheduler address; use "
+                             + ("tcp://HOST:8786" if self.kind == "dask" else "ray://HOST:10001 or auto"))
+        return self
 
 
 class Tracking(Strict):

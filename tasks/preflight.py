@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tasks.checkpoints import calibration_for, prepare
+from tasks.cluster import check_reachable, check_workers_see
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.errors import InputError
 from tasks.formats import detect, locate, require
 from tasks.evaluation import evaluation
-from tasks.models import check_checkpoint, load_config, max_positions, resolve_device
+from tasks.models import check_checkpoint, load_config, max_positions, resolve_device, resolve_model_path
+from tasks.places import references_dir
 from tasks.tracking import tracking_uri
 from tasks.windows import check_window
 
@@ -20,6 +24,8 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             run does not, so that a checkpoint gone missing fails its variant, not the audit).
     """
     registry = tracking_uri(config.tracking.uri)  # models:/ names are the audit's tracking server's
+    if config.runner.address:
+        check_reachable(config.runner.address)
     for spec in [config.baseline, *config.variants]:
         try:
             resolve_device(spec.device)
@@ -30,10 +36,13 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
     except InputError as error:
         raise InputError(f"evaluation.{error}") from None
     check_checkpoint(config.baseline.path, registry)
+    # what the workers of an existing cluster must see: the baseline's files (a variant quantized at load
+    # reads them) and its stored references (a variant's KL), and each variant's own files
+    local = {"the baseline": resolve_model_path(config.baseline.path, registry), "baseline references": references_dir()}
     for spec in config.variants if variants else []:
         method = spec.method
         if spec.path is not None:
-            source = locate(spec, registry)
+            source = local[spec.name] = locate(spec, registry)
             check_checkpoint(source, registry)
             if method == "auto":
                 method = detect(source)[0]
@@ -41,6 +50,10 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             require(method, resolve_device(spec.device).type)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
+    if config.runner.kind == "dask" and config.runner.address:
+        local["baseline references"].mkdir(parents=True, exist_ok=True)
+        check_workers_see(config.runner.address, {whose: str(path) for whose, path in local.items()
+                                                  if Path(path).exists()})  # a Hub id: each worker fetches it
 
 
 def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from tasks import reference
 from tasks.batching import auto_batch_size
 from tasks.checkpoints import Checkpoint, Lineup, quantized_checkpoint
+from tasks.cluster import worker
 from tasks.corpus import tokenizer_digest
 from tasks.errors import InputError, NumericalError, TransientError, one_line
 from tasks.evaluation import Evaluation
@@ -129,6 +130,7 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
         if checkpoint.role == "baseline":
             outcome.manifest = checkpoint.manifest
             outcome.result, outcome.facts, outcome.reference = _score_baseline(checkpoint, evaluation_, progress)
+            outcome.facts.worker = worker()
             outcome.status = "ok"
             return outcome
         source, tokenizer, outcome.manifest = checkpoint.source, checkpoint.tokenizer, checkpoint.manifest
@@ -139,6 +141,7 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
             check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
         check_same_tokenizer(spec.name, lineup.baseline.tokenizer, tokenizer)
         model, outcome.facts = load_variant(spec, source)
+        outcome.facts.worker = worker()
         if checkpoint.detected:
             outcome.facts.quantization["detected"] = checkpoint.detected
         against = None

@@ -142,6 +142,7 @@ def _variant_params(record: dict, entry: dict) -> dict:
               "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
+              "worker": facts.get("worker"),
               "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
               "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),
               "calibration.samples": (manifest.get("calibration") or {}).get("samples"),

@@ -41,6 +41,7 @@ class VariantFacts:
     versions: dict[str, str] = field(default_factory=dict)
     quantization: dict = field(default_factory=dict)  # the format's own facts (tasks.formats.describe)
     kernels: dict[str, str] = field(default_factory=dict)  # quantized layer -> the kernel class that runs it
+    worker: str = ""  # where it was scored: a Dask worker's address, else host and process (tasks.cluster)
 
     def summary(self) -> dict:
         return asdict(self)
