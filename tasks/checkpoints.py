@@ -16,8 +16,8 @@ from typing import Literal
 from tasks.config import DEFAULT_CALIBRATION, BaselineSpec, VariantSpec
 from tasks.corpus import cached_tokenize, tokenizer_digest
 from tasks.errors import InputError, one_line
-from tasks.formats import detect, locate
 from tasks.evaluation import Evaluation
+from tasks.formats import detect, locate
 from tasks.models import load_tokenizer, resolve_model_path
 from tasks.places import cache_dir
 from tasks.quantize import Calibration, draw_calibration, model_digest, quantize, read_manifest
@@ -30,9 +30,9 @@ class Checkpoint:
     Attributes:
         spec: its validated spec.
         role: ``baseline`` (what the others are compared with) or ``variant``.
-        source: the local folder, ``.gguf`` file or Hub id it loads from (bnb and torchao variants without a path: the
-            baseline's); None for a gptq/awq variant made from the baseline on first use, or one whose
-            files cannot be found (``problem``).
+        source: the local folder, ``.gguf`` file or Hub id it loads from (variants quantized at load without
+            a path: the baseline's); None for a gptq/awq variant made from the baseline on first use, or one
+            whose files cannot be found (``problem``).
         tokenizer: ``tokenizer_digest`` of its tokenizer, when ``source`` is known.
         manifest: the ``ppl_audit.json`` of a checkpoint we quantized, if it has one.
         problem: why it cannot be scored, in one line; empty when it can.

@@ -22,10 +22,8 @@ NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file n
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
 QUANTIZED_AT_LOAD = ("bnb-int8", "bnb-nf4", "torchao-int8", "hqq")  # without a path: the baseline, quantized as it loads
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
-# what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device;
-# HQQ quantizes any group size that divides a layer's weights, these are the ones its packing is tested with
-KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128),
-                      "hqq": (16, 32, 64, 128, 256)}
+# what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
+KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
 Rescore = Literal["auto", "always", "never"]  # when a baseline's stored reference is reused (BaselineSpec)
 RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
@@ -121,11 +119,13 @@ class VariantSpec(Strict):
         if self.method == "hqq":
             if {"sym", "calibration"} & set(settings):
                 raise ValueError("hqq quantizes at load without calibration: give bits and group_size only")
+            if self.group_size is not None and self.group_size < 1:  # HQQ groups any count that divides a layer
+                raise ValueError("hqq group_size is a number of weights per group: give a positive one")
         elif settings and self.method not in QUANTIZED_BY_US:
             raise ValueError(f"{', '.join(settings)} only apply to gptq, awq and hqq, not to method {self.method}")
         if settings and self.path is not None and self.method != "hqq":  # hqq quantizes whatever float model it loads
             raise ValueError(f"give either path (a quantized checkpoint) or {', '.join(settings)}, not both")
-        if self.group_size is not None:
+        if self.group_size is not None and self.method in KERNEL_GROUP_SIZES:
             check_group_size(self.method, self.group_size)
         if self.gguf_file is not None and (self.path is None or self.method not in ("gguf", "auto")):
             raise ValueError("gguf_file names a file in the folder given as path, with method gguf (or auto)")

@@ -23,6 +23,7 @@ PACKAGES = {"gptq": ("gptqmodel", "gptqmodel==7.6.0"), "awq": ("gptqmodel", "gpt
             "hqq": ("hqq", "hqq==0.2.8.post1"), "bnb-int8": ("bitsandbytes", "bitsandbytes"),
             "bnb-nf4": ("bitsandbytes", "bitsandbytes"), "torchao-int8": ("torchao", "torchao"),
             "gguf": ("gguf", "gguf")}
+FORMATS_EXTRA = ("compressed-tensors", "hqq")  # the methods whose packages pyproject's `formats` extra installs
 
 
 def locate(spec: VariantSpec, registry: str | None = None) -> str:
@@ -69,8 +70,8 @@ def require(method: str, device_type: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError:
-        raise InputError(f"method {method} needs the package {pip.split('==')[0]}: pip install '{pip}' "
-                         "(all formats: pip install 'ppl-audit[formats]')") from None
+        extra = " (all formats: pip install 'ppl-audit[formats]')" if method in FORMATS_EXTRA else ""
+        raise InputError(f"method {method} needs the package {pip.split('==')[0]}: pip install '{pip}'{extra}") from None
 
 
 def distributions(method: str) -> tuple[str, ...]:

@@ -1,9 +1,9 @@
 """Load the baseline and its quantized variants, with the facts of each load.
 
-bitsandbytes (LLM.int8, NF4), torchao (int8 weight-only) and HQQ quantize at load through transformers;
-GPTQ and AWQ checkpoints load through transformers with gptqmodel's kernels (optimum for GPTQ),
-compressed-tensors checkpoints with the compressed-tensors package, GGUF files dequantized by
-transformers' GGUF loader. The same code path runs on CUDA.
+bitsandbytes (LLM.int8, NF4) and torchao (int8 weight-only) quantize at load through transformers, HQQ
+through its own API right after loading; GPTQ and AWQ checkpoints load through transformers with
+gptqmodel's kernels (optimum for GPTQ), compressed-tensors checkpoints with the compressed-tensors
+package, GGUF files dequantized by transformers' GGUF loader. The same code path runs on CUDA.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def check_record(client: MlflowClient, parent) -> dict:
     assert note[2] == "| missing | ERROR | — | ≤ 5 | — | — | — |" and note[5].startswith("| baseline | BASELINE | — | — |")
     for name in ("int8", "nf4"):
         row = next(line for line in note if line.startswith(f"| {name} |"))
-        assert row.startswith(f"| {name} | PASS | {runs[name].data.metrics['delta_ppl_pct']:+.2f} [") and "| ≤ 5 |" in row
+        assert row.startswith(f"| {name} | PASS | {runs[name].data.metrics['delta_ppl_pct']:+z.2f} [") and "| ≤ 5 |" in row
         assert parent.data.metrics[f"{name}.delta_ppl_pct"] == runs[name].data.metrics["delta_ppl_pct"]
         assert parent.data.metrics[f"{name}.kld_mean"] == runs[name].data.metrics["kld_mean"]
     assert len(note) == 6 and parent.data.tags["audit.reason"].startswith("missing: ")  # MLflow shows six lines unfolded

@@ -154,7 +154,7 @@ def test_failing_variants_do_not_stop_the_others(audit, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("bad,expected", [
     ({"name": "x", "method": "int4"}, "method: Input should be"),
-    ({"name": "x", "method": "bnb-int8", "bits": 4}, "bits only apply to gptq and awq"),
+    ({"name": "x", "method": "bnb-int8", "bits": 4}, "bits only apply to gptq, awq and hqq"),
     ({"name": "x", "method": "gptq", "path": "/p", "bits": 4}, "either path"),
     ({"name": "x", "method": "gptq", "group_size": 0}, "group_size 0 is not one gptq kernels support"),
     ({"name": "x", "method": "gptq", "calibration": {"samples": 0}}, "calibration.samples"),
