@@ -2,21 +2,24 @@
 
 Sequential is the default: one device, one model in memory at a time. Dask and Ray run variants
 concurrently, one per worker, on a local cluster started for the audit or on an existing one
-(``runner.address``); with ``gpus_per_variant`` each variant asks its worker for GPUs.
+(``runner.address``); with ``gpus_per_variant`` each variant asks its worker for GPUs, and with ``shards``
+each variant's windows are split across workers and merged exactly.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-
-from prefect import flow
+from dataclasses import replace
 
 from tasks.checkpoints import Lineup
 from tasks.config import AuditConfig
-from tasks.errors import InputError, one_line
+from tasks.errors import one_line
 from tasks.evaluation import Evaluation
+from tasks.perplexity import shard_bounds
 from tasks.results import VariantResult
-from tasks.steps import score
+from tasks.scoring import merge_shards
+from tasks.steps import make, score
+from tasks.windows import plan
 
 
 def dask_cluster(workers: int, resources: dict) -> dict:
@@ -35,11 +38,15 @@ def task_runner(config: AuditConfig):
         resources = {"GPU": runner.gpus_per_variant} if runner.gpus_per_variant else {}
         return DaskTaskRunner(cluster_kwargs=dask_cluster(runner.workers, resources))
     if runner.kind == "ray":
-        try:
-            from prefect_ray import RayTaskRunner
-        except ImportError:
-            raise InputError("runner.kind ray needs prefect-ray: pip install prefect-ray") from None
-        return RayTaskRunner(address=runner.address)
+        from prefect_ray import RayTaskRunner
+
+        quiet = {"logging_level": "WARNING"}
+        if runner.address == "auto":  # the cluster `ray start` runs on this machine, never a new one
+            return RayTaskRunner(init_kwargs=quiet | {"address": "auto"})
+        if runner.address:
+            return RayTaskRunner(address=runner.address, init_kwargs=quiet)
+        # a local instance of `workers` CPUs (it finds the GPUs itself), no dashboard listening on every interface
+        return RayTaskRunner(init_kwargs=quiet | {"num_cpus": runner.workers, "include_dashboard": False})
     return None
 
 
@@ -57,22 +64,67 @@ def _placement(config: AuditConfig):
     return remote_options(num_gpus=gpus)
 
 
+def _raised(error: BaseException) -> str:
+    return f"{type(error).__name__}: {one_line(error)}"
+
+
 def _outcome(checkpoint, value) -> VariantResult:
     """A task's result, or a failed result for a task that raised (retries exhausted)."""
     if isinstance(value, BaseException):
-        spec = checkpoint.spec
-        return VariantResult(spec.name, spec.method, "failed", f"{type(value).__name__}: {one_line(value)}")
+        return VariantResult(checkpoint.spec.name, checkpoint.spec.method, "failed", _raised(value))
     return value
 
 
-@flow(name="ppl-audit-variants", validate_parameters=False)  # it takes the audit's own objects, checked already
-def score_concurrently(config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult
+def _elsewhere(runner, config: AuditConfig, shard: VariantResult):
+    """Where a failed shard is tried again: on Dask, preferably any worker but the one it failed on."""
+    if config.runner.kind != "dask" or not shard.shards:
+        return nullcontext()
+    import dask
+
+    others = sorted(set(runner.client.scheduler_info()["workers"]) - {shard.shards[0]["worker"]})
+    return dask.annotate(workers=others, allow_other_workers=True) if others else nullcontext()
+
+
+def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult
                        ) -> list[VariantResult]:
-    """Every variant at once, one task each, on the task runner this flow is given (Dask or Ray)."""
+    """Every variant at once on a started Dask or Ray task runner, as ``runner.shards`` tasks over contiguous
+    slices of its windows (one by default), merged exactly; a variant made here is quantized once first.
+
+    A task that failed in a way another worker may not (out of memory, a crash, a file missing there) is tried
+    once more, elsewhere; the variant fails only when it fails again. Tasks go to the runner itself, not
+    through a subflow: a subflow's parameters (the corpus text among them) are stored with its run, and
+    Prefect refuses more than 512 KB of them.
+    """
+    settings = scored.settings
+    batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
+    bounds = shard_bounds(len(plan(scored.stream, settings.window, settings.stride, settings.mode)),
+                          config.runner.shards, batch)
+
+    def shard(checkpoint, windows):
+        return runner.submit(score, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
+                                     "baseline_outcome": baseline, "windows": windows})
+
     with _placement(config):
-        futures = [score.submit(checkpoint, lineup, scored, baseline) for checkpoint in lineup.variants]
-    return [_outcome(checkpoint, future.result(raise_on_failure=False))
-            for checkpoint, future in zip(lineup.variants, futures)]
+        making = {v: runner.submit(make, {"checkpoint": c, "lineup": lineup, "evaluation_": scored})
+                  for v, c in enumerate(lineup.variants) if len(bounds) > 1 and c.source is None and not c.problem}
+        ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
+        submitted = {v: [shard(c, windows) for windows in bounds] for v, c in ready.items()}
+        for v, future in making.items():  # each variant's shards start once it is made
+            made = future.result(raise_on_failure=False)
+            ready[v] = replace(lineup.variants[v], problem=_raised(made)) if isinstance(made, BaseException) else made
+            submitted[v] = [shard(ready[v], windows) for windows in bounds]
+        outcomes = [[_outcome(c, f.result(raise_on_failure=False)) for f in submitted[v]]
+                    for v, c in enumerate(lineup.variants)]
+        again = {}
+        for v, shards in enumerate(outcomes):
+            for n, failed in enumerate(shards):
+                if failed.retry_elsewhere:
+                    with _elsewhere(runner, config, failed):
+                        again[v, n] = shard(ready[v], bounds[n])
+    for (v, n), future in again.items():
+        failed, outcomes[v][n] = outcomes[v][n], _outcome(lineup.variants[v], future.result(raise_on_failure=False))
+        outcomes[v][n].shards[:0] = [row | {"failed": failed.reason} for row in failed.shards]
+    return [merge_shards(shards, scored) for shards in outcomes]
 
 
 def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
@@ -84,5 +136,6 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
         variants = [_outcome(checkpoint, score(checkpoint, lineup, scored, baseline, return_state=True)
                              .result(raise_on_failure=False)) for checkpoint in lineup.variants]
     else:
-        variants = score_concurrently.with_options(task_runner=runner)(config, lineup, scored, baseline)
+        with runner:
+            variants = score_concurrently(runner, config, lineup, scored, baseline)
     return baseline, variants

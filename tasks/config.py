@@ -105,6 +105,8 @@ class VariantSpec(Strict):
     calibration: CalibrationConfig | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
     device: str = "auto"
+    device_map: Literal["auto"] | dict[str, int | str] | None = None
+    max_memory: dict[int | str, int | str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -131,6 +133,12 @@ class VariantSpec(Strict):
             raise ValueError("gguf_file names a file in the folder given as path, with method gguf (or auto)")
         if self.method in ("auto", "gguf", "compressed-tensors", "fp8") and self.path is None:
             raise ValueError(f"method {self.method} loads a checkpoint: give its path")
+        if self.max_memory is not None and self.device_map is None:
+            raise ValueError("max_memory bounds what device_map places on each device: give device_map too")
+        if self.device_map is not None and self.device != "auto":
+            raise ValueError("give device (one device) or device_map (a model split over several), not both")
+        if self.device_map is not None and self.method == "hqq":
+            raise ValueError("hqq quantizes through its own API, on one device: device_map is not for it")
         return self
 
     @property
@@ -288,16 +296,20 @@ class Runner(Strict):
     """Where variants run: one after another here, or concurrently through Dask or Ray workers.
 
     ``address``: an existing cluster's scheduler (Dask ``tcp://host:8786``; Ray ``ray://host:10001`` or
-    ``auto``); without it ``workers`` local workers are started for the audit.
+    ``auto``); without it ``workers`` local workers are started for the audit. ``shards``: each variant's
+    windows are split into this many contiguous slices, one task each, merged exactly.
     """
 
     kind: Literal["sequential", "dask", "ray"] = "sequential"
     workers: int = Field(2, ge=1)
     gpus_per_variant: float = Field(0, ge=0)
     address: str | None = None
+    shards: int = Field(1, ge=1)
 
     @model_validator(mode="after")
-    def _address_fits_the_kind(self) -> "Runner":
+    def _fits_the_kind(self) -> "Runner":
+        if self.shards > 1 and self.kind == "sequential":
+            raise ValueError("shards split a model's windows across workers: set kind dask or ray")
         schemes = {"dask": ("tcp://", "tls://"), "ray": ("ray://",)}.get(self.kind)
         if self.address is None:
             return self

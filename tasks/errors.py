@@ -9,6 +9,10 @@ class NumericalError(RuntimeError):
     """A model produced NaN or infinite log-probabilities."""
 
 
+class WorkerError(RuntimeError):
+    """A worker that lacks what another has (a file every worker should see): a shard is tried elsewhere."""
+
+
 class TransientError(RuntimeError):
     """A failure worth retrying: network or remote storage. Prefect tasks retry on it, nothing else."""
 

@@ -121,14 +121,15 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
         name: a local folder, a ``.gguf`` file, ``embedded``, or a Hugging Face Hub id (needs network).
         dtype: weight dtype for unquantized layers.
         device: where the model runs.
-        from_pretrained: extra keyword arguments (a quantization config, say).
+        from_pretrained: extra keyword arguments (a quantization config; a ``device_map`` that splits the model
+            instead of placing it on ``device``).
     """
     from transformers import AutoModelForCausalLM
 
     source, extra = from_pretrained_args(resolve_model_path(name))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=str(device), **extra,
-                                                     **from_pretrained)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **({"device_map": str(device)} | extra
+                                                                             | from_pretrained))
     except (OSError, ValueError) as error:
         if is_network_error(error):
             raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error

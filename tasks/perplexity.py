@@ -128,14 +128,12 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, hidden.shape[0], rows):
         stop = start + rows
-        target = targets[start:stop, None]
-        if reference is None:
-            parts = {"nll": nll(head(hidden[start:stop]), target, softcap)}
-        else:
-            logits = head(hidden[start:stop])
-            parts = {"nll": nll(logits, target, softcap),
-                     **_divergence_kernel(hidden.device.type)(logits, reference.head(reference.hidden[start:stop]),
-                                                              softcap, reference.softcap)}
+        logits = head(hidden[start:stop])
+        target = targets[start:stop, None].to(logits.device)  # a split model's head may sit on another device
+        parts = {"nll": nll(logits, target, softcap)}
+        if reference is not None:
+            base_logits = reference.head(reference.hidden[start:stop]).to(logits.device)
+            parts |= _divergence_kernel(logits.device.type)(logits, base_logits, softcap, reference.softcap)
         for key, value in parts.items():
             out.setdefault(key, []).append(value)
     return {key: torch.cat(values) for key, values in out.items()}
@@ -395,6 +393,106 @@ def count_scored_text(stream: TokenStream, tokenizer, window: int, mode: str) ->
                                n_words=sum(len(text.split()) for text in texts), counted_for=mode)
 
 
+@dataclass
+class Part:
+    """What scoring one contiguous slice of a stream's windows gave: a shard, or the whole stream.
+
+    Attributes:
+        windows: ``(first, stop)``: the slice's window indices in the stream's plan.
+        scores: the slice's results, its windows numbered from 0.
+        wall_seconds, peak_memory_bytes, batch_size, device, dtype: what scoring it took, and where.
+    """
+
+    windows: tuple[int, int]
+    scores: WindowScores
+    wall_seconds: float
+    peak_memory_bytes: int
+    batch_size: int
+    device: str
+    dtype: str
+
+
+def shard_bounds(n_windows: int, shards: int, batch_size: int) -> list[tuple[int, int]]:
+    """At most ``shards`` contiguous, non-empty slices ``(first, stop)`` of ``n_windows`` windows, as even as
+    whole batches allow: each boundary is a multiple of ``batch_size``, so that every forward pass holds the
+    same windows as when one worker scores them all, and gives the same bits."""
+    batches = math.ceil(n_windows / batch_size)
+    shards = max(1, min(shards, batches))
+    bounds = [min(n_windows, (batches * i // shards) * batch_size) for i in range(shards + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: int):
+    """``reference`` and ``keep_hidden`` for a slice whose first scored token is token ``offset`` of the stream:
+    both address the stream's token arrays (a stored reference is read, or written, at the stream's places)."""
+    if not offset:
+        return reference, keep_hidden
+
+    def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        return reference.states(slots + offset, inputs)
+
+    def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        keep_hidden(slots + offset, hidden)
+
+    return (None if reference is None else dataclasses.replace(reference, states=states),
+            None if keep_hidden is None else keep)
+
+
+def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
+               windows: tuple[int, int] | None = None, progress: bool = False, model_name: str = "",
+               mode: str = "sliding", reference: Baseline | None = None, keep_hidden: Callable | None = None) -> Part:
+    """Score the windows ``windows = (first, stop)`` of the stream's plan (all of them when None).
+
+    A slice is scored exactly as within the whole run: the same windows, the same context; ``combine``
+    joins the parts. ``reference`` and ``keep_hidden`` are as in ``score_windows``, at the stream's places.
+    """
+    check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
+    planned = plan(stream, window, stride, mode)
+    first, stop = windows or (0, len(planned))
+    if not 0 <= first < stop <= len(planned):
+        raise ValueError(f"windows {first}..{stop} are not a slice of the plan's {len(planned)}")
+    offset = sum(w.n_scored for w in planned[:first])
+    mine = [dataclasses.replace(w, index=w.index - first) for w in planned[first:stop]]
+    reference, keep_hidden = _shifted(reference, keep_hidden, offset)
+    first_token = stream.bos_id if mode == "llama.cpp" and stream.bos != "none" else None
+    device = model.device
+    with PeakMemory(device) as memory:
+        started = time.perf_counter()
+        label = None
+        if progress:
+            label = f"score {model_name or model.name_or_path}"
+            label += f" [windows {first}-{stop - 1}]" if windows else ""
+        scores = score_windows(model, stream.ids, mine, stream.prefix, batch_size, label, first_token,
+                               reference, keep_hidden)
+        wall = time.perf_counter() - started
+    return Part((first, stop), scores, wall, memory.peak_bytes, batch_size, str(device),
+                str(model.dtype).removeprefix("torch."))
+
+
+def combine(parts: list[Part], stream: TokenStream, model_name: str, window: int, stride: int,
+            mode: str = "sliding") -> PerplexityResult:
+    """One result from the parts that cover a stream's windows, in window order: per-token and per-window
+    arrays concatenated, then one float64 sum and one division (``summarize``), as if one run scored them."""
+    parts = sorted(parts, key=lambda part: part.windows)
+    joined = [b.windows[0] for b in parts[1:]] == [a.windows[1] for a in parts[:-1]]
+    if not parts or parts[0].windows[0] != 0 or not joined:
+        raise ValueError(f"parts {[p.windows for p in parts]} do not cover the windows from the first, in turn")
+
+    def cat(arrays: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(arrays) if len(arrays) > 1 else arrays[0]
+
+    scores = WindowScores(cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),
+                          cat([p.scores.window_tokens for p in parts]),
+                          {key: cat([p.scores.extra[key] for p in parts]) for key in parts[0].scores.extra})
+    wall = sum(p.wall_seconds for p in parts)  # compute time, on however many workers
+    return summarize(
+        scores, stream, model=model_name, window=window, stride=stride if mode == "sliding" else window,
+        batch_size=min(p.batch_size for p in parts), mode=mode, device=parts[0].device, dtype=parts[0].dtype,
+        wall_seconds=wall, tokens_per_second=int(scores.window_tokens.sum()) / wall,
+        peak_memory_bytes=max(p.peak_memory_bytes for p in parts),
+    )
+
+
 def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
                progress: bool = False, model_name: str = "", mode: str = "sliding", reference: Baseline | None = None,
                keep_hidden: Callable | None = None) -> PerplexityResult:
@@ -404,20 +502,6 @@ def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256,
     ``mode`` selects a published convention instead (see ``plan_chunks``); ``reference`` (divergence from
     a baseline) and ``keep_hidden`` (writing a baseline reference) are passed to ``score_windows``.
     """
-    check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
-    windows = plan(stream, window, stride, mode)
-    first_token = stream.bos_id if mode == "llama.cpp" and stream.bos != "none" else None
-    device = model.device
-    with PeakMemory(device) as memory:
-        started = time.perf_counter()
-        label = f"score {model_name or model.name_or_path}" if progress else None
-        scores = score_windows(model, stream.ids, windows, stream.prefix, batch_size, label, first_token,
-                               reference, keep_hidden)
-        wall = time.perf_counter() - started
-    n_scored = int(scores.window_tokens.sum())
-    return summarize(
-        scores, stream, model=model_name or str(model.name_or_path), window=window,
-        stride=stride if mode == "sliding" else window, batch_size=batch_size, mode=mode, device=str(device),
-        dtype=str(model.dtype).removeprefix("torch."), wall_seconds=wall, tokens_per_second=n_scored / wall,
-        peak_memory_bytes=memory.peak_bytes,
-    )
+    name = model_name or str(model.name_or_path)
+    part = score_part(model, stream, window, stride, batch_size, None, progress, name, mode, reference, keep_hidden)
+    return combine([part], stream, name, window, stride, mode)

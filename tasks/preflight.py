@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from tasks.checkpoints import calibration_for, prepare
-from tasks.cluster import check_reachable, check_workers_see
+from tasks.cluster import check_reachable, check_workers
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.errors import InputError
 from tasks.formats import detect, locate, require
@@ -24,6 +25,8 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             run does not, so that a checkpoint gone missing fails its variant, not the audit).
     """
     registry = tracking_uri(config.tracking.uri)  # models:/ names are the audit's tracking server's
+    if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
+        raise InputError("runner.kind ray needs prefect-ray and ray: pip install 'ppl-audit[ray]'")
     if config.runner.address:
         check_reachable(config.runner.address)
     for spec in [config.baseline, *config.variants]:
@@ -50,10 +53,10 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             require(method, resolve_device(spec.device).type)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
-    if config.runner.kind == "dask" and config.runner.address:
+    if config.runner.address:
         local["baseline references"].mkdir(parents=True, exist_ok=True)
-        check_workers_see(config.runner.address, {whose: str(path) for whose, path in local.items()
-                                                  if Path(path).exists()})  # a Hub id: each worker fetches it
+        check_workers(config.runner, {whose: str(path) for whose, path in local.items()
+                                      if Path(path).exists()})  # a Hub id: each worker fetches it
 
 
 def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:

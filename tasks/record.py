@@ -68,6 +68,8 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
                  "started": outcome.started, "ended": outcome.ended}
         if arrays_file(outcome):
             entry["arrays"] = arrays_file(outcome)
+        if outcome.shards:  # where each slice of its windows ran, and any try that failed before
+            entry["shards"] = outcome.shards
         if entry["role"] == "baseline":
             entry["reference"] = outcome.reference
         variants.append(entry)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tasks.perplexity import PerplexityResult
+    from tasks.perplexity import Part, PerplexityResult
     from tasks.variants import VariantFacts
 
 
@@ -29,6 +29,9 @@ class VariantResult:
     manifest: dict | None = field(default=None, repr=False)
     divergence: dict = field(default_factory=dict)
     reference: dict = field(default_factory=dict)
+    part: Part | None = field(default=None, repr=False)  # a shard's windows, before they are merged
+    shards: list[dict] = field(default_factory=list)  # per shard: windows, tokens, worker, seconds
+    retry_elsewhere: bool = False  # failed in a way another worker may not (out of memory, a crash)
     started: float | None = None  # epoch seconds: when it began and ended (quantizing and loading included)
     ended: float | None = None
 

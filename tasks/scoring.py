@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import gc
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -18,28 +19,32 @@ from pathlib import Path
 from tasks import reference
 from tasks.batching import auto_batch_size
 from tasks.checkpoints import Checkpoint, Lineup, quantized_checkpoint
+from tasks.config import VariantSpec
 from tasks.cluster import worker
 from tasks.corpus import tokenizer_digest
-from tasks.errors import InputError, NumericalError, TransientError, one_line
+from tasks.errors import InputError, NumericalError, TransientError, WorkerError, one_line
 from tasks.evaluation import Evaluation
 from tasks.models import load_tokenizer, resolve_device, resolve_dtype
-from tasks.perplexity import PerplexityResult, perplexity
+from tasks.perplexity import Part, PerplexityResult, combine, score_part
 from tasks.places import references_dir
 from tasks.quantize import check_disjoint, read_manifest
 from tasks.results import VariantResult
+from tasks.placement import devices, is_split, main_device, run_on
 from tasks.variants import VariantFacts, check_same_tokenizer, load_variant
 from tasks.windows import plan
 
 
-def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **options) -> PerplexityResult:
-    """Score at the configured batch size, halving it on out-of-memory (the result does not depend on it)."""
+def score_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool,
+                       windows: tuple[int, int] | None = None, **options) -> Part:
+    """Score the windows ``windows`` (all when None) at the configured batch size, halving it on out-of-memory
+    (the result does not depend on it)."""
     settings = evaluation_.settings
     batch_size = settings.batch_size
     if batch_size == "auto":
         batch_size = auto_batch_size(model, evaluation_.stream, settings.window, settings.stride, settings.mode)
     while True:
         try:
-            return perplexity(model, evaluation_.stream, settings.window, settings.stride, batch_size,
+            return score_part(model, evaluation_.stream, settings.window, settings.stride, batch_size, windows,
                               progress=progress, model_name=name, mode=settings.mode, **options)
         except torch.OutOfMemoryError:
             if batch_size == 1:
@@ -48,6 +53,58 @@ def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def combined(parts: list[Part], evaluation_: Evaluation, name: str) -> PerplexityResult:
+    """The model's result from parts that cover the audit's windows."""
+    settings = evaluation_.settings
+    return combine(parts, evaluation_.stream, name, settings.window, settings.stride, settings.mode)
+
+
+def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **options) -> PerplexityResult:
+    """Every window scored here (``score_with_backoff``), as one result."""
+    return combined([score_with_backoff(model, evaluation_, name, progress, **options)], evaluation_, name)
+
+
+PARITY_WINDOWS = 2  # a split model's first windows, scored on one device too: enough to see a broken split
+
+
+def check_parity(spec: VariantSpec, source: str, model, facts: VariantFacts, evaluation_: Evaluation) -> dict:
+    """Refuse a model split over several devices (``device_map``) that scores the first windows differently
+    from the same checkpoint on one device, beyond the float noise of its dtype (``reference.DRIFT_TOLERANCE``):
+    multi-GPU splits have silently wrecked perplexity elsewhere (llama.cpp #8685: 7.10 became 26,727).
+
+    The one-device copy is loaded in host memory and computes on the split's first device (``run_on``), so
+    the check needs host memory for one more copy of the model, not GPU memory. Returns what it compared.
+    """
+    windows = (0, min(PARITY_WINDOWS, len(plan(evaluation_.stream, evaluation_.settings.window,
+                                                evaluation_.settings.stride, evaluation_.settings.mode))))
+    split = score_with_backoff(model, evaluation_, spec.name, False, windows).scores.token_nll.double()
+    alone = spec.model_copy(update={"device_map": None, "max_memory": None, "device": "cpu", "dtype": facts.dtype})
+    copy, _ = load_variant(alone, source)
+    try:
+        one = score_with_backoff(run_on(copy, main_device(model)), evaluation_, spec.name, False, windows)
+    finally:
+        del copy
+        gc.collect()
+    difference = split - one.scores.token_nll.double()
+    worst, mean = float(difference.abs().max()), float(difference.mean().abs())
+    token_limit, mean_limit = reference.DRIFT_TOLERANCE.get(facts.dtype, reference.DRIFT_TOLERANCE["float32"])
+    split_over = ", ".join(devices(model))
+    if not (worst <= token_limit and mean <= mean_limit):  # NaN fails too
+        raise InputError(f"{spec.name}: split over {split_over} it scores the first {len(difference)} tokens unlike "
+                         f"one device (largest |ΔNLL| {worst:.3g}, mean {mean:.3g}; {facts.dtype} noise is "
+                         f"{token_limit:g}, {mean_limit:g}): the split computes something else; check the device_map")
+    return {"devices": split_over, "tokens": len(difference), "max_abs_nll_difference": worst,
+            "mean_nll_difference": mean}
+
+
+def _loaded(spec: VariantSpec, source: str, evaluation_: Evaluation):
+    """``load_variant``, and a model split over several devices checked against one device first."""
+    model, facts = load_variant(spec, source)
+    if is_split(model):
+        facts.parity = check_parity(spec, source, model, facts, evaluation_)
+    return model, facts
 
 
 def _reuse(found: reference.Reference) -> tuple[PerplexityResult, VariantFacts]:
@@ -72,7 +129,7 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
     if reuse is not None:
         result, facts = _reuse(reuse)
         return result, facts, {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
-    model, facts = load_variant(spec, checkpoint.source)
+    model, facts = _loaded(spec, checkpoint.source, evaluation_)
     with ExitStack() as stack:
         writer, key = None, None
         problem = f"{checkpoint.source} is not on this machine: nothing identifies it well enough to keep a reference"
@@ -107,8 +164,51 @@ def n_scored(evaluation_: Evaluation) -> int:
     return sum(w.n_scored for w in plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
 
 
+@contextmanager
+def failing_alone(outcome: VariantResult):
+    """Turn a failure of one model into ``outcome.reason`` (one line), so that the others carry on; only a
+    ``TransientError`` (network, remote storage) escapes, for the caller to retry. A failure that another
+    worker may not meet (out of memory, an unexpected error) marks the outcome ``retry_elsewhere``."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        outcome.reason = "out of memory at batch size 1; use a smaller window or a larger device"
+        outcome.retry_elsewhere = True
+    except TransientError:
+        raise
+    except (InputError, NumericalError) as error:
+        outcome.reason = one_line(error)
+    except WorkerError as error:
+        outcome.reason = one_line(error)
+        outcome.retry_elsewhere = True
+    except Exception as error:  # any other failure of one model must not lose the others
+        outcome.reason = f"{type(error).__name__}: {one_line(error)}"
+        outcome.retry_elsewhere = True
+
+
+def made(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
+         progress: bool = False) -> Checkpoint:
+    """A gptq/awq variant made here from the baseline, as a checkpoint with its new folder, tokenizer (the
+    baseline's, saved with it) and manifest; any other checkpoint as it is. Raises what quantizing raises."""
+    if checkpoint.source is not None or checkpoint.problem or checkpoint.role == "baseline":
+        return checkpoint
+    source = quantized_checkpoint(checkpoint.spec, lineup, evaluation_, corpus_text_of, progress)
+    return replace(checkpoint, source=source, tokenizer=tokenizer_digest(load_tokenizer(source)),
+                   manifest=read_manifest(source))
+
+
+def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
+                 progress: bool = False) -> Checkpoint:
+    """``made``, with a failure to make it as the checkpoint's ``problem``: once, before its shards load it."""
+    outcome = VariantResult(checkpoint.name, checkpoint.spec.method, "failed")
+    with failing_alone(outcome):
+        return made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
+    return replace(checkpoint, problem=outcome.reason)
+
+
 def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
-                  progress: bool = False, baseline_outcome: VariantResult | None = None) -> VariantResult:
+                  progress: bool = False, baseline_outcome: VariantResult | None = None,
+                  windows: tuple[int, int] | None = None) -> VariantResult:
     """Score one model on the audit's stream; failures become a failed result, never an exception.
 
     The baseline is read from its stored reference when one matches (``tasks.reference``), else scored
@@ -120,49 +220,52 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
 
     Args:
         corpus_text_of: maps a calibration ``CorpusConfig`` to its text (gptq/awq made here).
+        windows: a variant's shard: only these windows ``(first, stop)`` are scored; the outcome holds them
+            as its ``part`` (no ``result``), for ``merge_shards``.
     """
     spec, settings = checkpoint.spec, evaluation_.settings
     model = None
     outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
+    if windows is not None:
+        outcome.shards = [{"windows": list(windows), "worker": worker()}]
     try:
-        if checkpoint.problem:
-            raise InputError(checkpoint.problem)
-        if checkpoint.role == "baseline":
+        with failing_alone(outcome):
+            if checkpoint.problem:
+                raise InputError(checkpoint.problem)
+            if checkpoint.role == "baseline":
+                outcome.manifest = checkpoint.manifest
+                outcome.result, outcome.facts, outcome.reference = _score_baseline(checkpoint, evaluation_, progress)
+                outcome.facts.worker = worker()
+                outcome.status = "ok"
+                return outcome
+            checkpoint = made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
             outcome.manifest = checkpoint.manifest
-            outcome.result, outcome.facts, outcome.reference = _score_baseline(checkpoint, evaluation_, progress)
+            if outcome.manifest:
+                check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
+            check_same_tokenizer(spec.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
+            model, outcome.facts = _loaded(spec, checkpoint.source, evaluation_)
             outcome.facts.worker = worker()
+            if checkpoint.detected:
+                outcome.facts.quantization["detected"] = checkpoint.detected
+            against = None
+            baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
+            if settings.divergence and baseline_said.get("path"):
+                stored = reference.Reference.open(Path(baseline_said["path"]))
+                if stored is None:
+                    raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
+                                      "worker must see $PPL_AUDIT_REFERENCES at the same path")
+                against = stored.baseline(lineup.baseline.source, model.device)
+                outcome.divergence = {"reference": baseline_said["key"],
+                                      "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
+            elif settings.divergence:
+                outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
+            part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against)
+            if windows is None:
+                outcome.result = combined([part], evaluation_, spec.name)
+            else:
+                outcome.part = part
+                outcome.shards[0] |= {"tokens": int(part.scores.window_tokens.sum()), "seconds": part.wall_seconds}
             outcome.status = "ok"
-            return outcome
-        source, tokenizer, outcome.manifest = checkpoint.source, checkpoint.tokenizer, checkpoint.manifest
-        if source is None:  # made here: a new folder, with its own manifest and the baseline's tokenizer saved
-            source = quantized_checkpoint(spec, lineup, evaluation_, corpus_text_of, progress)
-            tokenizer, outcome.manifest = tokenizer_digest(load_tokenizer(source)), read_manifest(source)
-        if outcome.manifest:
-            check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
-        check_same_tokenizer(spec.name, lineup.baseline.tokenizer, tokenizer)
-        model, outcome.facts = load_variant(spec, source)
-        outcome.facts.worker = worker()
-        if checkpoint.detected:
-            outcome.facts.quantization["detected"] = checkpoint.detected
-        against = None
-        baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
-        if settings.divergence and baseline_said.get("path"):
-            against = reference.Reference.open(Path(baseline_said["path"])).baseline(lineup.baseline.source,
-                                                                                     model.device)
-            outcome.divergence = {"reference": baseline_said["key"],
-                                  "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
-        elif settings.divergence:
-            outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
-        outcome.result = perplexity_with_backoff(model, evaluation_, spec.name, progress, reference=against)
-        outcome.status = "ok"
-    except torch.OutOfMemoryError:
-        outcome.reason = "out of memory at batch size 1; use a smaller window or a larger device"
-    except TransientError:
-        raise
-    except (InputError, NumericalError) as error:
-        outcome.reason = one_line(error)
-    except Exception as error:  # any other failure of one model must not lose the others
-        outcome.reason = f"{type(error).__name__}: {one_line(error)}"
     finally:
         del model
         gc.collect()
@@ -170,3 +273,24 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
             torch.cuda.empty_cache()
         outcome.ended = time.time()
     return outcome
+
+
+def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> VariantResult:
+    """One variant's outcome from its shards' (in window order): their parts combined into one result
+    (``tasks.perplexity.combine``: bit for bit what one worker scoring every window gives), every worker named.
+    It fails, with the first failed shard's reason, when a shard failed."""
+    first = shards[0]
+    merged = VariantResult(first.name, first.method, "failed", manifest=first.manifest, facts=first.facts,
+                           divergence=first.divergence, started=min(s.started for s in shards),
+                           ended=max(s.ended for s in shards), shards=[row for s in shards for row in s.shards])
+    failed = next((n for n, shard in enumerate(shards) if not shard.ok), None)
+    if failed is not None:
+        merged.reason = shards[failed].reason
+        if len(shards) > 1:
+            merged.reason = f"shard {failed + 1} of {len(shards)}: {merged.reason}"
+        return merged
+    with failing_alone(merged):
+        merged.result = combined([shard.part for shard in shards], evaluation_, first.name)
+        merged.facts.worker = ", ".join(dict.fromkeys(row["worker"] for row in merged.shards))
+        merged.status = "ok"
+    return merged

@@ -21,7 +21,7 @@ from tasks.models import load_tokenizer
 from tasks.quantize import draw_calibration, quantize
 from tasks.record import token_arrays
 from tasks.results import VariantResult
-from tasks.scoring import score_variant
+from tasks.scoring import make_variant, score_variant
 from tasks.spool import claim, mark_synced, spool_dir, synced_dir, write_record
 from tasks.tracking import is_tracking_outage, replay
 
@@ -54,16 +54,32 @@ def tokenize_corpus(text: str, config: AuditConfig, lineup: Lineup) -> Evaluatio
     return evaluation(text, lineup.tokenizer, config.evaluation, progress=True)
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="score-{checkpoint.name}",
+def _score_name() -> str:
+    """``score-<model>``, and a shard's windows after it."""
+    from prefect.runtime import task_run
+
+    name, windows = task_run.parameters["checkpoint"].name, task_run.parameters.get("windows")
+    return f"score-{name}" + (f"-windows-{windows[0]}-{windows[1] - 1}" if windows else "")
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name=_score_name,
       retry_condition_fn=_transient)
 def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
-          baseline_outcome: VariantResult | None = None) -> VariantResult:
-    """Load (or make) one model and score it; a failure is a failed result, not a failed task.
+          baseline_outcome: VariantResult | None = None, windows: tuple[int, int] | None = None) -> VariantResult:
+    """Load (or make) one model and score it, or only its ``windows`` (a shard); a failure is a failed result,
+    not a failed task.
 
     Variants get the baseline's outcome, to measure their divergence from it.
     """
     return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=CorpusConfig.text, progress=True,
-                         baseline_outcome=baseline_outcome)
+                         baseline_outcome=baseline_outcome, windows=windows)
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="make-{checkpoint.name}",
+      retry_condition_fn=_transient)
+def make(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Checkpoint:
+    """Quantize a gptq/awq variant made here, once, before its shards load it (a failure is its ``problem``)."""
+    return make_variant(checkpoint, lineup, evaluation_, corpus_text_of=CorpusConfig.text, progress=True)
 
 
 @task(cache_policy=NO_CACHE)

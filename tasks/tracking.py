@@ -143,6 +143,7 @@ def _variant_params(record: dict, entry: dict) -> dict:
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
               "worker": facts.get("worker"),
+              "shards": sum("failed" not in row for row in entry.get("shards", [])) or None,
               "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
               "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),
               "calibration.samples": (manifest.get("calibration") or {}).get("samples"),

@@ -20,6 +20,7 @@ from tasks.config import VariantSpec
 from tasks.errors import InputError
 from tasks.formats import describe, distributions, ready, require
 from tasks.models import load_model, resolve_device, resolve_dtype
+from tasks.placement import check_placed, devices, forget_with, split_arguments
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -42,6 +43,7 @@ class VariantFacts:
     quantization: dict = field(default_factory=dict)  # the format's own facts (tasks.formats.describe)
     kernels: dict[str, str] = field(default_factory=dict)  # quantized layer -> the kernel class that runs it
     worker: str = ""  # where it was scored: a Dask worker's address, else host and process (tasks.cluster)
+    parity: dict = field(default_factory=dict)  # a split model's first windows against one device's (tasks.scoring)
 
     def summary(self) -> dict:
         return asdict(self)
@@ -139,8 +141,11 @@ def load_variant(spec: VariantSpec, source: str):
     config = quantization_config(spec.method, dtype)
     if config is not None:
         extra["quantization_config"] = config
+    split = split_arguments(spec)
     started = time.perf_counter()
-    model = load_model(source, dtype, device, **extra)
+    model = load_model(source, dtype, device, **extra, **split)
+    forget_with(model, split)
+    check_placed(model, f"variant '{spec.name}'")
     ready(spec, model)
     load_seconds = time.perf_counter() - started
     linear, kernels = layer_census(model)
@@ -148,7 +153,8 @@ def load_variant(spec: VariantSpec, source: str):
     if spec.method not in ("baseline", "gguf") and quantized == 0:  # a GGUF file is dequantized as it loads
         raise InputError(f"variant '{spec.name}' ({spec.method}) loaded with no quantized layer; check its path")
     facts = VariantFacts(
-        method=spec.method, source=source, device=str(device), dtype=str(dtype).removeprefix("torch."),
+        method=spec.method, source=source, device=",".join(devices(model)) if split else str(device),
+        dtype=str(dtype).removeprefix("torch."),
         load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(source),
         weight_memory_bytes=weight_bytes(model), quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),

@@ -1,0 +1,66 @@
+"""One model's windows scored in slices and merged: bit for bit the whole run, KL from each slice's part of the
+stored reference included, in every mode; the slices' bounds fall on whole batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import perturbed, stored_reference
+from tasks.corpus import tokenize
+from tasks.models import load_model
+from tasks.perplexity import combine, perplexity, score_part, shard_bounds
+from tasks.windows import plan
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("n_windows, shards, batch", [(46, 3, 4), (46, 2, 1), (10, 4, 4), (5, 9, 1), (1, 3, 2),
+                                                      (100, 7, 3)])
+def test_shard_bounds_cover_every_window_once_on_whole_batches(n_windows, shards, batch):
+    bounds = shard_bounds(n_windows, shards, batch)
+    assert bounds[0][0] == 0 and bounds[-1][1] == n_windows
+    assert all(a < b for a, b in bounds) and [b for _, b in bounds[:-1]] == [a for a, _ in bounds[1:]]
+    assert all(a % batch == 0 for a, _ in bounds)
+    assert len(bounds) == min(shards, -(-n_windows // batch))
+    sizes = [b - a for a, b in bounds[:-1]]
+    assert max(sizes, default=0) - min(sizes, default=0) <= batch  # as even as whole batches allow
+
+
+@pytest.mark.parametrize("mode, bos, shards", [("sliding", "none", 3), ("sliding", "window", 2), ("sliding", "stream", 5),
+                                               ("gptq", "stream", 2), ("llama.cpp", "stream", 3)])
+def test_shards_merged_equal_the_whole_run_bit_for_bit(tiny_model_dir, tokenizer, text, mode, bos, shards):
+    base = load_model(str(tiny_model_dir), torch.float32, CPU)
+    variant = perturbed(tiny_model_dir, torch.float32)
+    stream = tokenize(text, tokenizer, bos=bos, max_tokens=1200)
+    window, stride, batch = 64, 24, 3
+    stored, _ = stored_reference(base, stream, window, stride, tiny_model_dir, f"shards-{mode}-{bos}", batch)
+    stored = stored if mode == "sliding" else None  # the helper stores the sliding plan's states
+    against = stored and stored.baseline(str(tiny_model_dir), CPU)
+    whole = perplexity(variant, stream, window, stride, batch, mode=mode, reference=against)
+    bounds = shard_bounds(len(plan(stream, window, stride, mode)), shards, batch)
+    assert len(bounds) == shards
+    parts = [score_part(variant, stream, window, stride, batch, windows, mode=mode, reference=against)
+             for windows in reversed(bounds)]  # in any order: combine puts them in window order
+    merged = combine(parts, stream, whole.model, window, stride, mode)
+    assert (merged.nll_sum, merged.ppl, merged.stderr, merged.n_tokens) == (whole.nll_sum, whole.ppl, whole.stderr,
+                                                                           whole.n_tokens)
+    assert np.array_equal(merged.token_nll, whole.token_nll) and np.array_equal(merged.window_nll, whole.window_nll)
+    assert np.array_equal(merged.window_tokens, whole.window_tokens)
+    assert sorted(merged.extra) == sorted(whole.extra) == (["kl", "kl_reverse", "top1"] if against else [])
+    for key in merged.extra:
+        assert np.array_equal(merged.extra[key], whole.extra[key]), key
+    if against:
+        assert float(np.mean(whole.extra["kl"])) > 1e-3  # a divergence was measured, not zeros
+
+
+def test_parts_that_leave_a_gap_or_overlap_are_refused(tiny_model, tokenizer, text):
+    stream = tokenize(text, tokenizer, max_tokens=400)
+    part = {w: score_part(tiny_model, stream, 64, 32, 2, w) for w in [(0, 4), (4, 8), (6, 12)]}
+    with pytest.raises(ValueError, match="do not cover"):
+        combine([part[(0, 4)], part[(6, 12)]], stream, "m", 64, 32)
+    with pytest.raises(ValueError, match="do not cover"):
+        combine([part[(4, 8)]], stream, "m", 64, 32)
+    with pytest.raises(ValueError, match="not a slice"):
+        score_part(tiny_model, stream, 64, 32, 2, (3, 99))
