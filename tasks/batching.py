@@ -17,12 +17,13 @@ import torch
 from tasks.corpus import TokenStream
 from tasks.places import cache_dir
 from tasks.files import read_json, write_atomically
+from tasks.models import input_device
 from tasks.perplexity import score_windows
 from tasks.windows import plan
 
 
 def _cache_key(model, window: int, mode: str) -> str:
-    return json.dumps([str(model.name_or_path), str(model.dtype), str(model.device), window, mode])
+    return json.dumps([str(model.name_or_path), str(model.dtype), str(input_device(model)), window, mode])
 
 
 def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: str = "sliding", cap: int = 64) -> int:
@@ -33,14 +34,15 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
     if key in known:
         return known[key]
     windows = sorted(plan(stream, window, stride, mode), key=lambda w: w.end - w.start, reverse=True)
-    cuda = model.device.type == "cuda"
+    device = input_device(model)
+    cuda = device.type == "cuda"
     best, best_speed, size = 1, 0.0, 1
     while size <= min(cap, len(windows)):
         try:
             started = time.perf_counter()
             score_windows(model, stream.ids, windows[:size], stream.prefix, batch_size=size)
             if cuda:
-                torch.cuda.synchronize(model.device)
+                torch.cuda.synchronize(device)
             speed = sum(w.n_scored for w in windows[:size]) / (time.perf_counter() - started)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tasks.config import VariantSpec
 from tasks.errors import InputError
-from tasks.models import load_config, resolve_model_path
+from tasks.models import input_device, load_config, resolve_model_path
 
 # quantization_config.quant_method in config.json -> our method (bitsandbytes: by its load_in_* flag)
 QUANT_METHODS = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors", "fp8": "fp8",
@@ -173,7 +173,7 @@ def compressed_facts(settings: dict, model) -> dict:
         state = "none: a weight-only scheme"
     elif applied:
         state = (f"applied: {len(applied)} layers quantize their inputs in the forward"
-                 + (" (emulated in floating point on CPU)" if model.device.type == "cpu" else ""))
+                 + (" (emulated in floating point on CPU)" if input_device(model).type == "cpu" else ""))
     else:
         state = "NOT applied: this figure is weight-only"
     label = f"ct {scheme}" + (" W-only" if inputs and not applied else "")

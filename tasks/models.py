@@ -22,6 +22,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def input_device(model) -> torch.device:
+    """The device a model takes its input ids on: where its input embeddings run. That is not ``model.device``
+    (its first parameter's) when accelerate's hooks run offloaded modules (``device_map`` with ``cpu``/``disk``
+    beside a GPU, ``cpu_offload``): their weights wait on ``meta`` and are brought to the hook's device per call.
+    """
+    embeddings = model.get_input_embeddings()
+    hook = getattr(embeddings, "_hf_hook", None)
+    for each in getattr(hook, "hooks", [hook]):  # a SequentialHook holds several
+        if getattr(each, "execution_device", None) is not None:
+            device = each.execution_device
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return embeddings.weight.device
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is float32 on CPU (exact and fast there) and bfloat16 on CUDA."""
     if name == "auto":

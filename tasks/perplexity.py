@@ -24,7 +24,7 @@ from tasks import console, divergence
 from tasks.corpus import TokenStream
 from tasks.errors import NumericalError
 from tasks.memory import PeakMemory
-from tasks.models import max_positions
+from tasks.models import input_device, max_positions
 from tasks.windows import Window, check_settings, plan, plan_chunks
 
 # Bounds one chunk of float32 logits, by device. CPU: 341 rows at vocab 49k, 128 at 128k. CUDA: 512 rows
@@ -231,11 +231,12 @@ def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
 
 
 def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
-    device = model.device
+    device = input_device(model)
     hidden = model.base_model(input_ids=_to_device(input_ids, device),
                               attention_mask=None if mask is None else _to_device(mask, device),
                               use_cache=False).last_hidden_state
-    return hidden[_to_device(row_index, device), _to_device(columns, device)]
+    # a model split over devices ends on its last module's device
+    return hidden[_to_device(row_index, hidden.device), _to_device(columns, hidden.device)]
 
 
 @torch.inference_mode()
@@ -455,7 +456,7 @@ def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256,
     mine = [dataclasses.replace(w, index=w.index - first) for w in planned[first:stop]]
     reference, keep_hidden = _shifted(reference, keep_hidden, offset)
     first_token = stream.bos_id if mode == "llama.cpp" and stream.bos != "none" else None
-    device = model.device
+    device = input_device(model)
     with PeakMemory(device) as memory:
         started = time.perf_counter()
         label = None

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from tasks.errors import InputError
+from tasks.models import load_config
 from tasks.places import cache_dir
 
 
@@ -33,12 +34,31 @@ def forget_with(model, arguments: dict) -> None:
         weakref.finalize(model, shutil.rmtree, arguments["offload_folder"], True)
 
 
-def check_placed(model, name: str) -> None:
-    """Refuse a map that left no module on a device: all of the model offloaded is run through hooks on the
-    model's own forward, which scoring (the base model, then the head) does not call."""
-    if set(getattr(model, "hf_device_map", {}).values()) <= {"disk"} and hasattr(model, "hf_device_map"):
-        raise InputError(f"{name}: device_map put the whole model on disk; give max_memory room for its first "
-                         "modules on a device")
+def _placed_on(device_map: dict, module: str):
+    """The device ``device_map`` gives ``module``: its own entry or its closest enclosing module's."""
+    enclosing = [key for key in device_map if key == "" or module == key or module.startswith(key + ".")]
+    return device_map[max(enclosing, key=len)] if enclosing else None
+
+
+def check_ties(spec, source: str) -> None:
+    """Refuse an explicit map that puts a tied input embedding and LM head (one tensor) on different devices:
+    accelerate cannot place one tensor twice and fails in loading or at the first forward pass
+    (``KeyError: 'lm_head.weight'``, ``weight is on the meta device``). ``auto`` keeps tied modules together itself."""
+    if not isinstance(spec.device_map, dict):
+        return
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(source)
+    if not getattr(config.get_text_config(), "tie_word_embeddings", False):
+        return
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = {module: name for name, module in skeleton.named_modules()}
+    embeddings, head = names[skeleton.get_input_embeddings()], names[skeleton.get_output_embeddings()]
+    apart = _placed_on(spec.device_map, embeddings), _placed_on(spec.device_map, head)
+    if apart[0] != apart[1]:
+        raise InputError(f"variant '{spec.name}': device_map puts {embeddings} on {apart[0]} and {head} on "
+                         f"{apart[1]}, but this model ties them (one tensor): give both the same device")
 
 
 def devices(model) -> list[str]:
@@ -48,7 +68,9 @@ def devices(model) -> list[str]:
 
 
 def is_split(model) -> bool:
-    return len(devices(model)) > 1
+    """Whether accelerate's hooks run the model: over several devices, or streamed in from disk."""
+    placed = devices(model)
+    return len(placed) > 1 or "disk" in placed
 
 
 def main_device(model) -> torch.device:

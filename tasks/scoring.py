@@ -24,7 +24,7 @@ from tasks.cluster import worker
 from tasks.corpus import tokenizer_digest
 from tasks.errors import InputError, NumericalError, TransientError, WorkerError, one_line
 from tasks.evaluation import Evaluation
-from tasks.models import load_tokenizer, resolve_device, resolve_dtype
+from tasks.models import input_device, load_tokenizer, resolve_device, resolve_dtype
 from tasks.perplexity import Part, PerplexityResult, combine, score_part
 from tasks.places import references_dir
 from tasks.quantize import check_disjoint, read_manifest
@@ -254,7 +254,7 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
                 if stored is None:
                     raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
                                       "worker must see $PPL_AUDIT_REFERENCES at the same path")
-                against = stored.baseline(lineup.baseline.source, model.device)
+                against = stored.baseline(lineup.baseline.source, input_device(model))
                 outcome.divergence = {"reference": baseline_said["key"],
                                       "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
             elif settings.divergence:

@@ -20,7 +20,7 @@ from tasks.config import VariantSpec
 from tasks.errors import InputError
 from tasks.formats import describe, distributions, ready, require
 from tasks.models import load_model, resolve_device, resolve_dtype
-from tasks.placement import check_placed, devices, forget_with, split_arguments
+from tasks.placement import check_ties, devices, forget_with, split_arguments
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -141,11 +141,11 @@ def load_variant(spec: VariantSpec, source: str):
     config = quantization_config(spec.method, dtype)
     if config is not None:
         extra["quantization_config"] = config
+    check_ties(spec, source)
     split = split_arguments(spec)
     started = time.perf_counter()
     model = load_model(source, dtype, device, **extra, **split)
     forget_with(model, split)
-    check_placed(model, f"variant '{spec.name}'")
     ready(spec, model)
     load_seconds = time.perf_counter() - started
     linear, kernels = layer_census(model)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flows.audit import audit
-from helpers import perturbed, write_config
+from helpers import build_llama, write_config
 from tasks.config import VariantSpec, parse
 from tasks.errors import InputError
 
@@ -18,47 +18,89 @@ SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0
          "model.norm": "disk", "lm_head": "cpu"}
 
 
-@pytest.mark.parametrize("placement", [{"device_map": SPLIT}, {"device_map": "auto", "max_memory": {"cpu": "1MB"}}],
-                         ids=["a map", "auto under max_memory"])
+EMBEDDINGS_ON_DISK = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers": "cpu",
+                      "model.norm": "cpu", "lm_head": "disk"}
+
+
+@pytest.mark.parametrize("placement, placed", [
+    ({"device_map": SPLIT}, "cpu,disk"),
+    ({"device_map": "auto", "max_memory": {"cpu": "1MB"}}, "cpu,disk"),
+    ({"device_map": EMBEDDINGS_ON_DISK}, "cpu,disk"),  # the model's first parameter waits on meta
+    ({"device_map": "auto", "max_memory": {"cpu": "100KB"}}, "disk"),  # all of it streamed in from disk
+], ids=["a map", "auto under max_memory", "embeddings offloaded", "all on disk"])
 def test_a_split_model_scores_as_on_one_device_and_says_where_it_ran(tmp_path, trained_model_dir, corpus_path,
-                                                                     placement):
+                                                                     placement, placed):
     variants = [{"name": "split", "path": str(trained_model_dir), **placement}]
     state = audit(config=str(write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path, variants)),
                   return_state=True)
     assert state.is_completed(), state.message
     baseline, split = state.result()["results"]
     assert split.ok, split.reason
-    assert split.facts.device == "cpu,disk"
+    assert split.facts.device == placed
     assert np.array_equal(split.result.token_nll, baseline.result.token_nll)  # the same model, split: the same bits
     parity = split.facts.parity
-    assert parity["devices"] == "cpu, disk" and parity["tokens"] == 63 + 32  # the first two windows
+    assert parity["devices"] == placed.replace(",", ", ") and parity["tokens"] == 63 + 32  # the first two windows
     assert parity["max_abs_nll_difference"] == 0
 
 
-def test_a_split_that_scores_unlike_one_device_is_refused(tmp_path, trained_model_dir, corpus_path, tokenizer):
-    """The one-device copy here is another model's (the checkpoint noised): what a split that computes something
-    else looks like to the check. The variant fails with one line; the audit goes on."""
+def test_a_model_whose_weights_are_streamed_in_by_hooks_scores_the_same(trained_model_dir, corpus_path, tokenizer):
+    """How the parity check's one-device copy computes on a GPU (``run_on``: accelerate's ``cpu_offload``, every
+    weight on ``meta`` until its module runs), here streamed onto the CPU: the engine finds where the inputs go
+    from the embeddings' hook, not ``model.device`` (``meta``)."""
+    from accelerate import cpu_offload
+    from transformers import AutoModelForCausalLM
+
+    from tasks.config import EvaluationConfig
+    from tasks.evaluation import evaluation
+    from tasks.perplexity import score_part
+
+    scored = evaluation(corpus_path.read_text(), tokenizer, EvaluationConfig(window=64, stride=32, max_tokens=600))
+
+    def token_nll(model):
+        return score_part(model, scored.stream, 64, 32, batch_size=4).scores.token_nll
+
+    streamed = cpu_offload(AutoModelForCausalLM.from_pretrained(trained_model_dir), torch.device("cpu"))
+    assert streamed.device == torch.device("meta")
+    assert torch.equal(token_nll(streamed), token_nll(AutoModelForCausalLM.from_pretrained(trained_model_dir)))
+
+
+def test_a_split_that_scores_unlike_one_device_is_refused(trained_model_dir, corpus_path, tokenizer):
+    """A split whose second device computes something else (its layer's output nudged by 1e-2, as a device with
+    a broken kernel would): the check loads the checkpoint on one device, compares, and refuses in one line."""
     from tasks.checkpoints import prepare
     from tasks.config import BaselineSpec, EvaluationConfig
     from tasks.evaluation import evaluation
     from tasks.scoring import check_parity
     from tasks.variants import load_variant
 
-    other = tmp_path / "other"
-    perturbed(trained_model_dir, torch.float32).save_pretrained(other)
-    tokenizer.save_pretrained(other)
     spec = VariantSpec(name="split", path=str(trained_model_dir), method="baseline", device_map=SPLIT)
     lineup = prepare(BaselineSpec(name="baseline", path=str(trained_model_dir)), [])
     scored = evaluation(corpus_path.read_text(), lineup.tokenizer,
                         EvaluationConfig(window=64, stride=32, batch_size=4, max_tokens=600))
     model, facts = load_variant(spec, str(trained_model_dir))
     assert check_parity(spec, str(trained_model_dir), model, facts, scored)["max_abs_nll_difference"] == 0
+    model.model.layers[1].register_forward_hook(lambda module, inputs, output: output + 1e-2)  # layers.1 is on disk
     with pytest.raises(InputError) as refused:
-        check_parity(spec, str(other), model, facts, scored)
+        check_parity(spec, str(trained_model_dir), model, facts, scored)
     assert str(refused.value).startswith("split: split over cpu, disk it scores the first 95 tokens unlike one device "
                                          "(largest |ΔNLL| ")
     assert str(refused.value).endswith("float32 noise is 0.001, 1e-06): the split computes something else; check the "
                                        "device_map")
+
+
+def test_a_map_that_puts_tied_embeddings_and_head_apart_is_one_line(tmp_path, tokenizer):
+    """One tensor cannot sit on two devices; accelerate would fail at load or at the first forward pass."""
+    from tasks.variants import load_variant
+
+    build_llama(tmp_path, tokenizer, tie_word_embeddings=True)
+    apart = {**SPLIT, "lm_head": "disk"}
+    spec = VariantSpec(name="v", path=str(tmp_path), method="baseline", device_map=apart)
+    with pytest.raises(InputError, match="^variant 'v': device_map puts model.embed_tokens on cpu and lm_head on "
+                                         r"disk, but this model ties them \(one tensor\): give both the same device$"):
+        load_variant(spec, str(tmp_path))
+    together = spec.model_copy(update={"device_map": {**apart, "model.embed_tokens": "disk"}})
+    model, facts = load_variant(together, str(tmp_path))
+    assert facts.device == "cpu,disk"
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -70,12 +112,3 @@ def test_a_split_that_scores_unlike_one_device_is_refused(tmp_path, trained_mode
 def test_placement_settings_that_cannot_work_are_one_line(spec, says):
     with pytest.raises(InputError, match=says.replace("(", r"\(").replace(")", r"\)")):
         parse(VariantSpec, {"name": "v", **spec}, "variants[0]")
-
-
-def test_a_map_that_leaves_the_whole_model_on_disk_fails_its_variant_in_one_line(trained_model_dir):
-    from tasks.variants import load_variant
-
-    spec = VariantSpec(name="v", path=str(trained_model_dir), method="baseline", device_map="auto",
-                       max_memory={"cpu": "100KB"})
-    with pytest.raises(InputError, match="^variant 'v': device_map put the whole model on disk; give max_memory room"):
-        load_variant(spec, str(trained_model_dir))
