@@ -8,6 +8,7 @@ each variant's windows are split across workers and merged exactly.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -20,6 +21,9 @@ from tasks.results import VariantResult
 from tasks.scoring import merge_shards
 from tasks.steps import make, score
 from tasks.windows import plan
+
+
+RETRY_POLL_SECONDS = 2  # how often a retry held to other workers checks that one of them is still there
 
 
 def dask_cluster(workers: int, resources: dict) -> dict:
@@ -68,6 +72,15 @@ def _raised(error: BaseException) -> str:
     return f"{type(error).__name__}: {one_line(error)}"
 
 
+def _settled(future):
+    """A future's result, or what its task raised: also an error raised before Prefect recorded any state (a
+    worker that cannot reach the Prefect API), which ``result`` raises whatever ``raise_on_failure`` says."""
+    try:
+        return future.result(raise_on_failure=False)
+    except Exception as error:  # noqa: BLE001 -- one variant's failure, whatever it is, must not lose the others
+        return error
+
+
 def _outcome(checkpoint, value) -> VariantResult:
     """A task's result, or a failed result for a task that raised (retries exhausted)."""
     if isinstance(value, BaseException):
@@ -75,14 +88,32 @@ def _outcome(checkpoint, value) -> VariantResult:
     return value
 
 
-def _elsewhere(runner, config: AuditConfig, shard: VariantResult):
-    """Where a failed shard is tried again: on Dask, preferably any worker but the one it failed on."""
+def _elsewhere(runner, config: AuditConfig, shard: VariantResult) -> list[str]:
+    """The workers a failed shard runs again on: on Dask, any but the one it failed on (none: anywhere)."""
     if config.runner.kind != "dask" or not shard.shards:
+        return []
+    return sorted(set(runner.client.scheduler_info()["workers"]) - {shard.shards[0]["worker"]})
+
+
+def _held_to(workers: list[str]):
+    """Tasks submitted in this context run on ``workers`` only. Strictly: Dask's work stealing moves a task with a
+    loose restriction (``allow_other_workers``) to any idle worker, the one it failed on included."""
+    if not workers:
         return nullcontext()
     import dask
 
-    others = sorted(set(runner.client.scheduler_info()["workers"]) - {shard.shards[0]["worker"]})
-    return dask.annotate(workers=others, allow_other_workers=True) if others else nullcontext()
+    return dask.annotate(workers=workers, allow_other_workers=False)
+
+
+def _settled_on(runner, future, workers: list[str], failed: VariantResult):
+    """``_settled`` for a task held to ``workers``: should every one of them leave the cluster, Dask would keep it
+    waiting for one forever; it fails instead."""
+    while workers and not future.wrapped_future.done():
+        if not set(workers) & set(runner.client.scheduler_info()["workers"]):
+            future.wrapped_future.cancel()
+            return replace(failed, shards=[], reason=f"{failed.reason}; no other worker is left to run it again")
+        time.sleep(RETRY_POLL_SECONDS)
+    return _settled(future)
 
 
 def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult
@@ -110,19 +141,21 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
         ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
         submitted = {v: [shard(c, windows) for windows in bounds] for v, c in ready.items()}
         for v, future in making.items():  # each variant's shards start once it is made
-            made = future.result(raise_on_failure=False)
+            made = _settled(future)
             ready[v] = replace(lineup.variants[v], problem=_raised(made)) if isinstance(made, BaseException) else made
             submitted[v] = [shard(ready[v], windows) for windows in bounds]
-        outcomes = [[_outcome(c, f.result(raise_on_failure=False)) for f in submitted[v]]
+        outcomes = [[_outcome(c, _settled(f)) for f in submitted[v]]
                     for v, c in enumerate(lineup.variants)]
         again = {}
         for v, shards in enumerate(outcomes):
             for n, failed in enumerate(shards):
                 if failed.retry_elsewhere:
-                    with _elsewhere(runner, config, failed):
-                        again[v, n] = shard(ready[v], bounds[n])
-    for (v, n), future in again.items():
-        failed, outcomes[v][n] = outcomes[v][n], _outcome(lineup.variants[v], future.result(raise_on_failure=False))
+                    others = _elsewhere(runner, config, failed)
+                    with _held_to(others):
+                        again[v, n] = shard(ready[v], bounds[n]), others
+    for (v, n), (future, others) in again.items():
+        failed = outcomes[v][n]
+        outcomes[v][n] = _outcome(lineup.variants[v], _settled_on(runner, future, others, failed))
         outcomes[v][n].shards[:0] = [row | {"failed": failed.reason} for row in failed.shards]
     return [merge_shards(shards, scored) for shards in outcomes]
 

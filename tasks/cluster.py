@@ -1,12 +1,13 @@
-"""An existing Dask or Ray cluster as an audit uses it: reachable, its workers seeing the models' files and
-offering the GPUs asked for, and which worker scored each model. Checked before any model is loaded, each
-problem one line."""
+"""An existing Dask or Ray cluster as an audit uses it: reachable, its workers reaching Prefect's API, seeing
+the models' files and offering the GPUs asked for, and which worker scored each model. Checked before any
+model is loaded, each problem one line."""
 
 from __future__ import annotations
 
 import os
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -30,26 +31,31 @@ def check_reachable(address: str) -> None:
                          "the scheduler or correct the address") from None
 
 
-def _missing(paths: list[str]) -> list[str]:
-    """On a worker: which of ``paths`` it cannot see."""
-    return [path for path in paths if not Path(path).exists()]
+def _look(paths: list[str], api: tuple[str, int]) -> tuple[list[str], str | None]:
+    """On a worker: which of ``paths`` it cannot see, and why it cannot connect to ``api`` (None: it can)."""
+    try:
+        socket.create_connection(api, timeout=CONNECT_SECONDS).close()
+        unreachable = None
+    except OSError as error:
+        unreachable = error.strerror or str(error)
+    return [path for path in paths if not Path(path).exists()], unreachable
 
 
-def _dask_workers(address: str, paths: list[str]) -> dict[str, tuple[list[str], float]]:
-    """Each worker of the Dask cluster at ``address``: the ``paths`` it cannot see, and the GPUs it offers
-    (its ``GPU`` resource)."""
+def _dask_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[str, tuple]:
+    """Each worker of the Dask cluster at ``address``: the ``paths`` it cannot see, why it cannot reach ``api``,
+    and the GPUs it offers (its ``GPU`` resource)."""
     from distributed import Client
 
     with Client(address, timeout=CONNECT_SECONDS * 6, set_as_default=False) as client:
-        unseen = client.run(_missing, paths)
+        looked = client.run(_look, paths, api)
         offered = {worker: info.get("resources", {}).get("GPU", 0)
                    for worker, info in client.scheduler_info()["workers"].items()}
-    return {worker: (unseen[worker], offered.get(worker, 0)) for worker in unseen}
+    return {worker: (*looked[worker], offered.get(worker, 0)) for worker in looked}
 
 
-def _ray_workers(address: str, paths: list[str]) -> dict[str, tuple[list[str], float]]:
+def _ray_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[str, tuple]:
     """Each live node of the Ray cluster at ``address`` (``auto``: the one on this machine): the ``paths`` a
-    task placed on it cannot see, and the GPUs it offers."""
+    task placed on it cannot see, why it cannot reach ``api``, and the GPUs it offers."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -59,29 +65,53 @@ def _ray_workers(address: str, paths: list[str]) -> dict[str, tuple[list[str], f
         raise InputError(f"runner.address {address}: no Ray cluster answers ({one_line(error)}); start one with "
                          "`ray start --head` or correct the address") from None
     try:
-        missing = ray.remote(num_cpus=0)(_missing)
+        look = ray.remote(num_cpus=0)(_look)
         nodes = [node for node in ray.nodes() if node["Alive"]]
         on = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in nodes]
-        unseen = ray.get([missing.options(scheduling_strategy=strategy).remote(paths) for strategy in on])
-        return {f"ray node {node['NodeManagerAddress']}": (gone, node["Resources"].get("GPU", 0))
-                for node, gone in zip(nodes, unseen)}
+        looked = ray.get([look.options(scheduling_strategy=strategy).remote(paths, api) for strategy in on])
+        return {f"ray node {node['NodeManagerAddress']}": (*seen, node["Resources"].get("GPU", 0))
+                for node, seen in zip(nodes, looked)}
     finally:
         ray.shutdown()
 
 
+@contextmanager
+def _prefect_api():
+    """Where workers report each task they run, ``((host, port), what to say of it)``: the Prefect API at
+    ``PREFECT_API_URL``, or, with none set, this machine's loopback, where the audit starts its temporary
+    server (a port held open here while the workers try it)."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if url:
+        parsed = urlparse(url)
+        yield (parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)), f"the Prefect API {url}"
+        return
+    with socket.create_server(("127.0.0.1", 0)) as stand_in:
+        yield stand_in.getsockname(), ("127.0.0.1 of this machine, where the audit would start its temporary Prefect "
+                                       "server (PREFECT_API_URL is unset)")
+
+
 def check_workers(runner: Runner, paths: dict[str, str]) -> None:
-    """Refuse an existing cluster (``runner.address``) that cannot run the audit: a local model path
-    (``{whose: path}``) that one of its workers cannot see (workers load the models themselves, from a path
-    every worker sees or a Hub id / ``models:/`` URI), or no worker offering ``gpus_per_variant`` GPUs (its
-    tasks would wait for one forever)."""
+    """Refuse an existing cluster (``runner.address``) that cannot run the audit: a worker that cannot reach
+    the Prefect API (each task reports its state there: a task on such a worker fails before it starts); a
+    local model path (``{whose: path}``) that one of its workers cannot see (workers load the models themselves,
+    from a path every worker sees or a Hub id / ``models:/`` URI); or no worker offering ``gpus_per_variant``
+    GPUs (its tasks would wait for one forever)."""
     survey = _dask_workers if runner.kind == "dask" else _ray_workers
-    workers = survey(runner.address, list(paths.values()))
-    for worker, (missing, _) in sorted(workers.items()):
+    with _prefect_api() as (api, what):
+        workers = survey(runner.address, list(paths.values()), api)
+    for worker, (_, unreachable, _) in sorted(workers.items()):
+        if unreachable:
+            raise InputError(f"runner.address: worker {worker} cannot reach {what} ({unreachable}), where workers "
+                             "report each task; start a Prefect server the workers reach (prefect server start "
+                             "--host 0.0.0.0) and set PREFECT_API_URL to its address")
+    for worker, (missing, _, _) in sorted(workers.items()):
         if missing:
             whose = next(name for name, path in paths.items() if path == missing[0])
             raise InputError(f"runner.address: worker {worker} cannot see {missing[0]} ({whose}); put the models "
                              "where every worker sees them at the same path, or give a Hub id or models:/ URI")
-    most = max((gpus for _, gpus in workers.values()), default=0)
+    most = max((gpus for *_, gpus in workers.values()), default=0)
     if runner.gpus_per_variant > most:
         resource = "--resources GPU=N" if runner.kind == "dask" else "--num-gpus N"
         raise InputError(f"runner.gpus_per_variant is {runner.gpus_per_variant:g} but no worker of {runner.address} "

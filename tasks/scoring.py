@@ -281,8 +281,11 @@ def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> Varian
     It fails, with the first failed shard's reason, when a shard failed."""
     first = shards[0]
     merged = VariantResult(first.name, first.method, "failed", manifest=first.manifest, facts=first.facts,
-                           divergence=first.divergence, started=min(s.started for s in shards),
-                           ended=max(s.ended for s in shards), shards=[row for s in shards for row in s.shards])
+                           divergence=first.divergence, shards=[row for s in shards for row in s.shards],
+                           # a task that raised before it started (e.g. on a worker that cannot reach
+                           # Prefect's API) has no times
+                           started=min((s.started for s in shards if s.started), default=None),
+                           ended=max((s.ended for s in shards if s.ended), default=None))
     failed = next((n for n, shard in enumerate(shards) if not shard.ok), None)
     if failed is not None:
         merged.reason = shards[failed].reason

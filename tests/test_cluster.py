@@ -10,12 +10,13 @@ import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from flows.audit import audit
+from flows.audit import audit, summary_of
 from helpers import free_port, wait_for, write_config
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -29,21 +30,35 @@ def worker_environment() -> dict[str, str]:
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
+@dataclass
+class Network:
+    """Hosts on a real network: each in its own network namespace, cabled (a veth pair) to a bridge on this
+    machine. ``gateway`` is this machine's address on the bridge; ``hosts`` each host's namespace and address;
+    ``cables`` this machine's end of each host's cable (whose counters show what crossed)."""
+
+    gateway: str
+    hosts: list[tuple[str, str]]
+    cables: list[str]
+
+
 @contextmanager
-def dask_cluster(workers: int, hide: Path | None = None):
+def dask_cluster(workers: int, hide: Path | None = None, network: Network | None = None):
     """A scheduler and ``workers`` worker processes; ``(address, worker addresses in start order)``. With
     ``hide``, the last worker runs in its own mount namespace with an empty tmpfs over that folder: a worker
-    that cannot see it."""
+    that cannot see it. With ``network``, the scheduler listens on its gateway and worker ``n`` runs on host
+    ``n``, reaching the scheduler, and the scheduler and this process reaching it, across the network."""
     from distributed import Client
 
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    started = [subprocess.Popen([DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+    port, host = free_port(), network.gateway if network else "127.0.0.1"
+    address = f"tcp://{host}:{port}"
+    started = [subprocess.Popen([DASK, "scheduler", "--host", host, "--port", str(port), "--no-dashboard"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         for n in range(workers):
-            command = [DASK, "worker", address, "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard",
-                       "--name", f"worker-{n}"]
+            command = [DASK, "worker", address, "--nthreads", "1", "--host", network.hosts[n][1] if network else host,
+                       "--no-dashboard", "--name", f"worker-{n}"]
+            if network:
+                command = ["ip", "netns", "exec", network.hosts[n][0], *command]
             if hide is not None and n == workers - 1:
                 command = ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *command]
             started.append(subprocess.Popen(command, env=worker_environment(), stdout=subprocess.DEVNULL,
@@ -222,6 +237,52 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
     assert outcome.result.nll_sum == whole["results"][1].result.nll_sum
 
 
+def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tmp_path):
+    """The shards that failed on the worker without references are held to the other worker for their second
+    try; that worker is killed while one runs: Dask would keep them waiting for it forever, the audit fails the
+    variant with both reasons instead."""
+    import signal
+    import threading
+
+    import yaml
+    from distributed import Client
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    from tasks.places import references_dir
+
+    def kill_the_other_when_a_retry_runs(address: str, killed: list) -> None:
+        with Client(address, timeout=60, set_as_default=False) as client, get_client(sync_client=True) as api:
+            pids = client.run(os.getpid)
+
+            def retry_running():
+                runs = api.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="score-int8-")))
+                return len(runs) > 4 and any(run.state and run.state.is_running() for run in runs)
+
+            wait_for(retry_running, 300, "a second try of a shard", every=0.1)
+            os.kill(pids[workers[0]], signal.SIGKILL)
+            killed.append(workers[0])
+
+    config = {"name": "left", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
+              "evaluation": {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 1536},
+              "variants": [{"name": "int8", "method": "torchao-int8"}]}  # SmolLM2: a shard runs for seconds
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
+    audit(config=str(tmp_path / "s.yaml"))  # the baseline reference
+    killed: list[str] = []
+    with dask_cluster(2, hide=references_dir()) as (address, workers):
+        (tmp_path / "d.yaml").write_text(yaml.safe_dump(config | {"runner": {"kind": "dask", "address": address,
+                                                                             "shards": 4}}))
+        killer = threading.Thread(target=kill_the_other_when_a_retry_runs, args=(address, killed))
+        killer.start()
+        state = audit(config=str(tmp_path / "d.yaml"), return_state=True)
+        killer.join()
+    assert killed == [workers[0]]
+    _, variant = summary_of(state)["results"]
+    assert re.fullmatch(r"shard \d of 4: the baseline reference .* is not on tcp://127\.0\.0\.1:\d+; every worker "
+                        r"must see \$PPL_AUDIT_REFERENCES at the same path; no other worker is left to run it again",
+                        variant.reason), variant.reason
+
+
 @pytest.fixture(scope="module")
 def ray_address():
     """A Ray head on 127.0.0.1 started with `ray start` (2 CPUs, no GPU, a small object store): its client address."""
@@ -301,3 +362,126 @@ def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_mo
                   return_state=True).result()["results"][1]
     assert alone.manifest == sharded.manifest  # the checkpoint the sharded audit made
     assert np.array_equal(alone.result.token_nll, sharded.result.token_nll)
+
+
+@pytest.fixture(scope="module")
+def network():
+    """Two hosts on a network made for the test (``ip netns``, veth, a bridge; needs root): a /24 of 10.x picked
+    by process id, so that two test sessions on one machine do not meet."""
+    tag = f"pa{os.getpid() % 100000}"
+    subnet = f"10.{60 + os.getpid() % 150}.{os.getpid() // 150 % 250}"
+    bridge, hosts, cables = f"{tag}br", [], []
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+    try:
+        ip("link", "add", bridge, "type", "bridge")
+    except (FileNotFoundError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"cannot make a network here (needs iproute2 and root): {getattr(error, 'stderr', error)}")
+    try:
+        ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for n in (1, 2):
+            namespace, cable, end = f"{tag}h{n}", f"{tag}c{n}", f"{tag}e{n}"
+            ip("netns", "add", namespace)
+            hosts.append((namespace, f"{subnet}.{10 + n}"))
+            ip("link", "add", cable, "type", "veth", "peer", "name", end)
+            cables.append(cable)
+            ip("link", "set", cable, "master", bridge, "up")
+            ip("link", "set", end, "netns", namespace)
+            ip("-n", namespace, "addr", "add", f"{subnet}.{10 + n}/24", "dev", end)
+            ip("-n", namespace, "link", "set", end, "up")
+            ip("-n", namespace, "link", "set", "lo", "up")
+        yield Network(f"{subnet}.1", hosts, cables)
+    finally:
+        for namespace, _ in hosts:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)  # takes its cable end along
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+@pytest.fixture
+def prefect_on_the_network(tmp_path, network):
+    """A Prefect server listening on the network's gateway, as workers on other hosts need: its API URL."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    port = free_port()
+    url = f"http://{network.gateway}:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": url}
+    process = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host",
+                                network.gateway, "--port", str(port), "--no-ui"], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import httpx
+
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 120, "the Prefect server")
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def sent_bytes(cable: str) -> int:
+    """Bytes this machine sent down a host's cable."""
+    return int(Path(f"/sys/class/net/{cable}/statistics/tx_bytes").read_text())
+
+
+def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(tmp_path, trained_model_dir, corpus_path, network,
+                                                                 prefect_on_the_network):
+    """The scheduler and the Prefect server on this machine, one worker on each of two hosts: the variants'
+    shards go over the network (each host's cable carries the token stream), run on both hosts, and merge to
+    the sequential audit's figures bit for bit."""
+    variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "copy", "path": str(trained_model_dir)}]
+    sequential = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
+                       return_state=True).result()
+    before = [sent_bytes(cable) for cable in network.cables]
+    with dask_cluster(2, network=network) as (address, workers):
+        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
+                              runner={"kind": "dask", "address": address, "shards": 2})
+        state = audit(config=str(config), return_state=True)
+    assert state.is_completed(), state.message
+    on_hosts = state.result()
+    assert [r["ppl"] for r in on_hosts["rows"]] == [r["ppl"] for r in sequential["rows"]]  # to the last bit
+    for one, split in zip(sequential["results"][1:], on_hosts["results"][1:]):
+        assert np.array_equal(one.result.token_nll, split.result.token_nll)
+    ran_on = {row["worker"] for outcome in on_hosts["results"][1:] for row in outcome.shards}
+    assert ran_on == set(workers) and {w.split("//")[1].split(":")[0] for w in workers} == {a for _, a in network.hosts}
+    crossed = [sent_bytes(cable) - then for cable, then in zip(network.cables, before)]
+    assert all(amount > 100_000 for amount in crossed), crossed  # the stream (and more) went down each cable
+
+
+def test_workers_that_cannot_reach_prefects_api_are_one_line_before_anything_loads(cli, tmp_path, trained_model_dir,
+                                                                                   corpus_path, network):
+    """Each task reports to Prefect's API from its worker. Without PREFECT_API_URL the audit would start its
+    temporary server on this machine's 127.0.0.1, which workers on other hosts cannot reach."""
+    with dask_cluster(2, network=network) as (address, workers):
+        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
+                              [{"name": "int8", "method": "torchao-int8"}], runner={"kind": "dask", "address": address})
+        code, out, err = cli("run", str(config))
+    assert code == 2 and "Traceback" not in err
+    assert re.fullmatch(rf"ppl-audit: error: runner\.address: worker ({'|'.join(map(re.escape, workers))}) cannot "
+                        r"reach 127\.0\.0\.1 of this machine, where the audit would start its temporary Prefect "
+                        r"server \(PREFECT_API_URL is unset\) \(Connection refused\), where workers report each "
+                        r"task; start a Prefect server the workers reach \(prefect server start --host 0\.0\.0\.0\) "
+                        r"and set PREFECT_API_URL to its address", err.strip()), err
+
+
+def test_a_task_that_fails_before_prefect_records_it_fails_its_variant_not_the_audit(
+        monkeypatch, tmp_path, trained_model_dir, corpus_path, network):
+    """The flow's Prefect API on this machine's 127.0.0.1 (the harness's), the workers on other hosts, and the
+    check above skipped (as when the API stops answering after it): every shard fails on its worker before
+    Prefect has a state for it; the audit ends with the baseline scored and the variant failed with the reason."""
+    monkeypatch.setattr("tasks.preflight.check_workers", lambda runner, paths: None)
+    variants = [{"name": "int8", "method": "torchao-int8"}]
+    with dask_cluster(2, network=network) as (address, _):
+        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
+                              runner={"kind": "dask", "address": address, "shards": 2})
+        state = audit(config=str(config), return_state=True)
+    assert state.is_failed()
+    baseline, variant = summary_of(state)["results"]
+    assert baseline.ok and baseline.result.ppl > 1
+    assert not variant.ok
+    assert re.fullmatch(r"shard 1 of 2: RuntimeError: Failed to reach API at http://127\.0\.0\.1:\d+/api/",
+                        variant.reason), variant.reason
+
