@@ -12,6 +12,8 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 
+from prefect import get_run_logger
+
 from tasks.checkpoints import Lineup
 from tasks.config import AuditConfig
 from tasks.errors import one_line
@@ -171,4 +173,20 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
     else:
         with runner:
             variants = score_concurrently(runner, config, lineup, scored, baseline)
+        logger = get_run_logger()
+        for outcome in variants:
+            logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")
     return baseline, variants
+
+
+def where_it_ran(shards: list[dict]) -> str:
+    """Which worker scored which windows, and which tries failed where, for the run's log."""
+    def ran(row: dict) -> str:
+        first, stop = row["windows"]
+        if "failed" in row:
+            return f"windows {first}-{stop - 1} failed on {row['worker']}: {row['failed']}"
+        if "tokens" in row:
+            return f"windows {first}-{stop - 1} on {row['worker']} ({row['tokens']} tokens, {row['seconds']:.1f} s)"
+        return f"windows {first}-{stop - 1} not scored on {row['worker']}"
+
+    return "; ".join(map(ran, shards)) or "no task of it ran"

@@ -77,7 +77,7 @@ def _ray_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[s
 
 @contextmanager
 def _prefect_api():
-    """Where workers report each task they run, ``((host, port), what to say of it)``: the Prefect API at
+    """Where workers report each task they run: ``((host, port), its name, why it is there)``: the Prefect API at
     ``PREFECT_API_URL``, or, with none set, this machine's loopback, where the audit starts its temporary
     server (a port held open here while the workers try it)."""
     from prefect.settings import PREFECT_API_URL
@@ -85,11 +85,11 @@ def _prefect_api():
     url = PREFECT_API_URL.value()
     if url:
         parsed = urlparse(url)
-        yield (parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)), f"the Prefect API {url}"
+        yield (parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)), f"the Prefect API {url}", ""
         return
     with socket.create_server(("127.0.0.1", 0)) as stand_in:
-        yield stand_in.getsockname(), ("127.0.0.1 of this machine, where the audit would start its temporary Prefect "
-                                       "server (PREFECT_API_URL is unset)")
+        yield (stand_in.getsockname(), "this machine's 127.0.0.1",
+               "without PREFECT_API_URL the audit starts a temporary Prefect server there, and ")
 
 
 def check_workers(runner: Runner, paths: dict[str, str]) -> None:
@@ -99,12 +99,12 @@ def check_workers(runner: Runner, paths: dict[str, str]) -> None:
     from a path every worker sees or a Hub id / ``models:/`` URI); or no worker offering ``gpus_per_variant``
     GPUs (its tasks would wait for one forever)."""
     survey = _dask_workers if runner.kind == "dask" else _ray_workers
-    with _prefect_api() as (api, what):
+    with _prefect_api() as (api, what, why):
         workers = survey(runner.address, list(paths.values()), api)
     for worker, (_, unreachable, _) in sorted(workers.items()):
         if unreachable:
-            raise InputError(f"runner.address: worker {worker} cannot reach {what} ({unreachable}), where workers "
-                             "report each task; start a Prefect server the workers reach (prefect server start "
+            raise InputError(f"runner.address: worker {worker} cannot reach {what} ({unreachable}): {why}workers "
+                             "report each task to it; start a Prefect server the workers reach (prefect server start "
                              "--host 0.0.0.0) and set PREFECT_API_URL to its address")
     for worker, (missing, _, _) in sorted(workers.items()):
         if missing:

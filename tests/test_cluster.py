@@ -427,8 +427,8 @@ def sent_bytes(cable: str) -> int:
     return int(Path(f"/sys/class/net/{cable}/statistics/tx_bytes").read_text())
 
 
-def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(tmp_path, trained_model_dir, corpus_path, network,
-                                                                 prefect_on_the_network):
+def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(caplog, tmp_path, trained_model_dir, corpus_path,
+                                                                 network, prefect_on_the_network):
     """The scheduler and the Prefect server on this machine, one worker on each of two hosts: the variants'
     shards go over the network (each host's cable carries the token stream), run on both hosts, and merge to
     the sequential audit's figures bit for bit."""
@@ -447,6 +447,11 @@ def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(tmp_path, train
         assert np.array_equal(one.result.token_nll, split.result.token_nll)
     ran_on = {row["worker"] for outcome in on_hosts["results"][1:] for row in outcome.shards}
     assert ran_on == set(workers) and {w.split("//")[1].split(":")[0] for w in workers} == {a for _, a in network.hosts}
+    host = r"tcp://10\.\d+\.\d+\.1[12]:\d+"
+    for name in ("int8", "copy"):  # the run's log says which host scored which windows
+        said = [record.getMessage() for record in caplog.records if record.getMessage().startswith(f"{name}: ")]
+        assert len(said) == 1 and re.fullmatch(rf"{name}: windows 0-\d+ on {host} \(\d+ tokens, [\d.]+ s\); "
+                                               rf"windows \d+-\d+ on {host} \(\d+ tokens, [\d.]+ s\)", said[0]), said
     crossed = [sent_bytes(cable) - then for cable, then in zip(network.cables, before)]
     assert all(amount > 100_000 for amount in crossed), crossed  # the stream (and more) went down each cable
 
@@ -461,10 +466,10 @@ def test_workers_that_cannot_reach_prefects_api_are_one_line_before_anything_loa
         code, out, err = cli("run", str(config))
     assert code == 2 and "Traceback" not in err
     assert re.fullmatch(rf"ppl-audit: error: runner\.address: worker ({'|'.join(map(re.escape, workers))}) cannot "
-                        r"reach 127\.0\.0\.1 of this machine, where the audit would start its temporary Prefect "
-                        r"server \(PREFECT_API_URL is unset\) \(Connection refused\), where workers report each "
-                        r"task; start a Prefect server the workers reach \(prefect server start --host 0\.0\.0\.0\) "
-                        r"and set PREFECT_API_URL to its address", err.strip()), err
+                        r"reach this machine's 127\.0\.0\.1 \(Connection refused\): without PREFECT_API_URL the "
+                        r"audit starts a temporary Prefect server there, and workers report each task to it; start a "
+                        r"Prefect server the workers reach \(prefect server start --host 0\.0\.0\.0\) and set "
+                        r"PREFECT_API_URL to its address", err.strip()), err
 
 
 def test_a_task_that_fails_before_prefect_records_it_fails_its_variant_not_the_audit(
