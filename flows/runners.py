@@ -90,30 +90,34 @@ def _outcome(checkpoint, value) -> VariantResult:
     return value
 
 
-def _elsewhere(runner, config: AuditConfig, shard: VariantResult) -> list[str]:
-    """The workers a failed shard runs again on: on Dask, any but the one it failed on (none: anywhere)."""
+def _elsewhere(runner, config: AuditConfig, shard: VariantResult) -> list[str] | None:
+    """The workers a failed shard runs again on: on Dask, any but the one it failed on; None: anywhere."""
     if config.runner.kind != "dask" or not shard.shards:
-        return []
+        return None
     return sorted(set(runner.client.scheduler_info()["workers"]) - {shard.shards[0]["worker"]})
 
 
-def _held_to(workers: list[str]):
+def _held_to(workers: list[str] | None):
     """Tasks submitted in this context run on ``workers`` only. Strictly: Dask's work stealing moves a task with a
     loose restriction (``allow_other_workers``) to any idle worker, the one it failed on included."""
-    if not workers:
+    if workers is None:
         return nullcontext()
     import dask
 
     return dask.annotate(workers=workers, allow_other_workers=False)
 
 
-def _settled_on(runner, future, workers: list[str], failed: VariantResult):
+def _nobody_left(failed: VariantResult) -> VariantResult:
+    return replace(failed, shards=[], reason=f"{failed.reason}; no other worker is left to run it again")
+
+
+def _settled_on(runner, future, workers: list[str] | None, failed: VariantResult):
     """``_settled`` for a task held to ``workers``: should every one of them leave the cluster, Dask would keep it
     waiting for one forever; it fails instead."""
-    while workers and not future.wrapped_future.done():
+    while workers is not None and not future.wrapped_future.done():
         if not set(workers) & set(runner.client.scheduler_info()["workers"]):
             future.wrapped_future.cancel()
-            return replace(failed, shards=[], reason=f"{failed.reason}; no other worker is left to run it again")
+            return _nobody_left(failed)
         time.sleep(RETRY_POLL_SECONDS)
     return _settled(future)
 
@@ -153,11 +157,12 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
             for n, failed in enumerate(shards):
                 if failed.retry_elsewhere:
                     others = _elsewhere(runner, config, failed)
-                    with _held_to(others):
-                        again[v, n] = shard(ready[v], bounds[n]), others
+                    with _held_to(others):  # none left: fail now, not hold it to nobody (Dask reads [] as anyone)
+                        again[v, n] = shard(ready[v], bounds[n]) if others != [] else None, others
     for (v, n), (future, others) in again.items():
         failed = outcomes[v][n]
-        outcomes[v][n] = _outcome(lineup.variants[v], _settled_on(runner, future, others, failed))
+        outcomes[v][n] = (_nobody_left(failed) if future is None else
+                          _outcome(lineup.variants[v], _settled_on(runner, future, others, failed)))
         outcomes[v][n].shards[:0] = [row | {"failed": failed.reason} for row in failed.shards]
     return [merge_shards(shards, scored) for shards in outcomes]
 

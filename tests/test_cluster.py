@@ -237,6 +237,36 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
     assert outcome.result.nll_sum == whole["results"][1].result.nll_sum
 
 
+def referenced_int8(tmp_path: Path) -> dict:
+    """An audit of the embedded SmolLM2 (a shard runs for seconds) and its int8 variant, whose baseline reference
+    this runs first, here: a worker that cannot see $PPL_AUDIT_REFERENCES fails each shard it takes."""
+    import yaml
+
+    config = {"name": "left", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
+              "evaluation": {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 1536},
+              "variants": [{"name": "int8", "method": "torchao-int8"}]}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
+    audit(config=str(tmp_path / "s.yaml"))
+    return config
+
+
+def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path):
+    """A retry elsewhere with nowhere else to go fails at once (Dask would read an empty list of workers as any
+    worker, the one it failed on included)."""
+    import yaml
+
+    from tasks.places import references_dir
+
+    config = referenced_int8(tmp_path)
+    with dask_cluster(1, hide=references_dir()) as (address, _):
+        (tmp_path / "d.yaml").write_text(yaml.safe_dump(config | {"runner": {"kind": "dask", "address": address,
+                                                                             "shards": 2}}))
+        _, variant = summary_of(audit(config=str(tmp_path / "d.yaml"), return_state=True))["results"]
+    assert variant.reason.endswith("; no other worker is left to run it again"), variant.reason
+    assert len(variant.shards) == 2, variant.shards  # one try each
+    assert all("failed" in row for row in variant.shards), variant.shards
+
+
 def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tmp_path):
     """The shards that failed on the worker without references are held to the other worker for their second
     try; that worker is killed while one runs: Dask would keep them waiting for it forever, the audit fails the
@@ -246,28 +276,21 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
 
     import yaml
     from distributed import Client
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
     from tasks.places import references_dir
 
+    def held_retries(dask_scheduler) -> int:
+        """Tasks held to some workers that have not finished: the second tries (nothing else is held)."""
+        return sum(1 for task in dask_scheduler.tasks.values() if task.worker_restrictions and task.state != "memory")
+
     def kill_the_other_when_a_retry_runs(address: str, killed: list) -> None:
-        with Client(address, timeout=60, set_as_default=False) as client, get_client(sync_client=True) as api:
+        with Client(address, timeout=60, set_as_default=False) as client:
             pids = client.run(os.getpid)
-
-            def retry_running():
-                runs = api.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="score-int8-")))
-                return len(runs) > 4 and any(run.state and run.state.is_running() for run in runs)
-
-            wait_for(retry_running, 300, "a second try of a shard", every=0.1)
+            wait_for(lambda: client.run_on_scheduler(held_retries), 300, "a second try of a shard", every=0.02)
             os.kill(pids[workers[0]], signal.SIGKILL)
             killed.append(workers[0])
 
-    config = {"name": "left", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
-              "evaluation": {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 1536},
-              "variants": [{"name": "int8", "method": "torchao-int8"}]}  # SmolLM2: a shard runs for seconds
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
-    audit(config=str(tmp_path / "s.yaml"))  # the baseline reference
+    config = referenced_int8(tmp_path)
     killed: list[str] = []
     with dask_cluster(2, hide=references_dir()) as (address, workers):
         (tmp_path / "d.yaml").write_text(yaml.safe_dump(config | {"runner": {"kind": "dask", "address": address,

@@ -79,7 +79,9 @@ def fake_device(monkeypatch, device: str, tokens_per_second: dict[int, float] | 
     monkeypatch.setattr(tasks.batching, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    model = SimpleNamespace(name_or_path=f"fake-{device}", dtype=torch.float32, device=torch.device(device))
+    on_device = SimpleNamespace(weight=SimpleNamespace(device=torch.device(device)))  # where its input ids go
+    model = SimpleNamespace(name_or_path=f"fake-{device}", dtype=torch.float32, device=torch.device(device),
+                            get_input_embeddings=lambda: on_device)
     return model, tried
 
 
