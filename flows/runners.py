@@ -158,7 +158,7 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
                 if failed.retry_elsewhere:
                     others = _elsewhere(runner, config, failed)
                     with _held_to(others):  # none left: fail now, not hold it to nobody (Dask reads [] as anyone)
-                        again[v, n] = shard(ready[v], bounds[n]) if others != [] else None, others
+                        again[v, n] = (shard(ready[v], bounds[n]) if others != [] else None), others
     for (v, n), (future, others) in again.items():
         failed = outcomes[v][n]
         outcomes[v][n] = (_nobody_left(failed) if future is None else

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from flows.audit import audit, summary_of
 from helpers import free_port, wait_for, write_config
@@ -187,20 +188,13 @@ def test_a_worker_killed_mid_shard_costs_a_retry_not_the_audit(tmp_path):
     again on a worker that lives, and the audit's figures are the unsharded audit's to the last bit."""
     import threading
 
-    import yaml
-
-    config = {"name": "killed", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
-              "evaluation": {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 1536},
-              "variants": [{"name": "int8", "method": "torchao-int8"}]}
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
-    whole = audit(config=str(tmp_path / "s.yaml"), return_state=True).result()
+    whole = audit(config=str(embedded_int8(tmp_path / "s.yaml")), return_state=True).result()
     killed: list[str] = []
     with dask_cluster(2) as (address, workers):
-        (tmp_path / "d.yaml").write_text(yaml.safe_dump(config | {"runner": {"kind": "dask", "address": address,
-                                                                             "shards": 2}}))
+        config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
         killer = threading.Thread(target=kill_a_worker_mid_shard, args=(address, "int8", killed))
         killer.start()
-        state = audit(config=str(tmp_path / "d.yaml"), return_state=True)
+        state = audit(config=str(config), return_state=True)
         killer.join()
     assert state.is_completed(), state.message
     assert killed and killed[0] in workers
@@ -237,31 +231,25 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
     assert outcome.result.nll_sum == whole["results"][1].result.nll_sum
 
 
-def referenced_int8(tmp_path: Path) -> dict:
-    """An audit of the embedded SmolLM2 (a shard runs for seconds) and its int8 variant, whose baseline reference
-    this runs first, here: a worker that cannot see $PPL_AUDIT_REFERENCES fails each shard it takes."""
-    import yaml
-
-    config = {"name": "left", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
+def embedded_int8(path: Path, **sections) -> Path:
+    """The embedded SmolLM2 (a shard runs for seconds) against its int8 variant, with ``sections`` (a runner),
+    as a config file at ``path``."""
+    config = {"name": "int8", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
               "evaluation": {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 1536},
               "variants": [{"name": "int8", "method": "torchao-int8"}]}
-    (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
-    audit(config=str(tmp_path / "s.yaml"))
-    return config
+    path.write_text(yaml.safe_dump(config | sections))
+    return path
 
 
 def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path):
     """A retry elsewhere with nowhere else to go fails at once (Dask would read an empty list of workers as any
     worker, the one it failed on included)."""
-    import yaml
-
     from tasks.places import references_dir
 
-    config = referenced_int8(tmp_path)
+    audit(config=str(embedded_int8(tmp_path / "s.yaml")))  # the baseline reference, which the worker cannot see
     with dask_cluster(1, hide=references_dir()) as (address, _):
-        (tmp_path / "d.yaml").write_text(yaml.safe_dump(config | {"runner": {"kind": "dask", "address": address,
-                                                                             "shards": 2}}))
-        _, variant = summary_of(audit(config=str(tmp_path / "d.yaml"), return_state=True))["results"]
+        config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
+        _, variant = summary_of(audit(config=str(config), return_state=True))["results"]
     assert variant.reason.endswith("; no other worker is left to run it again"), variant.reason
     assert len(variant.shards) == 2, variant.shards  # one try each
     assert all("failed" in row for row in variant.shards), variant.shards
@@ -274,7 +262,6 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
     import signal
     import threading
 
-    import yaml
     from distributed import Client
 
     from tasks.places import references_dir
@@ -290,14 +277,13 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
             os.kill(pids[workers[0]], signal.SIGKILL)
             killed.append(workers[0])
 
-    config = referenced_int8(tmp_path)
+    audit(config=str(embedded_int8(tmp_path / "s.yaml")))  # the baseline reference, which worker-1 cannot see
     killed: list[str] = []
     with dask_cluster(2, hide=references_dir()) as (address, workers):
-        (tmp_path / "d.yaml").write_text(yaml.safe_dump(config | {"runner": {"kind": "dask", "address": address,
-                                                                             "shards": 4}}))
+        config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 4})
         killer = threading.Thread(target=kill_the_other_when_a_retry_runs, args=(address, killed))
         killer.start()
-        state = audit(config=str(tmp_path / "d.yaml"), return_state=True)
+        state = audit(config=str(config), return_state=True)
         killer.join()
     assert killed == [workers[0]]
     _, variant = summary_of(state)["results"]
