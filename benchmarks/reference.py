@@ -68,10 +68,9 @@ from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
 from tasks.corpus import TokenStream
 from tasks.evaluation import evaluation
 from tasks.models import load_tokenizer, resolve_device, resolve_dtype, resolve_model_path
-from tasks.perplexity import Baseline, PerplexityResult, _divergence_kernel, _hidden, perplexity
+from tasks.perplexity import Baseline, PerplexityResult, _divergence_kernel, _hidden, perplexity, scored_targets
 from tasks.reference import Reference, Writer, building
 from tasks.variants import load_variant
-from tasks.windows import plan
 
 STEPS = ("reference", "lockstep")  # run in processes of their own; the baseline's runs come first, in this one
 TIME_TARGET, KL_TARGET = 1.15, 1e-6
@@ -157,9 +156,8 @@ def run_baseline(args: argparse.Namespace, source: str, stream: TokenStream) -> 
     model, facts = load_variant(spec(args, "baseline", "baseline"), source)
     forwards = count_forwards(model)
     _, alone = score(model, stream, args, forwards)
-    n_scored = sum(w.n_scored for w in plan(stream, args.window, args.stride))
     with building() as scratch:
-        writer = Writer(scratch / "benchmark", n_scored)
+        writer = Writer(scratch / "benchmark", scored_targets(stream, args.window, args.stride))
         writer.staging.mkdir()
         result, build = score(model, stream, args, forwards, keep_hidden=writer)
         # the warm-up wrote the first rows too; the measured run wrote them again, as a batch of its own

@@ -218,12 +218,14 @@ def run_quantize(args: argparse.Namespace) -> int:
 def _checked_config(path: str, overrides: list[str]):
     """Load, validate and preflight an audit config: bad input ends here, before any model loads."""
     from tasks.config import load_audit_config
-    from tasks.preflight import check_calibration_room, preflight
+    from tasks.preflight import check_calibration_room, check_stream, preflight
 
     config = load_audit_config(path, overrides)
     preflight(config)
     # read once more in the flow; a bad corpus is refused here, not there
-    check_calibration_room(config, config.corpus.text(), progress=True)
+    text = config.corpus.text()
+    check_calibration_room(config, text, progress=True)
+    check_stream(config, text)
     return config
 
 
@@ -277,9 +279,11 @@ def run_reference(args: argparse.Namespace) -> int:
     if args.action == "build":
         from flows.reference import build_reference
         from tasks.config import load_audit_config
-        from tasks.preflight import preflight
+        from tasks.preflight import check_stream, preflight
 
-        preflight(load_audit_config(args.config, args.set), variants=False)  # before Prefect starts: the baseline only
+        config = load_audit_config(args.config, args.set)
+        preflight(config, variants=False)  # before Prefect starts: the baseline only
+        check_stream(config, config.corpus.text())
         outcome = build_reference(config=args.config, overrides=args.set)
         if not outcome.ok:
             print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
@@ -303,6 +307,8 @@ def run_reference(args: argparse.Namespace) -> int:
         print(f"{len(found)} reference(s), {_mib(sum(r.size_bytes for r in found))} in {references_dir()}",
               file=say)
         return 0
+    if args.action == "verify":
+        return _verify_references(args.keys, args.all)
     if not (args.keys or args.all or args.older_than is not None or args.over is not None):
         raise InputError("reference rm: name the keys to remove (see `ppl-audit reference ls`), or give --all, "
                          "--older-than AGE or --over SIZE")
@@ -320,6 +326,31 @@ def run_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_references(keys: list[str], every: bool) -> int:
+    """One line per reference: intact, or what is damaged; 1 when any is damaged."""
+    from tasks import reference
+
+    if bool(keys) == every:
+        raise InputError("reference verify: name the keys to check (see `ppl-audit reference ls`), or give --all")
+    folders = reference.folders()
+    unknown = [key for key in keys if key not in folders]
+    if unknown:
+        raise InputError(f"reference verify: no reference {', '.join(unknown)}; `ppl-audit reference ls` lists them")
+    damaged = 0
+    for key in keys or sorted(folders):
+        try:
+            problem = reference.verify(folders[key])
+            said = f"DAMAGED: {problem}" if problem else "intact: files, result and NLL check out"
+        except (InputError, OSError, ValueError) as error:  # the baseline's files, whose head it needs, are gone
+            problem, said = None, f"files and result intact; NLL not checked: {one_line(error)}"
+        damaged += problem is not None
+        print(f"{key}  {said}", file=console.out())
+    if damaged:
+        print(f"{damaged} damaged: an audit never uses one; it removes it and scores the baseline again "
+              "(or: ppl-audit reference rm KEY)", file=console.out())
+    return 1 if damaged else 0
+
+
 def _when(epoch: float) -> str:
     from datetime import datetime
 
@@ -327,7 +358,7 @@ def _when(epoch: float) -> str:
 
 
 def _add_reference(commands) -> None:
-    reference = commands.add_parser("reference", help="stored baseline references: build, list, remove")
+    reference = commands.add_parser("reference", help="stored baseline references: build, list, verify, remove")
     actions = reference.add_subparsers(dest="action", required=True)
     build = actions.add_parser("build", help="score an audit's baseline once and store its reference "
                                              "(audits then reuse it and load only their variants)")
@@ -336,6 +367,10 @@ def _add_reference(commands) -> None:
                        help="override a config value, e.g. --set baseline.rescore=always (repeatable)")
     build.add_argument("--verbose", action="store_true", help=VERBOSE)
     actions.add_parser("ls", help="list the stored references")
+    verify = actions.add_parser("verify", help="check stored references: every file's digest, the result against "
+                                               "the scores, the LM head on the hidden states against the NLL")
+    verify.add_argument("keys", nargs="*", help="keys from `ppl-audit reference ls`")
+    verify.add_argument("--all", action="store_true", help="check every reference")
     rm = actions.add_parser("rm", help="remove references by key, by age or to a size")
     rm.add_argument("keys", nargs="*", help="keys from `ppl-audit reference ls`")
     rm.add_argument("--all", action="store_true", help="remove every reference")

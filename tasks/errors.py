@@ -5,6 +5,11 @@ class InputError(ValueError):
     """Bad input (arguments, config, corpus, model folder). The CLI prints it and exits with 2."""
 
 
+class DamagedReference(InputError):
+    """A stored baseline reference whose files do not hold what was written (bit rot, a partial copy): never
+    used. An audit scores the baseline again; with ``rescore: never`` it stops on this."""
+
+
 class NumericalError(RuntimeError):
     """A model produced NaN or infinite log-probabilities."""
 

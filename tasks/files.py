@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -30,6 +31,15 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, read in chunks: what a cache records of each file to check it when read."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_json(path: Path, what: str) -> dict | None:

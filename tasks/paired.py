@@ -3,9 +3,11 @@
 Tokens are not independent (a hard passage is hard for both models, and errors cluster), so every
 standard error here is taken over windows: the mean is a ratio of sums, and its variance is the
 cluster-robust (sandwich) estimate from the per-window sums of residuals, with the W/(W-1) small-sample
-factor. Intervals are normal 95% intervals. ``tests/test_paired.py`` shows they cover the truth at about
-the stated rate on synthetic data with correlated errors inside windows, where a token-level error bar
-does not.
+factor. Intervals are 95% intervals of Student's t with W-1 degrees of freedom over W windows: the normal
+quantile's are too narrow with few windows (a 3-window interval would cover about 80%, not 95%), and with
+one window there is no interval at all (NaN), which no gate passes (``tasks.verdict``).
+``tests/test_paired.py`` shows they cover the truth at about the stated rate on synthetic data with
+correlated errors inside windows, where a token-level error bar does not.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from scipy import stats
 
-Z95 = 1.959963984540054
+MIN_WINDOWS = 2  # a paired interval needs the spread of windows: fewer give no interval
 # llama-perplexity's statistics block: the percentiles it prints of the per-token KL and of Δp
 KLD_PERCENTILES = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
 DP_PERCENTILES = (99.9, 99, 95, 90, 75, 50, 25, 10, 5, 1, 0.1)
@@ -53,15 +56,17 @@ def cluster_mean(values: np.ndarray, window_tokens: np.ndarray) -> Estimate:
     sums = np.add.reduceat(values, np.cumsum(counts) - counts)
     n, clusters = counts.sum(), len(counts)
     mean = sums.sum() / n
-    if clusters < 2:
+    if clusters < MIN_WINDOWS:
         return Estimate(mean, math.nan, math.nan, math.nan)
     residuals = sums - mean * counts
     stderr = math.sqrt(clusters / (clusters - 1) * float((residuals**2).sum()) / n**2)
-    return Estimate(mean, stderr, mean - Z95 * stderr, mean + Z95 * stderr)
+    quantile = float(stats.t.ppf(0.975, clusters - 1))
+    return Estimate(mean, stderr, mean - quantile * stderr, mean + quantile * stderr)
 
 
 def paired_difference(base_nll: np.ndarray, variant_nll: np.ndarray, window_tokens: np.ndarray) -> dict[str, float]:
-    """ΔNLL, PPL ratio and ΔPPL% with intervals, and the correlation of per-window ln PPL."""
+    """ΔNLL, PPL ratio and ΔPPL% with intervals, the correlation of per-window ln PPL, and ``windows``: how
+    many windows the intervals rest on."""
     delta = cluster_mean(np.asarray(variant_nll, np.float64) - np.asarray(base_nll, np.float64), window_tokens)
     ratio = delta.mapped(math.exp)
     pct = delta.mapped(lambda x: 100 * math.expm1(x))
@@ -71,7 +76,7 @@ def paired_difference(base_nll: np.ndarray, variant_nll: np.ndarray, window_toke
     var_w = np.add.reduceat(np.asarray(variant_nll, np.float64), starts) / counts
     correlation = float(np.corrcoef(base_w, var_w)[0, 1]) if len(counts) > 1 else math.nan
     return {**delta.as_dict("delta_nll"), **ratio.as_dict("ppl_ratio"), **pct.as_dict("delta_ppl_pct"),
-            "window_lnppl_correlation": correlation}
+            "window_lnppl_correlation": correlation, "windows": len(counts)}
 
 
 def _spread(values: np.ndarray, name: str, percentiles: tuple[float, ...]) -> dict[str, float]:

@@ -22,7 +22,7 @@ import torch
 
 from tasks import console, divergence
 from tasks.corpus import TokenStream
-from tasks.errors import NumericalError
+from tasks.errors import DamagedReference, NumericalError
 from tasks.memory import PeakMemory
 from tasks.models import input_device, max_positions
 from tasks.windows import Window, check_settings, plan, plan_chunks
@@ -72,10 +72,12 @@ def _log_probs(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits - torch.logsumexp(logits, -1, keepdim=True)
 
 
-def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, softcap: float | None,
+def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, target: torch.Tensor, softcap: float | None,
                 base_softcap: float | None) -> dict[str, torch.Tensor]:
-    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits."""
-    return divergence.exact(_log_probs(base_logits, base_softcap), _log_probs(logits, softcap))
+    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits, and the baseline's
+    NLL of the targets (``base_nll``), which checks its stored reference at no extra pass."""
+    base = _log_probs(base_logits, base_softcap)
+    return divergence.exact(base, _log_probs(logits, softcap)) | {"base_nll": -base.gather(-1, target).squeeze(-1)}
 
 
 @functools.cache
@@ -91,7 +93,7 @@ def _divergence_kernel(device_type: str):
     compiled = torch.compile(_divergence, dynamic=True)
     try:
         probe = torch.zeros(2, 3, device=device_type)
-        compiled(probe, probe, None, None)
+        compiled(probe, probe, torch.zeros(2, 1, dtype=torch.long, device=device_type), None, None)
     except Exception:  # inductor could not build here (no compiler); torch raises many kinds
         return _divergence
     return compiled
@@ -133,7 +135,8 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         parts = {"nll": nll(logits, target, softcap)}
         if reference is not None:
             base_logits = reference.head(reference.hidden[start:stop]).to(logits.device)
-            parts |= _divergence_kernel(logits.device.type)(logits, base_logits, softcap, reference.softcap)
+            parts |= _divergence_kernel(logits.device.type)(logits, base_logits, target, softcap, reference.softcap)
+            reference.check(parts.pop("base_nll"), start)
         for key, value in parts.items():
             out.setdefault(key, []).append(value)
     return {key: torch.cat(values) for key, values in out.items()}
@@ -141,11 +144,29 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
 
 @dataclass
 class BaselineBatch:
-    """The baseline's head and its final hidden states ``[T, H]`` for the batch a variant is scoring."""
+    """The baseline's head and its final hidden states ``[T, H]`` for the batch a variant is scoring, with
+    the NLL the baseline gave these tokens when it was scored (``nll``, ``[T]``; None: not checked)."""
 
     head: torch.nn.Module
     hidden: torch.Tensor
     softcap: float | None
+    nll: torch.Tensor | None = None
+    tolerance: float = 0.0
+    source: str = "the baseline reference"
+
+    def check(self, base_nll: torch.Tensor, start: int) -> None:
+        """Refuse a reference whose head and hidden states do not give back its own NLL (rows ``start:``):
+        damaged hidden states would give every variant a wrong KL, not an error."""
+        if self.nll is None:
+            return
+        stored = self.nll[start : start + len(base_nll)].to(base_nll.device, base_nll.dtype)
+        difference = (base_nll - stored).abs()
+        worst = float(difference.max()) if len(difference) else 0.0
+        if not worst <= self.tolerance:  # NaN too
+            raise DamagedReference(f"{self.source} is damaged: its LM head on its hidden states gives NLLs up to "
+                                   f"{worst:.3g} away from its stored ones (float noise is {self.tolerance:g}); "
+                                   "the next audit scores the baseline again (`ppl-audit reference verify` checks "
+                                   "every stored reference)")
 
 
 @dataclass
@@ -156,11 +177,17 @@ class Baseline:
     Attributes:
         states: ``(slots, inputs) -> [T, H]``: the hidden states of the scored tokens ``slots`` (their
             places in the token arrays), given the batch's ``(input_ids, mask, row_index, columns)``.
+        nll: ``slots -> [T]``: the NLL the baseline gave those tokens when it was scored, checked against
+            what its head makes of ``states`` (within ``tolerance``); None: not checked.
+        source: how a damaged one is named.
     """
 
     head: torch.nn.Module
     softcap: float | None
     states: Callable[[torch.Tensor, tuple], torch.Tensor]
+    nll: Callable[[torch.Tensor], torch.Tensor] | None = None
+    tolerance: float = 0.0
+    source: str = "the baseline reference"
 
 
 @dataclass
@@ -203,6 +230,11 @@ def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, 
     columns = torch.cat([torch.arange(w.first_scored, w.end) - w.start + len(prefix) - 1 for w in batch])
     targets = torch.cat([ids[w.first_scored : w.end] for w in batch])
     return input_ids, mask, row_index, columns, targets
+
+
+def scored_targets(stream: TokenStream, window: int, stride: int, mode: str = "sliding") -> torch.Tensor:
+    """The ids of every token the plan scores, in the order of the token arrays (window by window)."""
+    return torch.cat([stream.ids[w.first_scored : w.end] for w in plan(stream, window, stride, mode)])
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -296,7 +328,8 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
             against = None
             if reference is not None:
                 against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),
-                                        reference.softcap)
+                                        reference.softcap, None if reference.nll is None else reference.nll(slots),
+                                        reference.tolerance, reference.source)
             stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against)
             if keep_hidden is not None:
                 stats["hidden"] = hidden
@@ -432,11 +465,15 @@ def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: i
     def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
         return reference.states(slots + offset, inputs)
 
+    def nll(slots: torch.Tensor) -> torch.Tensor:
+        return reference.nll(slots + offset)
+
     def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
         keep_hidden(slots + offset, hidden)
 
-    return (None if reference is None else dataclasses.replace(reference, states=states),
-            None if keep_hidden is None else keep)
+    if reference is not None:
+        reference = dataclasses.replace(reference, states=states, nll=reference.nll and nll)
+    return reference, None if keep_hidden is None else keep
 
 
 def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,

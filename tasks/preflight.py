@@ -13,8 +13,12 @@ from tasks.formats import detect, locate, require
 from tasks.evaluation import evaluation
 from tasks.models import check_checkpoint, load_config, max_positions, resolve_device, resolve_model_path
 from tasks.places import references_dir
+from tasks.paired import MIN_WINDOWS
+from tasks.reference import find_intact
+from tasks.scoring import baseline_identity
+from tasks.verdict import GATES
 from tasks.tracking import tracking_uri
-from tasks.windows import check_window
+from tasks.windows import check_window, plan
 
 
 def preflight(config: AuditConfig, variants: bool = True) -> None:
@@ -57,6 +61,31 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         local["baseline references"].mkdir(parents=True, exist_ok=True)
         check_workers(config.runner, {whose: str(path) for whose, path in local.items()
                                       if Path(path).exists()})  # a Hub id: each worker fetches it
+
+
+def gated(config: AuditConfig) -> bool:
+    """Whether any variant of the audit has a limit to be judged against."""
+    return any(getattr(config.thresholds.for_variant(spec.name), limit) is not None
+               for spec in config.variants for _, _, limit, *_ in GATES)
+
+
+def check_stream(config: AuditConfig, corpus_text: str) -> None:
+    """What the audit's token stream decides, checked before anything starts: a gate needs at least
+    ``MIN_WINDOWS`` windows for a paired interval (one window shows no error bar, and a gate never passes what
+    it cannot show); under ``rescore: never`` the stored reference is all there is, and a damaged one is refused
+    (with ``auto`` the audit removes it and scores the baseline again)."""
+    lineup = prepare(config.baseline, [], config.tracking.uri)
+    scored = evaluation(corpus_text, lineup.tokenizer, config.evaluation)
+    settings = scored.settings
+    windows = len(plan(scored.stream, settings.window, settings.stride, settings.mode))
+    if windows < MIN_WINDOWS and gated(config):
+        raise InputError(f"evaluation: the token stream ({len(scored.stream.ids)} tokens) makes {windows} window(s) "
+                         f"of {settings.window}; a gate's paired interval needs at least {MIN_WINDOWS}: use a longer "
+                         "corpus, more max_tokens or chunks, or a shorter window")
+    if config.baseline.rescore == "never":
+        _, identity, environment = baseline_identity(lineup.baseline, scored)
+        if identity is not None:
+            find_intact(identity, environment, "never")
 
 
 def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:

@@ -33,17 +33,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tasks import console
 from tasks.config import EvaluationConfig, Rescore
 from tasks.corpus import TokenStream
-from tasks.errors import InputError
-from tasks.files import read_json, scratch, write_atomically
+from tasks.errors import DamagedReference, InputError
+from tasks.files import file_digest, read_json, scratch, write_atomically
 from tasks.models import DTYPES
-from tasks.perplexity import Baseline, PerplexityResult
+from tasks.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
 from tasks.places import references_dir
 from tasks.quantize import model_digest
 from tasks.variants import versions
 
-FORMAT = 1  # of the files below; a reference in another format is never matched
+FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
 MANIFEST, HIDDEN, SCORES, HEAD = "manifest.json", "hidden.bin", "scores.npz", "head.safetensors"
 USED = "used"  # touched on each reuse: pruning goes by it
 STORED_AS = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.int16, torch.float16: np.int16}
@@ -158,6 +159,15 @@ def read_head(folder: Path) -> tuple[str, torch.Tensor, torch.Tensor | None] | N
     return names[0], weight, bias
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest but for its own ``digest``: an edited manifest is told from the one written."""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True).encode()).hexdigest()
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
 @dataclass(frozen=True)
 class Reference:
     """A complete reference in its folder (see the module's docstring)."""
@@ -178,6 +188,15 @@ class Reference:
         used = self.folder / USED
         return used.stat().st_mtime if used.exists() else self.manifest["created"]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.manifest["identity"]["dtype"]]
+
+    @property
+    def tolerance(self) -> float:
+        """How far its head on its hidden states may give a token's NLL from the stored one: float noise."""
+        return DRIFT_TOLERANCE[self.manifest["identity"]["dtype"]][0]
+
     @classmethod
     def open(cls, folder: Path) -> Reference | None:
         manifest = read_json(folder / MANIFEST, "baseline reference manifest")
@@ -186,20 +205,72 @@ class Reference:
     def touch(self) -> None:
         (self.folder / USED).touch()
 
+    def scores(self) -> dict[str, np.ndarray]:
+        with np.load(self.folder / SCORES) as scores:
+            return {name: scores[name] for name in scores.files}
+
     def result(self) -> PerplexityResult:
         """The baseline's result as it was scored: the same arrays, so the same PPL to the last bit."""
-        with np.load(self.folder / SCORES) as scores:
-            arrays = {name: scores[name] for name in scores.files}
+        arrays = {name: array for name, array in self.scores().items() if name != "targets"}
         return PerplexityResult(**self.manifest["result"], **arrays)
 
-    def baseline(self, source: str, device: torch.device) -> Baseline:
-        """The baseline as a variant meets it: its LM head on ``device`` and its stored hidden states.
+    def damage(self) -> str | None:
+        """What is wrong with the reference's files, None when they hold what was written: the manifest's own
+        digest, each file's size and sha256, and the stored result against the stored scores. It reads every
+        file once (a hidden.bin of 5 GB takes seconds: far less than scoring the baseline again)."""
+        manifest = self.manifest
+        if manifest.get("digest") != manifest_digest(manifest):
+            return f"{MANIFEST} was changed after it was written"
+        files = manifest.get("files", {})
+        for name in sorted({HIDDEN, SCORES} | set(files)):
+            path = self.folder / name
+            if name not in files or not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != files[name]["bytes"]:
+                return f"{name} holds {path.stat().st_size} bytes, not the {files[name]['bytes']} written"
+            if file_digest(path) != files[name]["sha256"]:
+                return f"{name} does not hold the bytes written (its sha256 differs)"
+        return self._inconsistency()
 
-        Args:
-            source: the baseline's folder or Hub id (its head is read from there).
-        """
+    def _inconsistency(self) -> str | None:
+        """Where the manifest's result, the hidden states' shape and the per-token scores disagree."""
+        result, scores = self.manifest["result"], self.scores()
+        n = int(scores["window_tokens"].sum())
+        sizes = {"tokens counted": n, "token NLLs": len(scores["token_nll"]), "targets": len(scores["targets"]),
+                 "hidden rows": self.manifest["hidden"]["shape"][0]}
+        if len(set(sizes.values())) > 1 or n != result["n_tokens"]:
+            return f"its sizes disagree ({', '.join(f'{k} {v}' for k, v in sizes.items())}; result {result['n_tokens']})"
+        starts = np.cumsum(scores["window_tokens"]) - scores["window_tokens"]
+        sums = np.add.reduceat(scores["token_nll"].astype(np.float64), starts[scores["window_tokens"] > 0])
+        nll_sum = float(scores["window_nll"].sum())
+        if not (all(map(_close, sums, scores["window_nll"][scores["window_tokens"] > 0]))
+                and _close(nll_sum, result["nll_sum"]) and _close(math.exp(nll_sum / n), result["ppl"])):
+            return f"its result (PPL {result['ppl']:.6g}) is not what its scores give (PPL {math.exp(nll_sum / n):.6g})"
+        return None
+
+    def verify(self) -> str | None:
+        """``damage``, and the stored head applied to every stored hidden state checked to give back the stored
+        NLL of every token (within the float noise of its dtype). None when it is intact."""
+        problem = self.damage()
+        if problem:
+            return problem
+        head, softcap = self.head(self.manifest["source"], torch.device("cpu")), self.manifest["head"]["softcap"]
+        hidden, nll = self._hidden(), torch.from_numpy(self.scores()["token_nll"])
+        targets = torch.from_numpy(self.scores()["targets"]).long()
+        for start in range(0, len(nll), 4096):
+            rows = slice(start, start + 4096)
+            states = torch.from_numpy(np.array(hidden[rows])).view(self.dtype)
+            batch = BaselineBatch(head, states, softcap, nll[rows], self.tolerance, f"baseline reference {self.key}")
+            try:
+                batch.check(token_stats(head, states, targets[rows], softcap)["nll"], 0)
+            except DamagedReference:
+                return f"its LM head on its hidden states does not give back its stored NLL (tokens {start}…)"
+        return None
+
+    def head(self, source: str, device: torch.device) -> torch.nn.Linear:
+        """The baseline's LM head, stored beside the reference or read from ``source`` (its folder or Hub id),
+        checked against the digest it was made with, on ``device`` in the reference's dtype."""
         about = self.manifest["head"]
-        dtype = DTYPES[self.manifest["identity"]["dtype"]]
         if about["stored"]:
             from safetensors.torch import load_file
 
@@ -211,16 +282,43 @@ class Reference:
                 raise InputError(f"the baseline's LM head ({about['name']}) is no longer in {source}; rebuild its "
                                  f"reference: ppl-audit reference rm {self.key}")
             _, weight, bias = found
-        weight, bias = (None if t is None else t.to(device=device, dtype=dtype) for t in (weight, bias))
+        weight, bias = (None if t is None else t.to(device=device, dtype=self.dtype) for t in (weight, bias))
         if tensor_digest(*(t for t in (weight, bias) if t is not None)) != about["digest"]:
             raise InputError(f"the baseline's LM head in {source} is not the one reference {self.key} was made with; "
                              f"rebuild it: ppl-audit reference rm {self.key}")
-        hidden = np.memmap(self.folder / HIDDEN, dtype=STORED_AS[dtype], mode="r", shape=tuple(self.manifest["hidden"]["shape"]))
+        return _linear(weight, bias)
+
+    def _hidden(self) -> np.memmap:
+        """``hidden.bin`` mapped, after its size is checked: a short file must not be mapped (a SIGBUS or a
+        ValueError far from here), a long one not read as if it were this reference's."""
+        shape = tuple(self.manifest["hidden"]["shape"])
+        stored_as = np.dtype(STORED_AS[self.dtype])
+        path = self.folder / HIDDEN
+        size = path.stat().st_size if path.is_file() else 0
+        if size != math.prod(shape) * stored_as.itemsize:
+            raise DamagedReference(f"baseline reference {self.key} is damaged: {HIDDEN} holds {size} bytes, not the "
+                                   f"{math.prod(shape) * stored_as.itemsize} of {shape[0]} rows of {shape[1]} "
+                                   "numbers; the next audit scores the baseline again")
+        return np.memmap(path, dtype=stored_as, mode="r", shape=shape)
+
+    def baseline(self, source: str, device: torch.device) -> Baseline:
+        """The baseline as a variant meets it: its LM head on ``device``, its stored hidden states, and its stored
+        NLL, which each batch checks the two against (``tasks.perplexity.BaselineBatch.check``).
+
+        Args:
+            source: the baseline's folder or Hub id (its head is read from there).
+        """
+        head, hidden, dtype = self.head(source, device), self._hidden(), self.dtype
+        nll = torch.from_numpy(self.scores()["token_nll"])
 
         def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(hidden[slots.numpy()])).view(dtype)
 
-        return Baseline(_linear(weight, bias), about["softcap"], states)
+        def stored_nll(slots: torch.Tensor) -> torch.Tensor:
+            return nll[slots]
+
+        return Baseline(head, self.manifest["head"]["softcap"], states, stored_nll, self.tolerance,
+                        f"baseline reference {self.key}")
 
 
 class Writer:
@@ -229,11 +327,12 @@ class Writer:
 
     Args:
         staging: an empty folder of its own, on the references' file system.
-        n_scored: the number of scored tokens (rows of ``hidden.bin``).
+        targets: ``[n_scored]`` the scored tokens' ids, in the token arrays' order: kept beside their NLL, so
+            that ``Reference.verify`` can check the head and hidden states against it with no corpus at hand.
     """
 
-    def __init__(self, staging: Path, n_scored: int):
-        self.staging, self.n_scored = staging, n_scored
+    def __init__(self, staging: Path, targets: torch.Tensor):
+        self.staging, self.targets, self.n_scored = staging, targets, len(targets)
         self.hidden: np.memmap | None = None
         self.dtype: torch.dtype | None = None
         self.problem = ""
@@ -271,7 +370,7 @@ class Writer:
         shape = list(self.hidden.shape)
         self.hidden = None
         np.savez(self.staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
-                 window_tokens=result.window_tokens)
+                 window_tokens=result.window_tokens, targets=self.targets.numpy().astype(np.int32))
         tensors = [t.detach() for t in _head_tensors(head)]
         found = read_head(Path(manifest["source"]))
         read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \
@@ -285,10 +384,12 @@ class Writer:
                      "hidden": {"shape": shape, "dtype": str(self.dtype).removeprefix("torch.")},
                      "head": {"name": found[0] if found else "", "digest": tensor_digest(*tensors),
                               "softcap": softcap, "stored": not read_back}}
-        manifest["size_bytes"] = sum(f.stat().st_size for f in self.staging.iterdir()) + len(json.dumps(manifest))
+        manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)} for f in self.staging.iterdir()}
+        manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
+        manifest["digest"] = manifest_digest(manifest)
         write_atomically(self.staging / MANIFEST, json.dumps(manifest, indent=1))
         final = references_dir() / key
-        if replace and final.exists():
+        if final.exists() and (replace or _manifest(final) is None):  # a rescore, or one too damaged to open
             _discard(final)
         try:
             os.rename(self.staging, final)
@@ -308,6 +409,33 @@ def _discard(folder: Path) -> None:
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}-{time.time_ns()}")
     os.rename(folder, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def folders() -> dict[str, Path]:
+    """Every reference's folder by key, whether or not it opens (``stored`` gives those that do)."""
+    root = references_dir()
+    return {f.name: f for f in root.iterdir() if f.is_dir() and not f.name.startswith(".")} if root.is_dir() else {}
+
+
+def _manifest(folder: Path) -> dict | None:
+    """The folder's manifest when it is one of this format, read without a warning."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+
+def verify(folder: Path) -> str | None:
+    """What is wrong with the reference in ``folder`` (``Reference.verify``), None when it is intact; read
+    without the warning an audit prints, as the caller says it."""
+    manifest = _manifest(folder)
+    if manifest is None:
+        return f"{MANIFEST} is missing, not JSON or not a format-{FORMAT} manifest (an older ppl-audit's: never used)"
+    try:
+        return Reference(folder, manifest).verify()
+    except (KeyError, TypeError, IndexError) as error:  # a field missing or of the wrong kind: edited by hand
+        return f"{MANIFEST} lacks what a reference holds ({type(error).__name__}: {error})"
 
 
 def stored() -> list[Reference]:
@@ -332,6 +460,31 @@ def find(identity_: dict, environment_: dict, rescore: Rescore) -> tuple[Referen
     if rescore == "never" and same:
         return here or same[0], None
     return None, here or (same[0] if same else None)
+
+
+def find_intact(identity_: dict, environment_: dict, rescore: Rescore
+                ) -> tuple[Reference | None, Reference | None, list[str]]:
+    """``find``, with what it finds checked first (``Reference.damage``): a damaged reference is never used. It is
+    removed, with one warning line naming it and its damage, and the search made again; under ``rescore: never``,
+    which forbids scoring the baseline again, it is refused instead.
+
+    Returns:
+        ``find``'s pair, and a ``"<key>: <damage>"`` line for each reference removed (for the record).
+    """
+    removed = []
+    while True:
+        found = find(identity_, environment_, rescore)
+        damaged = next(((r, problem) for r in found if r is not None and (problem := r.damage())), None)
+        if damaged is None:
+            return *found, removed
+        bad, problem = damaged
+        if rescore == "never":
+            raise DamagedReference(f"baseline reference {bad.key} is damaged: {problem}; rescore: never forbids making "
+                                   f"it again: set baseline.rescore to auto, or remove it (ppl-audit reference rm {bad.key})")
+        print(f"ppl-audit: warning: baseline reference {bad.key} is damaged: {problem}; it is removed and not used",
+              file=console.err())
+        remove(bad)
+        removed.append(f"{bad.key}: {problem}")
 
 
 def drift(previous: Reference, result: PerplexityResult, environment_: dict) -> dict:

@@ -25,7 +25,7 @@ from tasks.corpus import tokenizer_digest
 from tasks.errors import InputError, NumericalError, TransientError, WorkerError, one_line
 from tasks.evaluation import Evaluation
 from tasks.models import input_device, load_tokenizer, resolve_device, resolve_dtype
-from tasks.perplexity import Part, PerplexityResult, combine, score_part
+from tasks.perplexity import Part, PerplexityResult, combine, score_part, scored_targets
 from tasks.places import references_dir
 from tasks.quantize import check_disjoint, read_manifest
 from tasks.results import VariantResult
@@ -112,23 +112,33 @@ def _reuse(found: reference.Reference) -> tuple[PerplexityResult, VariantFacts]:
     return found.result(), VariantFacts(**found.manifest["facts"])
 
 
+def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[Path | None, dict | None, dict]:
+    """``(its local files, identity, environment)`` of an audit's baseline (``tasks.reference``); no identity
+    for a model whose files are not on this machine."""
+    device = resolve_device(checkpoint.spec.device)
+    dtype = resolve_dtype(checkpoint.spec.dtype, device)
+    folder = reference.model_files(checkpoint.source)
+    identity = None if folder is None else reference.identity(folder, checkpoint.tokenizer, evaluation_.stream,
+                                                              evaluation_.settings, dtype)
+    return folder, identity, reference.environment(device)
+
+
 def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: bool
                     ) -> tuple[PerplexityResult, VariantFacts, dict]:
     """The baseline's result, from its stored reference or scored (writing one), and what happened, for
     the record: ``baseline`` (``reused``/``scored``), ``key`` and ``path`` of the reference, ``drift``
-    (a rescore against the reference stored before), ``problem`` (why there is no reference)."""
+    (a rescore against the reference stored before), ``problem`` (why there is no reference), ``removed``
+    (damaged references found and removed, ``reference.find_intact``)."""
     spec, settings = checkpoint.spec, evaluation_.settings
-    device = resolve_device(spec.device)
-    dtype = resolve_dtype(spec.dtype, device)
-    folder = reference.model_files(checkpoint.source)
-    environment = reference.environment(device)
-    identity = reuse = previous = None
-    if folder is not None:
-        identity = reference.identity(folder, checkpoint.tokenizer, evaluation_.stream, settings, dtype)
-        reuse, previous = reference.find(identity, environment, spec.rescore)
+    folder, identity, environment = baseline_identity(checkpoint, evaluation_)
+    reuse = previous = None
+    said = {}
+    if identity is not None:
+        reuse, previous, removed = reference.find_intact(identity, environment, spec.rescore)
+        said = {"removed": removed} if removed else {}
     if reuse is not None:
         result, facts = _reuse(reuse)
-        return result, facts, {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
+        return result, facts, said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
     model, facts = _loaded(spec, checkpoint.source, evaluation_)
     with ExitStack() as stack:
         writer, key = None, None
@@ -136,13 +146,15 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
         if identity is not None:
             key = reference.key_of(identity, environment)
             try:
-                writer = reference.Writer(stack.enter_context(reference.building()) / key, n_scored(evaluation_))
+                writer = reference.Writer(stack.enter_context(reference.building()) / key,
+                                          scored_targets(evaluation_.stream, settings.window, settings.stride,
+                                                         settings.mode))
                 writer.staging.mkdir()
             except OSError as error:  # the reference is lost, not the baseline's score
                 writer = None
                 problem = f"could not write the baseline reference in {references_dir()}: {error}"
         result = perplexity_with_backoff(model, evaluation_, spec.name, progress, keep_hidden=writer)
-        said = {"baseline": "scored", "key": None}
+        said |= {"baseline": "scored", "key": None}
         if previous is not None:
             said["drift"] = reference.drift(previous, result, environment)
         if writer is None:
@@ -157,11 +169,6 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
         except OSError as error:
             said["problem"] = writer.problem or f"could not write the baseline reference: {error}"
     return result, facts, said
-
-
-def n_scored(evaluation_: Evaluation) -> int:
-    settings = evaluation_.settings
-    return sum(w.n_scored for w in plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
 
 
 @contextmanager

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tasks.results import VariantResult
 from tasks.config import Thresholds
-from tasks.paired import divergence_summary, paired_difference
+from tasks.paired import MIN_WINDOWS, divergence_summary, paired_difference
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
         if outcome is baseline:
             said = outcome.reference
             row.update(baseline=said.get("baseline"), reference=said.get("key"))
+            if said.get("removed"):
+                row["removed_references"] = said["removed"]
             if said.get("drift"):
                 row.update(drift="environment drift" if said["drift"]["drift"] else "none",
                            drift_from=said["drift"]["reference"])
@@ -46,11 +49,26 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
     return row
 
 
-def _check(what: str, point: float, worst: float, interval: str, limit: float, above: bool) -> tuple[str, str]:
-    """One gate: 'fail' when the estimate is past the limit, 'noise' when only its pessimistic end is."""
-    past = (lambda x: x > limit) if above else (lambda x: x < limit)
+# each gate: its name, the row's figure, the Gate's limit, whether the limit is a maximum, and how a figure reads
+GATES = (("ΔPPL", "delta_ppl_pct", "max_ppl_increase_pct", True, "{:+z.2f}", "%"),
+         ("KLD mean", "kld_mean", "max_kld_mean", True, "{:z.4f}", ""),
+         ("top-1 agreement", "top1_agreement", "min_top1_agreement", False, "{:.4f}", ""))
+
+
+def _check(row: dict, what: str, key: str, limit: float, above: bool, number: str, unit: str) -> tuple[str, str]:
+    """One gate, on the pessimistic end of the figure's interval: 'fail' when the estimate is past the limit,
+    'noise' when only that end is, 'unjudged' when the estimate or an end is not a finite number."""
+    value, low, high = row[key], row[f"{key}_low"], row[f"{key}_high"]
+    interval = f"{number.format(value)}{unit} [{number.format(low)}, {number.format(high)}]"
     sign = "≤" if above else "≥"
-    if past(point):
+    if not all(math.isfinite(x) for x in (value, low, high)):
+        windows = row.get("windows", 0)
+        why = (f"it rests on {windows} window(s), and an interval needs at least {MIN_WINDOWS}"
+               if windows < MIN_WINDOWS else "it is not a finite number")
+        return "unjudged", f"{what} {interval} cannot be judged against {sign} {limit:g}: {why}"
+    worst = high if above else low
+    past = (lambda x: x > limit) if above else (lambda x: x < limit)
+    if past(value):
         return "fail", f"{what} {interval} breaks the limit {sign} {limit:g}"
     if past(worst):
         return "noise", f"{what} {interval} is inside the noise of the limit {sign} {limit:g}"
@@ -62,7 +80,8 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
 
     A variant whose estimate is within a limit but whose interval reaches past it fails too ("inside
     the noise"): a release gate passes what is shown to be within the limit. ``error`` when the variant
-    or the baseline could not be scored, or a gated figure was not measured.
+    or the baseline could not be scored, a gated figure was not measured, or its estimate or interval is not
+    a finite number (too few windows, a NaN), unless another gate fails it.
     """
     name = row["variant"]
     if row["status"] != "ok":
@@ -70,29 +89,20 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
     if "delta_ppl_pct" not in row:
         return Verdict(name, "error", "no baseline result to compare with")
     gate = thresholds.for_variant(name)
-    checks = []
-    if gate.max_ppl_increase_pct is not None:
-        if "delta_ppl_pct_high" not in row:
-            return Verdict(name, "error", "ΔPPL has no interval: the variant did not score the baseline's tokens")
-        interval = f"{row['delta_ppl_pct']:+z.2f}% [{row['delta_ppl_pct_low']:+z.2f}, {row['delta_ppl_pct_high']:+z.2f}]"
-        checks.append(_check("ΔPPL", row["delta_ppl_pct"], row["delta_ppl_pct_high"], interval,
-                             gate.max_ppl_increase_pct, above=True))
-    if gate.max_kld_mean is not None or gate.min_top1_agreement is not None:
-        if "kld_mean" not in row:
-            why = row.get("divergence_absent") or "evaluation.divergence is off"
-            return Verdict(name, "error", f"KL divergence was not measured: {why}")
-    if gate.max_kld_mean is not None:
-        interval = f"{row['kld_mean']:z.4f} [{row['kld_mean_low']:z.4f}, {row['kld_mean_high']:z.4f}]"
-        checks.append(_check("KLD mean", row["kld_mean"], row["kld_mean_high"], interval, gate.max_kld_mean, above=True))
-    if gate.min_top1_agreement is not None:
-        interval = f"{row['top1_agreement']:.4f} [{row['top1_agreement_low']:.4f}, {row['top1_agreement_high']:.4f}]"
-        checks.append(_check("top-1 agreement", row["top1_agreement"], row["top1_agreement_low"], interval,
-                             gate.min_top1_agreement, above=False))
+    if gate.max_ppl_increase_pct is not None and "delta_ppl_pct_high" not in row:
+        return Verdict(name, "error", "ΔPPL has no interval: the variant did not score the baseline's tokens")
+    if (gate.max_kld_mean is not None or gate.min_top1_agreement is not None) and "kld_mean" not in row:
+        why = row.get("divergence_absent") or "evaluation.divergence is off"
+        return Verdict(name, "error", f"KL divergence was not measured: {why}")
+    checks = [_check(row, what, key, getattr(gate, limit), above, number, unit)
+              for what, key, limit, above, number, unit in GATES if getattr(gate, limit) is not None]
     if not checks:
         return Verdict(name, "pass", f"ΔPPL {row['delta_ppl_pct']:+z.2f}% (no limit set)")
     failed = [reason for status, reason in checks if status != "pass"]
-    if failed:
+    if any(status in ("fail", "noise") for status, _ in checks):
         return Verdict(name, "fail", "; ".join(failed))
+    if failed:
+        return Verdict(name, "error", "; ".join(failed))
     return Verdict(name, "pass", "; ".join(reason for _, reason in checks))
 
 
@@ -125,17 +135,19 @@ def _baseline_said(row: dict) -> str:
     if not row.get("baseline"):
         return "baseline"
     notes = [f"reference {row['reference']}"] if row.get("reference") else []
+    notes += [f"damaged reference {line.split(':')[0]} removed" for line in row.get("removed_references", [])]
     if row.get("drift"):
         notes.append(f"{'ENVIRONMENT DRIFT' if row['drift'] != 'none' else 'no drift'} from {row['drift_from']}")
     return f"baseline, {row['baseline']}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
-    """A fixed-width comparison table for the terminal and the logs."""
+    """A fixed-width comparison table for the terminal and the logs: each column at least its usual width and
+    wider where a figure needs it, so that no two figures ever run together. ``win``: the windows the paired
+    interval rests on."""
     columns = [("variant", "<16"), ("method", "<16"), ("PPL", ">12"), ("± err", ">10"), ("ΔPPL % [95% CI]", ">24"),
-               ("KLD", ">9"), ("top-1", ">8"), ("bits/B", ">8"), ("tok/s", ">8"), ("MiB", ">7")]
-    header = "".join(f"{name:{spec}}" for name, spec in columns) + "  verdict"
-    lines = [header, "-" * len(header)]
+               ("win", ">6"), ("KLD", ">9"), ("top-1", ">8"), ("bits/B", ">8"), ("tok/s", ">8"), ("MiB", ">7")]
+    body = []
     for row in rows:
         verdict = verdicts.get(row["variant"])
         said = f"{verdict.status}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
@@ -144,15 +156,21 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             delta = f"{row['delta_ppl_pct']:+z.2f}" if "delta_ppl_pct" in row else ""
             if "delta_ppl_pct_low" in row:
                 delta += f" [{row['delta_ppl_pct_low']:+z.2f},{row['delta_ppl_pct_high']:+z.2f}]"
-            cells[2:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta,
+            cells[2:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta, str(row.get("windows", "")),
                          f"{row['kld_mean']:z.4f}" if "kld_mean" in row else "",
                          f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "",
                          f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "",
                          f"{row['tokens_per_second']:.0f}", f"{row['weight_mib']:.0f}"]
         else:
             cells[2] = "—"
-        lines.append("".join(f"{cell:{spec}}" for cell, (_, spec) in zip(cells, columns)) + f"  {said}")
-    return "\n".join(lines)
+        body.append((cells, said))
+    widths = [max([int(spec[1:])] + [len(cells[i]) + 1 for cells, _ in body]) for i, (_, spec) in enumerate(columns)]
+
+    def line(cells: list[str], said: str) -> str:
+        return "".join(f"{cell:{spec[0]}{width}}" for cell, (_, spec), width in zip(cells, columns, widths)) + f"  {said}"
+
+    header = line([name for name, _ in columns], "verdict").rstrip()
+    return "\n".join([header, "-" * len(header)] + [line(cells, said) for cells, said in body])
 
 
 def _percentile_lines(row: dict, name: str, label: str, percentiles: tuple[float, ...], scale: float, unit: str) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
 WORDS = ("the a of and to in was her it his she he that with had for not be as at by on but "
@@ -133,18 +134,41 @@ def write_config(path: Path, baseline: Path, corpus: Path, variants: list[dict],
 def stored_reference(model, stream, window: int, stride: int, source: Path, key: str, batch_size: int = 3):
     """Score ``model`` as an audit scores its baseline, writing its reference under ``key``; returns
     ``(Reference, PerplexityResult)``. The manifest holds what reading it back needs, not a real identity."""
-    from tasks.perplexity import perplexity
+    from tasks.perplexity import perplexity, scored_targets
     from tasks.reference import Writer, building, environment
-    from tasks.windows import plan
 
     with building() as scratch:
-        writer = Writer(scratch / key, sum(w.n_scored for w in plan(stream, window, stride)))
+        writer = Writer(scratch / key, scored_targets(stream, window, stride))
         writer.staging.mkdir()
         result = perplexity(model, stream, window, stride, batch_size, keep_hidden=writer)
         manifest = {"identity": {"dtype": str(model.dtype).removeprefix("torch.")},
                     "environment": environment(model.device), "facts": {},
                     "source": str(source), "softcap": None}
         return writer.publish(key, manifest, result, model.get_output_embeddings(), replace=False), result
+
+
+def rewrite_scores(folder: Path, change) -> None:
+    """Give a stored reference the per-token NLL ``change(token_nll)`` as one written by another computation
+    would hold it: its window sums, result and digests made to agree (all that ``Reference.damage`` checks)."""
+    import json
+    import math
+
+    from tasks import reference
+    from tasks.files import file_digest
+
+    with np.load(folder / reference.SCORES) as scores:
+        arrays = {name: scores[name] for name in scores.files}
+    arrays["token_nll"] = change(arrays["token_nll"])
+    counts = arrays["window_tokens"]
+    arrays["window_nll"] = np.add.reduceat(arrays["token_nll"].astype(np.float64), np.cumsum(counts) - counts)
+    np.savez(folder / reference.SCORES, **arrays)
+    manifest = json.loads((folder / reference.MANIFEST).read_text())
+    nll_sum = float(arrays["window_nll"].sum())
+    manifest["result"] |= {"nll_sum": nll_sum, "mean_nll": nll_sum / counts.sum(), "ppl": math.exp(nll_sum / counts.sum())}
+    manifest["files"][reference.SCORES] = {"bytes": (folder / reference.SCORES).stat().st_size,
+                                           "sha256": file_digest(folder / reference.SCORES)}
+    manifest["digest"] = reference.manifest_digest(manifest)
+    (folder / reference.MANIFEST).write_text(json.dumps(manifest))
 
 
 def perturbed(model_dir: Path, dtype: torch.dtype = torch.float64, scale: float = 0.05, seed: int = 3):

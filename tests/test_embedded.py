@@ -75,12 +75,12 @@ def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
 def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
     """Plain NLL, NLL while the hidden states are kept (a reference being written) and NLL beside a
     baseline reference (KL being taken) are one computation."""
-    from tasks.perplexity import Baseline, _hidden, perplexity
+    from tasks.perplexity import Baseline, _hidden, perplexity, scored_targets
     from tasks.reference import Writer
 
     model, _, stream = embedded
     plain = perplexity(model, stream, 256, 128, batch_size=4)
-    writer = Writer(tmp_path, plain.n_tokens)
+    writer = Writer(tmp_path, scored_targets(stream, 256, 128))
     writing = perplexity(model, stream, 256, 128, batch_size=4, keep_hidden=writer)
     against = Baseline(model.get_output_embeddings(), None, lambda slots, inputs: _hidden(model, *inputs[:4]))
     beside = perplexity(model, stream, 256, 128, batch_size=4, reference=against)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tasks.config import Thresholds
@@ -84,3 +86,47 @@ def test_a_variant_equal_to_its_baseline_reads_zero_not_minus_zero():
     table = format_table([same], {"q": verdict})
     assert "-0.00" not in table and "+0.00 [+0.00,+0.00]" in table
     assert "ΔPPL +0.00% [+0.00, +0.00]" in verdict.reason and "KLD mean 0.0000 [0.0000, 0.0000]" in verdict.reason
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["", "_low", "_high"], ids=["estimate", "low end", "high end"])
+@pytest.mark.parametrize("what, key", [("ΔPPL", "delta_ppl_pct"), ("KLD mean", "kld_mean"),
+                                       ("top-1 agreement", "top1_agreement")])
+def test_no_gate_passes_what_is_not_a_finite_number(what, key, where, bad):
+    """`x > limit` is False for NaN: a NaN KLD once printed `pass: KLD mean nan [nan, nan] ≤ 0.01`."""
+    crafted = row(windows=40) | {f"{key}{where}": bad}
+    verdict = judge(crafted, GATE)
+    assert verdict.status == "error", verdict
+    assert f"{what} " in verdict.reason and "cannot be judged" in verdict.reason
+    assert "it is not a finite number" in verdict.reason
+    assert overall({"status": "ok"}, [verdict]).status != "pass"
+
+
+def test_one_window_cannot_be_judged_and_says_why():
+    """One window (`chunks: 1`) has no interval: it once passed every gate where three windows failed."""
+    nan = math.nan
+    alone = row(delta=0.88, low=nan, high=nan, kld=0.1386, kld_high=nan, top1=0.5161, top1_low=nan, windows=1)
+    alone["kld_mean_low"] = nan
+    verdict = judge(alone, Thresholds(max_ppl_increase_pct=5, max_kld_mean=0.5, min_top1_agreement=0.5))
+    assert verdict.status == "error"
+    assert verdict.reason.count("it rests on 1 window(s), and an interval needs at least 2") == 3
+
+
+def test_a_clear_failure_stays_a_failure_beside_a_gate_that_cannot_be_judged():
+    verdict = judge(row(delta=3.0, low=2.5, high=3.5, windows=40) | {"kld_mean_high": math.nan}, GATE)
+    assert verdict.status == "fail" and "breaks the limit" in verdict.reason and "cannot be judged" in verdict.reason
+
+
+def test_table_keeps_figures_apart_and_says_how_many_windows():
+    """A one-token corpus once printed PPL and its error as one number: `9829.417415894.1041`."""
+    from tasks.verdict import format_table
+
+    huge = row(delta=130.73, low=math.nan, high=math.nan, ppl=9829.4174, ppl_stderr=15894.1041, bits_per_byte=None,
+               tokens_per_second=12345678, weight_mib=123456789, windows=1, variant="a-variant-with-a-long-name",
+               method="compressed-tensors")
+    lines = format_table([huge], {}).splitlines()
+    assert "win" in lines[0].split()
+    cells = lines[2].split()
+    assert cells[:6] == ["a-variant-with-a-long-name", "compressed-tensors", "9829.4174", "15894.1041", "+130.73",
+                         "[+nan,+nan]"] and cells[6] == "1"
+    assert len({len(lines[0]), len(lines[1])}) == 1

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tasks import divergence
-from tasks.paired import Z95, cluster_mean, paired_difference
+from tasks.paired import cluster_mean, paired_difference
+
+Z95 = 1.959963984540054  # the normal quantile a token-level error bar is read with
 
 
 def correlated_windows(rng, windows: int, size: int, mean: float, rho: float = 0.8, scale: float = 0.5):
@@ -109,3 +111,21 @@ def test_the_statistics_block_has_llama_perplexity_s_figures_computed_independen
                  "KLD(Q‖base), reverse", "RMS Δp    :", "Same top p:", "0.1%    Δp:", "Median  Δp:"):
         assert line in block, line
     assert f"{100 * cor:6.2f}%" in block
+
+
+@pytest.mark.parametrize("windows", [3, 5])
+def test_a_few_windows_still_give_a_95_percent_interval(windows):
+    """Over W windows the interval is Student's t with W-1 degrees of freedom: the normal quantile's would
+    cover about 80% of the truth at 3 windows."""
+    rng = np.random.default_rng(windows)
+    truth, trials, covered = 0.05, 4000, 0
+    for _ in range(trials):
+        values = truth + rng.standard_normal(windows).repeat(20)  # each window one draw: W independent values
+        estimate = cluster_mean(values, np.full(windows, 20))
+        covered += estimate.low <= truth <= estimate.high
+    assert 0.935 <= covered / trials <= 0.965
+
+
+def test_one_window_gives_no_interval():
+    estimate = cluster_mean(np.array([1.0, 2.0, 3.0]), np.array([3]))
+    assert estimate.value == 2.0 and all(math.isnan(x) for x in (estimate.stderr, estimate.low, estimate.high))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import build_llama, perturbed, stored_reference, write_config
+from helpers import build_llama, perturbed, rewrite_scores, stored_reference, write_config
 from tasks import reference, scoring
 from tasks.checkpoints import prepare
 from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
@@ -196,11 +196,11 @@ def test_drift_is_flagged_when_the_baseline_s_numbers_move_and_not_on_a_clean_re
     assert drift["reference"] == built.reference["key"] and not drift["drift"]
     assert 0 <= drift["max_abs_delta_nll"] < 1e-4 and drift["changed"] == {}
     # as if the stored numbers came from a torch that computed this model differently
-    stored = reference.Reference.open(Path(clean.reference["path"]))
-    with np.load(stored.folder / reference.SCORES) as scores:
-        arrays = {name: scores[name] for name in scores.files}
-    arrays["token_nll"][::7] += 0.01
-    np.savez(stored.folder / reference.SCORES, **arrays)
+    def moved_by_another_torch(token_nll):
+        token_nll[::7] += 0.01
+        return token_nll
+
+    rewrite_scores(Path(clean.reference["path"]), moved_by_another_torch)
     moved = score_baseline(tiny_model_dir, text, rescore="always")
     assert moved.reference["drift"]["drift"] and moved.reference["drift"]["max_abs_delta_nll"] == pytest.approx(0.01, rel=1e-3)
     # the rescore took the drifted reference's place: the next audit reuses the numbers of this environment
@@ -220,10 +220,7 @@ def test_drift_reaches_the_audit_s_reason_and_its_mlflow_run(cli, tiny_model_dir
     assert code == 0, err[-2000:]
     assert "baseline, scored (reference " in out
     [stored] = reference.stored()
-    with np.load(stored.folder / reference.SCORES) as scores:
-        arrays = {name: scores[name] for name in scores.files}
-    arrays["token_nll"] = arrays["token_nll"] * np.float32(1.01)
-    np.savez(stored.folder / reference.SCORES, **arrays)
+    rewrite_scores(stored.folder, lambda token_nll: token_nll * np.float32(1.01))
     code, out, err = cli("run", str(config), "--set", "baseline.rescore=always", "--stats", "full")
     assert code == 0, err[-2000:]
     assert "ENVIRONMENT DRIFT from" in out and "verdict: PASS — environment drift: the baseline's NLL moved" in out

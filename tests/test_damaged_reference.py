@@ -1,0 +1,178 @@
+"""A stored baseline reference that does not hold what was written is never used: an audit removes it, says so
+in one line and scores the baseline again, ending with a clean run's figures to the last bit; under
+``rescore: never`` it stops in one line. Each batch of a variant's KL checks the reference's head and hidden
+states against its stored NLL, and ``ppl-audit reference verify`` checks every stored one on demand."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import perturbed, write_config
+from tasks import reference, scoring
+from tasks.checkpoints import prepare
+from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec, parse
+from tasks.errors import DamagedReference
+from tasks.evaluation import evaluation
+from tasks.files import file_digest
+from tasks.perplexity import perplexity
+
+
+@pytest.fixture(scope="module")
+def variant_dir(tmp_path_factory, tiny_model_dir, tokenizer) -> Path:
+    folder = tmp_path_factory.mktemp("noisy-variant")
+    perturbed(tiny_model_dir, torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def references(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PPL_AUDIT_REFERENCES", str(tmp_path / "references"))
+    return tmp_path / "references"
+
+
+def audit(model_dir: Path, variant_dir: Path, text: str, rescore: str = "auto"):
+    """The baseline's and the variant's outcomes, as the audit flow scores them (KL through the reference)."""
+    lineup = prepare(BaselineSpec(name="baseline", path=str(model_dir), rescore=rescore),
+                     [VariantSpec(name="noisy", path=str(variant_dir))])
+    settings = parse(EvaluationConfig, {"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 500}, "test")
+    scored = evaluation(text, lineup.tokenizer, settings)
+    base = scoring.score_variant(lineup.baseline, lineup, scored)
+    return base, scoring.score_variant(lineup.variants[0], lineup, scored, baseline_outcome=base)
+
+
+def figures(base, variant) -> dict:
+    assert base.ok and variant.ok, (base.reason, variant.reason)
+    return {"baseline ppl": base.result.ppl, "baseline nll": base.result.token_nll.tobytes(),
+            "variant ppl": variant.result.ppl, **{k: v.tobytes() for k, v in variant.result.extra.items()}}
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _hidden(folder: Path) -> np.memmap:
+    return np.memmap(folder / reference.HIDDEN, dtype=np.float32, mode="r+")
+
+
+def _edit_manifest(folder: Path) -> None:
+    manifest = json.loads((folder / reference.MANIFEST).read_text())
+    manifest["result"]["ppl"] = 1.0  # the edit once printed as the baseline's PPL
+    (folder / reference.MANIFEST).write_text(json.dumps(manifest))
+
+
+DAMAGE = {
+    "hidden bytes flipped": lambda f: _flip(f / reference.HIDDEN, (f / reference.HIDDEN).stat().st_size // 2 + 3),
+    "hidden values reversed": lambda f: _hidden(f).__setitem__(slice(None), _hidden(f)[::-1].copy()),
+    "hidden zeroed": lambda f: _hidden(f).__setitem__(slice(None), 0),
+    "hidden truncated": lambda f: os.truncate(f / reference.HIDDEN, (f / reference.HIDDEN).stat().st_size // 2),
+    "hidden missing": lambda f: (f / reference.HIDDEN).unlink(),
+    "scores missing": lambda f: (f / reference.SCORES).unlink(),
+    "scores bytes flipped": lambda f: _flip(f / reference.SCORES, (f / reference.SCORES).stat().st_size - 9),
+    "manifest edited": _edit_manifest,
+    "manifest not JSON": lambda f: (f / reference.MANIFEST).write_text("{\"format\": 2, "),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_reference_is_removed_and_the_audit_ends_as_a_clean_run(tiny_model_dir, variant_dir, text,
+                                                                         references, damage, capfd):
+    clean = audit(tiny_model_dir, variant_dir, text)
+    key, folder = clean[0].reference["key"], Path(clean[0].reference["path"])
+    DAMAGE[damage](folder)
+    capfd.readouterr()
+    again = audit(tiny_model_dir, variant_dir, text)
+    assert again[0].reference["baseline"] == "scored", damage
+    assert figures(*again) == figures(*clean), damage
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and ("is damaged" in warnings[0]) and (key in warnings[0] or str(folder) in warnings[0])
+    if damage != "manifest not JSON":  # one that cannot be opened is not found, so not "removed": it is replaced
+        assert again[0].reference["removed"] == [f"{key}: {warnings[0].split(': ', 3)[3].split('; it is')[0]}"]
+    [intact] = reference.stored()
+    assert intact.key == key and intact.damage() is None and reference.verify(intact.folder) is None
+    reused = audit(tiny_model_dir, variant_dir, text)
+    assert reused[0].reference["baseline"] == "reused" and figures(*reused) == figures(*clean)
+
+
+@pytest.mark.parametrize("damage", ["hidden values reversed", "manifest edited", "scores bytes flipped"])
+def test_under_rescore_never_a_damaged_reference_stops_the_baseline_in_one_line(tiny_model_dir, variant_dir,
+                                                                                 text, references, damage):
+    clean = audit(tiny_model_dir, variant_dir, text)
+    DAMAGE[damage](Path(clean[0].reference["path"]))
+    base, variant = audit(tiny_model_dir, variant_dir, text, rescore="never")
+    assert not base.ok and f"baseline reference {clean[0].reference['key']} is damaged" in base.reason
+    assert "\n" not in base.reason and "rescore: never" in base.reason
+    assert "kl" not in variant.result.extra  # no KL against what cannot be trusted
+    assert [r.key for r in reference.stored()] == [clean[0].reference["key"]]  # kept, not rebuilt
+
+
+def test_rescore_never_with_a_damaged_reference_exits_2_before_anything_starts(cli, tiny_model_dir, variant_dir, text,
+                                                                               references, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    config = write_config(tmp_path / "audit.yaml", tiny_model_dir, corpus, [{"name": "noisy", "path": str(variant_dir)}],
+                          evaluation={"window": 64, "stride": 32, "max_tokens": 500},
+                          tracking={"uri": f"sqlite:///{tmp_path}/mlflow.db"})
+    code, _, err = cli("reference", "build", str(config))
+    assert code == 0, err[-2000:]
+    [stored] = reference.stored()
+    DAMAGE["hidden zeroed"](stored.folder)
+    code, out, err = cli("run", str(config), "--set", "baseline.rescore=never")
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err[-2000:]
+    assert lines[0].startswith(f"ppl-audit: error: baseline reference {stored.key} is damaged: hidden.bin")
+    assert not (tmp_path / "mlflow.db").exists()  # refused before tracking started
+
+
+def test_each_batch_checks_the_reference_against_its_own_nll(tiny_model_dir, variant_dir, text, references):
+    """Damage that comes after the check on reuse (a worker's copy, a file changed mid-audit) fails the variant
+    at its first batch, not with a wrong KL."""
+    base, _ = audit(tiny_model_dir, variant_dir, text)
+    stored = reference.Reference.open(Path(base.reference["path"]))
+    lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)), [])
+    scored = evaluation(text, lineup.tokenizer, parse(EvaluationConfig, {"window": 64, "stride": 32,
+                                                                         "max_tokens": 500}, "test"))
+    variant = perturbed(tiny_model_dir, torch.float32)
+    against = stored.baseline(str(tiny_model_dir), torch.device("cpu"))
+    perplexity(variant, scored.stream, 64, 32, 4, reference=against)  # intact: no complaint
+    hidden = _hidden(stored.folder)
+    hidden[5] *= 1.5  # one token's hidden state
+    hidden.flush()
+    with pytest.raises(DamagedReference, match=f"baseline reference {stored.key} is damaged"):
+        perplexity(variant, scored.stream, 64, 32, 4, reference=stored.baseline(str(tiny_model_dir), torch.device("cpu")))
+    os.truncate(stored.folder / reference.HIDDEN, 100)
+    with pytest.raises(DamagedReference, match="hidden.bin holds 100 bytes"):  # before it is mapped
+        stored.baseline(str(tiny_model_dir), torch.device("cpu"))
+
+
+def test_reference_verify_says_which_are_damaged(cli, tiny_model_dir, variant_dir, text, references, tmp_path):
+    base, _ = audit(tiny_model_dir, variant_dir, text)
+    intact = base.reference["key"]
+    other = audit(tiny_model_dir, variant_dir, text.replace("the", "a"))[0].reference["key"]
+    code, out, _ = cli("reference", "verify", "--all")
+    assert code == 0 and out.count("intact: files, result and NLL check out") == 2, out
+    # damage the hidden states and seal the files' digests again: only the NLL check can tell
+    folder = references / other
+    hidden = _hidden(folder)
+    hidden[:] = hidden[::-1].copy()
+    hidden.flush()
+    manifest = json.loads((folder / reference.MANIFEST).read_text())
+    manifest["files"][reference.HIDDEN]["sha256"] = file_digest(folder / reference.HIDDEN)
+    manifest["digest"] = reference.manifest_digest(manifest)
+    (folder / reference.MANIFEST).write_text(json.dumps(manifest))
+    code, out, _ = cli("reference", "verify", "--all")
+    assert code == 1 and f"{intact}  intact" in out
+    assert f"{other}  DAMAGED: its LM head on its hidden states does not give back its stored NLL" in out
+    code, out, _ = cli("reference", "verify", intact)
+    assert code == 0 and out.splitlines() == [f"{intact}  intact: files, result and NLL check out"]
+    code, _, err = cli("reference", "verify", "nope")
+    assert code == 2 and err.strip().splitlines() == [
+        "ppl-audit: error: reference verify: no reference nope; `ppl-audit reference ls` lists them"]
