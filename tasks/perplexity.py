@@ -461,18 +461,19 @@ def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: i
     both address the stream's token arrays (a stored reference is read, or written, at the stream's places)."""
     if not offset:
         return reference, keep_hidden
+    whole = reference
 
     def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
-        return reference.states(slots + offset, inputs)
+        return whole.states(slots + offset, inputs)
 
     def nll(slots: torch.Tensor) -> torch.Tensor:
-        return reference.nll(slots + offset)
+        return whole.nll(slots + offset)
 
     def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
         keep_hidden(slots + offset, hidden)
 
-    if reference is not None:
-        reference = dataclasses.replace(reference, states=states, nll=reference.nll and nll)
+    if whole is not None:
+        reference = dataclasses.replace(whole, states=states, nll=nll if whole.nll is not None else None)
     return reference, None if keep_hidden is None else keep
 
 
