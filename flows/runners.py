@@ -167,6 +167,19 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
     return [merge_shards(shards, scored) for shards in outcomes]
 
 
+def _workers_report_here():
+    """Settings naming the API this flow reports to, which every task carries to its worker (Prefect serializes
+    the settings with each task). Without PREFECT_API_URL the flow's API is a temporary server whose address is
+    in no setting: each worker then found no API and started a temporary server of its own, which nobody read
+    and which outlived the worker. Now a worker reports to the flow's API, or, where it cannot reach it, fails."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        return nullcontext()
+    return temporary_settings(updates={PREFECT_API_URL: str(get_client(sync_client=True).api_url)})
+
+
 def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
     """Score the baseline, then every variant against it; a variant whose task failed becomes a failed result."""
     baseline = _outcome(lineup.baseline, score(lineup.baseline, lineup, scored, return_state=True)
@@ -176,7 +189,7 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
         variants = [_outcome(checkpoint, score(checkpoint, lineup, scored, baseline, return_state=True)
                              .result(raise_on_failure=False)) for checkpoint in lineup.variants]
     else:
-        with runner:
+        with runner, _workers_report_here():
             variants = score_concurrently(runner, config, lineup, scored, baseline)
         logger = get_run_logger()
         for outcome in variants:

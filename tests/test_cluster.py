@@ -43,11 +43,13 @@ class Network:
 
 
 @contextmanager
-def dask_cluster(workers: int, hide: Path | None = None, network: Network | None = None):
+def dask_cluster(workers: int, hide: Path | None = None, network: Network | None = None,
+                 environment: dict[str, str] | None = None):
     """A scheduler and ``workers`` worker processes; ``(address, worker addresses in start order)``. With
     ``hide``, the last worker runs in its own mount namespace with an empty tmpfs over that folder: a worker
     that cannot see it. With ``network``, the scheduler listens on its gateway and worker ``n`` runs on host
-    ``n``, reaching the scheduler, and the scheduler and this process reaching it, across the network."""
+    ``n``, reaching the scheduler, and the scheduler and this process reaching it, across the network.
+    ``environment``: the workers' own (default ``worker_environment``)."""
     from distributed import Client
 
     port, host = free_port(), network.gateway if network else "127.0.0.1"
@@ -62,7 +64,7 @@ def dask_cluster(workers: int, hide: Path | None = None, network: Network | None
                 command = ["ip", "netns", "exec", network.hosts[n][0], *command]
             if hide is not None and n == workers - 1:
                 command = ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *command]
-            started.append(subprocess.Popen(command, env=worker_environment(), stdout=subprocess.DEVNULL,
+            started.append(subprocess.Popen(command, env=environment or worker_environment(), stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL))
         with Client(address, timeout=60, set_as_default=False) as client:
             wait_for(lambda: len(client.scheduler_info()["workers"]) == workers, 120, "the dask workers", every=0.5)
@@ -90,6 +92,39 @@ def test_an_audit_on_an_existing_dask_cluster_scores_as_sequential_and_names_eac
     ran_on = {outcome.name: outcome.facts.worker for outcome in on_cluster["results"]}
     assert ran_on["int8"] in workers and ran_on["copy"] in workers  # the variants ran on the cluster's workers
     assert ran_on["baseline"] not in workers  # the baseline is scored by the flow itself
+
+
+def prefect_servers_under(address: str) -> list:
+    """The Prefect servers that the worker processes of the Dask cluster at ``address`` started."""
+    import psutil
+
+    workers = [p for p in psutil.Process().children() if address in p.cmdline() and "worker" in p.cmdline()]
+    return [p for worker in workers for p in worker.children(recursive=True)
+            if "prefect.server.api.server:create_app" in p.cmdline()]
+
+
+def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, trained_model_dir, corpus_path):
+    """Without PREFECT_API_URL the audit starts a temporary server; its tasks on an existing cluster report there.
+    Each worker used to start a temporary server of its own (~220 MB, read by nobody), which outlived it."""
+    import sqlite3
+
+    import psutil
+
+    flow_home, worker_home = tmp_path / "flow-prefect", tmp_path / "worker-prefect"
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    with dask_cluster(2, environment=plain | {"PREFECT_HOME": str(worker_home)}) as (address, _):
+        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
+                              [{"name": "int8", "method": "torchao-int8"}], runner={"kind": "dask", "address": address})
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
+                              timeout=600, env=plain | {"PREFECT_HOME": str(flow_home)})
+        assert done.returncode in (0, 1), done.stderr[-3000:]
+        servers = prefect_servers_under(address)
+        started = [server.pid for server in servers]
+    assert started == [], "workers started Prefect servers of their own"
+    assert not any(psutil.pid_exists(pid) for pid in started)
+    with sqlite3.connect(flow_home / "prefect.db") as db:
+        names = [name for (name,) in db.execute("select name from task_run")]
+    assert any(name.startswith("score-int8") for name in names), names  # run on a worker, seen by the audit's API
 
 
 def test_an_address_nothing_answers_at_is_one_line_before_anything_loads(cli, tmp_path, trained_model_dir,
