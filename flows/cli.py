@@ -166,7 +166,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     from tasks.checkpoints import prepare
     from tasks.config import BaselineSpec
     from tasks.evaluation import evaluation
-    from tasks.models import load_config, max_positions, resolve_device, resolve_dtype
+    from tasks.models import check_checkpoint, load_config, max_positions, resolve_device, resolve_dtype
     from tasks.scoring import score_variant
     from tasks.windows import check_window
 
@@ -179,6 +179,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     [checkpoint] = lineup.variants
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
+    check_checkpoint(checkpoint.source or lineup.baseline.source)  # the files it loads: made from --model, or its own
     scored = evaluation(text, lineup.tokenizer, settings, progress=True)
     outcome = score_variant(checkpoint, lineup, scored, progress=True)
     if not outcome.ok:

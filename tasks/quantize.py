@@ -22,7 +22,7 @@ import torch
 from tasks import console
 from tasks.errors import InputError
 from tasks.places import cache_dir
-from tasks.files import read_json, scratch, write_atomically
+from tasks.files import file_digest, read_json, scratch, write_atomically
 from tasks.models import load_tokenizer, resolve_model_path
 from tasks.variants import WEIGHT_SUFFIXES, versions
 
@@ -89,25 +89,31 @@ def check_disjoint(manifest: dict, corpus_digest: str, evaluated: tuple[int, int
 
 
 def model_digest(path: str) -> str:
-    """sha256 over a model folder's config and weight files.
+    """sha256 over a model folder's config and weight files, or over a single-file checkpoint (``.gguf``).
 
     Remembered by the files' names, sizes and modification times: an audit asks for it every run, and
     reading a 70B checkpoint again would take minutes.
     """
-    files = [file for file in sorted(Path(path).iterdir()) if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES]
-    stamp = json.dumps([[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files])
+    files = [Path(path)] if Path(path).is_file() else [
+        file for file in sorted(Path(path).iterdir()) if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES]
+    single = Path(path).is_file()
+    stamp = json.dumps([single] + [[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files])
     remembered = cache_dir() / "digests" / hashlib.sha256(stamp.encode()).hexdigest()
     if remembered.is_file():
         return remembered.read_text().strip()
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
-        with file.open("rb") as handle:
-            while chunk := handle.read(1 << 24):
-                digest.update(chunk)
+    if single:  # its bytes alone: a renamed copy is the same model
+        found = file_digest(Path(path))
+    else:
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(file.name.encode())
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    digest.update(chunk)
+        found = digest.hexdigest()
     remembered.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(remembered, digest.hexdigest())
-    return digest.hexdigest()
+    write_atomically(remembered, found)
+    return found
 
 
 def _prepare_gptqmodel() -> None:

@@ -55,9 +55,10 @@ DRIFT_TOLERANCE = {"float64": (1e-9, 1e-12), "float32": (1e-3, 1e-6), "bfloat16"
 
 
 def model_files(source: str) -> Path | None:
-    """A model's local folder: its own, or a Hub id's snapshot in the Hugging Face cache; None when the
-    files are not on this machine (then nothing identifies it well enough to reuse a reference)."""
-    if Path(source).is_dir():
+    """A model's local files: its folder or single-file checkpoint (``.gguf``), or a Hub id's snapshot in the
+    Hugging Face cache; None when the files are not on this machine (then nothing identifies it well enough
+    to reuse a reference)."""
+    if Path(source).is_dir() or (Path(source).is_file() and source.endswith(".gguf")):
         return Path(source)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -136,15 +137,32 @@ def _checkpoint_tensor(folder: Path, names: list[str]) -> torch.Tensor | None:
     return None
 
 
+def _gguf_head(path: Path) -> tuple[str, torch.Tensor, None] | None:
+    """A GGUF file's LM head, dequantized as transformers' GGUF loader does (gguf-py's ``dequantize``): its
+    ``output.weight``, or the token embeddings a tied head shares."""
+    import gguf
+
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+    name = next((name for name in ("output.weight", "token_embd.weight") if name in tensors), None)
+    if name is None:
+        return None
+    values = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+    return name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), None
+
+
 def read_head(folder: Path) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
     """The LM head's weight (and bias) read from the checkpoint by tensor name, not the whole model: the
     names come from the model's skeleton on the meta device (a tied head is stored as the embeddings).
 
+    Args:
+        folder: the checkpoint's folder, or its ``.gguf`` file.
     Returns:
         ``(name, weight [V, H], bias [V] or None)`` as stored; None when no name is found.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if folder.suffix == ".gguf" and folder.is_file():
+        return _gguf_head(folder)
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)

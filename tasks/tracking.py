@@ -22,7 +22,16 @@ EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view a
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
 FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
-COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib")
+COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib",
+                       "windows")  # the windows the paired intervals rest on
+
+
+def _absent(entry: dict) -> dict[str, str]:
+    """Each figure a model's run lacks, and why: a tag, so that an empty column in the UI is explained."""
+    absent = dict((entry["result"] or {}).get("absent", {}))
+    if entry["row"].get("divergence_absent"):
+        absent["kld_mean"] = entry["row"]["divergence_absent"]
+    return absent
 
 
 def is_tracking_outage(error: BaseException) -> bool:
@@ -301,7 +310,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
             "ppl_audit.kind": entry["role"], "audit.verdict": status,
             "mlflow.runColor": plots.COLOURS[status],  # the UI's dot and lines for the run: the charts' colours
             "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
-            **{f"absent.{figure}": why for figure, why in (entry["result"] or {}).get("absent", {}).items()}}).info.run_id
+            **{f"absent.{figure}": why for figure, why in _absent(entry).items()}}).info.run_id
         _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),
                      [RunTag("ppl_audit.status", entry["status"])])
         _log_dataset(client, child, dataset)

@@ -151,6 +151,8 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
     for row in rows:
         verdict = verdicts.get(row["variant"])
         said = f"{verdict.status}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
+        if row.get("divergence_absent") and "KL divergence was not measured" not in said:
+            said += f"; no KLD: {row['divergence_absent']}"  # a blank column says why
         cells = [row["variant"], row["method"]] + [""] * (len(columns) - 2)
         if row["status"] == "ok":
             delta = f"{row['delta_ppl_pct']:+z.2f}" if "delta_ppl_pct" in row else ""
@@ -190,6 +192,9 @@ def format_stats(rows: list[dict]) -> str:
     base, blocks = rows[0], []
     for row in rows[1:]:
         if "kld_mean" not in row:
+            if row.get("divergence_absent"):
+                blocks.append(f"### {row['variant']} against {base['variant']}: no KL divergence statistics: "
+                              f"{row['divergence_absent']}")
             continue
         def pm(key: str, scale: float = 1.0, width: int = 11, digits: int = 6, row=row) -> str:
             return f"{scale * row[key]:{width}.{digits}f} ± {scale * row[key + '_stderr']:{width - 2}.{digits}f}"

@@ -183,10 +183,12 @@ def perturbed(model_dir: Path, dtype: torch.dtype = torch.float64, scale: float 
     return model
 
 
-def rewrite_gguf(source: Path, target: Path, quant_type: str | None = None, tokens: dict[int, str] | None = None) -> Path:
+def rewrite_gguf(source: Path, target: Path, quant_type: str | None = None, tokens: dict[int, str] | None = None,
+                 leave_out: tuple[str, ...] = ()) -> Path:
     """A copy of a GGUF file with every quantized tensor re-quantized to ``quant_type`` (gguf-py's own
     quantizer, from the dequantized values) and tokens ``{id: new text}`` renamed; float tensors as they are.
-    ``tokens`` values that are ids take that token's text (a swap keeps every merge valid)."""
+    ``tokens`` values that are ids take that token's text (a swap keeps every merge valid). Tensors whose names
+    start with one of ``leave_out`` are not copied (``""``: none is, a metadata-only file)."""
     import gguf
 
     reader = gguf.GGUFReader(source)
@@ -204,6 +206,8 @@ def rewrite_gguf(source: Path, target: Path, quant_type: str | None = None, toke
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
+        if tensor.name.startswith(leave_out):
+            continue
         if qtype is None or tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
             continue

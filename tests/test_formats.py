@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from helpers import make_compressed, make_text, rewrite_gguf, write_config
+from tasks import reference
 from tasks.checkpoints import prepare
 from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
 from tasks.embedded import embedded_gguf, ensure_embedded_model
 from tasks.evaluation import evaluation
+from tasks.files import file_digest
 from tasks.formats import detect
 from tasks.models import load_tokenizer
 from tasks.perplexity import perplexity
 from tasks.scoring import score_variant
+from tasks.verdict import comparison_row
 
 SETTINGS = EvaluationConfig(max_tokens=384, window=128, stride=64, batch_size=4)
 
@@ -73,6 +77,32 @@ def test_a_requantized_gguf_scores_as_its_dequantized_weights(embedded_audit, tm
     want = perplexity(expected, stream, SETTINGS.window, SETTINGS.stride, SETTINGS.batch_size)
     assert np.abs(outcome.result.token_nll - want.token_nll).max() < 1e-6
     assert outcome.result.ppl != embedded_audit["baseline"].result.ppl  # Q8_0 really moved the weights
+
+
+def test_a_gguf_baseline_keeps_a_reference_and_gives_its_variants_kl(embedded_audit, tmp_path, monkeypatch):
+    """llama.cpp's KLD workflow: GGUF against a GGUF baseline. The file is digested and its head read from its
+    tensors (the tied token_embd.weight), so the reference is reused and KL is that against the same weights as
+    a folder (the embedded model is this file dequantized)."""
+    monkeypatch.setenv("PPL_AUDIT_REFERENCES", str(tmp_path / "references"))
+    q8_0 = VariantSpec(name="q8_0", path=str(rewrite_gguf(embedded_gguf(), tmp_path / "smollm2.Q8_0.gguf", "Q8_0")))
+    lineup = prepare(BaselineSpec(name="baseline", path=str(embedded_gguf())), [q8_0])
+    scored = embedded_audit["evaluation"]
+    baseline = score_variant(lineup.baseline, lineup, scored)
+    assert baseline.ok and baseline.reference["baseline"] == "scored" and baseline.reference["key"], baseline.reference
+    manifest = reference.Reference.open(Path(baseline.reference["path"])).manifest
+    assert manifest["head"] | {"digest": ""} == {"name": "token_embd.weight", "stored": False, "digest": "",
+                                                  "softcap": None}
+    assert manifest["identity"]["model"] == file_digest(embedded_gguf())
+    again = score_variant(lineup.baseline, lineup, scored)
+    assert again.reference["baseline"] == "reused" and again.reference["key"] == baseline.reference["key"]
+    assert np.array_equal(again.result.token_nll, baseline.result.token_nll)
+    variant = score_variant(lineup.variants[0], lineup, scored, baseline_outcome=again)
+    assert variant.ok and variant.divergence["reference"] == baseline.reference["key"], variant.reason
+    against_folder = score_gguf(embedded_audit, q8_0)  # the same weights as a folder: the same KL
+    assert np.abs(variant.result.extra["kl"] - against_folder.result.extra["kl"]).max() < 1e-6
+    assert 1e-6 < variant.result.extra["kl"].mean()  # Q8_0 moved the weights: there is a divergence to measure
+    row = comparison_row(variant, again)
+    assert "kld_mean" in row and "divergence_absent" not in row
 
 
 def test_a_gguf_of_another_vocabulary_is_refused(embedded_audit, tmp_path):

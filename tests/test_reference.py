@@ -24,7 +24,7 @@ from tasks.evaluation import evaluation
 from tasks.models import load_model
 from tasks.paired import divergence_summary
 from tasks.perplexity import Baseline, _hidden, perplexity
-from tasks.verdict import comparison_row, judge
+from tasks.verdict import comparison_row, format_stats, format_table, judge
 
 CPU = torch.device("cpu")
 
@@ -284,4 +284,11 @@ def test_a_reference_that_cannot_be_written_loses_the_kl_not_the_scores(tiny_mod
     assert variant.ok and "kl" not in variant.result.extra
     verdict = judge(comparison_row(variant, baseline), Thresholds(max_kld_mean=0.1))
     assert verdict.status == "error" and "could not write the baseline reference" in verdict.reason
+    rows = [comparison_row(baseline, baseline), comparison_row(variant, baseline)]
+    ungated = judge(rows[1], Thresholds())
+    assert rows[1]["divergence_absent"] == baseline.reference["problem"]
+    table = format_table(rows, {"int8": ungated}).splitlines()
+    assert table[-1].endswith(f"; no KLD: {baseline.reference['problem']}")  # the blank column says why
+    assert format_stats(rows) == ("### int8 against baseline: no KL divergence statistics: "
+                                  f"{baseline.reference['problem']}")
 
