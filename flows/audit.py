@@ -8,12 +8,11 @@ The flow ends Completed when every variant passes its gate, Failed with a one-li
 from __future__ import annotations
 
 import json
-import logging
 from datetime import datetime, timezone
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from prefect.states import Completed, Failed
+from prefect.states import Completed
 
 from tasks import console
 from tasks.config import AuditConfig, load_audit_config
@@ -22,43 +21,13 @@ from tasks.events import event_config
 from tasks.preflight import preflight
 from tasks.record import audit_record
 from tasks.results import VariantResult
+from tasks.served import Policy, Refused
 from tasks.spool import record_json
 from tasks.steps import prepare_models, read_corpus, spool_audit, tokenize_corpus, track
 from tasks.tracking import run_link, tracking_uri
 from tasks.verdict import comparison_row, format_table, judge, overall
+from flows.answers import failed
 from flows.runners import score_all
-
-
-class AuditFailed(Exception):
-    """A failed audit's verdict, as the data of its Failed state; ``summary`` is what ``audit`` computed.
-
-    Prefect 3 resolves a Failed state's data into the exception a run raises, so it must be one.
-    """
-
-    def __init__(self, reason: str, summary: dict | None = None):
-        super().__init__(reason)
-        self.summary = summary
-
-
-class _VerdictIsNotACrash(logging.Filter):
-    """Drops Prefect's traceback of an ``AuditFailed``; the run's log already ends with its one line.
-
-    Under a deployment Prefect 3.8 re-raises a Failed state's exception after the run ends and logs
-    it with its traceback ("Engine execution exited with unexpected exception"): a few KB per audit
-    that is judged failed, which is an answer, not a crash.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], AuditFailed))
-
-
-def _failed(reason: str, summary: dict | None = None):
-    """The audit's Failed state. The filter goes on where the run's process logs (it passes every
-    record but one carrying an ``AuditFailed``), once per process."""
-    runs = logging.getLogger("prefect.flow_runs")
-    if not any(isinstance(f, _VerdictIsNotACrash) for f in runs.filters):
-        runs.addFilter(_VerdictIsNotACrash())
-    return Failed(message=reason, data=AuditFailed(reason, summary))
 
 
 def _unspooled(record: dict, why: str):
@@ -71,7 +40,7 @@ def _unspooled(record: dict, why: str):
                                          "instead: keep it")):
         stream.write(text + "\n")
         stream.flush()
-    return _failed(f"record not written: {why}")
+    return failed(f"record not written: {why}")
 
 
 def summary_of(state) -> dict | None:
@@ -115,15 +84,20 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
             the name ``tasks.events`` chooses (it picks the gate).
     """
     started = datetime.now(timezone.utc)
+    served = Policy.current()
     try:
+        if served:
+            served.check_run(config, overrides)
         settings = load_audit_config(config, overrides or [])
         if model_path:
+            if served:
+                served.check_event(settings, model_path, baseline or None)
             settings, why = event_config(settings, model_path, method or None, baseline or None, name or None)
             print(f"auditing {model_path} as {settings.variants[0].name}: {why}")
         preflight(settings, variants=False)
         lineup = prepare_models(settings)
     except InputError as error:
-        return _failed(f"error: {error}")
+        return failed(f"{'refused' if isinstance(error, Refused) else 'error'}: {error}")
     text = read_corpus(settings.corpus)
     scored = tokenize_corpus(text, settings, lineup)
     baseline_result, variant_results = score_all(settings, lineup, scored)
@@ -155,4 +129,4 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     )
     if verdict.status == "pass":
         return Completed(message=verdict.reason, data=summary)
-    return _failed(f"{verdict.status}: {verdict.reason}", summary)
+    return failed(f"{verdict.status}: {verdict.reason}", summary)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Literal, NoReturn, get_args, get_origin
@@ -382,8 +384,14 @@ def _add_reference(commands) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from flows.serve import serve_config
+    from tasks.served import Policy
 
-    _checked_config(args.config, [])
+    config = _checked_config(args.config, [])
+    missing = [folder for folder in args.allow if not Path(folder).is_dir()]
+    if missing:
+        raise InputError(f"--allow {missing[0]}: no such folder; give a folder served audits may read checkpoints from")
+    # the serve's flow runs run in processes of its own, which inherit it; the Prefect API cannot set it
+    os.environ.update(Policy.of(args.config, config, args.allow).environment())
     serve_config(args.config)
     return 0
 
@@ -407,10 +415,7 @@ def run_ui(args: argparse.Namespace) -> int:
     mlflow = Path(sys.executable).parent / "mlflow"
     command = [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri",
                default_uri(), "--default-artifact-root", (home() / "mlartifacts").as_uri()]
-    try:
-        return subprocess.call(command)
-    except KeyboardInterrupt:
-        return 0
+    return subprocess.call(command)  # Ctrl-C: main says so, and the supervisor stops what the server started
 
 
 def run_sync(args: argparse.Namespace) -> int:
@@ -494,6 +499,9 @@ def _parser() -> argparse.ArgumentParser:
                           "ways, its percentiles, Δp, same top token)")
     serve = commands.add_parser("serve", help="serve the audit deployment: cron schedule + quantization.completed trigger")
     serve.add_argument("config", help="audit YAML")
+    serve.add_argument("--allow", action="append", default=[], metavar="DIR",
+                       help="a folder whose checkpoints events may name (again for more); the config's own paths "
+                            "and the cache's quantized checkpoints always are")
     ui = commands.add_parser("ui", help="start the MLflow UI on the local store (127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000)
     sync = commands.add_parser("sync", help="send spooled audits (tracking was down) to MLflow")
@@ -524,9 +532,17 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
     log = _log_file(args) if capture and logged else None
     if log is not None:
         console.capture(log, live=args.verbose)
-    code = 1
+    code, started = 1, time.time()
     try:
         code = HANDLERS[args.command](args)
+    except KeyboardInterrupt:  # the one signal Python turns into an exception
+        code = 128 + signal.SIGINT
+        print(interrupted(signal.SIGINT, started), file=console.err())
+    except SystemExit as stop:  # flows.lifetime stops a command so on SIGTERM and SIGHUP
+        if isinstance(stop.code, int) and stop.code - 128 in (signal.SIGTERM, signal.SIGHUP):
+            code = stop.code
+            print(interrupted(signal.Signals(stop.code - 128), started), file=console.err())
+        raise
     except InputError as error:
         print(f"ppl-audit: error: {error}", file=console.err())
         code = 2
@@ -544,12 +560,28 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
     return code
 
 
+def interrupted(signum: signal.Signals, started: float, how: str = "") -> str:
+    """The one line an interrupted command ends with: which signal, and what it kept that later commands use
+    (what was half-written is never picked up: references and records are renamed into place whole)."""
+    from tasks.places import references_dir, spool_dir, synced_dir  # the standard library's only: said at once
+
+    def since(root: Path, file: str) -> list[str]:  # folders put in place whole (not hidden), their file made since
+        return sorted(found.parent.name for found in root.glob(f"[!.]*/{file}") if found.stat().st_mtime >= started)
+
+    kept = [f"baseline reference {key}" for key in since(references_dir(), "manifest.json")]
+    kept += [f"record {name} (in MLflow)" for name in since(synced_dir(), "record.json")]
+    kept += [f"record {name} (spooled: ppl-audit sync sends it)" for name in since(spool_dir(), "record.json")]
+    return f"ppl-audit: interrupted by {signum.name}{how}; kept: {', '.join(kept) if kept else 'nothing'}"
+
+
 def entry() -> NoReturn:
     """The ``ppl-audit`` console script: ``main`` in a child that takes every process it started down with it,
     even when the process the user started is killed (flows/lifetime.py). Tests call ``main`` in-process."""
     from flows import lifetime
 
-    lifetime.run(lambda: main(capture=True))
+    started = time.time()
+    lifetime.run(lambda: main(capture=True), lambda signum: interrupted(
+        signum, started, f" (killed: it had not stopped {lifetime.STOP_S:g} s later)"))
 
 
 if __name__ == "__main__":

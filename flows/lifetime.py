@@ -6,10 +6,13 @@ SIGTERM (whose default action skips ``atexit``) or a ``kill -9`` left all of the
 
 So the command runs in a forked child, and the process the user started becomes a thin supervisor:
 
-- it forwards SIGTERM, SIGHUP and SIGINT to the child and exits with the child's status. Not the
-  terminal's Ctrl-C: that SIGINT reaches the whole foreground process group, the child included, and a
-  second one would interrupt the child's cleanup. (A hangup reaches only the session leader, which the
-  supervisor can be, so SIGHUP is always forwarded; the child stops once however many it gets);
+- the child runs in a process group of its own, so a signal to the user's group (a terminal's Ctrl-C,
+  ``timeout``, ``kill -TERM -PGID``, systemd's stop) reaches the supervisor alone, never the servers the
+  child started (they must outlive the child's unwinding, which reports to them);
+- Ctrl-Z stops the child's group with the supervisor, and ``fg``/``bg`` (SIGCONT) continues it;
+- it forwards SIGTERM, SIGHUP and SIGINT to the child and exits with the child's status; a child still
+  running ``STOP_S`` after the first signal is killed, with its descendants, and the supervisor says so
+  (an exception raised by a signal handler can be swallowed: inside a ``__del__``, it is only printed);
 - the child gets SIGTERM when the supervisor dies, ``kill -9`` included (``PR_SET_PDEATHSIG``);
 - on SIGTERM or SIGHUP the child exits as on an exception, not at once: ``finally`` and ``with`` blocks
   run, and ``atexit`` handlers such as Prefect's, which stops its server. (During a flow run Prefect's
@@ -27,6 +30,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from types import FrameType
@@ -34,25 +38,38 @@ from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-SI_KERNEL = 0x80  # si_code of a signal the kernel sent, such as the terminal's Ctrl-C
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of a descendant (uvicorn lets its requests finish)
+# A signalled child that has not ended by then is killed, and its descendants given KILL_GRACE_S: a command
+# ends within ~8 s of the first signal, however its unwinding went
+STOP_S = 6.0
+KILL_GRACE_S = 1.5
 
 STOPPING = (signal.SIGTERM, signal.SIGHUP)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+JOB_CONTROL = (signal.SIGTSTP, signal.SIGCONT)  # Ctrl-Z and fg/bg: the child's group follows the supervisor
 
 
-def run(main: Callable[[], int]) -> NoReturn:
-    """Exit with ``main()``'s code; on Linux, run it in a supervised child (see the module's docstring)."""
+def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoReturn:
+    """Exit with ``main()``'s code; on Linux, run it in a supervised child (see the module's docstring).
+
+    Args:
+        killed: the line to print when the child did not stop within ``STOP_S`` of a signal and was killed.
+    """
     if not sys.platform.startswith("linux"):
         sys.exit(main())
-    watched = {*FORWARDED, signal.SIGCHLD}
+    watched = {*FORWARDED, *JOB_CONTROL, signal.SIGCHLD}
     # blocked before the fork: none is lost (or acts by default) before the supervisor waits for it
     signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     supervisor = os.getpid()
     child = os.fork()
     if child:
-        _supervise(child, watched)
+        _supervise(child, watched, killed)
+    # a group of its own: a signal to the user's group (systemd's stop, `timeout`, `kill -TERM -PGID`, a
+    # terminal's Ctrl-C) reaches the supervisor alone, which hands it on once. Before this, the same signal
+    # also reached Prefect's temporary server, which died first, and the child then waited minutes on it
+    # to record its flow run as crashed
+    os.setpgid(0, 0)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     for signum in STOPPING:
         signal.signal(signum, _stop)
@@ -79,13 +96,30 @@ def stop_descendants(grace: float = GRACE_S) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
-def _supervise(child: int, watched: set[signal.Signals]) -> NoReturn:
+def _supervise(child: int, watched: set[signal.Signals], killed: Callable[[signal.Signals], str]) -> NoReturn:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    stopping: signal.Signals | None = None
+    deadline = float("inf")
     while True:
-        info = signal.sigwaitinfo(watched)
+        info = signal.sigtimedwait(watched, max(0.0, deadline - time.monotonic())) if stopping else \
+            signal.sigwaitinfo(watched)
+        if info is None:  # the child is stuck: a handler's exception was swallowed (in a __del__, say)
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            stop_descendants(KILL_GRACE_S)
+            print(killed(stopping), file=sys.stderr, flush=True)
+            os._exit(128 + stopping)
+        if info.si_signo == signal.SIGTSTP:
+            os.killpg(child, signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            continue
+        if info.si_signo == signal.SIGCONT:
+            os.killpg(child, signal.SIGCONT)
+            continue
         if info.si_signo != signal.SIGCHLD:
-            if info.si_signo != signal.SIGINT or info.si_code != SI_KERNEL:
-                os.kill(child, info.si_signo)
+            os.kill(child, info.si_signo)
+            if stopping is None:
+                stopping, deadline = signal.Signals(info.si_signo), time.monotonic() + STOP_S
             continue
         pid, status = os.waitpid(child, os.WNOHANG)
         if pid:

@@ -59,6 +59,9 @@ def notify(model_path: str, **payload) -> str:
     from tasks.models import check_checkpoint
 
     check_name(payload.get("name"))
+    if not Path(model_path).expanduser().exists():  # a Hub id would be announced as a folder of that name here
+        raise InputError(f"model folder not found: {model_path}; notify announces a local checkpoint (a folder or "
+                         ".gguf file the serving machine reads at the same path)")
     check_checkpoint(model_path)
     url = configured_server()
     event = Event(**announcement(Path(model_path), payload))

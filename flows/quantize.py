@@ -12,10 +12,12 @@ from pathlib import Path
 from prefect import flow
 from prefect.events import emit_event
 
+from flows.answers import failed
 from flows.notify import announcement
 from tasks.config import (DEFAULT_BITS, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, QUANTIZED_BY_US, CorpusConfig,
                           check_group_size, check_name)
 from tasks.errors import InputError
+from tasks.served import Policy, Refused
 from tasks.steps import quantize_model
 
 
@@ -48,6 +50,13 @@ def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int
         name: the variant's name in audits of this checkpoint (it picks the gate); recorded in the
             manifest and sent with the event.
     """
+    served = Policy.current()
+    if served:  # a run of the served deployment: it reads and writes only where the served config allows
+        try:
+            for what, path in (("model", model), ("out", out), ("calibration", calibration)):
+                served.check_path(what, path)
+        except Refused as error:  # an answer for whoever asked, not a crash of the serving process
+            return failed(f"refused: {error}")
     folder = check_request(method, out, name, group_size)
     manifest = quantize_model(model, method, bits, group_size, sym, CorpusConfig(source=calibration, column=column),
                               samples, seq_len, seed, holdout_tokens, out, name)

@@ -263,10 +263,13 @@ class Thresholds(Gate):
 
 
 class Schedule(Strict):
-    """When ``serve`` runs the audit: ``cron`` read in ``timezone`` (an IANA name: 03:00 stays 03:00 across DST)."""
+    """When ``serve`` runs the audit: ``cron`` read in ``timezone`` (an IANA name: 03:00 stays 03:00 across DST),
+    and on each ``quantization.completed`` event; ``event_baseline``: whether an event may name the baseline
+    (within the allowed folders, ``tasks.served``) instead of the config's."""
 
     cron: str | None = None
     timezone: str = "UTC"
+    event_baseline: bool = False
 
     @field_validator("timezone")
     @classmethod

@@ -23,5 +23,15 @@ def references_dir() -> Path:
     return Path(os.environ.get("PPL_AUDIT_REFERENCES", cache_dir() / "references"))
 
 
+def spool_dir() -> Path:
+    """Audit records not yet in a tracking server (``tasks.spool``)."""
+    return home() / "spool"
+
+
+def synced_dir() -> Path:
+    """Audit records already in one."""
+    return home() / "synced"
+
+
 def log_dir() -> Path:
     return home() / "logs"

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks import console
-from tasks.places import home
+from tasks.places import spool_dir, synced_dir
 from tasks.files import died, owner_tag, write_atomically
 
 
@@ -32,14 +32,6 @@ from tasks.files import died, owner_tag, write_atomically
 PARTIAL = ".partial-"
 
 Claim = Literal["mine", "busy", "gone"]
-
-
-def spool_dir() -> Path:
-    return home() / "spool"
-
-
-def synced_dir() -> Path:
-    return home() / "synced"
 
 
 def record_json(record: dict) -> str:

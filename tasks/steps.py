@@ -22,7 +22,8 @@ from tasks.quantize import draw_calibration, quantize
 from tasks.record import token_arrays
 from tasks.results import VariantResult
 from tasks.scoring import make_variant, score_variant
-from tasks.spool import claim, mark_synced, spool_dir, synced_dir, write_record
+from tasks.places import spool_dir, synced_dir
+from tasks.spool import claim, mark_synced, write_record
 from tasks.tracking import is_tracking_outage, replay
 
 

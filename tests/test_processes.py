@@ -7,19 +7,25 @@ console script (checked below), so that these tests exercise the code of the tre
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import termios
+import textwrap
+import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from helpers import free_port, write_config
+from helpers import free_port, make_text, write_config
 from helpers import wait_for as waiting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,24 +79,69 @@ def port_of(server: psutil.Process) -> int:
 
 
 class Command:
-    """``ppl-audit ARGS`` in the background, in a home of its own that marks every process it starts."""
+    """``ppl-audit ARGS`` in the background, in a home of its own that marks every process it starts.
 
-    def __init__(self, tmp_path: Path, *args: str):
+    Args:
+        prefix: what it runs under (``timeout 30``).
+        terminal: in a session of its own whose controlling terminal is a pty (``ctrl_c`` types on it), as in a
+            shell; else in a process group of its own (a process manager's way), so a signal to the group does
+            not reach the tests.
+    """
+
+    def __init__(self, tmp_path: Path, *args: str, prefix: tuple[str, ...] = (), terminal: bool = False):
         self.home = tmp_path / "home"
         env = {name: value for name, value in os.environ.items()
                if name not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}  # Prefect's local mode, the local store
         env.update(PREFECT_HOME=str(tmp_path / "prefect"), PPL_AUDIT_HOME=str(self.home),
-                   PPL_AUDIT_CACHE=str(tmp_path / "cache"),
+                   PPL_AUDIT_CACHE=str(tmp_path / "cache"), PPL_AUDIT_REFERENCES=str(tmp_path / "cache" / "references"),
                    PREFECT_RUNNER_POLL_FREQUENCY="1")  # `serve` starts a new flow run within 1 s, not 10
         self.log = tmp_path / "command.log"
+        self.terminal = None
         with open(self.log, "w") as log:
-            self.process = psutil.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT)
+            if terminal:
+                self.terminal, tty = os.openpty()
+                threading.Thread(target=self._copy_terminal, daemon=True).start()
+                streams = {"stdin": tty, "stdout": tty, "stderr": tty,
+                           "preexec_fn": lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)}  # after setsid: its terminal
+            else:
+                streams = {"stdout": log, "stderr": subprocess.STDOUT}
+            self.process = psutil.Popen([*prefix, sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
+                                        start_new_session=True, **streams)
+            if terminal:
+                os.close(tty)
         self.recorded: list[psutil.Process] = []
+        self.signalled_at = 0.0
+
+    def _copy_terminal(self) -> None:
+        with open(self.log, "ab") as log:
+            with suppress(OSError):  # EIO once the terminal's last process has closed it
+                while chunk := os.read(self.terminal, 4096):
+                    log.write(chunk)
+                    log.flush()
+
+    def ctrl_c(self) -> None:
+        """Type Ctrl-C on its terminal: the kernel sends SIGINT to the terminal's foreground process group."""
+        self.recorded = alive(self.process.children(recursive=True))
+        self.signalled_at = time.monotonic()
+        os.write(self.terminal, b"\x03")
+
+    def signal_group(self, signum: int) -> None:
+        """``kill -SIG -PGID``: what systemd's default stop and many supervisors send."""
+        self.recorded = alive(self.process.children(recursive=True))
+        self.signalled_at = time.monotonic()
+        os.killpg(self.process.pid, signum)
+
+    def ended_within(self, seconds: float) -> int:
+        """The exit code of the process the user started, which must end within ``seconds`` of the signal."""
+        try:
+            return self.process.wait(timeout=max(0.0, self.signalled_at + seconds - time.monotonic()))
+        except psutil.TimeoutExpired:
+            raise AssertionError(f"still running {seconds} s after the signal:\n{self.log.read_text()[-2000:]}") from None
 
     def signal(self, signum: int, to_child: bool = False) -> None:
         """Record every descendant, then signal the process the user started (or its first child)."""
         self.recorded = alive(self.process.children(recursive=True))
+        self.signalled_at = time.monotonic()
         (self.process.children()[0] if to_child else self.process).send_signal(signum)
 
     def assert_all_gone(self, port: int) -> int | None:
@@ -116,14 +167,17 @@ class Command:
         for process in psutil.wait_procs(left, timeout=5)[1]:
             process.kill()
         self.process.wait()
+        if self.terminal is not None:
+            with suppress(OSError):
+                os.close(self.terminal)
 
 
 @pytest.fixture
 def command(tmp_path):
     commands: list[Command] = []
 
-    def start(*args: str) -> Command:
-        commands.append(Command(tmp_path, *args))
+    def start(*args: str, **how) -> Command:
+        commands.append(Command(tmp_path, *args, **how))
         return commands[-1]
 
     yield start
@@ -191,3 +245,189 @@ def test_serve_stops_promptly_with_its_flow_run_and_every_server(command, config
     wait_for(lambda: descendant(engine, "uvicorn"), 60, "the flow run's temporary server")
     serve.signal(signal.SIGTERM)
     assert serve.assert_all_gone(port) is not None
+
+
+# --- every way of stopping a command, at each stage (#30): within STOP_S, exit 128+signal, one line, nothing left
+
+STOP_S = 10
+
+
+@pytest.fixture
+def long_config(tmp_path, tiny_model_dir) -> Path:
+    """An audit whose variants score for tens of seconds on 2 cores: long enough to be stopped in the middle."""
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(make_text(150000))
+    return write_config(tmp_path / "long.yaml", tiny_model_dir, corpus,
+                        [{"name": "copy", "path": str(tiny_model_dir)}, {"name": "int8", "method": "torchao-int8"}],
+                        evaluation={"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 150000})
+
+
+def references(started: Command) -> list[Path]:
+    root = started.home.parent / "cache" / "references"
+    return [folder for folder in root.iterdir() if not folder.name.startswith(".")] if root.is_dir() else []
+
+
+def the_line(started: Command, signum: int, killed: bool = False) -> str:
+    """The one line an interrupted command ends with; ``killed``: the supervisor's, for a command that had not
+    stopped by itself, is accepted too."""
+    lines = [line.removeprefix("^C") for line in started.log.read_text(errors="replace").splitlines()  # the terminal echoes Ctrl-C
+             if "interrupted" in line]
+    supervisor = r"( \(killed: .*\))?" if killed else ""
+    pattern = f"ppl-audit: interrupted by {signal.Signals(signum).name}{supervisor}; kept: "
+    assert len(lines) == 1 and re.match(pattern, lines[0]), started.log.read_text()[-3000:]
+    return lines[0]
+
+
+WAYS = {"sigterm": (signal.SIGTERM, "process"), "sigint": (signal.SIGINT, "process"),
+        "sigterm-to-the-group": (signal.SIGTERM, "group"), "sigint-to-the-group": (signal.SIGINT, "group"),
+        "sighup-to-the-group": (signal.SIGHUP, "group"), "ctrl-c": (signal.SIGINT, "terminal")}
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_an_audit_stopped_while_scoring_ends_at_once_and_says_what_it_kept(command, long_config, way):
+    """Before the fix a signal to the group reached Prefect's temporary server too: it died first, and the
+    audit waited minutes on it to record the flow run as crashed."""
+    signum, to = WAYS[way]
+    run = command("run", str(long_config), terminal=to == "terminal")
+    port = prefect_server(run)
+    wait_for(lambda: references(run), 240, "the baseline's reference (the variants are scoring)")
+    if to == "terminal":
+        run.ctrl_c()
+    elif to == "group":
+        run.signal_group(signum)
+    else:
+        run.signal(signum)
+    assert run.ended_within(STOP_S) == 128 + signum
+    assert the_line(run, signum).endswith(f"kept: baseline reference {references(run)[0].name}")
+    run.assert_all_gone(port)
+    assert not list((run.home / "spool").glob("*")), "no record of an audit that did not end"
+
+
+def test_an_audit_under_timeout_ends_when_it_fires(command, long_config):
+    """``timeout`` signals the command, then its own process group: the audit's, as a process manager's does.
+    (It may fire while the audit unwinds by itself: then the supervisor's line is the one said.)"""
+    run = command("run", str(long_config), prefix=("timeout", "--preserve-status", "20"))
+    port = prefect_server(run)
+    run.recorded = alive(run.process.children(recursive=True))
+    run.signalled_at = run.process.create_time() - time.time() + time.monotonic() + 20
+    assert run.ended_within(STOP_S) == 128 + signal.SIGTERM
+    the_line(run, signal.SIGTERM, killed=True)
+    run.assert_all_gone(port)
+
+
+def test_an_audit_stopped_while_its_server_starts_ends_at_once(command, long_config):
+    run = command("run", str(long_config))
+    port = port_of(wait_for(lambda: descendant(run.process, "uvicorn"), 120, "Prefect's temporary server's process"))
+    run.signal_group(signal.SIGTERM)
+    assert run.ended_within(STOP_S) == 128 + signal.SIGTERM
+    assert the_line(run, signal.SIGTERM).endswith("kept: nothing")
+    run.assert_all_gone(port)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_ppl_stopped_while_scoring_ends_at_once(command, tiny_model_dir, tmp_path, signum):
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(make_text(60000))
+    ppl = command("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--window", "64",
+                  "--method", "torchao-int8")
+    wait_for(lambda: "int8" in ppl.log.read_text() or list((ppl.home / "logs").glob("*ppl*")), 120, "scoring")
+    time.sleep(8)
+    ppl.signal_group(signum)
+    assert ppl.ended_within(STOP_S) == 128 + signum
+    the_line(ppl, signum)
+    assert not alive(ppl.recorded)
+
+
+def test_reference_build_stopped_while_scoring_keeps_nothing_half_written(command, long_config):
+    build = command("reference", "build", str(long_config))
+    port = prefect_server(build)
+    building = build.home.parent / "cache" / "references" / ".building"
+    wait_for(lambda: building.is_dir() and any(building.iterdir()), 240, "the reference being written")
+    build.signal_group(signal.SIGINT)
+    assert build.ended_within(STOP_S) == 128 + signal.SIGINT
+    assert the_line(build, signal.SIGINT).endswith("kept: nothing")
+    build.assert_all_gone(port)
+    assert not references(build)
+
+
+def test_quantize_stopped_while_quantizing_ends_at_once(command, trained_model_dir, corpus_path, tmp_path):
+    out = tmp_path / "gptq"
+    quantize = command("quantize", "--model", str(trained_model_dir), "--method", "gptq", "--bits", "4",
+                       "--group-size", "32", "--calibration", str(corpus_path), "--samples", "8", "--seq-len", "64",
+                       "--out", str(out))
+    port = prefect_server(quantize)
+    scratch = quantize.home.parent / "cache" / "scratch"
+    wait_for(lambda: scratch.is_dir() and any(scratch.iterdir()), 240, "quantizing under way")
+    quantize.signal_group(signal.SIGTERM)
+    assert quantize.ended_within(STOP_S) == 128 + signal.SIGTERM
+    the_line(quantize, signal.SIGTERM)
+    quantize.assert_all_gone(port)
+    assert not out.exists(), "no half-made checkpoint"
+
+
+def test_serve_and_ui_stopped_by_their_group_end_at_once(command, config, tmp_path):
+    serve = command("serve", str(config))
+    port = prefect_server(serve)
+    wait_for(lambda: listening(port), 120, "the served API")
+    serve.signal_group(signal.SIGTERM)
+    assert serve.ended_within(STOP_S) == 128 + signal.SIGTERM
+    the_line(serve, signal.SIGTERM)
+    serve.assert_all_gone(port)
+    ui_port = free_port()
+    ui = command("ui", "--port", str(ui_port))
+    wait_for(lambda: listening(ui_port), 120, f"MLflow's server on port {ui_port}")
+    ui.signal_group(signal.SIGINT)
+    assert ui.ended_within(STOP_S) == 128 + signal.SIGINT
+    the_line(ui, signal.SIGINT)
+    ui.assert_all_gone(ui_port)
+
+
+def test_a_child_that_does_not_stop_is_killed_with_everything_it_started(tmp_path):
+    """A signal handler's exception can be swallowed (raised inside a ``__del__`` it is only printed: it
+    happened to an audit stopped while scoring). Here the command ignores SIGTERM outright, and has started
+    a process of its own: both must be gone within STOP_S, with the supervisor's line and 143."""
+    program = tmp_path / "stuck.py"
+    program.write_text(textwrap.dedent("""
+        import signal, subprocess, sys, time
+        from flows import lifetime
+
+        def stuck():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+            print("started", flush=True)
+            time.sleep(300)
+            return 0
+
+        lifetime.run(stuck, lambda signum: f"killed after {signum.name}")
+    """))
+    process = psutil.Popen([sys.executable, str(program)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    assert process.stdout.readline() == "started\n"
+    started = alive(process.children(recursive=True))
+    assert len(started) == 2
+    signalled = time.monotonic()
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        code = process.wait(timeout=STOP_S)
+    finally:
+        left = alive(started)
+        for each in left + alive([process]):
+            each.kill()
+    assert code == 128 + signal.SIGTERM and not left, (code, left)
+    assert process.stderr.read() == "killed after SIGTERM\n"
+    assert time.monotonic() - signalled < STOP_S
+
+
+def test_ctrl_z_stops_the_command_with_its_servers_and_fg_continues_them(command, long_config):
+    """Job control as a shell does it: Ctrl-Z (SIGTSTP to the terminal's foreground group: the supervisor),
+    then SIGCONT to that group (``fg``). Before, the command went on running in the background."""
+    run = command("run", str(long_config), terminal=True)
+    prefect_server(run)
+    wait_for(lambda: references(run), 240, "the baseline's reference (the variants are scoring)")
+    os.write(run.terminal, b"\x1a")
+    everything = [run.process, *alive(run.process.children(recursive=True))]
+    wait_for(lambda: all(p.status() == psutil.STATUS_STOPPED for p in everything), 10, "every process stopped")
+    os.killpg(run.process.pid, signal.SIGCONT)
+    wait_for(lambda: not any(p.status() == psutil.STATUS_STOPPED for p in everything), 10, "every process running")
+    run.ctrl_c()
+    assert run.ended_within(STOP_S) == 128 + signal.SIGINT

@@ -6,6 +6,7 @@ The server and the serving process are started by this test and stopped by it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,8 +96,8 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
                           schedule={"cron": "0 3 * * *", "timezone": "Europe/Berlin"}, thresholds=thresholds)
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")
-    serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)], env=env, stdout=log,
-                               stderr=subprocess.STDOUT)
+    serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config), "--allow",
+                                str(gptq_checkpoint.parent)], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deployments = wait_for(lambda: {d["name"]: d for d in api.post("/deployments/filter", json={}).json()
                                         if d["name"] in ("nightly", "nightly-quantize")}, 120, "the deployments")
@@ -140,6 +141,90 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
         berlin = ZoneInfo("Europe/Berlin")
         assert {datetime.fromisoformat(r["expected_start_time"]).astimezone(berlin).strftime("%H:%M")
                 for r in scheduled} == {"03:00"}
+    finally:
+        stop(serving)
+        log.close()
+
+
+def test_notify_refuses_a_model_that_is_not_a_local_checkpoint(cli):
+    """``missing/ckpt`` looks like a Hub id, and was sent as the folder of that name here."""
+    code, out, err = cli("notify", "--model", "missing/ckpt")
+    assert code == 2 and out == "" and err.strip() == (
+        "ppl-audit: error: model folder not found: missing/ckpt; notify announces a local checkpoint (a folder or "
+        ".gguf file the serving machine reads at the same path)")
+
+
+def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, trained_model_dir, corpus_path,
+                                                         gptq_checkpoint):
+    """Whoever reaches the Prefect API (it has no authentication by default) asks the served deployments for
+    another config, overrides that send the record elsewhere, a checkpoint or baseline outside the allowed
+    folders, a quantization into another folder: each run ends Failed with one ``refused:`` line before anything
+    loads. The same event for an allowed folder is audited."""
+    env, api = server
+    config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path,
+                          [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}], name="guarded")
+    other_config = write_config(tmp_path / "other.yaml", trained_model_dir, corpus_path, [{"name": "x", "method": "bnb-int8"}])
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w")
+    serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)], env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+    try:
+        def served() -> dict[str, str] | None:
+            found = {d["name"]: d["id"] for d in api.post("/deployments/filter", json={}).json()}
+            return found if {"guarded", "guarded-quantize"} <= found.keys() else None
+
+        deployments = wait_for(served, 120, "the deployments")
+
+        def ended(run_id: str) -> dict:
+            return wait_for(lambda: (lambda r: r if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") else None)(
+                api.get(f"/flow_runs/{run_id}").json()), 400, f"flow run {run_id} to end")
+
+        def create(deployment: str, parameters: dict) -> str:
+            return api.post(f"/deployments/{deployments[deployment]}/create_flow_run",
+                            json={"parameters": parameters}).json()["id"]
+
+        def by_event(model_path: str) -> dict:
+            return wait_for(lambda: next((r for r in api.post("/flow_runs/filter", json={
+                "deployments": {"id": {"any_": [deployments["guarded"]]}}}).json()
+                if r["parameters"].get("model_path") == model_path
+                and r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")), None), 400, f"the audit of {model_path}")
+
+        elsewhere = tmp_path / "elsewhere"
+        shutil.copytree(gptq_checkpoint, elsewhere)
+        asked = {
+            "another config": create("guarded", {"config": str(other_config)}),
+            "overrides": create("guarded", {"config": str(config.resolve()), "overrides": ["tracking.uri=http://elsewhere:5000"]}),
+            "quantize elsewhere": create("guarded-quantize", {"model": str(trained_model_dir), "method": "gptq",
+                                                               "out": str(tmp_path / "written-here"),
+                                                               "calibration": str(corpus_path)}),
+        }
+        expected = {
+            "another config": f"refused: this serve runs {config.resolve()} only, not {other_config}",
+            "overrides": "refused: a served audit takes no overrides (tracking.uri=http://elsewhere:5000); change "
+                         f"{config.resolve()} and serve it again",
+            "quantize elsewhere": f"refused: out {tmp_path / 'written-here'} is outside this serve's allowed folders",
+        }
+        for what, run_id in asked.items():
+            run = ended(run_id)
+            assert run["state_type"] == "FAILED" and run["state"]["message"].startswith(expected[what]), (what, run["state"])
+        assert not (tmp_path / "written-here").exists()
+
+        emit(env, {"model_path": str(elsewhere), "method": "gptq"})
+        outside = by_event(str(elsewhere))
+        assert outside["state_type"] == "FAILED" and outside["state"]["message"] == (
+            f"refused: model_path {elsewhere} is outside this serve's allowed folders; allow it with "
+            "`ppl-audit serve --allow DIR`"), outside["state"]
+        other_baseline = tmp_path / "other-baseline"
+        shutil.copytree(trained_model_dir, other_baseline)
+        emit(env, {"model_path": str(trained_model_dir), "method": "bnb-int8", "baseline": str(other_baseline)})
+        swapped = by_event(str(trained_model_dir))
+        assert swapped["state_type"] == "FAILED" and swapped["state"]["message"].startswith(
+            f"refused: the event names baseline {other_baseline}, but this config's baseline is "), swapped["state"]
+        # each run's process logs its end after the server has its state
+        wait_for(lambda: log_path.read_text().count("Finished in state Failed(") >= 5, 30, "the five runs' last lines")
+        time.sleep(3)
+        console = log_path.read_text()
+        assert console.count("refused: ") == 5 and "Traceback" not in console, console[-5000:]
     finally:
         stop(serving)
         log.close()

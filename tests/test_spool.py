@@ -22,7 +22,8 @@ from mlflow import MlflowClient
 from flows.audit import audit
 from flows.cli import main
 from helpers import dead_pid, write_config
-from tasks.spool import pending, read_record, spool_dir, write_record
+from tasks.places import spool_dir
+from tasks.spool import pending, read_record, write_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the tree under test: its subprocesses import this code
 PARTIAL = ".partial-"  # spelled out, not imported: these tests also run against the code from before it

@@ -1,0 +1,41 @@
+"""A flow that ends Failed with an answer (a failed verdict, a refusal) is not a crash: one line, no traceback."""
+
+from __future__ import annotations
+
+import logging
+
+from prefect.states import Failed
+
+
+class AuditFailed(Exception):
+    """A flow's answer that is not a pass (a failed verdict, a refusal), as the data of its Failed state;
+    ``summary`` is what ``audit`` computed.
+
+    Prefect 3 resolves a Failed state's data into the exception a run raises, so it must be one.
+    """
+
+    def __init__(self, reason: str, summary: dict | None = None):
+        super().__init__(reason)
+        self.summary = summary
+
+
+class _VerdictIsNotACrash(logging.Filter):
+    """Drops Prefect's traceback of an ``AuditFailed``; the run's log already ends with its one line.
+
+    Under a deployment Prefect 3.8 re-raises a Failed state's exception after the run ends and logs
+    it with its traceback ("Engine execution exited with unexpected exception"): a few KB per audit
+    that is judged failed, which is an answer, not a crash.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], AuditFailed))
+
+
+def failed(reason: str, summary: dict | None = None):
+    """A flow's Failed state for an answer (a verdict, a refusal), logged as one line, not a crash. The filter
+    goes on where the run's process logs (it passes every record but one carrying an ``AuditFailed``), once
+    per process."""
+    runs = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, _VerdictIsNotACrash) for f in runs.filters):
+        runs.addFilter(_VerdictIsNotACrash())
+    return Failed(message=reason, data=AuditFailed(reason, summary))
