@@ -6,9 +6,11 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
+from contextlib import suppress
 from pathlib import Path
 from typing import Literal, NoReturn, get_args, get_origin
 
@@ -383,6 +385,8 @@ def _add_reference(commands) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
     from flows.serve import serve_config
     from tasks.served import Policy
 
@@ -392,7 +396,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--allow {missing[0]}: no such folder; give a folder served audits may read checkpoints from")
     # the serve's flow runs run in processes of its own, which inherit it; the Prefect API cannot set it
     os.environ.update(Policy.of(args.config, config, args.allow).environment())
-    serve_config(args.config)
+    serve_config(args.config, lambda line: print(f"{datetime.now():%H:%M:%S} {line}", file=console.out(), flush=True))
     return 0
 
 
@@ -405,6 +409,12 @@ def run_ui(args: argparse.Namespace) -> int:
     from tasks.tracking import default_uri, ui_link
 
     home().mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:  # before the address is printed: mlflow would fail with a page of traceback
+        try:
+            probe.bind(("127.0.0.1", args.port))
+        except OSError as error:
+            raise InputError(f"port {args.port} on 127.0.0.1 is taken ({error.strerror}); use --port with a free "
+                             "one") from None
     url = f"http://127.0.0.1:{args.port}"
     experiments = []  # a store not made yet has none (and reading it would make it, with a page of logs)
     if (home() / "mlflow.db").exists():
@@ -419,18 +429,24 @@ def run_ui(args: argparse.Namespace) -> int:
 
 
 def run_sync(args: argparse.Namespace) -> int:
-    from tasks.spool import claim, mark_synced, pending, sweep_partials
+    from tasks.spool import claim, damage, mark_synced, pending, quarantine, sweep_partials
     from tasks.tracking import replay
 
     sweep_partials()
     waiting = pending()
-    synced = elsewhere = failed = 0
+    synced = elsewhere = failed = damaged = 0
     for folder in waiting:
         with claim(folder) as state:
             if state != "mine":  # another sync, or an audit tracking its own record: not a failure
                 elsewhere += 1
                 print(f"{folder.name}: skipped, {'being synced' if state == 'busy' else 'synced'} by another process",
                       file=console.out())
+                continue
+            problem = damage(folder)
+            if problem:  # it would fail every later sync too: set aside, as any damaged cache is
+                damaged += 1
+                print(f"ppl-audit: warning: {folder.name} is damaged ({problem}); moved to {quarantine(folder)}: "
+                      "inspect its record.json, then move it back to the spool or delete it", file=console.err())
                 continue
             try:
                 run_id = replay(folder, args.tracking_uri)
@@ -442,7 +458,7 @@ def run_sync(args: argparse.Namespace) -> int:
             mark_synced(folder)
         synced += 1
         print(f"{folder.name}: synced as MLflow run {run_id}", file=console.out())
-    others = f", {elsewhere} by another process" if elsewhere else ""
+    others = (f", {elsewhere} by another process" if elsewhere else "") + (f", {damaged} damaged" if damaged else "")
     print(f"{synced} of {len(waiting)} spooled audit(s) synced{others}", file=console.out())
     return 1 if failed else 0
 
@@ -463,9 +479,9 @@ def run_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-# one job each, whose library output goes to a log file (and `reference build`); `ui` and `serve` are
-# services: their output is their log
-LOGGED = ("ppl", "quantize", "run", "sync", "setup", "notify")
+# the commands (and `reference build`) whose library output goes to a log file: `serve`'s console is then what
+# an operator reads (what is served, a line as each run starts and ends); `ui` is a service whose output is its log
+LOGGED = ("ppl", "quantize", "run", "sync", "setup", "notify", "serve")
 VERBOSE = "show library output (warnings, gptqmodel, Prefect) live on stderr; it is always in the log file"
 LOG_BYTES = 256 * 2**20  # the oldest logs go beyond this
 
@@ -484,8 +500,21 @@ def _log_file(args: argparse.Namespace) -> Path:
     return folder / f"{datetime.now():%Y%m%dT%H%M%S}-{args.command}{about}-{os.getpid()}.log"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A wrong argument is one line, as any other bad input (argparse prints its usage block before it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _port(value: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1 to 65535)")
+    return int(value)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ppl-audit", description="Audit quantized LLMs by perplexity.")
+    parser = _Parser(prog="ppl-audit", description="Audit quantized LLMs by perplexity.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_ppl(commands)
     _add_quantize(commands)
@@ -503,7 +532,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="a folder whose checkpoints events may name (again for more); the config's own paths "
                             "and the cache's quantized checkpoints always are")
     ui = commands.add_parser("ui", help="start the MLflow UI on the local store (127.0.0.1)")
-    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--port", type=_port, default=5000)
     sync = commands.add_parser("sync", help="send spooled audits (tracking was down) to MLflow")
     sync.add_argument("--tracking-uri", help="default: each audit's configured URI, MLFLOW_TRACKING_URI, or the local store")
     commands.add_parser("setup", help="build the embedded model and corpus (once; cached)")
@@ -531,7 +560,12 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
     logged = args.command in LOGGED or getattr(args, "action", None) == "build"
     log = _log_file(args) if capture and logged else None
     if log is not None:
-        console.capture(log, live=args.verbose)
+        try:
+            console.capture(log, live=args.verbose)
+        except OSError as error:
+            print(f"ppl-audit: error: cannot write the log {log} ({error.strerror}); set PPL_AUDIT_HOME to a "
+                  "folder you can write", file=sys.stderr)
+            return 2
     code, started = 1, time.time()
     try:
         code = HANDLERS[args.command](args)
@@ -555,7 +589,9 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
         print(f"ppl-audit: crashed: {type(error).__name__}: {one_line(error)}", file=console.err())
     finally:
         console.settle()
-        if log is not None and code != 2:  # bad input: the one line says it all
+        if log is not None and code == 2:  # bad input: the one line says it all, and no log is left behind
+            log.unlink(missing_ok=True)
+        elif log is not None:
             print(f"log: {log}", file=console.err())
     return code
 
@@ -578,7 +614,14 @@ def entry() -> NoReturn:
     """The ``ppl-audit`` console script: ``main`` in a child that takes every process it started down with it,
     even when the process the user started is killed (flows/lifetime.py). Tests call ``main`` in-process."""
     from flows import lifetime
+    from tasks.places import home
 
+    # Prefect's local mode keeps its temporary server's database (every flow run, its parameters and logs) in
+    # ~/.prefect; ours goes beside the audits' records, which PPL_AUDIT_HOME moves
+    if "PREFECT_SERVER_DATABASE_CONNECTION_URL" not in os.environ:
+        with suppress(OSError):  # an unwritable home is main's one line to say
+            (home() / "prefect").mkdir(parents=True, exist_ok=True)
+            os.environ["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{home() / 'prefect' / 'prefect.db'}"
     started = time.time()
     lifetime.run(lambda: main(capture=True), lambda signum: interrupted(
         signum, started, f" (killed: it had not stopped {lifetime.STOP_S:g} s later)"))

@@ -15,6 +15,7 @@ from dataclasses import replace
 from prefect import get_run_logger
 
 from tasks.checkpoints import Lineup
+from tasks.places import cache_dir
 from tasks.config import AuditConfig
 from tasks.errors import one_line
 from tasks.evaluation import Evaluation
@@ -31,7 +32,8 @@ RETRY_POLL_SECONDS = 2  # how often a retry held to other workers checks that on
 def dask_cluster(workers: int, resources: dict) -> dict:
     """A local Dask cluster reachable from this machine only (its dashboard binds every interface by default)."""
     return {"n_workers": workers, "threads_per_worker": 1, "resources": resources, "host": "127.0.0.1",
-            "dashboard_address": "127.0.0.1:8787"}
+            "dashboard_address": "127.0.0.1:8787",
+            "local_directory": str(cache_dir() / "dask-scratch")}  # not the working directory's default
 
 
 def task_runner(config: AuditConfig):

@@ -6,6 +6,10 @@ schedules and events); ``prefect.yaml`` declares the same for work pools (``pref
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import serve
@@ -42,5 +46,42 @@ def deployments(config_path: str) -> list:
     ]
 
 
-def serve_config(config_path: str) -> None:
-    serve(*deployments(config_path))
+def serve_config(config_path: str, say: Callable[[str], None]) -> None:
+    """Serve the config's deployments until stopped; ``say`` gets what an operator reads: what is served, and a
+    line when each of their runs starts and ends (the rest goes to the process's output, the serve's log)."""
+    served = deployments(config_path)
+    config = load_audit_config(config_path)
+    when = f"cron {config.schedule.cron} ({config.schedule.timezone}) and " if config.schedule.cron else ""
+    say(f"serving {config.name}: the audit on {when}every {EVENT} event; {config.name}-quantize on request")
+    threading.Thread(target=watch, args=([d.name for d in served], say), daemon=True).start()
+    serve(*served, print_starting_message=False)
+
+
+def watch(names: list[str], say: Callable[[str], None], every: float = 2.0) -> None:
+    """Say one line when a run of the deployments ``names`` starts, and one when it ends with its state's message
+    (the verdict, or why it was refused). Polls the API this process serves through; a failed poll is tried again."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter, FlowRunFilterStartTime
+
+    since, said = datetime.now(timezone.utc), {}
+    runs = {"deployment_filter": DeploymentFilter(name=DeploymentFilterName(any_=names)),
+            "flow_run_filter": FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since))}
+    while True:
+        time.sleep(every)
+        try:
+            with get_client(sync_client=True) as client:
+                found = client.read_flow_runs(**runs, limit=200)
+                deployment = {d.id: d.name for d in client.read_deployments(deployment_filter=runs["deployment_filter"])}
+        except Exception:  # noqa: BLE001 -- the API restarting or busy: the next poll sees the same runs
+            continue
+        for run in found:
+            ended = run.state is not None and run.state.is_final()
+            if said.get(run.id) == "ended" or (said.get(run.id) == "started" and not ended):
+                continue
+            what = f"{deployment.get(run.deployment_id, 'a')} run {str(run.id)[:8]}"
+            if run.id not in said:
+                model = run.parameters.get("model_path") or run.parameters.get("model")
+                say(f"{what} started" + (f" for {model}" if model else ""))
+            if ended:
+                say(f"{what} ended {run.state.name}: {run.state.message or 'no message'}")
+            said[run.id] = "ended" if ended else "started"

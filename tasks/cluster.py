@@ -17,13 +17,29 @@ from tasks.errors import InputError, one_line
 CONNECT_SECONDS = 5  # a scheduler that does not answer in this long is down or firewalled, not slow
 
 
+def check_local_cluster(runner: Runner) -> None:
+    """Refuse a local cluster this machine cannot give: more workers than cores (each holds a model), or
+    GPUs per variant where it has fewer (the variants would run on CPU, unasked)."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if runner.workers > cores:
+        raise InputError(f"runner.workers is {runner.workers}, but this machine has {cores} cores and each local "
+                         f"worker holds a model; use at most {cores}, or runner.address for a cluster")
+    gpus = torch.cuda.device_count()
+    if runner.gpus_per_variant > gpus:
+        raise InputError(f"runner.gpus_per_variant is {runner.gpus_per_variant:g}, but this machine has {gpus} GPU(s) "
+                         "for the local cluster; set it to 0, or give runner.address of a cluster with GPUs")
+
+
 def check_reachable(address: str) -> None:
     """Refuse a scheduler address nothing answers at (``auto`` is Ray's to resolve)."""
     if address == "auto":
         return
     parsed = urlparse(address)
     if parsed.hostname is None or parsed.port is None:
-        raise InputError(f"runner.address '{address}' names no host and port (e.g. tcp://10.0.0.5:8786)")
+        example = "ray://10.0.0.5:10001" if address.startswith("ray://") else "tcp://10.0.0.5:8786"
+        raise InputError(f"runner.address '{address}' names no host and port (e.g. {example})")
     try:
         socket.create_connection((parsed.hostname, parsed.port), timeout=CONNECT_SECONDS).close()
     except OSError as error:

@@ -18,7 +18,8 @@ from tasks.windows import BosPolicy, Mode, check_plan, chunk_limit
 # auto: read from the checkpoint (tasks.formats); baseline: a float model as it is
 Method = Literal["auto", "baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8", "compressed-tensors",
                  "gguf", "hqq", "fp8"]
-NAME = r"^[A-Za-z0-9_.-]+$"  # audit and variant names: MLflow run names, file names, YAML keys
+# audit and variant names: MLflow run names, file names, YAML keys; not dots alone (".." is a path)
+NAME = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
 QUANTIZED_AT_LOAD = ("bnb-int8", "bnb-nf4", "torchao-int8", "hqq")  # without a path: the baseline, quantized as it loads
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
@@ -131,6 +132,10 @@ class VariantSpec(Strict):
             check_group_size(self.method, self.group_size)
         if self.gguf_file is not None and (self.path is None or self.method not in ("gguf", "auto")):
             raise ValueError("gguf_file names a file in the folder given as path, with method gguf (or auto)")
+        if (self.method == "gguf" and self.path not in (None, "embedded") and self.gguf_file is None
+                and not self.path.endswith(".gguf")):
+            raise ValueError(f"method gguf loads a .gguf file, and {self.path} is not one: give the file as path, "
+                             "or its folder as path and the file's name as gguf_file")
         if self.method in ("auto", "gguf", "compressed-tensors", "fp8") and self.path is None:
             raise ValueError(f"method {self.method} loads a checkpoint: give its path")
         if self.max_memory is not None and self.device_map is None:
@@ -139,6 +144,10 @@ class VariantSpec(Strict):
             raise ValueError("give device (one device) or device_map (a model split over several), not both")
         if self.device_map is not None and self.method == "hqq":
             raise ValueError("hqq quantizes through its own API, on one device: device_map is not for it")
+        if isinstance(self.device_map, dict):
+            for module, device in self.device_map.items():
+                if not (isinstance(device, int) or device in ("cpu", "disk", "cuda") or re.fullmatch(r"cuda:\d+", device)):
+                    raise ValueError(f"device_map puts '{module}' on '{device}': use a GPU index (0), cuda:N, cpu or disk")
         return self
 
     @property
@@ -176,6 +185,9 @@ def one_line(error: ValidationError, where: str) -> str:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown key; check its spelling against the documented keys"
+    if first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] == NAME:
+        message = (f"'{first['input']}' is not a name: use letters, digits, '_', '-' and '.', not dots alone "
+                   "(a name becomes a folder and an MLflow run)")
     more = len(error.errors()) - 1
     return f"{where}: {key + ': ' if key else ''}{message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
@@ -411,7 +423,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node, (dict, list)):
                 raise InputError(f"--set {override}: {part} is not a section")
         last = parts[-1]
-        value = yaml.safe_load(raw) if raw else None
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as error:
+            raise InputError(f"--set {override}: the value is not YAML ({str(error).splitlines()[0]}); quote it "
+                             "in the shell as a whole, e.g. --set 'evaluation.window=[1, 2]'") from None
         if isinstance(node, list):
             node[_index(override, last, node)] = value
         else:
@@ -428,9 +444,13 @@ def load_audit_config(path: str, overrides: list[str] = ()) -> AuditConfig:
     if not file.is_file():
         raise InputError(f"config not found: {file} (give a YAML file, e.g. configs/demo.yaml)")
     try:
-        data = yaml.safe_load(file.read_text()) or {}
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
         raise InputError(f"{file} is not valid YAML: {str(error).splitlines()[0]}") from None
+    except UnicodeDecodeError as error:
+        raise InputError(f"{file} is not UTF-8 text (byte {error.start}); save the config as UTF-8") from None
+    except OSError as error:
+        raise InputError(f"cannot read config {file}: {error.strerror}") from None
     if not isinstance(data, dict):
         raise InputError(f"{file} must hold a mapping of settings at the top level")
     return parse(AuditConfig, apply_overrides(data, list(overrides)), str(file))

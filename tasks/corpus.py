@@ -27,10 +27,25 @@ if TYPE_CHECKING:
 
 # the token cache keeps the most recently used streams within this size (4 bytes a token: 512M tokens)
 TOKEN_CACHE_BYTES = 2 << 30
+# the largest corpus file read (it is held in memory, and its tokens too): wikitext-103 is 0.5 GiB
+CORPUS_MAX_BYTES = 4 << 30
+
+
+def _check_file(path: Path) -> None:
+    """Refuse what is not a regular file of a bounded size: ``/dev/zero`` reads until memory runs out, a FIFO
+    blocks forever."""
+    if not path.is_file():
+        raise InputError(f"corpus {path} is not a regular file (a device, FIFO or socket); give a text, JSONL or "
+                         "Parquet file")
+    if path.stat().st_size > CORPUS_MAX_BYTES:
+        raise InputError(f"corpus {path} holds {path.stat().st_size / 2**30:.1f} GiB, more than the "
+                         f"{CORPUS_MAX_BYTES / 2**30:.0f} GiB read at once; give a part of it (an audit scores "
+                         "evaluation.max_tokens of it at most)")
 
 
 def _read_text(path: Path, encoding: str) -> str:
     """A text file's contents; a binary file or text in another encoding is one line saying so."""
+    _check_file(path)
     data = path.read_bytes()
     try:
         return data.decode(encoding)
@@ -117,6 +132,7 @@ def load_documents(spec: CorpusConfig) -> list[str]:
         if path.suffix == ".jsonl":
             return _read_jsonl(path, spec.column, spec.encoding)
         if path.suffix == ".parquet":
+            _check_file(path)
             return _read_parquet(path, spec.column)
         return [_read_text(path, spec.encoding)]
     except OSError as error:

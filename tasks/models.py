@@ -240,10 +240,27 @@ def load_config(name: str, registry: str | None = None):
     from transformers import AutoConfig
 
     source, extra = from_pretrained_args(resolve_model_path(name, registry))
+    _check_quantization_config(Path(source) / "config.json", name)
     try:
         return AutoConfig.from_pretrained(source, **extra)
     except (OSError, ValueError) as error:
         raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
+
+
+def _check_quantization_config(file: Path, name: str) -> None:
+    """A local config.json's ``quantization_config`` is a mapping: transformers crashes on anything else."""
+    try:
+        raw = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot read the config of {name}: {one_line(error)}") from None
+    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quantization is not None and not isinstance(quantization, dict):
+        raise InputError(f"the config.json of {name} holds quantization_config {json.dumps(quantization)[:60]}, not a "
+                         "mapping of its settings; fix the checkpoint's config.json")
+    method = (quantization or {}).get("quant_method")
+    if method in ("gptq", "awq") and not isinstance(quantization.get("bits"), int):
+        raise InputError(f"the config.json of {name} says quant_method {method} but gives no bits; it is not a "
+                         f"whole {method} checkpoint (save it again with its quantizer)")
 
 
 def max_positions(config) -> int | None:

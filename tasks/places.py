@@ -33,5 +33,10 @@ def synced_dir() -> Path:
     return home() / "synced"
 
 
+def quarantine_dir() -> Path:
+    """Spooled records too damaged to replay, set aside for a person to inspect."""
+    return home() / "quarantine"
+
+
 def log_dir() -> Path:
     return home() / "logs"

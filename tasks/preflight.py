@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from tasks.checkpoints import calibration_for, prepare
-from tasks.cluster import check_reachable, check_workers
+from tasks.cluster import check_local_cluster, check_reachable, check_workers
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.errors import InputError
 from tasks.formats import detect, locate, require
@@ -33,15 +33,14 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         raise InputError("runner.kind ray needs prefect-ray and ray: pip install 'ppl-audit[ray]'")
     if config.runner.address:
         check_reachable(config.runner.address)
+    elif config.runner.kind != "sequential":
+        check_local_cluster(config.runner)
     for spec in [config.baseline, *config.variants]:
         try:
             resolve_device(spec.device)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
-    try:
-        check_window(config.evaluation.window, max_positions(load_config(config.baseline.path, registry)), "the baseline")
-    except InputError as error:
-        raise InputError(f"evaluation.{error}") from None
+    _check_window(config, load_config(config.baseline.path, registry), "the baseline")  # a path error names the path
     check_checkpoint(config.baseline.path, registry)
     # what the workers of an existing cluster must see: the baseline's files (a variant quantized at load
     # reads them) and its stored references (a variant's KL), and each variant's own files
@@ -51,6 +50,8 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         if spec.path is not None:
             source = local[spec.name] = locate(spec, registry)
             check_checkpoint(source, registry)
+            if Path(source).exists():  # a variant's own positions bound the window too
+                _check_window(config, load_config(source), spec.name)
             if method == "auto":
                 method = detect(source)[0]
         try:
@@ -61,6 +62,13 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         local["baseline references"].mkdir(parents=True, exist_ok=True)
         check_workers(config.runner, {whose: str(path) for whose, path in local.items()
                                       if Path(path).exists()})  # a Hub id: each worker fetches it
+
+
+def _check_window(config: AuditConfig, model_config, whose: str) -> None:
+    try:
+        check_window(config.evaluation.window, max_positions(model_config), whose)
+    except InputError as error:
+        raise InputError(f"evaluation.{error}") from None
 
 
 def gated(config: AuditConfig) -> bool:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks import console
-from tasks.places import spool_dir, synced_dir
+from tasks.places import quarantine_dir, spool_dir, synced_dir
 from tasks.files import died, owner_tag, write_atomically
 
 
@@ -89,6 +89,34 @@ def sweep_partials() -> None:
         else:
             shutil.rmtree(partial, ignore_errors=True)  # one that cannot be removed now is tried again next time
             print(f"ppl-audit: removed {partial.name}, an unfinished record of a process that died", file=console.err())
+
+
+# what replaying a record reads of it, at the top and for each model
+RECORD_KEYS = ("name", "audit_id", "created", "verdict", "variants", "config", "table", "corpus")
+ENTRY_KEYS = ("name", "role", "status", "row", "spec", "reason")
+
+
+def damage(folder: Path) -> str | None:
+    """Why a spooled record cannot be replayed however often it is tried (not JSON, a field missing), or None."""
+    try:
+        record = read_record(folder)
+    except (OSError, ValueError) as error:
+        return f"record.json is not readable JSON ({type(error).__name__}: {str(error)[:100]})"
+    if not isinstance(record, dict):
+        return "record.json does not hold a record"
+    missing = [key for key in RECORD_KEYS if key not in record]
+    if not missing and isinstance(record["variants"], list):
+        missing = sorted({f"variants[].{key}" for entry in record["variants"] for key in ENTRY_KEYS
+                          if not isinstance(entry, dict) or key not in entry})
+    return f"record.json lacks {', '.join(missing)}" if missing else None
+
+
+def quarantine(folder: Path) -> Path:
+    """Move a damaged record out of the spool, so later syncs go on with the others; returns where it went."""
+    target = quarantine_dir() / folder.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(folder), str(target))
+    return target
 
 
 def read_record(folder: Path) -> dict:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from flows.cli import main
-from helpers import json_line
+from helpers import json_line, write_config
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +129,54 @@ def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir,
     assert why in ("no words were counted in the scored text", "e^{:.0f} is past a float: the scored text has too few "
                    "words (1)".format(result["nll_sum"]))
     assert f"no word_ppl: {why}" in out
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["run", "--stats", "bogus", "{tmp}/x.yaml"], "ppl-audit run: error: argument --stats: invalid choice: 'bogus'"),
+    (["ppl", "--dtype", "float8", "--model", "m", "--corpus", "c"], "ppl-audit ppl: error: argument --dtype: invalid choice"),
+    (["reference", "frobnicate"], "ppl-audit reference: error: argument action: invalid choice: 'frobnicate'"),
+    (["ui", "--port", "99999"], "ppl-audit ui: error: argument --port: 99999 is not a TCP port (1 to 65535)"),
+    (["ui", "--port", "{taken}"], "ppl-audit: error: port {taken} on 127.0.0.1 is taken"),
+    (["run", "{tmp}/latin1.yaml"], "ppl-audit: error: {tmp}/latin1.yaml is not UTF-8 text (byte 6)"),
+    (["run", "{tmp}/x.yaml", "--set", "evaluation.window=["], "ppl-audit: error: --set evaluation.window=[: the value is not YAML"),
+    (["ppl", "--model", "{model}", "--corpus", "/dev/zero"], "ppl-audit: error: corpus /dev/zero is not a regular file"),
+    (["ppl", "--model", "{model}", "--corpus", "{tmp}/fifo.txt"], "ppl-audit: error: corpus {tmp}/fifo.txt is not a regular file"),
+    (["ppl", "--model", "{tmp}/listed", "--corpus", "{corpus}"], "holds quantization_config [1, 2], not a mapping"),
+    (["ppl", "--model", "{tmp}/bitless", "--corpus", "{corpus}"], "says quant_method gptq but gives no bits"),
+], ids=["argparse-choice", "argparse-dtype", "argparse-action", "port-out-of-range", "port-taken", "config-not-utf8",
+        "set-not-yaml", "dev-zero", "fifo", "quantization-config-a-list", "gptq-without-bits"])
+def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(cli, tmp_path, tiny_model_dir, corpus_file, args, expected):
+    """Found by a probe of bad inputs (#30): usage blocks, tracebacks, crashes, a read that never ends."""
+    import json
+    import os
+    import shutil
+    import socket
+
+    (tmp_path / "latin1.yaml").write_bytes(b"name: \xe9t\xe9\n")
+    write_config(tmp_path / "x.yaml", tiny_model_dir, corpus_file, [{"name": "int8", "method": "torchao-int8"}])
+    os.mkfifo(tmp_path / "fifo.txt")
+    for name, quantization in (("listed", [1, 2]), ("bitless", {"quant_method": "gptq"})):
+        shutil.copytree(tiny_model_dir, tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+    home = tmp_path / "home"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        fill = {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file, "taken": taken.getsockname()[1]}
+        args, expected = [a.format(**fill) for a in args], expected.format(**fill)
+        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PPL_AUDIT_HOME": str(home)})
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("ppl-audit") and expected in done.stderr, done.stderr
+    assert not list(home.glob("logs/*")), "a refused command leaves no log behind"
+
+
+def test_an_unwritable_home_is_one_line(tmp_path, tiny_model_dir, corpus_file):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "ppl", "--model", str(tiny_model_dir), "--corpus",
+                           str(corpus_file)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PPL_AUDIT_HOME": str(blocked / "home")})
+    assert done.returncode == 2 and done.stderr.startswith("ppl-audit: error: cannot write the log ") and \
+        done.stderr.strip().endswith("(Not a directory); set PPL_AUDIT_HOME to a folder you can write"), done.stderr

@@ -301,6 +301,8 @@ def test_an_audit_stopped_while_scoring_ends_at_once_and_says_what_it_kept(comma
     assert the_line(run, signum).endswith(f"kept: baseline reference {references(run)[0].name}")
     run.assert_all_gone(port)
     assert not list((run.home / "spool").glob("*")), "no record of an audit that did not end"
+    # Prefect's flow runs are kept in the audit's home, not in Prefect's (#30: ~/.prefect/prefect.db grew)
+    assert (run.home / "prefect" / "prefect.db").is_file() and not list(run.home.parent.glob("prefect/*.db"))
 
 
 def test_an_audit_under_timeout_ends_when_it_fires(command, long_config):

@@ -60,6 +60,11 @@ def gptq_checkpoint(tmp_path, trained_model_dir, tokenizer) -> Path:
     return out
 
 
+def serve_log(home: Path) -> str:
+    """What `serve` and its runs wrote besides its console: its log file."""
+    return "".join(log.read_text(errors="replace") for log in sorted(home.glob("logs/*-serve-*.log")))
+
+
 def emit(env: dict, payload: dict) -> None:
     """``quantization.completed`` from another process, as any quantization job would send it."""
     code = ("from prefect.events import emit_event\n"
@@ -94,10 +99,11 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
     thresholds = {"max_ppl_increase_pct": 0.001, "per_variant": {"gptq-4bit": {"max_ppl_increase_pct": 50}}}
     config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path, variants, name="nightly",
                           schedule={"cron": "0 3 * * *", "timezone": "Europe/Berlin"}, thresholds=thresholds)
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "w")
+    log = open(tmp_path / "serve.console", "w")
+    home = tmp_path / "home"
     serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config), "--allow",
-                                str(gptq_checkpoint.parent)], env=env, stdout=log, stderr=subprocess.STDOUT)
+                                str(gptq_checkpoint.parent)], env=env | {"PPL_AUDIT_HOME": str(home)}, stdout=log,
+                               stderr=subprocess.STDOUT)
     try:
         deployments = wait_for(lambda: {d["name"]: d for d in api.post("/deployments/filter", json={}).json()
                                         if d["name"] in ("nightly", "nightly-quantize")}, 120, "the deployments")
@@ -114,7 +120,7 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
 
         emit(env, payload)  # as a job that names nothing sends it
         matched = wait_for(lambda: next(iter(runs(None)), None), 400, "the audit of the checkpoint named by the config")
-        assert matched["state_type"] == "COMPLETED", (matched["state"], log_path.read_text()[-3000:])
+        assert matched["state_type"] == "COMPLETED", (matched["state"], serve_log(home)[-3000:])
         assert (matched["parameters"]["method"], str(matched["parameters"]["bits"])) == ("gptq", "4")
         assert matched["parameters"]["baseline"] == str(trained_model_dir)
         assert matched["parameters"]["config"] == str(config.resolve())
@@ -125,14 +131,14 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
                        env=env, check=True, timeout=120)
 
         strict = wait_for(lambda: next(iter(runs("gptq-strict")), None), 400, "the audit of the checkpoint named by its event")
-        assert strict["state_type"] == "FAILED", (strict["state"], log_path.read_text()[-3000:])
+        assert strict["state_type"] == "FAILED", (strict["state"], serve_log(home)[-3000:])
         message = strict["state"]["message"]
         assert message.startswith("fail: gptq-strict: ΔPPL ") and "limit ≤ 0.001" in message and "\n" not in message
         # the run's process logs its end after the server has its state; read before SIGTERM, whose
         # shutdown Prefect itself logs with tracebacks
-        wait_for(lambda: f"Finished in state Failed('{message}')" in log_path.read_text(), 30, "the run's last line")
+        wait_for(lambda: f"Finished in state Failed('{message}')" in serve_log(home), 30, "the run's last line")
         time.sleep(3)
-        served = log_path.read_text()
+        served = serve_log(home)
         assert "Traceback" not in served, served[-5000:]
 
         scheduled = api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [audit_id]}},
@@ -164,10 +170,10 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
     config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path,
                           [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}], name="guarded")
     other_config = write_config(tmp_path / "other.yaml", trained_model_dir, corpus_path, [{"name": "x", "method": "bnb-int8"}])
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "w")
-    serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)], env=env, stdout=log,
-                               stderr=subprocess.STDOUT)
+    console_path, home = tmp_path / "serve.console", tmp_path / "home"
+    log = open(console_path, "w")
+    serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)],
+                               env=env | {"PPL_AUDIT_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT)
     try:
         def served() -> dict[str, str] | None:
             found = {d["name"]: d["id"] for d in api.post("/deployments/filter", json={}).json()}
@@ -221,10 +227,16 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
         assert swapped["state_type"] == "FAILED" and swapped["state"]["message"].startswith(
             f"refused: the event names baseline {other_baseline}, but this config's baseline is "), swapped["state"]
         # each run's process logs its end after the server has its state
-        wait_for(lambda: log_path.read_text().count("Finished in state Failed(") >= 5, 30, "the five runs' last lines")
-        time.sleep(3)
-        console = log_path.read_text()
-        assert console.count("refused: ") == 5 and "Traceback" not in console, console[-5000:]
+        wait_for(lambda: serve_log(home).count("Finished in state Failed(") >= 5, 30, "the five runs' last lines")
+        wait_for(lambda: console_path.read_text().count(" ended Failed: refused: ") == 5, 30, "the console's lines")
+        assert "Traceback" not in serve_log(home), serve_log(home)[-5000:]
+        # #30 item 5: the console says what an operator needs, a line as each run starts and ends; the rest is in
+        # the log (gptqmodel's banner, library warnings, Prefect's lines)
+        console = console_path.read_text().splitlines()
+        assert console[0].endswith("serving guarded: the audit on every quantization.completed event; guarded-quantize "
+                                   "on request"), console
+        assert len(console) == 11 and all(" run " in line for line in console[1:]), console
+        assert sum(" started" in line for line in console) == 5 and "GPT-QModel" in serve_log(home)
     finally:
         stop(serving)
         log.close()

@@ -304,3 +304,27 @@ def test_writing_a_record_sweeps_what_dead_writers_left(home):
     written = write_record(record, {})
     assert not unfinished.exists() and list(spool_dir().iterdir()) == pending() == [written]
     assert read_record(written) == record
+
+
+@pytest.mark.parametrize("damage,expected", [
+    (lambda text: text[: len(text) // 2], "record.json is not readable JSON (JSONDecodeError"),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "verdict"}), "record.json lacks verdict"),
+], ids=["truncated", "a-field-missing"])
+def test_a_damaged_record_is_set_aside_and_the_others_sync(tmp_path, home, audited, capsys, damage, expected):
+    """Before, a damaged record failed every later sync (exit 1) and was never set aside: a scheduled sync
+    never succeeded again."""
+    uri = fresh_store(tmp_path)
+    broken, good = spool_copies(audited, 2, uri)
+    folder = spool_dir() / f"{audited.name}-0"
+    (folder / "record.json").write_text(damage((folder / "record.json").read_text()))
+    assert main(["sync"]) == 0
+    out, err = capsys.readouterr()
+    [warning] = [line for line in err.splitlines() if "damaged" in line]
+    assert warning.startswith(f"ppl-audit: warning: {folder.name} is damaged ({expected}") and \
+        warning.endswith(f"moved to {home / 'quarantine' / folder.name}: inspect its record.json, then move it back "
+                         "to the spool or delete it"), warning
+    assert "1 of 2 spooled audit(s) synced, 1 damaged" in out
+    logged_once(MlflowClient(uri), good)
+    assert runs_of(MlflowClient(uri), broken) == ([], [])
+    assert (home / "quarantine" / folder.name / "record.json").is_file() and pending() == []
+    assert main(["sync"]) == 0  # the next scheduled sync succeeds
