@@ -98,8 +98,8 @@ def check_gguf(path: Path) -> None:
         raise InputError(f"{path} is not a GGUF file (it does not start with GGUF); give a llama.cpp .gguf file")
     try:
         metadata, names = read_gguf_metadata(str(path))  # the tensor table only: no tensor data is read
-    except (ValueError, struct.error) as error:
-        raise InputError(f"cannot read {path}: {one_line(error)}; give a llama.cpp .gguf file") from None
+    except (ValueError, struct.error, MemoryError, OverflowError) as error:  # cut short, or absurd lengths
+        raise InputError(f"cannot read {path}: {one_line(error)}; give a whole llama.cpp .gguf file") from None
     if not names:
         raise InputError(f"{path} holds no tensors, only metadata (a vocabulary file?); give the .gguf file "
                          "with the model's weights")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -245,6 +246,8 @@ def load_config(name: str, registry: str | None = None):
         return AutoConfig.from_pretrained(source, **extra)
     except (OSError, ValueError) as error:
         raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
+    except (struct.error, MemoryError, OverflowError) as error:  # a GGUF header cut short or with absurd lengths
+        raise InputError(f"cannot read {name}: {one_line(error)}; give a whole llama.cpp .gguf file") from None
 
 
 def _check_quantization_config(file: Path, name: str) -> None:

@@ -143,14 +143,20 @@ def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir,
     (["ppl", "--model", "{model}", "--corpus", "{tmp}/fifo.txt"], "ppl-audit: error: corpus {tmp}/fifo.txt is not a regular file"),
     (["ppl", "--model", "{tmp}/listed", "--corpus", "{corpus}"], "holds quantization_config [1, 2], not a mapping"),
     (["ppl", "--model", "{tmp}/bitless", "--corpus", "{corpus}"], "says quant_method gptq but gives no bits"),
+    (["ppl", "--model", "{tmp}/cut.gguf", "--corpus", "{corpus}"], "cannot read {tmp}/cut.gguf: unpack_from requires"),
+    (["ppl", "--model", "{tmp}/absurd.gguf", "--corpus", "{corpus}"], "cannot read {tmp}/absurd.gguf: "),
 ], ids=["argparse-choice", "argparse-dtype", "argparse-action", "port-out-of-range", "port-taken", "config-not-utf8",
-        "set-not-yaml", "dev-zero", "fifo", "quantization-config-a-list", "gptq-without-bits"])
+        "set-not-yaml", "dev-zero", "fifo", "quantization-config-a-list", "gptq-without-bits", "gguf-cut-short",
+        "gguf-absurd-count"])
 def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(cli, tmp_path, tiny_model_dir, corpus_file, args, expected):
     """Found by a probe of bad inputs (#30): usage blocks, tracebacks, crashes, a read that never ends."""
     import json
     import os
     import shutil
     import socket
+    import struct
+
+    from tasks.embedded import embedded_gguf
 
     (tmp_path / "latin1.yaml").write_bytes(b"name: \xe9t\xe9\n")
     write_config(tmp_path / "x.yaml", tiny_model_dir, corpus_file, [{"name": "int8", "method": "torchao-int8"}])
@@ -159,6 +165,9 @@ def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(cli, tmp_path, tiny
         shutil.copytree(tiny_model_dir, tmp_path / name)
         config = json.loads((tmp_path / name / "config.json").read_text())
         (tmp_path / name / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+    head = embedded_gguf().read_bytes()[:4096]
+    (tmp_path / "cut.gguf").write_bytes(head[:1000])
+    (tmp_path / "absurd.gguf").write_bytes(head[:16] + struct.pack("<Q", 2**60) + head[24:])  # 2^60 metadata keys
     home = tmp_path / "home"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
