@@ -122,8 +122,9 @@ class VariantSpec(Strict):
         if self.method == "hqq":
             if {"sym", "calibration"} & set(settings):
                 raise ValueError("hqq quantizes at load without calibration: give bits and group_size only")
-            if self.group_size is not None and self.group_size < 1:  # HQQ groups any count that divides a layer
-                raise ValueError("hqq group_size is a number of weights per group: give a positive one")
+            if self.group_size is not None and (self.group_size < 1 or self.group_size % 8):  # HQQ asserts it
+                raise ValueError(f"hqq group_size {self.group_size} is not a positive multiple of 8 (HQQ's groups); "
+                                 "use 64, say")
         elif settings and self.method not in QUANTIZED_BY_US:
             raise ValueError(f"{', '.join(settings)} only apply to gptq, awq and hqq, not to method {self.method}")
         if settings and self.path is not None and self.method != "hqq":  # hqq quantizes whatever float model it loads

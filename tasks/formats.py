@@ -172,7 +172,14 @@ def ready(spec: VariantSpec, model) -> None:
         from hqq.core.quantize import BaseQuantizeConfig
         from hqq.models.hf.base import AutoHQQHFModel
 
-        settings = BaseQuantizeConfig(nbits=spec.bits or HQQ_DEFAULTS[0], group_size=spec.group_size or HQQ_DEFAULTS[1])
+        group = spec.group_size or HQQ_DEFAULTS[1]
+        head = model.get_output_embeddings()  # HQQ leaves the head as it is
+        uneven = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+                       and module is not head and module.weight.numel() % group), None)
+        if uneven is not None:  # HQQ asserts it, layer by layer, after quantizing the ones before
+            raise InputError(f"{spec.name}: hqq group_size {group} does not divide the {model.get_submodule(uneven).weight.numel()} "
+                             f"weights of {uneven}; use a group size that divides every layer's (64, say)")
+        settings = BaseQuantizeConfig(nbits=spec.bits or HQQ_DEFAULTS[0], group_size=group)
         AutoHQQHFModel.quantize_model(model, quant_config=settings, compute_dtype=model.dtype, device=str(model.device))
 
 

@@ -52,8 +52,9 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             check_checkpoint(source, registry)
             if Path(source).exists():  # a variant's own positions bound the window too
                 _check_window(config, load_config(source), spec.name)
-            if method == "auto":
-                method = detect(source)[0]
+            if method in ("auto", "hqq"):  # hqq: a saved HQQ checkpoint is refused as auto refuses it
+                found = detect(source)[0]
+                method = found if method == "auto" else method
         try:
             require(method, resolve_device(spec.device).type)
         except InputError as error:

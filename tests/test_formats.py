@@ -224,6 +224,28 @@ def test_a_saved_hqq_checkpoint_is_refused_in_one_line(trained_model_dir, tmp_pa
         detect(str(folder))
 
 
+def test_hqq_group_sizes_that_do_not_divide_a_layer_fail_in_one_line(small_audit):
+    """HQQ asserts it layer by layer (an AssertionError, after quantizing the layers before); 48 is a multiple of 8
+    that divides none of the 128-wide model's layers."""
+    outcome = score_small(small_audit, VariantSpec(name="hqq48", method="hqq", bits=4, group_size=48))
+    assert not outcome.ok and outcome.reason.startswith("hqq48: hqq group_size 48 does not divide the ") and \
+        outcome.reason.endswith("use a group size that divides every layer's (64, say)"), outcome.reason
+
+
+def test_method_hqq_on_a_saved_hqq_checkpoint_is_refused_before_start(cli, trained_model_dir, corpus_path, tmp_path):
+    """Before, it ended in KeyError: 'quant_config' after Prefect and MLflow had started."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(trained_model_dir, tmp_path / "hqq")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "hqq"}}))
+    path = write_config(tmp_path / "audit.yaml", trained_model_dir, corpus_path,
+                        [{"name": "saved", "method": "hqq", "path": str(folder)}])
+    code, out, err = cli("run", str(path))
+    assert code == 2 and err.strip().splitlines() == [err.strip()] and "is a saved HQQ checkpoint" in err, err
+
+
 def test_a_variant_with_a_path_and_no_method_is_read_from_its_checkpoint():
     assert VariantSpec(name="v", path="somewhere").method == "auto"
     assert VariantSpec(name="v").method == "baseline"  # the baseline's own files, as they are
@@ -236,7 +258,9 @@ def test_a_variant_with_a_path_and_no_method_is_read_from_its_checkpoint():
     ({"method": "compressed-tensors"}, "give its path"),
     ({"path": "dir", "method": "gptq", "gguf_file": "m.gguf"}, "gguf_file names a file in the folder"),
     ({"method": "hqq", "calibration": {"samples": 4}}, "hqq quantizes at load without calibration"),
-    ({"method": "hqq", "group_size": 0}, "hqq group_size is a number of weights per group: give a positive one"),
+    ({"method": "hqq", "group_size": 0}, "hqq group_size 0 is not a positive multiple of 8"),
+    ({"method": "hqq", "group_size": 12}, "hqq group_size 12 is not a positive multiple of 8 .HQQ's groups.; use 64"),
+    ({"method": "gguf", "path": "/models/llama"}, "method gguf loads a .gguf file, and /models/llama is not one"),
 ])
 def test_format_settings_that_cannot_work_are_one_line(spec, says):
     from tasks.config import parse
