@@ -210,6 +210,57 @@ def _args_text(args: dict) -> str:
     return f"{args.get('type')}{args.get('num_bits')} {grouping}" + (", dynamic" if args.get("dynamic") else "")
 
 
+def check_compressed(source: str) -> None:
+    """Refuse a compressed-tensors checkpoint whose ``quantization_config`` compressed-tensors would refuse or
+    misread (an unknown type or format, no ``config_groups``), and one whose stored weights hold more bits than
+    its config claims: its label (``W3A8``) would be read from a config that the tensors contradict."""
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig
+    from pydantic import ValidationError
+
+    settings = load_config(source).quantization_config
+    settings = settings if isinstance(settings, dict) else settings.to_dict()
+    try:
+        QuantizationConfig.model_validate(settings)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if "function-after" not in str(part))
+        raise InputError(f"{source}: quantization_config.{where}: {first['msg'].removeprefix('Value error, ')}; "
+                         "it is not a config compressed-tensors reads") from None
+    if not settings.get("config_groups"):
+        raise InputError(f"{source}: quantization_config has no config_groups: nothing in it is quantized")
+    formats = [f.value for f in CompressionFormat]
+    if settings.get("format") not in formats:
+        raise InputError(f"{source}: quantization_config.format '{settings.get('format')}' is not a compressed-tensors "
+                         f"format ({', '.join(formats)})")
+    claimed = max(g["weights"]["num_bits"] for g in settings["config_groups"].values() if g.get("weights"))
+    stored = _stored_bits(Path(source), settings["format"])
+    if stored is not None and stored > claimed:
+        raise InputError(f"{source}: its config claims {claimed}-bit weights, but its tensors hold {stored}-bit ones; "
+                         "fix the checkpoint's quantization_config")
+
+
+def _stored_bits(folder: Path, format_: str) -> int | None:
+    """The bits a compressed checkpoint's first quantized weight really uses: from a packed weight's width
+    (``pack-quantized``: 32-bit words over its ``weight_shape``), or an int8 weight's range (``int-quantized``)."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            names = set(handle.keys())
+            for name in sorted(names):
+                stem = name.rsplit(".", 1)[0]
+                if format_ == "pack-quantized" and name.endswith(".weight_packed") and f"{stem}.weight_shape" in names:
+                    columns = int(handle.get_tensor(f"{stem}.weight_shape")[1])
+                    return round(handle.get_slice(name).get_shape()[1] * 32 / columns)
+                if format_ == "int-quantized" and name.endswith(".weight") and f"{stem}.weight_scale" in names:
+                    weight = handle.get_tensor(name)
+                    if weight.dtype == torch.int8:
+                        largest = int(max(weight.max(), -weight.min() - 1))
+                        return max(1, largest.bit_length() + 1)
+    return None
+
+
 def compressed_facts(settings: dict, model) -> dict:
     """A compressed-tensors checkpoint's scheme and whether its activation quantization runs here: on CPU
     transformers decompresses the weights and each layer fake-quantizes its inputs in its forward, so a

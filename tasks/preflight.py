@@ -9,7 +9,7 @@ from tasks.checkpoints import calibration_for, prepare
 from tasks.cluster import check_local_cluster, check_reachable, check_workers
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.errors import InputError
-from tasks.formats import detect, locate, require
+from tasks.formats import check_compressed, detect, locate, require
 from tasks.evaluation import evaluation
 from tasks.models import check_checkpoint, load_config, max_positions, resolve_device, resolve_model_path
 from tasks.places import references_dir
@@ -55,6 +55,8 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             if method in ("auto", "hqq"):  # hqq: a saved HQQ checkpoint is refused as auto refuses it
                 found = detect(source)[0]
                 method = found if method == "auto" else method
+            if method == "compressed-tensors" and Path(source).is_dir():
+                check_compressed(source)
         try:
             require(method, resolve_device(spec.device).type)
         except InputError as error:

@@ -292,3 +292,55 @@ def test_a_transformers_fp8_checkpoint_on_cpu_is_refused_in_one_line():
     with pytest.raises(InputError, match="need a GPU; on CPU audit a compressed-tensors FP8 checkpoint"):
         require("fp8", "cpu")
     require("fp8", "cuda")
+
+
+@pytest.fixture(scope="module")
+def compressed(trained_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """W4A16 (pack-quantized: 4 bits in 32-bit words) and W8A8 (int-quantized: int8) checkpoints."""
+    root = tmp_path_factory.mktemp("compressed")
+    return {scheme: make_compressed(trained_model_dir, root / scheme, scheme) for scheme in ("W4A16", "W8A8")}
+
+
+def edited(folder: Path, target: Path, change) -> Path:
+    """A copy of a checkpoint whose config.json's quantization_config is ``change(it)``."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = change(config["quantization_config"])
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def _group(settings: dict, **weights) -> dict:
+    group = settings["config_groups"]["group_0"]
+    return settings | {"config_groups": {"group_0": group | {"weights": group["weights"] | weights}}}
+
+
+@pytest.mark.parametrize("scheme,change,expected", [
+    ("W8A8", lambda s: _group(s, num_bits=3), "its config claims 3-bit weights, but its tensors hold 8-bit ones"),
+    ("W4A16", lambda s: _group(s, num_bits=2), "its config claims 2-bit weights, but its tensors hold 4-bit ones"),
+    ("W8A8", lambda s: _group(s, type="bogus"), "quantization_config.config_groups.group_0.weights.type: 'bogus' is not"),
+    ("W8A8", lambda s: s | {"config_groups": {}}, "quantization_config has no config_groups"),
+    ("W8A8", lambda s: s | {"format": "bogus-format"}, "quantization_config.format 'bogus-format' is not a compressed-tensors format"),
+], ids=["claims-3-bits-over-8", "claims-2-bits-over-4", "unknown-type", "no-groups", "unknown-format"])
+def test_a_compressed_config_its_tensors_or_compressed_tensors_contradict_is_one_line(compressed, tmp_path, scheme,
+                                                                                      change, expected):
+    """Before, each was scored (the 3-bit claim labelled W3A8) or refused only after Prefect and MLflow started."""
+    from tasks.errors import InputError
+    from tasks.formats import check_compressed
+
+    check_compressed(str(compressed[scheme]))  # the checkpoint as written passes
+    folder = edited(compressed[scheme], tmp_path / "edited", change)
+    with pytest.raises(InputError) as refused:
+        check_compressed(str(folder))
+    assert expected in str(refused.value), refused.value
+
+
+def test_an_audit_of_a_contradicted_compressed_checkpoint_stops_before_start(cli, compressed, tmp_path,
+                                                                            trained_model_dir, corpus_path):
+    folder = edited(compressed["W8A8"], tmp_path / "w3", lambda s: _group(s, num_bits=3))
+    path = write_config(tmp_path / "audit.yaml", trained_model_dir, corpus_path, [{"name": "w3", "path": str(folder)}])
+    code, out, err = cli("run", str(path))
+    assert code == 2 and err.strip().splitlines() == [err.strip()] and "claims 3-bit weights" in err, err
