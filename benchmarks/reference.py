@@ -167,7 +167,7 @@ def run_baseline(args: argparse.Namespace, source: str, stream: TokenStream) -> 
     files = {file.name: file.stat().st_size for file in stored.folder.iterdir() if file.is_file()}
     return {"alone": alone, "build": build, "runtime_bytes": runtime, "weight_bytes": facts.weight_memory_bytes,
             "reference": str(stored.folder), "reference_bytes": stored.size_bytes, "reference_files": files,
-            "n_scored": n_scored, "n_windows": result.n_windows, "vocab": model.config.get_text_config().vocab_size,
+            "n_scored": writer.n_scored, "n_windows": result.n_windows, "vocab": model.config.get_text_config().vocab_size,
             "hidden_size": model.config.get_text_config().hidden_size, "ppl": result.ppl,
             "dtype": result.dtype, "device": result.device}
 

@@ -255,7 +255,7 @@ def _check_quantization_config(file: Path, name: str) -> None:
     try:
         raw = json.loads(file.read_text()) if file.is_file() else {}
     except (OSError, ValueError) as error:
-        raise InputError(f"cannot read the config of {name}: {one_line(error)}") from None
+        raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
     quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
     if quantization is not None and not isinstance(quantization, dict):
         raise InputError(f"the config.json of {name} holds quantization_config {json.dumps(quantization)[:60]}, not a "
