@@ -110,19 +110,19 @@ def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, traine
 
     import psutil
 
-    flow_home, worker_home = tmp_path / "flow-prefect", tmp_path / "worker-prefect"
+    flow_home, worker_home, home = tmp_path / "flow-prefect", tmp_path / "worker-prefect", tmp_path / "home"
     plain = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     with dask_cluster(2, environment=plain | {"PREFECT_HOME": str(worker_home)}) as (address, _):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
                               [{"name": "int8", "method": "torchao-int8"}], runner={"kind": "dask", "address": address})
         done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
-                              timeout=600, env=plain | {"PREFECT_HOME": str(flow_home)})
+                              timeout=600, env=plain | {"PREFECT_HOME": str(flow_home), "PPL_AUDIT_HOME": str(home)})
         assert done.returncode in (0, 1), done.stderr[-3000:]
         servers = prefect_servers_under(address)
         started = [server.pid for server in servers]
     assert started == [], "workers started Prefect servers of their own"
     assert not any(psutil.pid_exists(pid) for pid in started)
-    with sqlite3.connect(flow_home / "prefect.db") as db:
+    with sqlite3.connect(home / "prefect" / "prefect.db") as db:  # the audit's own server keeps it there
         names = [name for (name,) in db.execute("select name from task_run")]
     assert any(name.startswith("score-int8") for name in names), names  # run on a worker, seen by the audit's API
 
