@@ -11,11 +11,14 @@ from tasks.config import AuditConfig, CorpusConfig
 from tasks.errors import InputError
 from tasks.formats import check_compressed, detect, locate, require
 from tasks.evaluation import evaluation
-from tasks.models import check_checkpoint, load_config, max_positions, resolve_device, resolve_model_path
+from tasks.corpus import tokenizer_digest
+from tasks.models import (check_checkpoint, load_config, load_tokenizer, max_positions, resolve_device,
+                          resolve_model_path)
 from tasks.places import references_dir
 from tasks.paired import MIN_WINDOWS
 from tasks.reference import find_intact
 from tasks.scoring import baseline_identity
+from tasks.variants import check_same_tokenizer
 from tasks.verdict import GATES
 from tasks.tracking import tracking_uri
 from tasks.windows import check_window, plan
@@ -45,13 +48,16 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
     # what the workers of an existing cluster must see: the baseline's files (a variant quantized at load
     # reads them) and its stored references (a variant's KL), and each variant's own files
     local = {"the baseline": resolve_model_path(config.baseline.path, registry), "baseline references": references_dir()}
+    baseline_tokenizer = None
     for spec in config.variants if variants else []:
         method = spec.method
         if spec.path is not None:
             source = local[spec.name] = locate(spec, registry)
             check_checkpoint(source, registry)
-            if Path(source).exists():  # a variant's own positions bound the window too
+            if Path(source).exists():  # its own positions bound the window too, and its tokens must be the baseline's
                 _check_window(config, load_config(source), spec.name)
+                baseline_tokenizer = baseline_tokenizer or tokenizer_digest(load_tokenizer(local["the baseline"]))
+                check_same_tokenizer(spec.name, baseline_tokenizer, tokenizer_digest(load_tokenizer(source)))
             if method in ("auto", "hqq"):  # hqq: a saved HQQ checkpoint is refused as auto refuses it
                 found = detect(source)[0]
                 method = found if method == "auto" else method

@@ -344,3 +344,36 @@ def test_an_audit_of_a_contradicted_compressed_checkpoint_stops_before_start(cli
     path = write_config(tmp_path / "audit.yaml", trained_model_dir, corpus_path, [{"name": "w3", "path": str(folder)}])
     code, out, err = cli("run", str(path))
     assert code == 2 and err.strip().splitlines() == [err.strip()] and "claims 3-bit weights" in err, err
+
+
+def test_a_gguf_of_another_model_is_refused_before_start(cli, tmp_path, corpus_path):
+    """The tokenizer refusal was right, but came after Prefect and MLflow had started (an ERROR run left behind)."""
+    other = rewrite_gguf(embedded_gguf(), tmp_path / "other.gguf", tokens={1000: 1001, 1001: 1000})
+    path = write_config(tmp_path / "audit.yaml", ensure_embedded_model(), corpus_path, [{"name": "other", "path": str(other)}])
+    code, out, err = cli("run", str(path))
+    assert code == 2 and err.strip() == ("ppl-audit: error: variant 'other' has a different tokenizer from the baseline "
+                                         "(vocab, merges or special tokens): token perplexities are not comparable; "
+                                         "audit it against its own baseline"), err
+
+
+@pytest.mark.parametrize("baseline,expected", [
+    ("/dev/null", "ppl-audit: error: model folder /dev/null has no config.json"),  # not 'evaluation.model folder …'
+])
+def test_a_baseline_path_error_names_the_path_not_a_setting(cli, tmp_path, corpus_path, baseline, expected):
+    path = write_config(tmp_path / "audit.yaml", Path(baseline), corpus_path, [{"name": "x", "method": "bnb-int8"}])
+    code, out, err = cli("run", str(path))
+    assert code == 2 and err.startswith(expected), err
+
+
+def test_a_variant_whose_positions_are_below_the_window_is_refused_before_start(cli, tmp_path, trained_model_dir,
+                                                                                corpus_path):
+    import json
+    import shutil
+
+    short = shutil.copytree(trained_model_dir, tmp_path / "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 32}))
+    path = write_config(tmp_path / "audit.yaml", trained_model_dir, corpus_path, [{"name": "short", "path": str(short)}])
+    code, out, err = cli("run", str(path))
+    assert code == 2 and err.strip() == "ppl-audit: error: evaluation.window 64 is longer than short's 32 positions; " \
+                                        "use 32 or less", err
