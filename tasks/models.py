@@ -64,12 +64,15 @@ def resolve_model_path(name: str, registry: str | None = None) -> str:
 
         return download(name, tracking_uri(registry))
     path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path)
-    if path.exists():
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise InputError(f"model folder {path} has no config.json; give a folder saved with save_pretrained")
-        return str(path)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return str(path)
+        if path.exists():
+            if not path.is_dir() or not (path / "config.json").is_file():
+                raise InputError(f"model folder {path} has no config.json; give a folder saved with save_pretrained")
+            return str(path)
+    except PermissionError as error:
+        raise InputError(f"cannot read model {path}: {error.strerror}; give this user read access to it") from None
     looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise InputError(f"model folder not found: {path} (give a folder with config.json, a .gguf file, a Hub id, "

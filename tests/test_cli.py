@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -151,8 +153,6 @@ def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir,
 def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(cli, tmp_path, tiny_model_dir, corpus_file, args, expected):
     """Found by a probe of bad inputs (#30): usage blocks, tracebacks, crashes, a read that never ends."""
     import json
-    import os
-    import shutil
     import socket
     import struct
 
@@ -189,3 +189,23 @@ def test_an_unwritable_home_is_one_line(tmp_path, tiny_model_dir, corpus_file):
                           env={**os.environ, "PPL_AUDIT_HOME": str(blocked / "home")})
     assert done.returncode == 2 and done.stderr.startswith("ppl-audit: error: cannot write the log ") and \
         done.stderr.strip().endswith("(Not a directory); set PPL_AUDIT_HOME to a folder you can write"), done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="drops root's override of file permissions with setpriv")
+@pytest.mark.parametrize("what", ["config", "model folder"])
+def test_input_without_read_permission_is_one_line(tmp_path, tiny_model_dir, corpus_file, what):
+    """As any user but root meets it (root reads everything: the command runs without that capability)."""
+    locked = tmp_path / "locked"
+    if what == "config":
+        write_config(locked, tiny_model_dir, corpus_file, [{"name": "int8", "method": "torchao-int8"}])
+        args, expected = ["run", str(locked)], f"ppl-audit: error: cannot read config {locked}: Permission denied"
+    else:
+        shutil.copytree(tiny_model_dir, locked)
+        args = ["ppl", "--model", str(locked), "--corpus", str(corpus_file)]
+        expected = f"ppl-audit: error: cannot read model {locked}: Permission denied; give this user read access to it"
+    locked.chmod(0)
+    done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m", "flows.cli",
+                           *args], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    locked.chmod(0o755)
+    assert done.returncode == 2 and done.stderr.strip() == expected, done.stderr

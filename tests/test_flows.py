@@ -74,6 +74,7 @@ def test_dask_runner_scores_variants_on_two_local_workers(tmp_path, cache, train
                           runner={"kind": "dask", "workers": 2})
     on_dask = audit(config=str(config), return_state=True).result()
     assert [r["ppl"] for r in on_dask["rows"]] == pytest.approx([r["ppl"] for r in sequential["rows"]], rel=1e-6)
+    assert (cache / "dask-scratch").is_dir(), "the workers' scratch space is ours, not the working directory's"
 
 
 def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corpus_path, monkeypatch):
