@@ -433,3 +433,24 @@ def test_ctrl_z_stops_the_command_with_its_servers_and_fg_continues_them(command
     wait_for(lambda: not any(p.status() == psutil.STATUS_STOPPED for p in everything), 10, "every process running")
     run.ctrl_c()
     assert run.ended_within(STOP_S) == 128 + signal.SIGINT
+
+
+def test_an_audit_stopped_while_tracking_ends_at_once_and_keeps_its_record(command, tmp_path, tiny_model_dir,
+                                                                           corpus_path):
+    """The tracking server accepts the connection and never answers (MLflow waits 30 s a try): the record is
+    already spooled, and the line says so."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        config = write_config(tmp_path / "t.yaml", tiny_model_dir, corpus_path, [{"name": "copy", "path": str(tiny_model_dir)}],
+                              tracking={"uri": f"http://127.0.0.1:{silent.getsockname()[1]}"})
+        run = command("run", str(config))
+        port = prefect_server(run)
+        spooled = wait_for(lambda: [f for f in (run.home / "spool").glob("[!.]*") if (f / "record.json").is_file()], 240,
+                           "the audit's record in the spool (tracking under way)")
+        time.sleep(2)
+        run.signal_group(signal.SIGTERM)
+        assert run.ended_within(STOP_S) == 128 + signal.SIGTERM
+    assert re.fullmatch(rf"ppl-audit: interrupted by SIGTERM; kept: baseline reference \w+, record {spooled[0].name} "
+                        r"\(spooled: ppl-audit sync sends it\)", the_line(run, signal.SIGTERM))
+    run.assert_all_gone(port)
