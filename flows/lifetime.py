@@ -30,6 +30,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -130,10 +131,21 @@ def _supervise(child: int, watched: set[signal.Signals], killed: Callable[[signa
     os._exit(128 - code if code < 0 else code)
 
 
-def _stop(signum: int, frame: FrameType | None) -> NoReturn:
+def _stop(signum: int, frame: FrameType | None) -> None:
+    if _finalizing(frame):  # an exception raised inside a __del__ is only printed: raise it a moment later
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
     for stopping in STOPPING:
         signal.signal(stopping, _again)
     raise SystemExit(128 + signum)
+
+
+def _finalizing(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _again(signum: int, frame: FrameType | None) -> None:
