@@ -66,7 +66,7 @@ def test_two_matching_config_variants_lend_no_name_and_say_so(config, tmp_path):
 
 def test_a_bad_event_name_is_one_line(config, tmp_path):
     path = checkpoint(tmp_path / "ckpt")
-    with pytest.raises(InputError, match="quantization.completed event: name: String should match"):
+    with pytest.raises(InputError, match="quantization.completed event: name: 'no spaces please' is not a name: use letters"):
         event_config(config, path, "gptq", name="no spaces please")
     with pytest.raises(InputError, match="variant names must be unique: baseline repeats"):
         event_config(config, path, "gptq", name="baseline")

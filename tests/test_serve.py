@@ -185,9 +185,11 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
             return wait_for(lambda: (lambda r: r if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") else None)(
                 api.get(f"/flow_runs/{run_id}").json()), 400, f"flow run {run_id} to end")
 
-        def create(deployment: str, parameters: dict) -> str:
-            return api.post(f"/deployments/{deployments[deployment]}/create_flow_run",
-                            json={"parameters": parameters}).json()["id"]
+        def create(deployment: str, parameters: dict) -> str:  # the busy temporary server can answer 503 at first
+            made = wait_for(lambda: (lambda answer: answer if answer.is_success else None)(api.post(
+                f"/deployments/{deployments[deployment]}/create_flow_run", json={"parameters": parameters})), 60,
+                f"a run of {deployment}")
+            return made.json()["id"]
 
         def by_event(model_path: str) -> dict:
             return wait_for(lambda: next((r for r in api.post("/flow_runs/filter", json={
