@@ -15,7 +15,8 @@ So the command runs in a forked child, and the process the user started becomes 
   (an exception raised by a signal handler can be swallowed: inside a ``__del__``, it is only printed);
 - the child gets SIGTERM when the supervisor dies, ``kill -9`` included (``PR_SET_PDEATHSIG``);
 - on SIGTERM or SIGHUP the child exits as on an exception, not at once: ``finally`` and ``with`` blocks
-  run, and ``atexit`` handlers such as Prefect's, which stops its server. (During a flow run Prefect's
+  run, and ``atexit`` handlers such as Prefect's, which stops its server (a signal that lands in a
+  ``__del__`` is sent again a moment later, outside it). (During a flow run Prefect's
   own handler comes first: it records the run as crashed, then hands the signal on; ``serve``'s runner
   replaces the handler with its own, which shuts the runner down and exits);
 - when the child ends, every descendant still there is stopped: by the child as its last ``atexit``
