@@ -14,6 +14,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Literal, NoReturn, get_args, get_origin
 
+from flows import lifetime
 from tasks import console
 from tasks.errors import InputError, NumericalError, one_line
 
@@ -571,11 +572,13 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
         code = HANDLERS[args.command](args)
     except KeyboardInterrupt:  # the one signal Python turns into an exception
         code = 128 + signal.SIGINT
-        print(interrupted(signal.SIGINT, started), file=console.err())
+        print(interrupted(signal.SIGINT, started), file=console.err(), flush=True)
+        lifetime.said()
     except SystemExit as stop:  # flows.lifetime stops a command so on SIGTERM and SIGHUP
         if isinstance(stop.code, int) and stop.code - 128 in (signal.SIGTERM, signal.SIGHUP):
             code = stop.code
-            print(interrupted(signal.Signals(stop.code - 128), started), file=console.err())
+            print(interrupted(signal.Signals(stop.code - 128), started), file=console.err(), flush=True)
+            lifetime.said()
         raise
     except InputError as error:
         print(f"ppl-audit: error: {error}", file=console.err())
@@ -613,7 +616,6 @@ def interrupted(signum: signal.Signals, started: float, how: str = "") -> str:
 def entry() -> NoReturn:
     """The ``ppl-audit`` console script: ``main`` in a child that takes every process it started down with it,
     even when the process the user started is killed (flows/lifetime.py). Tests call ``main`` in-process."""
-    from flows import lifetime
     from tasks.places import home
 
     # Prefect's local mode keeps its temporary server's database (every flow run, its parameters and logs) in

@@ -11,8 +11,10 @@ So the command runs in a forked child, and the process the user started becomes 
   child started (they must outlive the child's unwinding, which reports to them);
 - Ctrl-Z stops the child's group with the supervisor, and ``fg``/``bg`` (SIGCONT) continues it;
 - it forwards SIGTERM, SIGHUP and SIGINT to the child and exits with the child's status; a child still
-  running ``STOP_S`` after the first signal is killed, with its descendants, and the supervisor says so
-  (an exception raised by a signal handler can be swallowed: inside a ``__del__``, it is only printed);
+  running ``STOP_S`` after the first signal is killed, with its descendants. The supervisor says so only
+  when the child had not said its own line (``said``): an exception raised by a signal handler can be
+  swallowed (inside a ``__del__``, it is only printed), or the child's cleanup can be slow, on a busy
+  machine, after its line;
 - the child gets SIGTERM when the supervisor dies, ``kill -9`` included (``PR_SET_PDEATHSIG``);
 - on SIGTERM or SIGHUP the child exits as on an exception, not at once: ``finally`` and ``with`` blocks
   run, and ``atexit`` handlers such as Prefect's, which stops its server (a signal that lands in a
@@ -51,22 +53,31 @@ STOPPING = (signal.SIGTERM, signal.SIGHUP)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 JOB_CONTROL = (signal.SIGTSTP, signal.SIGCONT)  # Ctrl-Z and fg/bg: the child's group follows the supervisor
 
+_said: int | None = None  # in the child: the pipe ``said`` writes to the supervisor
+_signalled = False  # in the child: it was interrupted, so its descendants get KILL_GRACE_S, not GRACE_S
+
 
 def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoReturn:
     """Exit with ``main()``'s code; on Linux, run it in a supervised child (see the module's docstring).
 
     Args:
-        killed: the line to print when the child did not stop within ``STOP_S`` of a signal and was killed.
+        killed: the line to print when the child did not stop within ``STOP_S`` of a signal and was killed
+            before it had said its own (``said``).
     """
+    global _said
     if not sys.platform.startswith("linux"):
         sys.exit(main())
     watched = {*FORWARDED, *JOB_CONTROL, signal.SIGCHLD}
     # blocked before the fork: none is lost (or acts by default) before the supervisor waits for it
     signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     supervisor = os.getpid()
+    heard, _said = os.pipe()  # close-on-exec: the processes the child starts do not hold it
     child = os.fork()
     if child:
-        _supervise(child, watched, killed)
+        os.close(_said)
+        os.set_blocking(heard, False)
+        _supervise(child, watched, lambda signum: "" if _read(heard) else killed(signum))
+    os.close(heard)
     # a group of its own: a signal to the user's group (systemd's stop, `timeout`, `kill -TERM -PGID`, a
     # terminal's Ctrl-C) reaches the supervisor alone, which hands it on once. Before this, the same signal
     # also reached Prefect's temporary server, which died first, and the child then waited minutes on it
@@ -79,8 +90,25 @@ def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoR
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != supervisor:  # the supervisor died before the line above: no signal will come
         sys.exit(128 + signal.SIGTERM)
-    atexit.register(stop_descendants)  # registered first, so it runs last: after Prefect stops its server
-    sys.exit(main())
+    atexit.register(lambda: stop_descendants(KILL_GRACE_S if _signalled else GRACE_S))  # registered first, so
+    sys.exit(main())  # it runs last: after Prefect stops its server
+
+
+def said() -> None:
+    """Tell the supervisor the command has said how it was interrupted: if its cleanup then outlasts
+    ``STOP_S``, it is killed without a second line; and what it started gets a short grace. Nothing outside
+    ``run``'s child."""
+    global _signalled
+    _signalled = True
+    if _said is not None:
+        with suppress(OSError):
+            os.write(_said, b"!")
+
+
+def _read(heard: int) -> bool:
+    with suppress(BlockingIOError):
+        return bool(os.read(heard, 1))
+    return False
 
 
 def stop_descendants(grace: float = GRACE_S) -> None:
@@ -109,7 +137,8 @@ def _supervise(child: int, watched: set[signal.Signals], killed: Callable[[signa
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
             stop_descendants(KILL_GRACE_S)
-            print(killed(stopping), file=sys.stderr, flush=True)
+            if line := killed(stopping):
+                print(line, file=sys.stderr, flush=True)
             os._exit(128 + stopping)
         if info.si_signo == signal.SIGTSTP:
             os.killpg(child, signal.SIGSTOP)

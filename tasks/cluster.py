@@ -15,6 +15,7 @@ from tasks.config import Runner
 from tasks.errors import InputError, one_line
 
 CONNECT_SECONDS = 5  # a scheduler that does not answer in this long is down or firewalled, not slow
+RAY_INIT_TRIES = 3
 
 
 def check_local_cluster(runner: Runner) -> None:
@@ -75,11 +76,20 @@ def _ray_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[s
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    except ConnectionError as error:
-        raise InputError(f"runner.address {address}: no Ray cluster answers ({one_line(error)}); start one with "
-                         "`ray start --head` or correct the address") from None
+    for attempt in range(RAY_INIT_TRIES):
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            break
+        except ConnectionAbortedError:
+            # the client server answered but the server process it forks for this client died as it started
+            # (seen under load: the next client is served); a cluster that is down is ConnectionError, not this
+            if attempt == RAY_INIT_TRIES - 1:
+                raise InputError(f"runner.address {address}: the Ray client server failed to start a server for "
+                                 f"this audit {RAY_INIT_TRIES} times; see ray_client_server*.err in the head "
+                                 "node's Ray logs") from None
+        except ConnectionError as error:
+            raise InputError(f"runner.address {address}: no Ray cluster answers ({one_line(error)}); start one "
+                             "with `ray start --head` or correct the address") from None
     try:
         look = ray.remote(num_cpus=0)(_look)
         nodes = [node for node in ray.nodes() if node["Alive"]]

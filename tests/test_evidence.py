@@ -3,7 +3,6 @@ it is scored anyway (a served audit, a library call) its gates say they cannot b
 
 from __future__ import annotations
 
-import pytest
 
 from helpers import write_config
 from tasks import scoring
