@@ -35,11 +35,12 @@ import time
 import torch
 
 from tasks.config import CorpusConfig
-from tasks.corpus import corpus_text, tokenize
-from tasks.memory import PeakMemory
-from tasks.models import load_model, load_tokenizer, resolve_device, resolve_dtype
-from tasks.perplexity import _batch_inputs, perplexity
-from tasks.windows import Window, plan
+from tasks.data.corpus import corpus_text, tokenize
+from tasks.engine.memory import PeakMemory
+from tasks.engine.perplexity import _batch_inputs, perplexity
+from tasks.engine.windows import Window, plan
+from tasks.models.loading import load_model
+from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
 
 METHODS = ("HF documentation loop", "ppl-audit engine", "bare forward passes", "lm-eval rolling",
            "ppl-audit, lm-eval's windows")

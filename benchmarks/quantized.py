@@ -2,7 +2,7 @@
 
   .venv/bin/python benchmarks/quantized.py --model MODEL [--methods baseline bnb-int8 bnb-nf4] [--device cuda]
 
-Each method loads the way an audit loads it (``tasks.variants.load_variant``: bitsandbytes quantizes the
+Each method loads the way an audit loads it (``tasks.models.variants.load_variant``: bitsandbytes quantizes the
 baseline at load; ``gptq``/``awq`` need ``--path`` to a checkpoint made by gptqmodel) and scores the same
 stream with a sliding window. Run it on CPU and on a GPU with the same model: the two PPLs of a method
 should differ by no more than the baseline's own CPU/GPU difference (float32 against bf16 rounding).
@@ -19,12 +19,11 @@ import tempfile
 
 import torch
 
-from tasks.config import VariantSpec
-from tasks.config import CorpusConfig
-from tasks.corpus import corpus_text, tokenize
-from tasks.models import load_tokenizer, resolve_device, resolve_dtype
-from tasks.perplexity import perplexity
-from tasks.variants import load_variant
+from tasks.config import CorpusConfig, VariantSpec
+from tasks.data.corpus import corpus_text, tokenize
+from tasks.engine.perplexity import perplexity
+from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
+from tasks.models.variants import load_variant
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 The baseline (default: the embedded SmolLM2-135M) and a variant of it (default: the same model quantized
 at load with torchao int8 weight-only) score the same stream with a sliding window. Four runs:
 1. the baseline alone (``perplexity`` with no reference): one model's scoring time;
-2. the baseline writing its reference (``keep_hidden=tasks.reference.Writer``, published in a temporary
+2. the baseline writing its reference (``keep_hidden=tasks.audit.reference.Writer``, published in a temporary
    ``$PPL_AUDIT_REFERENCES``), as an audit's first run does: time and size on disk, against llama.cpp's
    ``--kl-divergence-base`` file (2 bytes x vocabulary per token: uint16 log-probabilities);
 3. the variant with the stored reference (``Reference.baseline``: the baseline's head and its stored
@@ -64,13 +64,14 @@ import numpy as np
 import psutil
 import torch
 
+from tasks.audit.reference import Reference, Writer, building
 from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
-from tasks.corpus import TokenStream
-from tasks.evaluation import evaluation
-from tasks.models import load_tokenizer, resolve_device, resolve_dtype, resolve_model_path
-from tasks.perplexity import Baseline, PerplexityResult, _divergence_kernel, _hidden, perplexity, scored_targets
-from tasks.reference import Reference, Writer, building
-from tasks.variants import load_variant
+from tasks.data.corpus import corpus_text
+from tasks.data.evaluation import evaluation
+from tasks.engine.perplexity import Baseline, PerplexityResult, _divergence_kernel, _hidden, perplexity, scored_targets
+from tasks.engine.stream import TokenStream
+from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype, resolve_model_path
+from tasks.models.variants import load_variant
 
 STEPS = ("reference", "lockstep")  # run in processes of their own; the baseline's runs come first, in this one
 TIME_TARGET, KL_TARGET = 1.15, 1e-6
@@ -124,7 +125,7 @@ def spec(args: argparse.Namespace, name: str, method: str, path: str | None = No
 def token_stream(args: argparse.Namespace, source: str) -> TokenStream:
     settings = EvaluationConfig(window=args.window, stride=args.stride, batch_size=args.batch_size,
                                 max_tokens=args.max_tokens)
-    return evaluation(CorpusConfig(source=args.corpus).text(), load_tokenizer(source), settings).stream
+    return evaluation(corpus_text(CorpusConfig(source=args.corpus)), load_tokenizer(source), settings).stream
 
 
 def first_tokens(stream: TokenStream, args: argparse.Namespace) -> TokenStream:

@@ -20,12 +20,12 @@ import subprocess
 import sys
 
 import torch
-
 from peers import random_llama  # the sibling script: its folder is on sys.path when this runs as a script
-from tasks.corpus import TokenStream
-from tasks.memory import PeakMemory
-from tasks.models import resolve_device, resolve_dtype
-from tasks.perplexity import perplexity
+
+from tasks.engine.memory import PeakMemory
+from tasks.engine.perplexity import perplexity
+from tasks.engine.stream import TokenStream
+from tasks.models.resolve import resolve_device, resolve_dtype
 
 VOCAB, WINDOW, STRIDE, BATCH = 128_256, 2048, 1024, 8
 

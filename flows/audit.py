@@ -14,20 +14,21 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed
 
-from tasks import console
-from tasks.config import AuditConfig, load_audit_config
-from tasks.errors import InputError
-from tasks.events import event_config
-from tasks.preflight import preflight
-from tasks.record import audit_record
-from tasks.results import VariantResult
-from tasks.served import Policy, Refused
-from tasks.spool import record_json
-from tasks.steps import prepare_models, read_corpus, spool_audit, tokenize_corpus, track
-from tasks.tracking import run_link, tracking_uri
-from tasks.verdict import comparison_row, format_table, judge, overall
 from flows.answers import failed
 from flows.runners import score_all
+from tasks.audit.events import event_config
+from tasks.audit.preflight import preflight
+from tasks.audit.served import Policy, Refused
+from tasks.config import AuditConfig, load_audit_config
+from tasks.core import console
+from tasks.core.errors import InputError
+from tasks.core.places import tracking_uri
+from tasks.record.contents import audit_record
+from tasks.record.results import VariantResult
+from tasks.record.spool import record_json
+from tasks.record.tracking import run_link
+from tasks.record.verdict import comparison_row, format_table, judge, overall
+from tasks.steps import prepare_models, read_corpus, spool_audit, tokenize_corpus, track
 
 
 def _unspooled(record: dict, why: str):
@@ -81,7 +82,7 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
         overrides: ``key=value`` settings that replace the file's.
         model_path, method, bits, baseline, name: from a ``quantization.completed`` event: audit that
             one checkpoint (``bits`` is informative) against ``baseline`` (else the config's), under
-            the name ``tasks.events`` chooses (it picks the gate).
+            the name ``tasks.audit.events`` chooses (it picks the gate).
     """
     started = datetime.now(timezone.utc)
     served = Policy.current()

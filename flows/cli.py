@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Literal, NoReturn, get_args, get_origin
 
 from flows import lifetime
-from tasks import console
-from tasks.errors import InputError, NumericalError, one_line
+from tasks.core import console
+from tasks.core.errors import InputError, NumericalError, one_line
 
 
 def process_defaults() -> None:
@@ -99,7 +99,14 @@ def _add_ppl(commands) -> None:
 
 
 def _add_quantize(commands) -> None:
-    from tasks.config import DEFAULT_BITS, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, QUANTIZED_BY_US, CorpusConfig, VariantSpec
+    from tasks.config import (
+        DEFAULT_BITS,
+        DEFAULT_CALIBRATION,
+        DEFAULT_GROUP_SIZE,
+        QUANTIZED_BY_US,
+        CorpusConfig,
+        VariantSpec,
+    )
 
     quantize = commands.add_parser("quantize", help="make a GPTQ or AWQ checkpoint from a model (gptqmodel)")
     quantize.add_argument("--model", required=True, help="model folder, Hub id, or 'embedded'")
@@ -168,17 +175,20 @@ def _ppl_settings(args: argparse.Namespace):
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    from tasks.checkpoints import prepare
+    from tasks.audit.checkpoints import prepare
+    from tasks.audit.scoring import score_variant
     from tasks.config import BaselineSpec
-    from tasks.evaluation import evaluation
-    from tasks.models import check_checkpoint, load_config, max_positions, resolve_device, resolve_dtype
-    from tasks.scoring import score_variant
-    from tasks.windows import check_window
+    from tasks.data.corpus import corpus_text
+    from tasks.data.evaluation import evaluation
+    from tasks.engine.model_facts import max_positions
+    from tasks.engine.windows import check_window
+    from tasks.models.loading import check_checkpoint
+    from tasks.models.resolve import load_config, resolve_device, resolve_dtype
 
     spec = _variant(args)
     corpus, settings = _ppl_settings(args)
     resolve_dtype(spec.dtype, resolve_device(spec.device))
-    text = corpus.text()
+    text = corpus_text(corpus)
     check_window(settings.window, max_positions(load_config(spec.path or args.model)))
     lineup = prepare(BaselineSpec(name="baseline", path=args.model), [spec])
     [checkpoint] = lineup.variants
@@ -207,10 +217,11 @@ def run_ppl(args: argparse.Namespace) -> int:
 def run_quantize(args: argparse.Namespace) -> int:
     from flows.quantize import check_request, quantize_flow
     from tasks.config import CorpusConfig
+    from tasks.data.corpus import corpus_text
 
     # checked here too, so that bad input ends before Prefect starts
     out = check_request(args.method, args.out, args.name, args.group_size)
-    CorpusConfig(source=args.calibration, column=args.text_column).text()
+    corpus_text(CorpusConfig(source=args.calibration, column=args.text_column))
     manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
                              bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
                              samples=args.samples, seq_len=args.seq_len, seed=args.seed,
@@ -223,13 +234,14 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 def _checked_config(path: str, overrides: list[str]):
     """Load, validate and preflight an audit config: bad input ends here, before any model loads."""
+    from tasks.audit.preflight import check_calibration_room, check_stream, preflight
     from tasks.config import load_audit_config
-    from tasks.preflight import check_calibration_room, check_stream, preflight
+    from tasks.data.corpus import corpus_text
 
     config = load_audit_config(path, overrides)
     preflight(config)
     # read once more in the flow; a bad corpus is refused here, not there
-    text = config.corpus.text()
+    text = corpus_text(config.corpus)
     check_calibration_room(config, text, progress=True)
     check_stream(config, text)
     return config
@@ -247,7 +259,7 @@ def run_audit(args: argparse.Namespace) -> int:
     verdict, say = summary["verdict"], console.out()
     print(summary["table"], file=say)
     if args.stats == "full":
-        from tasks.verdict import format_stats
+        from tasks.record.verdict import format_stats
 
         print(f"\n{format_stats(summary['rows'])}\n", file=say)
     print(f"verdict: {verdict.status.upper()} — {verdict.reason}", file=say)
@@ -277,19 +289,20 @@ def _mib(size: int) -> str:
 
 
 def run_reference(args: argparse.Namespace) -> int:
-    from tasks import reference
-    from tasks.places import references_dir
-    from tasks.verdict import drift_text
+    from tasks.audit import reference
+    from tasks.core.places import references_dir
+    from tasks.record.verdict import drift_text
 
     say = console.out()
     if args.action == "build":
         from flows.reference import build_reference
+        from tasks.audit.preflight import check_stream, preflight
         from tasks.config import load_audit_config
-        from tasks.preflight import check_stream, preflight
+        from tasks.data.corpus import corpus_text
 
         config = load_audit_config(args.config, args.set)
         preflight(config, variants=False)  # before Prefect starts: the baseline only
-        check_stream(config, config.corpus.text())
+        check_stream(config, corpus_text(config.corpus))
         outcome = build_reference(config=args.config, overrides=args.set)
         if not outcome.ok:
             print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
@@ -334,7 +347,7 @@ def run_reference(args: argparse.Namespace) -> int:
 
 def _verify_references(keys: list[str], every: bool) -> int:
     """One line per reference: intact, or what is damaged; 1 when any is damaged."""
-    from tasks import reference
+    from tasks.audit import reference
 
     if bool(keys) == every:
         raise InputError("reference verify: name the keys to check (see `ppl-audit reference ls`), or give --all")
@@ -389,7 +402,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from datetime import datetime
 
     from flows.serve import serve_config
-    from tasks.served import Policy
+    from tasks.audit.served import Policy
 
     config = _checked_config(args.config, [])
     missing = [folder for folder in args.allow if not Path(folder).is_dir()]
@@ -406,8 +419,8 @@ def run_ui(args: argparse.Namespace) -> int:
 
     from mlflow import MlflowClient
 
-    from tasks.places import home
-    from tasks.tracking import default_uri, ui_link
+    from tasks.core.places import default_uri, home
+    from tasks.record.tracking import ui_link
 
     home().mkdir(parents=True, exist_ok=True)
     with socket.socket() as probe:  # before the address is printed: mlflow would fail with a page of traceback
@@ -430,8 +443,8 @@ def run_ui(args: argparse.Namespace) -> int:
 
 
 def run_sync(args: argparse.Namespace) -> int:
-    from tasks.spool import claim, damage, mark_synced, pending, quarantine, sweep_partials
-    from tasks.tracking import replay
+    from tasks.record.spool import claim, damage, mark_synced, pending, quarantine, sweep_partials
+    from tasks.record.tracking import replay
 
     sweep_partials()
     waiting = pending()
@@ -473,7 +486,7 @@ def run_notify(args: argparse.Namespace) -> int:
 
 
 def run_setup(args: argparse.Namespace) -> int:
-    from tasks.embedded import ensure_embedded_corpus, ensure_embedded_model
+    from tasks.data.embedded import ensure_embedded_corpus, ensure_embedded_model
 
     print(f"embedded model:  {ensure_embedded_model()}", file=console.out())
     print(f"embedded corpus: {ensure_embedded_corpus()}", file=console.out())
@@ -491,8 +504,8 @@ def _log_file(args: argparse.Namespace) -> Path:
     """``<home>/logs/<time>-<command>[-<config>]-<pid>.log``: one per command run, the oldest pruned."""
     from datetime import datetime
 
-    from tasks.files import prune
-    from tasks.places import log_dir
+    from tasks.core.files import prune
+    from tasks.core.places import log_dir
 
     folder = log_dir()
     if folder.is_dir():
@@ -602,7 +615,7 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
 def interrupted(signum: signal.Signals, started: float, how: str = "") -> str:
     """The one line an interrupted command ends with: which signal, and what it kept that later commands use
     (what was half-written is never picked up: references and records are renamed into place whole)."""
-    from tasks.places import references_dir, spool_dir, synced_dir  # the standard library's only: said at once
+    from tasks.core.places import references_dir, spool_dir, synced_dir  # the standard library's only: said at once
 
     def since(root: Path, file: str) -> list[str]:  # folders put in place whole (not hidden), their file made since
         return sorted(found.parent.name for found in root.glob(f"[!.]*/{file}") if found.stat().st_mtime >= started)
@@ -616,7 +629,7 @@ def interrupted(signum: signal.Signals, started: float, how: str = "") -> str:
 def entry() -> NoReturn:
     """The ``ppl-audit`` console script: ``main`` in a child that takes every process it started down with it,
     even when the process the user started is killed (flows/lifetime.py). Tests call ``main`` in-process."""
-    from tasks.places import home
+    from tasks.core.places import home
 
     # Prefect's local mode keeps its temporary server's database (every flow run, its parameters and logs) in
     # ~/.prefect; ours goes beside the audits' records, which PPL_AUDIT_HOME moves

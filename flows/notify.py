@@ -1,7 +1,7 @@
 """Announce a checkpoint with ``quantization.completed``: what any job does to have it audited.
 
 ``ppl-audit serve`` audits the checkpoint an event names (``model_path``, the only field it needs;
-``method``, ``bits``, ``name`` and ``baseline`` refine it, see ``tasks.events``). An event only
+``method``, ``bits``, ``name`` and ``baseline`` refine it, see ``tasks.audit.events``). An event only
 reaches a serving process through the Prefect server it listens to: without ``PREFECT_API_URL``
 Prefect would emit into a temporary server of the emitter's own, and no audit would ever start.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.config import check_name
-from tasks.errors import InputError, one_line
+from tasks.core.errors import InputError, one_line
 
 EVENT = "quantization.completed"
 
@@ -56,7 +56,7 @@ def notify(model_path: str, **payload) -> str:
     from prefect.events import Event
     from prefect.events.clients import get_events_client
 
-    from tasks.models import check_checkpoint
+    from tasks.models.loading import check_checkpoint
 
     check_name(payload.get("name"))
     if not Path(model_path).expanduser().exists():  # a Hub id would be announced as a folder of that name here

@@ -2,7 +2,7 @@
 
 Any job that emits the same event (ours or anyone's) starts an audit of the new checkpoint when
 ``ppl-audit serve`` is running; the payload carries ``model_path``, ``method``, ``bits``, ``baseline``
-and, when one is given, the variant's ``name`` (see ``tasks.events`` for how an audit names it).
+and, when one is given, the variant's ``name`` (see ``tasks.audit.events`` for how an audit names it).
 """
 
 from __future__ import annotations
@@ -14,10 +14,17 @@ from prefect.events import emit_event
 
 from flows.answers import failed
 from flows.notify import announcement
-from tasks.config import (DEFAULT_BITS, DEFAULT_CALIBRATION, DEFAULT_GROUP_SIZE, QUANTIZED_BY_US, CorpusConfig,
-                          check_group_size, check_name)
-from tasks.errors import InputError
-from tasks.served import Policy, Refused
+from tasks.audit.served import Policy, Refused
+from tasks.config import (
+    DEFAULT_BITS,
+    DEFAULT_CALIBRATION,
+    DEFAULT_GROUP_SIZE,
+    QUANTIZED_BY_US,
+    CorpusConfig,
+    check_group_size,
+    check_name,
+)
+from tasks.core.errors import InputError
 from tasks.steps import quantize_model
 
 

@@ -1,13 +1,13 @@
-"""The reference flow: score an audit's baseline once and store its reference (``tasks.reference``), so
+"""The reference flow: score an audit's baseline once and store its reference (``tasks.audit.reference``), so
 that the audits that follow (a nightly run, one per new checkpoint) load only the variant."""
 
 from __future__ import annotations
 
 from prefect import flow
 
+from tasks.audit.preflight import preflight
 from tasks.config import load_audit_config
-from tasks.preflight import preflight
-from tasks.results import VariantResult
+from tasks.record.results import VariantResult
 from tasks.steps import prepare_models, read_corpus, score, tokenize_corpus
 
 

@@ -14,17 +14,16 @@ from dataclasses import replace
 
 from prefect import get_run_logger
 
-from tasks.checkpoints import Lineup
-from tasks.places import cache_dir
+from tasks.audit.checkpoints import Lineup
+from tasks.audit.scoring import merge_shards
 from tasks.config import AuditConfig
-from tasks.errors import one_line
-from tasks.evaluation import Evaluation
-from tasks.perplexity import shard_bounds
-from tasks.results import VariantResult
-from tasks.scoring import merge_shards
+from tasks.core.errors import one_line
+from tasks.core.places import cache_dir
+from tasks.data.evaluation import Evaluation
+from tasks.engine.perplexity import shard_bounds
+from tasks.engine.windows import plan
+from tasks.record.results import VariantResult
 from tasks.steps import make, score
-from tasks.windows import plan
-
 
 RETRY_POLL_SECONDS = 2  # how often a retry held to other workers checks that one of them is still there
 

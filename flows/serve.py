@@ -61,7 +61,12 @@ def watch(names: list[str], say: Callable[[str], None], every: float = 2.0) -> N
     """Say one line when a run of the deployments ``names`` starts, and one when it ends with its state's message
     (the verdict, or why it was refused). Polls the API this process serves through; a failed poll is tried again."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter, FlowRunFilterStartTime
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterStartTime,
+    )
 
     since, said = datetime.now(timezone.utc), {}
     runs = {"deployment_filter": DeploymentFilter(name=DeploymentFilterName(any_=names)),

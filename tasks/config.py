@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.errors import InputError
-from tasks.windows import BosPolicy, Mode, check_plan, chunk_limit
+from tasks.core.errors import InputError
+from tasks.engine.windows import BosPolicy, Mode, check_plan, chunk_limit
 
-# auto: read from the checkpoint (tasks.formats); baseline: a float model as it is
+# auto: read from the checkpoint (tasks.models.formats); baseline: a float model as it is
 Method = Literal["auto", "baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8", "compressed-tensors",
                  "gguf", "hqq", "fp8"]
 # audit and variant names: MLflow run names, file names, YAML keys; not dots alone (".." is a path)
@@ -36,7 +36,7 @@ class Strict(BaseModel):
 
 
 class CorpusConfig(Strict):
-    """A corpus source and how its documents are read and joined (``tasks.corpus`` reads it).
+    """A corpus source and how its documents are read and joined (``tasks.data.corpus`` reads it).
 
     Attributes:
         source: a text file, a folder of .txt, a .jsonl/.parquet file, ``hf:NAME`` or ``embedded``.
@@ -49,12 +49,6 @@ class CorpusConfig(Strict):
     hf_split: str = "test"
     joiner: str = "\n\n"
     encoding: str = Field("utf-8", description="text encoding of .txt and .jsonl files, a Python codec name")
-
-    def text(self) -> str:
-        """The corpus as one text (``tasks.corpus.corpus_text``)."""
-        from tasks.corpus import corpus_text
-
-        return corpus_text(self)
 
 
 class CalibrationConfig(Strict):
@@ -169,7 +163,7 @@ class VariantSpec(Strict):
 
 
 class BaselineSpec(VariantSpec):
-    """The model an audit compares with, and when its stored reference (``tasks.reference``) is reused.
+    """The model an audit compares with, and when its stored reference (``tasks.audit.reference``) is reused.
 
     ``rescore``: ``auto`` reuses the reference made from the same model, tokens, settings, library
     versions and device kind; ``always`` scores the baseline again; ``never`` reuses one made in
@@ -202,7 +196,7 @@ def parse(model: type[Strict], data: object, where: str):
 
 
 class EvaluationConfig(Strict):
-    """How every model of the audit is scored (see ``tasks.perplexity``); ``stride`` is filled in
+    """How every model of the audit is scored (see ``tasks.engine.perplexity``); ``stride`` is filled in
     (``window // 2``) once validated, so nothing downstream sees None."""
 
     window: int = 512
@@ -278,7 +272,7 @@ class Thresholds(Gate):
 class Schedule(Strict):
     """When ``serve`` runs the audit: ``cron`` read in ``timezone`` (an IANA name: 03:00 stays 03:00 across DST),
     and on each ``quantization.completed`` event; ``event_baseline``: whether an event may name the baseline
-    (within the allowed folders, ``tasks.served``) instead of the config's."""
+    (within the allowed folders, ``tasks.audit.served``) instead of the config's."""
 
     cron: str | None = None
     timezone: str = "UTC"
@@ -298,8 +292,9 @@ class Schedule(Strict):
     @model_validator(mode="after")
     def _valid_cron(self) -> "Schedule":
         if self.cron is not None:
-            from cronsim import CronSim, CronSimError
             from datetime import datetime
+
+            from cronsim import CronSim, CronSimError
 
             try:
                 CronSim(self.cron, datetime(2026, 1, 1))
@@ -438,8 +433,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_audit_config(path: str, overrides: list[str] = ()) -> AuditConfig:
     """Read, override and validate an audit YAML file; every mistake is one line naming the key."""
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     file = Path(path)
     if not file.is_file():

@@ -12,19 +12,19 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
-from tasks.checkpoints import Checkpoint, Lineup, prepare
+from tasks.audit.checkpoints import Checkpoint, Lineup, prepare
+from tasks.audit.scoring import make_variant, score_variant
 from tasks.config import AuditConfig, CorpusConfig
-from tasks.corpus import cached_tokenize
-from tasks.errors import TransientError
-from tasks.evaluation import Evaluation, evaluation
-from tasks.models import load_tokenizer
-from tasks.quantize import draw_calibration, quantize
-from tasks.record import token_arrays
-from tasks.results import VariantResult
-from tasks.scoring import make_variant, score_variant
-from tasks.places import spool_dir, synced_dir
-from tasks.spool import claim, mark_synced, write_record
-from tasks.tracking import is_tracking_outage, replay
+from tasks.core.errors import TransientError
+from tasks.core.places import spool_dir, synced_dir
+from tasks.data.corpus import cached_tokenize, corpus_text
+from tasks.data.evaluation import Evaluation, evaluation
+from tasks.models.quantize import draw_calibration, quantize
+from tasks.models.resolve import load_tokenizer
+from tasks.record.contents import token_arrays
+from tasks.record.results import VariantResult
+from tasks.record.spool import claim, mark_synced, write_record
+from tasks.record.tracking import is_tracking_outage, replay
 
 
 def _transient(task, run, state) -> bool:
@@ -35,7 +35,7 @@ def _transient(task, run, state) -> bool:
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
 def read_corpus(corpus: CorpusConfig) -> str:
     """The corpus as one text (a Hub dataset download is retried, a bad source is not)."""
-    return corpus.text()
+    return corpus_text(corpus)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
@@ -88,7 +88,7 @@ def quantize_model(model: str, method: str, bits: int, group_size: int, sym: boo
                    samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str, name: str | None) -> dict:
     """Make a gptq/awq checkpoint of ``model`` in ``out``, calibrated on ``samples`` × ``seq_len`` tokens of
     ``calibration`` (never its first ``holdout_tokens``); returns its manifest."""
-    stream = cached_tokenize(calibration.text(), load_tokenizer(model), bos="none", progress="tokenize calibration")
+    stream = cached_tokenize(corpus_text(calibration), load_tokenizer(model), bos="none", progress="tokenize calibration")
     holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
     drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration.source, stream.text_digest, holdout)
     return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name, progress=True)

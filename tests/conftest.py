@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import build_llama, build_tokenizer, make_text, train_briefly
 
 
@@ -26,7 +25,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    from tasks.models import load_model
+    from tasks.models.loading import load_model
 
     return load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"))
 

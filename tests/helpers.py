@@ -134,8 +134,8 @@ def write_config(path: Path, baseline: Path, corpus: Path, variants: list[dict],
 def stored_reference(model, stream, window: int, stride: int, source: Path, key: str, batch_size: int = 3):
     """Score ``model`` as an audit scores its baseline, writing its reference under ``key``; returns
     ``(Reference, PerplexityResult)``. The manifest holds what reading it back needs, not a real identity."""
-    from tasks.perplexity import perplexity, scored_targets
-    from tasks.reference import Writer, building, environment
+    from tasks.audit.reference import Writer, building, environment
+    from tasks.engine.perplexity import perplexity, scored_targets
 
     with building() as scratch:
         writer = Writer(scratch / key, scored_targets(stream, window, stride))
@@ -153,8 +153,8 @@ def rewrite_scores(folder: Path, change) -> None:
     import json
     import math
 
-    from tasks import reference
-    from tasks.files import file_digest
+    from tasks.audit import reference
+    from tasks.core.files import file_digest
 
     with np.load(folder / reference.SCORES) as scores:
         arrays = {name: scores[name] for name in scores.files}
@@ -173,7 +173,7 @@ def rewrite_scores(folder: Path, change) -> None:
 
 def perturbed(model_dir: Path, dtype: torch.dtype = torch.float64, scale: float = 0.05, seed: int = 3):
     """The model in ``model_dir`` with Gaussian noise of ``scale`` on every weight: a variant that really differs."""
-    from tasks.models import load_model
+    from tasks.models.loading import load_model
 
     model = load_model(str(model_dir), dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(seed)
@@ -245,8 +245,12 @@ def make_compressed(source: Path, target: Path, scheme: str) -> Path:
     compressed in the scheme's format and saved with its quantization_config."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.offload import update_offload_parameter
-    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
-                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
     from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

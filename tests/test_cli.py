@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import json_line, write_config
 
 from flows.cli import main
-from helpers import json_line, write_config
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_chunk_modes_give_per_byte_figures_of_the_scored_text(cli, tiny_model_di
     """gptq mode, 4 chunks of 64: bits/byte over the decoded text of the tokens scored, never NaN."""
     import math
 
-    from tasks.corpus import tokenize
+    from tasks.data.corpus import tokenize
 
     code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
                          "--mode", "gptq", "--chunks", "4", "--json")
@@ -156,7 +156,7 @@ def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(cli, tmp_path, tiny
     import socket
     import struct
 
-    from tasks.embedded import embedded_gguf
+    from tasks.data.embedded import embedded_gguf
 
     (tmp_path / "latin1.yaml").write_bytes(b"name: \xe9t\xe9\n")
     write_config(tmp_path / "x.yaml", tiny_model_dir, corpus_file, [{"name": "int8", "method": "torchao-int8"}])

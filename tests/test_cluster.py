@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from helpers import free_port, wait_for, write_config
 
 from flows.audit import audit, summary_of
-from helpers import free_port, wait_for, write_config
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -158,7 +158,7 @@ def test_a_model_folder_a_worker_cannot_see_is_one_line(cli, tmp_path, trained_m
 ])
 def test_an_address_that_cannot_be_a_scheduler_is_one_line(runner, says):
     from tasks.config import Runner, parse
-    from tasks.errors import InputError
+    from tasks.core.errors import InputError
 
     with pytest.raises(InputError, match=says):
         parse(Runner, runner, "runner")
@@ -242,7 +242,7 @@ def test_a_worker_killed_mid_shard_costs_a_retry_not_the_audit(tmp_path):
 def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, trained_model_dir, corpus_path):
     """One worker sees its own, empty references folder (an unsynced mount): the shards it takes cannot read the
     baseline reference, fail, and run again on the other worker; the audit's figures are still exact."""
-    from tasks.places import references_dir
+    from tasks.core.places import references_dir
 
     variants = [{"name": "int8", "method": "torchao-int8"}]
     whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
@@ -279,7 +279,7 @@ def embedded_int8(path: Path, **sections) -> Path:
 def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path):
     """A retry elsewhere with nowhere else to go fails at once (Dask would read an empty list of workers as any
     worker, the one it failed on included)."""
-    from tasks.places import references_dir
+    from tasks.core.places import references_dir
 
     audit(config=str(embedded_int8(tmp_path / "s.yaml")))  # the baseline reference, which the worker cannot see
     with dask_cluster(1, hide=references_dir()) as (address, _):
@@ -299,7 +299,7 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
 
     from distributed import Client
 
-    from tasks.places import references_dir
+    from tasks.core.places import references_dir
 
     def held_retries(dask_scheduler) -> int:
         """Tasks held to some workers that have not finished: the second tries (nothing else is held)."""
@@ -521,7 +521,7 @@ def test_a_task_that_fails_before_prefect_records_it_fails_its_variant_not_the_a
     """The flow's Prefect API on this machine's 127.0.0.1 (the harness's), the workers on other hosts, and the
     check above skipped (as when the API stops answering after it): every shard fails on its worker before
     Prefect has a state for it; the audit ends with the baseline scored and the variant failed with the reason."""
-    monkeypatch.setattr("tasks.preflight.check_workers", lambda runner, paths: None)
+    monkeypatch.setattr("tasks.audit.preflight.check_workers", lambda runner, paths: None)
     variants = [{"name": "int8", "method": "torchao-int8"}]
     with dask_cluster(2, network=network) as (address, _):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,

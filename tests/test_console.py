@@ -136,7 +136,7 @@ def test_a_log_that_cannot_be_written_costs_the_log_only(live):
     script = f"""
 import logging, sys, warnings
 from pathlib import Path
-from tasks import console
+from tasks.core import console
 console.capture(Path("/dev/full"), live={live})
 print("library chatter " * 10000)
 warnings.warn("a library warning")

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.config import CorpusConfig
-from tasks.corpus import corpus_text, encode, load_documents, tokenize
-from tasks.errors import InputError
+from tasks.core.errors import InputError
+from tasks.data.corpus import corpus_text, encode, load_documents, tokenize
 
 
 def test_stream_equals_one_tokenizer_call_when_tokenized_in_pieces(tokenizer, text):
@@ -22,7 +22,7 @@ def test_stream_equals_one_tokenizer_call_when_tokenized_in_pieces(tokenizer, te
 
 def test_embedded_corpus_stream_equals_one_tokenizer_call():
     """The real corpus and the real tokenizer, cut in 256 KiB pieces."""
-    from tasks.models import load_tokenizer
+    from tasks.models.resolve import load_tokenizer
 
     tokenizer = load_tokenizer("embedded")
     text = corpus_text(CorpusConfig(source="embedded"))[:1_500_000]
@@ -156,7 +156,8 @@ def test_the_token_cache_keeps_the_recently_used_streams_within_its_size(tmp_pat
     import time
 
     from helpers import make_text
-    from tasks import corpus
+
+    from tasks.data import corpus
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
     texts = [make_text(400, seed) for seed in range(3)]

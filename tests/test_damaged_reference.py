@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import perturbed, write_config
-from tasks import reference, scoring
-from tasks.checkpoints import prepare
+
+from tasks.audit import reference, scoring
+from tasks.audit.checkpoints import prepare
 from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec, parse
-from tasks.errors import DamagedReference
-from tasks.evaluation import evaluation
-from tasks.files import file_digest
-from tasks.perplexity import perplexity
+from tasks.core.errors import DamagedReference
+from tasks.core.files import file_digest
+from tasks.data.evaluation import evaluation
+from tasks.engine.perplexity import perplexity
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from helpers import json_line
-from tasks.embedded import austen_novels, reflow
-from tasks.places import cache_dir
+
+from tasks.core.places import cache_dir
+from tasks.data.embedded import austen_novels, reflow
 
 NOVELS = {"emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"}
 
@@ -48,8 +48,9 @@ def embedded():
     import torch
 
     from tasks.config import CorpusConfig
-    from tasks.corpus import corpus_text, tokenize
-    from tasks.models import load_model, load_tokenizer
+    from tasks.data.corpus import corpus_text, tokenize
+    from tasks.models.loading import load_model
+    from tasks.models.resolve import load_tokenizer
 
     tokenizer = load_tokenizer("embedded")
     stream = tokenize(corpus_text(CorpusConfig(source="embedded")), tokenizer, bos="none", max_tokens=1024)
@@ -75,8 +76,8 @@ def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
 def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
     """Plain NLL, NLL while the hidden states are kept (a reference being written) and NLL beside a
     baseline reference (KL being taken) are one computation."""
-    from tasks.perplexity import Baseline, _hidden, perplexity, scored_targets
-    from tasks.reference import Writer
+    from tasks.audit.reference import Writer
+    from tasks.engine.perplexity import Baseline, _hidden, perplexity, scored_targets
 
     model, _, stream = embedded
     plain = perplexity(model, stream, 256, 128, batch_size=4)

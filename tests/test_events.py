@@ -1,4 +1,4 @@
-"""How an event-triggered audit names its checkpoint, and so which gate judges it (tasks.events)."""
+"""How an event-triggered audit names its checkpoint, and so which gate judges it (tasks.audit.events)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from tasks.audit.events import event_config, name_event_variant
 from tasks.config import AuditConfig
-from tasks.errors import InputError
-from tasks.events import event_config, name_event_variant
+from tasks.core.errors import InputError
 
 
 def checkpoint(folder, **manifest):

@@ -3,13 +3,13 @@ it is scored anyway (a served audit, a library call) its gates say they cannot b
 
 from __future__ import annotations
 
-
 from helpers import write_config
-from tasks import scoring
-from tasks.checkpoints import prepare
+
+from tasks.audit import scoring
+from tasks.audit.checkpoints import prepare
 from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
-from tasks.evaluation import evaluation
-from tasks.verdict import comparison_row, format_table, judge
+from tasks.data.evaluation import evaluation
+from tasks.record.verdict import comparison_row, format_table, judge
 
 ONE_CHUNK = {"mode": "llama.cpp", "window": 64, "chunks": 1, "batch_size": 1}
 GATE = {"max_ppl_increase_pct": 5, "max_kld_mean": 0.5, "min_top1_agreement": 0.5}

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tasks.files import read_json, write_atomically
+from tasks.core.files import read_json, write_atomically
 
 
 def test_a_write_that_fails_leaves_the_old_file_whole_and_no_litter(tmp_path, monkeypatch):
@@ -29,7 +29,7 @@ def test_a_write_that_fails_leaves_the_old_file_whole_and_no_litter(tmp_path, mo
 
 
 def test_a_damaged_manifest_is_ignored_with_one_line(tmp_path, capsys):
-    from tasks.quantize import MANIFEST, read_manifest
+    from tasks.models.quantize import MANIFEST, read_manifest
 
     damaged = tmp_path / MANIFEST
     damaged.write_text('{"method": "gptq", "bi')  # as a crash mid-write left it before
@@ -41,7 +41,8 @@ def test_a_damaged_manifest_is_ignored_with_one_line(tmp_path, capsys):
 
 def test_a_damaged_token_cache_is_made_again(tokenizer, tmp_path, monkeypatch, capsys):
     from helpers import make_text
-    from tasks.corpus import cached_tokenize, tokenize
+
+    from tasks.data.corpus import cached_tokenize, tokenize
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
     text = make_text(500)
@@ -57,8 +58,9 @@ def test_a_damaged_token_cache_is_made_again(tokenizer, tmp_path, monkeypatch, c
 
 def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, tmp_path, monkeypatch, capsys):
     from helpers import make_text
-    from tasks.batching import auto_batch_size
-    from tasks.corpus import tokenize
+
+    from tasks.data.corpus import tokenize
+    from tasks.engine.batching import auto_batch_size
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
     (tmp_path / "batch_sizes.json").write_text('{"[\\"tiny')
@@ -70,7 +72,8 @@ def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, t
 
 def test_scratch_folders_of_processes_that_died_are_removed_next_time(tmp_path):
     from helpers import dead_pid
-    from tasks.files import scratch
+
+    from tasks.core.files import scratch
 
     left = tmp_path / f"{dead_pid()}@{platform.node()}~x1"  # as a killed process leaves it
     alive = tmp_path / f"1@{platform.node()}~x2"  # pid 1 lives as long as the machine
@@ -87,14 +90,14 @@ def test_a_killed_quantization_leaves_nothing_in_tmp_and_its_scratch_goes_next_t
     import subprocess
     import time
 
-    from tasks.files import scratch
+    from tasks.core.files import scratch
 
     tmp, cache = tmp_path / "tmp", tmp_path / "cache"
     tmp.mkdir()
     script = (
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from tasks.quantize import draw_calibration, quantize\n"
+        "from tasks.models.quantize import draw_calibration, quantize\n"
         "ids = torch.randint(0, 300, (64 * 256,))\n"
         "drawn = draw_calibration(ids, 64, 256, 0, 'random', 'none')\n"
         "quantize(sys.argv[1], 'gptq', 4, 32, True, drawn, Path(sys.argv[2]))\n"

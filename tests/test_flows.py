@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import write_config
 
 from flows.audit import audit, summary_of
 from flows.cli import main
-from helpers import write_config
-from tasks.errors import TransientError
+from tasks.core.errors import TransientError
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -78,9 +77,8 @@ def test_dask_runner_scores_variants_on_two_local_workers(tmp_path, cache, train
 
 
 def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corpus_path, monkeypatch):
-    import tasks.scoring
-
-    real = tasks.scoring.load_variant
+    import tasks.audit.scoring
+    real = tasks.audit.scoring.load_variant
     calls = []
 
     def flaky(spec, source):  # the remote store drops the first connection
@@ -89,7 +87,7 @@ def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corp
             raise TransientError("connection reset by the model store")
         return real(spec, source)
 
-    monkeypatch.setattr(tasks.scoring, "load_variant", flaky)
+    monkeypatch.setattr(tasks.audit.scoring, "load_variant", flaky)
     config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}])
     state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message

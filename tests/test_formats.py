@@ -9,19 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import make_compressed, make_text, rewrite_gguf, write_config
-from tasks import reference
-from tasks.checkpoints import prepare
+
+from tasks.audit import reference
+from tasks.audit.checkpoints import prepare
+from tasks.audit.scoring import score_variant
 from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
-from tasks.embedded import embedded_gguf, ensure_embedded_model
-from tasks.evaluation import evaluation
-from tasks.files import file_digest
-from tasks.formats import detect
-from tasks.models import load_tokenizer
-from tasks.perplexity import perplexity
-from tasks.scoring import score_variant
-from tasks.verdict import comparison_row
+from tasks.core.files import file_digest
+from tasks.data.embedded import embedded_gguf, ensure_embedded_model
+from tasks.data.evaluation import evaluation
+from tasks.engine.perplexity import perplexity
+from tasks.models.formats import detect
+from tasks.models.resolve import load_tokenizer
+from tasks.record.verdict import comparison_row
 
 SETTINGS = EvaluationConfig(max_tokens=384, window=128, stride=64, batch_size=4)
 
@@ -137,8 +137,8 @@ def test_method_auto_reads_a_float_folder_as_a_float_model(trained_model_dir):
 def test_a_missing_package_is_refused_in_one_line_naming_it():
     """The package made unimportable in a fresh interpreter, as on a machine without it."""
     script = ("import sys; sys.modules['compressed_tensors'] = None\n"
-              "from tasks.formats import require\n"
-              "from tasks.errors import InputError\n"
+              "from tasks.models.formats import require\n"
+              "from tasks.core.errors import InputError\n"
               "try:\n    require('compressed-tensors', 'cpu')\nexcept InputError as error:\n    print(error)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "pip install 'compressed-tensors==0.20.0'" in done.stdout, done.stdout + done.stderr
@@ -185,7 +185,7 @@ def test_compressed_tensors_checkpoints_load_by_themselves_and_score_near_float(
 def test_a_w8a8_figure_includes_its_activation_quantization(small_audit, tmp_path):
     """The same checkpoint with its layers' input quantization switched off scores differently: the
     W8A8 figure is not a weight-only one."""
-    from tasks.variants import load_variant
+    from tasks.models.variants import load_variant
 
     folder = make_compressed(small_audit["path"], tmp_path / "w8a8", "W8A8")
     outcome = score_small(small_audit, VariantSpec(name="w8a8", path=str(folder)))
@@ -214,7 +214,7 @@ def test_a_saved_hqq_checkpoint_is_refused_in_one_line(trained_model_dir, tmp_pa
     import json
     import shutil
 
-    from tasks.errors import InputError
+    from tasks.core.errors import InputError
 
     folder = shutil.copytree(trained_model_dir, tmp_path / "hqq")
     config = json.loads((folder / "config.json").read_text())
@@ -264,7 +264,7 @@ def test_a_variant_with_a_path_and_no_method_is_read_from_its_checkpoint():
 ])
 def test_format_settings_that_cannot_work_are_one_line(spec, says):
     from tasks.config import parse
-    from tasks.errors import InputError
+    from tasks.core.errors import InputError
 
     with pytest.raises(InputError, match=says):
         parse(VariantSpec, {"name": "v", **spec}, "variant")
@@ -286,8 +286,8 @@ def test_an_audit_with_a_variant_whose_package_is_missing_stops_before_loading(t
 
 def test_a_transformers_fp8_checkpoint_on_cpu_is_refused_in_one_line():
     """transformers' own FP8 quantizer raises a RuntimeError without a GPU; the audit says what to do instead."""
-    from tasks.errors import InputError
-    from tasks.formats import require
+    from tasks.core.errors import InputError
+    from tasks.models.formats import require
 
     with pytest.raises(InputError, match="need a GPU; on CPU audit a compressed-tensors FP8 checkpoint"):
         require("fp8", "cpu")
@@ -328,8 +328,8 @@ def _group(settings: dict, **weights) -> dict:
 def test_a_compressed_config_its_tensors_or_compressed_tensors_contradict_is_one_line(compressed, tmp_path, scheme,
                                                                                       change, expected):
     """Before, each was scored (the 3-bit claim labelled W3A8) or refused only after Prefect and MLflow started."""
-    from tasks.errors import InputError
-    from tasks.formats import check_compressed
+    from tasks.core.errors import InputError
+    from tasks.models.formats import check_compressed
 
     check_compressed(str(compressed[scheme]))  # the checkpoint as written passes
     folder = edited(compressed[scheme], tmp_path / "edited", change)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tasks.config import Thresholds
-from tasks.verdict import judge, overall
+from tasks.record.verdict import judge, overall
 
 
 def row(delta=0.5, low=0.2, high=0.8, kld=0.01, kld_high=0.012, top1=0.97, top1_low=0.96, **extra):
@@ -63,7 +63,7 @@ def test_overall_verdict():
 
 
 def test_table_shows_interval_kl_agreement_and_failures():
-    from tasks.verdict import format_table
+    from tasks.record.verdict import format_table
 
     ok = row(ppl=25.0, ppl_stderr=0.5, bits_per_byte=1.2, tokens_per_second=300, weight_mib=100)
     base = {"variant": "base", "method": "baseline", "status": "ok", "reason": "", "ppl": 24.9, "ppl_stderr": 0.5,
@@ -77,7 +77,7 @@ def test_table_shows_interval_kl_agreement_and_failures():
 
 def test_a_variant_equal_to_its_baseline_reads_zero_not_minus_zero():
     """Float noise of an identical variant (the embedded GGUF file) is below the printed digits: +0.00."""
-    from tasks.verdict import format_table
+    from tasks.record.verdict import format_table
 
     same = row(delta=-1e-9, low=-2e-9, high=1e-9, kld=1e-12, kld_high=1e-11, top1=1.0, top1_low=1.0, ppl=25.0,
                ppl_stderr=0.5, bits_per_byte=1.2, tokens_per_second=300, weight_mib=100)
@@ -119,7 +119,7 @@ def test_a_clear_failure_stays_a_failure_beside_a_gate_that_cannot_be_judged():
 
 def test_table_keeps_figures_apart_and_says_how_many_windows():
     """A one-token corpus once printed PPL and its error as one number: `9829.417415894.1041`."""
-    from tasks.verdict import format_table
+    from tasks.record.verdict import format_table
 
     huge = row(delta=130.73, low=math.nan, high=math.nan, ppl=9829.4174, ppl_stderr=15894.1041, bits_per_byte=None,
                tokens_per_second=12345678, weight_mib=123456789, windows=1, variant="a-variant-with-a-long-name",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.corpus import tokenize
-from tasks.errors import InputError
-from tasks.perplexity import perplexity
-from tasks.windows import plan
+from tasks.core.errors import InputError
+from tasks.data.corpus import tokenize
+from tasks.engine.perplexity import perplexity
+from tasks.engine.windows import plan
 
 
 def gptq_reference(model, ids: torch.Tensor, window: int) -> tuple[float, int]:
@@ -112,7 +112,7 @@ def test_each_mode_defaults_to_its_own_bos_convention(tokenizer, tmp_path):
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
-    from tasks.corpus import default_bos
+    from tasks.data.corpus import default_bos
 
     assert tokenizer("a").input_ids[0] != tokenizer.bos_token_id  # this one adds no BOS by itself
     assert [default_bos(tokenizer, mode) for mode in ("sliding", "gptq", "llama.cpp")] == ["stream", "none", "none"]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks import divergence
-from tasks.paired import cluster_mean, paired_difference
+from tasks.engine import divergence
+from tasks.engine.paired import cluster_mean, paired_difference
 
 Z95 = 1.959963984540054  # the normal quantile a token-level error bar is read with
 
@@ -78,8 +78,8 @@ def test_the_statistics_block_has_llama_perplexity_s_figures_computed_independen
     """Every figure of the block against a plain re-computation: KL both ways with their percentiles, Δp
     with its RMS, same top token, and the per-token correlation of ln PPL (llama.cpp's, computed here
     from its sums as llama-perplexity does)."""
-    from tasks.paired import divergence_summary
-    from tasks.verdict import format_stats
+    from tasks.engine.paired import divergence_summary
+    from tasks.record.verdict import format_stats
 
     rng = np.random.default_rng(0)
     counts = rng.integers(20, 40, size=30)

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from tasks.corpus import tokenize
-from tasks.errors import InputError, NumericalError
-from tasks.perplexity import perplexity, score_windows
-from tasks.windows import plan_windows
+from tasks.core.errors import InputError, NumericalError
+from tasks.data.corpus import tokenize
+from tasks.engine.perplexity import perplexity, score_windows
+from tasks.engine.windows import plan_windows
 
 
 def brute_force_nll_sum(model, stream, window: int, stride: int) -> tuple[float, int]:
@@ -117,7 +117,7 @@ def test_window_longer_than_model_positions_is_refused(tiny_model, tokenizer, te
 
 
 def test_nan_weights_raise_numerical_error(tiny_model_dir, tokenizer, text):
-    from tasks.models import load_model
+    from tasks.models.loading import load_model
 
     model = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"))
     with torch.no_grad():

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import build_llama, write_config
 
 from flows.audit import audit
-from helpers import build_llama, write_config
 from tasks.config import VariantSpec, parse
-from tasks.errors import InputError
+from tasks.core.errors import InputError
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
@@ -51,8 +51,8 @@ def test_a_model_whose_weights_are_streamed_in_by_hooks_scores_the_same(trained_
     from transformers import AutoModelForCausalLM
 
     from tasks.config import EvaluationConfig
-    from tasks.evaluation import evaluation
-    from tasks.perplexity import score_part
+    from tasks.data.evaluation import evaluation
+    from tasks.engine.perplexity import score_part
 
     scored = evaluation(corpus_path.read_text(), tokenizer, EvaluationConfig(window=64, stride=32, max_tokens=600))
 
@@ -67,11 +67,11 @@ def test_a_model_whose_weights_are_streamed_in_by_hooks_scores_the_same(trained_
 def test_a_split_that_scores_unlike_one_device_is_refused(trained_model_dir, corpus_path, tokenizer):
     """A split whose second device computes something else (its layer's output nudged by 1e-2, as a device with
     a broken kernel would): the check loads the checkpoint on one device, compares, and refuses in one line."""
-    from tasks.checkpoints import prepare
+    from tasks.audit.checkpoints import prepare
+    from tasks.audit.scoring import check_parity
     from tasks.config import BaselineSpec, EvaluationConfig
-    from tasks.evaluation import evaluation
-    from tasks.scoring import check_parity
-    from tasks.variants import load_variant
+    from tasks.data.evaluation import evaluation
+    from tasks.models.variants import load_variant
 
     spec = VariantSpec(name="split", path=str(trained_model_dir), method="baseline", device_map=SPLIT)
     lineup = prepare(BaselineSpec(name="baseline", path=str(trained_model_dir)), [])
@@ -90,7 +90,7 @@ def test_a_split_that_scores_unlike_one_device_is_refused(trained_model_dir, cor
 
 def test_a_map_that_puts_tied_embeddings_and_head_apart_is_one_line(tmp_path, tokenizer):
     """One tensor cannot sit on two devices; accelerate would fail at load or at the first forward pass."""
-    from tasks.variants import load_variant
+    from tasks.models.variants import load_variant
 
     build_llama(tmp_path, tokenizer, tie_word_embeddings=True)
     apart = {**SPLIT, "lm_head": "disk"}

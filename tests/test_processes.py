@@ -24,7 +24,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from helpers import free_port, make_text, write_config
 from helpers import wait_for as waiting
 

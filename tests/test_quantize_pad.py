@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import build_llama, make_text
-from tasks.checkpoints import prepare
+
+from tasks.audit.checkpoints import prepare
+from tasks.audit.scoring import score_variant
 from tasks.config import BaselineSpec, CalibrationConfig, EvaluationConfig, VariantSpec
-from tasks.evaluation import evaluation
-from tasks.scoring import score_variant
-from tasks.models import load_tokenizer
+from tasks.data.evaluation import evaluation
+from tasks.models.resolve import load_tokenizer
 
 
 @pytest.fixture(scope="module")

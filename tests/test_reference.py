@@ -13,18 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import build_llama, perturbed, rewrite_scores, stored_reference, write_config
-from tasks import reference, scoring
-from tasks.checkpoints import prepare
+
+from tasks.audit import reference, scoring
+from tasks.audit.checkpoints import prepare
 from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
-from tasks.corpus import tokenize
-from tasks.errors import InputError
-from tasks.evaluation import evaluation
-from tasks.models import load_model
-from tasks.paired import divergence_summary
-from tasks.perplexity import Baseline, _hidden, perplexity
-from tasks.verdict import comparison_row, format_stats, format_table, judge
+from tasks.core.errors import InputError
+from tasks.data.corpus import tokenize
+from tasks.data.evaluation import evaluation
+from tasks.engine.paired import divergence_summary
+from tasks.engine.perplexity import Baseline, _hidden, perplexity
+from tasks.models.loading import load_model
+from tasks.record.verdict import comparison_row, format_stats, format_table, judge
 
 CPU = torch.device("cpu")
 
@@ -136,7 +136,7 @@ def test_a_reference_of_another_model_tokenizer_stream_or_settings_is_never_used
 KILLED_WRITER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, "tests")
-    from tasks import reference
+    from tasks.audit import reference
     from test_reference import score_baseline
     from pathlib import Path
 

@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import write_config
 from matplotlib.colors import to_rgb
 from mlflow import MlflowClient
 
 from flows.audit import audit, summary_of
-from helpers import write_config
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -98,7 +98,7 @@ def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_
     from matplotlib.collections import LineCollection
     from matplotlib.patches import Rectangle
 
-    from tasks.plots import delta_ppl_chart, ppl_chart
+    from tasks.record.plots import delta_ppl_chart, ppl_chart
 
     _, _, record = audited
     rows = {v["name"]: v["row"] for v in record["variants"]}

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import tasks.batching
-import tasks.corpus
-from tasks.batching import auto_batch_size
-from tasks.corpus import cached_tokenize, tokenize
-from tasks.perplexity import HEAD_CHUNK_BYTES, perplexity, score_windows, token_stats
-from tasks.windows import plan
+import tasks.data.corpus
+import tasks.engine.batching
+from tasks.data.corpus import cached_tokenize, tokenize
+from tasks.engine.batching import auto_batch_size
+from tasks.engine.perplexity import HEAD_CHUNK_BYTES, perplexity, score_windows, token_stats
+from tasks.engine.windows import plan
 
 
 @pytest.fixture
@@ -29,12 +29,12 @@ def test_token_stream_is_cached_on_disk(cache, tokenizer, text, monkeypatch):
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    real = tasks.corpus.tokenize
-    monkeypatch.setattr(tasks.corpus, "tokenize", no_tokenizing)
+    real = tasks.data.corpus.tokenize
+    monkeypatch.setattr(tasks.data.corpus, "tokenize", no_tokenizing)
     again = cached_tokenize(text, tokenizer, max_tokens=900)
     assert torch.equal(again.ids, first.ids)
     assert (again.n_bytes, again.n_words, again.prefix, again.bos_id) == (first.n_bytes, first.n_words, first.prefix, first.bos_id)
-    monkeypatch.setattr(tasks.corpus, "tokenize", real)
+    monkeypatch.setattr(tasks.data.corpus, "tokenize", real)
     other = cached_tokenize(text, tokenizer, bos="none", max_tokens=900)  # other settings, other entry
     assert len(list((cache / "tokens").glob("*.npz"))) == 2 and len(other.ids) == 900
 
@@ -47,7 +47,7 @@ def test_batch_size_auto_is_searched_once_and_changes_nothing(cache, tiny_model6
         measured.append(batch_size)
         return score_windows(model, ids, windows, prefix, batch_size=batch_size, **kwargs)
 
-    monkeypatch.setattr(tasks.batching, "score_windows", spy)
+    monkeypatch.setattr(tasks.engine.batching, "score_windows", spy)
     chosen = auto_batch_size(tiny_model64, stream, 64, 32)
     # one measurement per power of two up to the choice, and at most the one past it that did not pay
     limit = min(64, len(plan(stream, 64, 32)))
@@ -55,7 +55,7 @@ def test_batch_size_auto_is_searched_once_and_changes_nothing(cache, tiny_model6
     assert doublings[-1] == chosen, f"batch size {chosen} is not a power of two"
     assert measured == doublings + ([2 * chosen] if 2 * chosen <= limit else []), (chosen, measured)
     assert list(json.loads((cache / "batch_sizes.json").read_text()).values()) == [chosen]
-    monkeypatch.setattr(tasks.batching, "score_windows", lambda *a, **k: pytest.fail("searched again"))
+    monkeypatch.setattr(tasks.engine.batching, "score_windows", lambda *a, **k: pytest.fail("searched again"))
     assert auto_batch_size(tiny_model64, stream, 64, 32) == chosen
     assert perplexity(tiny_model64, stream, 64, 32, chosen).nll_sum == \
         pytest.approx(perplexity(tiny_model64, stream, 64, 32, 1).nll_sum, rel=1e-12)
@@ -75,8 +75,8 @@ def fake_device(monkeypatch, device: str, tokens_per_second: dict[int, float] | 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         clock.now += sum(w.n_scored for w in windows) / (tokens_per_second or {}).get(batch_size, 1000.0)
 
-    monkeypatch.setattr(tasks.batching, "score_windows", score)
-    monkeypatch.setattr(tasks.batching, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(tasks.engine.batching, "score_windows", score)
+    monkeypatch.setattr(tasks.engine.batching, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     on_device = SimpleNamespace(weight=SimpleNamespace(device=torch.device(device)))  # where its input ids go
@@ -163,7 +163,7 @@ def resident_for_a_moment(size: int, seconds: float = 0) -> None:
 
 
 def test_peak_memory_catches_a_short_spike_and_nested_blocks_keep_theirs():
-    from tasks.memory import PeakMemory
+    from tasks.engine.memory import PeakMemory
 
     mib = 2**20
     with PeakMemory("cpu") as start:
@@ -177,10 +177,10 @@ def test_peak_memory_catches_a_short_spike_and_nested_blocks_keep_theirs():
 
 
 def test_peak_memory_samples_where_the_kernel_keeps_no_high_water_mark(monkeypatch, tmp_path):
-    import tasks.memory
-    from tasks.memory import PeakMemory
+    import tasks.engine.memory
+    from tasks.engine.memory import PeakMemory
 
-    monkeypatch.setattr(tasks.memory, "_CLEAR_REFS", tmp_path / "absent" / "clear_refs")
+    monkeypatch.setattr(tasks.engine.memory, "_CLEAR_REFS", tmp_path / "absent" / "clear_refs")
     mib = 2**20
     with PeakMemory("cpu") as start:
         pass

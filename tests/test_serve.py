@@ -17,10 +17,10 @@ from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
-
 from helpers import free_port, make_text, wait_for, write_config
-from tasks.quantize import draw_calibration, quantize
-from tasks.corpus import tokenize
+
+from tasks.data.corpus import tokenize
+from tasks.models.quantize import draw_calibration, quantize
 
 
 def stop(process: subprocess.Popen) -> None:

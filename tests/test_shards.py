@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import perturbed, stored_reference
-from tasks.corpus import tokenize
-from tasks.models import load_model
-from tasks.perplexity import combine, perplexity, score_part, shard_bounds
-from tasks.windows import plan
+
+from tasks.data.corpus import tokenize
+from tasks.engine.perplexity import combine, perplexity, score_part, shard_bounds
+from tasks.engine.windows import plan
+from tasks.models.loading import load_model
 
 CPU = torch.device("cpu")
 

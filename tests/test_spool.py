@@ -17,13 +17,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from helpers import dead_pid, write_config
 from mlflow import MlflowClient
 
 from flows.audit import audit
 from flows.cli import main
-from helpers import dead_pid, write_config
-from tasks.places import spool_dir
-from tasks.spool import pending, read_record, write_record
+from tasks.core.places import spool_dir
+from tasks.record.spool import pending, read_record, write_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the tree under test: its subprocesses import this code
 PARTIAL = ".partial-"  # spelled out, not imported: these tests also run against the code from before it
@@ -32,7 +32,7 @@ PARTIAL = ".partial-"  # spelled out, not imported: these tests also run against
 # so that two of them (or one and the test) really start replaying at the same moment
 GATED_SYNC = """
 import sys, time, pathlib
-import mlflow, tasks.plots, tasks.tracking
+import mlflow, tasks.record.plots, tasks.record.tracking
 from flows.cli import main
 pathlib.Path(sys.argv[1]).touch()
 while not pathlib.Path(sys.argv[2]).exists():
@@ -149,7 +149,7 @@ def test_syncs_logging_the_same_new_corpus_at_once_all_link_it(tmp_path):
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput
 
-    from tasks.tracking import _log_dataset
+    from tasks.record.tracking import _log_dataset
 
     uri = fresh_store(tmp_path)
     client = MlflowClient(uri)
@@ -194,9 +194,9 @@ def test_a_sync_during_an_audits_own_tracking_logs_it_once(tmp_path, home, audit
 
 
 def test_tracking_waits_for_a_sync_that_holds_the_record_and_returns_its_run(tmp_path, home, audited):
-    from tasks.spool import claim, mark_synced
+    from tasks.record.spool import claim, mark_synced
+    from tasks.record.tracking import replay
     from tasks.steps import track
-    from tasks.tracking import replay
 
     uri = fresh_store(tmp_path)
     [audit_id] = spool_copies(audited, 1, uri)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import free_port, wait_for, write_config
 from mlflow import MlflowClient
 
 from flows.audit import audit, summary_of
 from flows.cli import main
-from helpers import free_port, wait_for, write_config
-from tasks.plots import COLOURS
+from tasks.record.plots import COLOURS
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -164,8 +164,7 @@ def server(tmp_path):
 
 
 def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trained_model_dir, corpus_path, monkeypatch):
-    import tasks.plots
-
+    import tasks.record.plots
     config = config_for(tmp_path, trained_model_dir, corpus_path, server.uri)
     clean = run_audit(config, tmp_path)
     experiment_id = MlflowClient(server.uri).get_experiment_by_name("tests").experiment_id
@@ -173,15 +172,15 @@ def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trai
     assert clean["record"].endswith(f": {server.uri}/#/experiments/{experiment_id}/runs/{clean['mlflow_run_id']}"
                                     "?workflowType=machine_learning")
 
-    real_chart = tasks.plots.delta_ppl_chart
+    real_chart = tasks.record.plots.delta_ppl_chart
 
     def dies_while_logging(record):  # the server goes down after the parent run was made
         server.stop()
         return real_chart(record)
 
-    monkeypatch.setattr(tasks.plots, "delta_ppl_chart", dies_while_logging)
+    monkeypatch.setattr(tasks.record.plots, "delta_ppl_chart", dies_while_logging)
     interrupted = run_audit(config, tmp_path)
-    monkeypatch.setattr(tasks.plots, "delta_ppl_chart", real_chart)
+    monkeypatch.setattr(tasks.record.plots, "delta_ppl_chart", real_chart)
     assert "mlflow_run_id" not in interrupted and interrupted["verdict"].status == "error"
     spooled = sorted((Path(os.environ["PPL_AUDIT_HOME"]) / "spool").iterdir())
     assert len(spooled) == 1

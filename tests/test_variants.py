@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
-
 from helpers import build_llama, build_tokenizer, make_text
-from tasks.checkpoints import prepare
+
+from tasks.audit.checkpoints import prepare
+from tasks.audit.scoring import score_variant
 from tasks.config import BaselineSpec, CalibrationConfig, CorpusConfig, EvaluationConfig, VariantSpec, parse
-from tasks.evaluation import evaluation
-from tasks.scoring import score_variant
-from tasks.errors import InputError
-from tasks.quantize import check_disjoint, draw_calibration
+from tasks.core.errors import InputError
+from tasks.data.evaluation import evaluation
+from tasks.models.quantize import check_disjoint, draw_calibration
 
 CALIBRATION = CalibrationConfig(samples=16, seq_len=128)
 

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import build_llama, make_text, rewrite_gguf
 from safetensors.torch import load_file, save_file
 
-from helpers import build_llama, make_text, rewrite_gguf
-from tasks.checkpoints import prepare
+from tasks.audit.checkpoints import prepare
+from tasks.audit.scoring import score_variant
 from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
-from tasks.embedded import embedded_gguf
-from tasks.errors import InputError
-from tasks.evaluation import evaluation
-from tasks.models import check_checkpoint, load_model
-from tasks.scoring import score_variant
+from tasks.core.errors import InputError
+from tasks.data.embedded import embedded_gguf
+from tasks.data.evaluation import evaluation
+from tasks.models.loading import check_checkpoint, load_model
 
 RENAMED = ("its weights do not fit LlamaForCausalLM (21 missing: lm_head.weight, model.embed_tokens.weight, "
            "model.layers.0.input_layernorm.weight, …; 21 unexpected: foo.lm_head.weight, foo.model.embed_tokens.weight, "

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks.errors import InputError
-from tasks.windows import plan_windows
+from tasks.core.errors import InputError
+from tasks.engine.windows import plan_windows
 
 CASES = [(n, L, S) for n in (2, 3, 5, 17, 100, 257, 1000, 1023) for L, S in
          ((4, 1), (4, 3), (8, 4), (16, 5), (16, 15), (64, 32), (64, 63), (128, 64), (2000, 1000))]

@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from tasks.corpus import TokenStream, tokenize
-from tasks.memory import PeakMemory
-from tasks.perplexity import _chunk_rows, head_chunk_bytes, perplexity, score_windows
-from tasks.windows import plan_windows
+from tasks.data.corpus import tokenize
+from tasks.engine.memory import PeakMemory
+from tasks.engine.perplexity import _chunk_rows, head_chunk_bytes, perplexity, score_windows
+from tasks.engine.stream import TokenStream
+from tasks.engine.windows import plan_windows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -92,10 +93,10 @@ def test_head_chunks_bound_memory_at_a_128k_vocabulary():
 
 def test_out_of_memory_halves_the_batch_size(tmp_path, monkeypatch):
     """A batch that does not fit is halved until it does, with the same result as a batch that fits."""
+    from tasks.audit.scoring import perplexity_with_backoff
     from tasks.config import EvaluationConfig
-    from tasks.evaluation import Evaluation
-    from tasks.scoring import perplexity_with_backoff
-    from tasks.batching import auto_batch_size
+    from tasks.data.evaluation import Evaluation
+    from tasks.engine.batching import auto_batch_size
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
     model = llama_128k()
@@ -150,7 +151,7 @@ def test_copies_are_pinned_and_results_complete():
 
 def test_fused_nll_equals_a_float64_computation_of_the_same_logits():
     """The compiled NLL on CUDA reads bf16 logits and must lose nothing beyond float32 rounding."""
-    from tasks.perplexity import _nll, token_stats
+    from tasks.engine.perplexity import _nll, token_stats
 
     vocab, width, rows = 128_256, 512, 1500  # more rows than one chunk: the last chunk has other rows
     torch.manual_seed(0)

@@ -1,0 +1,120 @@
+"""Checks of an audit before any model is loaded: each mistake is one line naming what to change."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from tasks.audit.checkpoints import calibration_for, prepare
+from tasks.audit.cluster import check_local_cluster, check_reachable, check_workers
+from tasks.audit.reference import find_intact
+from tasks.audit.scoring import baseline_identity
+from tasks.config import AuditConfig, CorpusConfig
+from tasks.core.errors import InputError
+from tasks.core.places import references_dir, tracking_uri
+from tasks.data.corpus import tokenizer_digest
+from tasks.data.evaluation import evaluation
+from tasks.engine.model_facts import max_positions
+from tasks.engine.paired import MIN_WINDOWS
+from tasks.engine.windows import check_window, plan
+from tasks.models.formats import check_compressed, detect, locate, require
+from tasks.models.loading import check_checkpoint
+from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_model_path
+from tasks.models.variants import check_same_tokenizer
+from tasks.record.verdict import GATES
+
+
+def preflight(config: AuditConfig, variants: bool = True) -> None:
+    """Check an audit's devices, window and checkpoints.
+
+    Args:
+        variants: also check that every variant's checkpoint exists (the CLI does, before a run; a flow
+            run does not, so that a checkpoint gone missing fails its variant, not the audit).
+    """
+    registry = tracking_uri(config.tracking.uri)  # models:/ names are the audit's tracking server's
+    if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
+        raise InputError("runner.kind ray needs prefect-ray and ray: pip install 'ppl-audit[ray]'")
+    if config.runner.address:
+        check_reachable(config.runner.address)
+    elif config.runner.kind != "sequential":
+        check_local_cluster(config.runner)
+    for spec in [config.baseline, *config.variants]:
+        try:
+            resolve_device(spec.device)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None
+    _check_window(config, load_config(config.baseline.path, registry), "the baseline")  # a path error names the path
+    check_checkpoint(config.baseline.path, registry)
+    # what the workers of an existing cluster must see: the baseline's files (a variant quantized at load
+    # reads them) and its stored references (a variant's KL), and each variant's own files
+    local = {"the baseline": resolve_model_path(config.baseline.path, registry), "baseline references": references_dir()}
+    baseline_tokenizer = None
+    for spec in config.variants if variants else []:
+        method = spec.method
+        if spec.path is not None:
+            source = local[spec.name] = locate(spec, registry)
+            check_checkpoint(source, registry)
+            if Path(source).exists():  # its own positions bound the window too, and its tokens must be the baseline's
+                _check_window(config, load_config(source), spec.name)
+                baseline_tokenizer = baseline_tokenizer or tokenizer_digest(load_tokenizer(local["the baseline"]))
+                check_same_tokenizer(spec.name, baseline_tokenizer, tokenizer_digest(load_tokenizer(source)))
+            if method in ("auto", "hqq"):  # hqq: a saved HQQ checkpoint is refused as auto refuses it
+                found = detect(source)[0]
+                method = found if method == "auto" else method
+            if method == "compressed-tensors" and Path(source).is_dir():
+                check_compressed(source)
+        try:
+            require(method, resolve_device(spec.device).type)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None
+    if config.runner.address:
+        local["baseline references"].mkdir(parents=True, exist_ok=True)
+        check_workers(config.runner, {whose: str(path) for whose, path in local.items()
+                                      if Path(path).exists()})  # a Hub id: each worker fetches it
+
+
+def _check_window(config: AuditConfig, model_config, whose: str) -> None:
+    try:
+        check_window(config.evaluation.window, max_positions(model_config), whose)
+    except InputError as error:
+        raise InputError(f"evaluation.{error}") from None
+
+
+def gated(config: AuditConfig) -> bool:
+    """Whether any variant of the audit has a limit to be judged against."""
+    return any(getattr(config.thresholds.for_variant(spec.name), limit) is not None
+               for spec in config.variants for _, _, limit, *_ in GATES)
+
+
+def check_stream(config: AuditConfig, corpus_text: str) -> None:
+    """What the audit's token stream decides, checked before anything starts: a gate needs at least
+    ``MIN_WINDOWS`` windows for a paired interval (one window shows no error bar, and a gate never passes what
+    it cannot show); under ``rescore: never`` the stored reference is all there is, and a damaged one is refused
+    (with ``auto`` the audit removes it and scores the baseline again)."""
+    lineup = prepare(config.baseline, [], config.tracking.uri)
+    scored = evaluation(corpus_text, lineup.tokenizer, config.evaluation)
+    settings = scored.settings
+    windows = len(plan(scored.stream, settings.window, settings.stride, settings.mode))
+    if windows < MIN_WINDOWS and gated(config):
+        raise InputError(f"evaluation: the token stream ({len(scored.stream.ids)} tokens) makes {windows} window(s) "
+                         f"of {settings.window}; a gate's paired interval needs at least {MIN_WINDOWS}: use a longer "
+                         "corpus, more max_tokens or chunks, or a shorter window")
+    if config.baseline.rescore == "never":
+        _, identity, environment = baseline_identity(lineup.baseline, scored)
+        if identity is not None:
+            find_intact(identity, environment, "never")
+
+
+def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:
+    """Draw the calibration of every variant quantized here: one without room is refused now, not after
+    the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
+    makers = [spec for spec in config.variants if spec.quantize_here]
+    if not makers:
+        return
+    lineup = prepare(config.baseline, [], config.tracking.uri)
+    scored = evaluation(corpus_text, lineup.tokenizer, config.evaluation, progress)
+    for spec in makers:
+        try:
+            calibration_for(spec, lineup, scored, CorpusConfig.text, progress)
+        except InputError as error:
+            raise InputError(f"{spec.name}: {error}") from None

@@ -1,0 +1,550 @@
+"""The baseline reference: what scoring the baseline gave, kept so that later audits do not score it again.
+
+``references/<key>/`` (``tasks.core.places.references_dir``) holds:
+
+- ``hidden.bin``: ``[n_scored, H]`` final hidden states (the LM head's input) at the scored positions, in
+  the dtype the model computes in, row ``i`` for scored token ``i``; d numbers a token, not a vocabulary's.
+  A variant's KL, top-1 and Δp are exact: the baseline's own LM head turns them into its log-probabilities
+  in the same chunked loop as the variant's (``tasks.engine.perplexity.token_stats``).
+- ``scores.npz``: per-token NLL (float32), per-window NLL sums (float64) and token counts: the baseline's
+  PPL, bit for bit.
+- ``manifest.json``: what it was made from (``identity``: model, tokenizer, token stream, settings, dtype;
+  ``environment``: library versions, device kind), the baseline's result and load facts, its LM head
+  (tensor name, digest, soft-cap), sizes.
+- ``head.safetensors`` only for a model whose head cannot be read back from its checkpoint by name.
+
+It is written in a scratch folder while the baseline is scored, batch by batch, and renamed into place
+whole, so a killed run leaves nothing a later run could pick up, and of two audits building the same
+reference one keeps its own and the other uses it. The key digests identity and environment: a reference
+is reused only where both match (``rescore: auto``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.config import EvaluationConfig, Rescore
+from tasks.core import console
+from tasks.core.errors import DamagedReference, InputError
+from tasks.core.files import file_digest, read_json, scratch, write_atomically
+from tasks.core.places import references_dir
+from tasks.core.versions import versions
+from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
+from tasks.engine.stream import TokenStream
+from tasks.models.quantize import model_digest
+from tasks.models.resolve import DTYPES
+
+FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
+MANIFEST, HIDDEN, SCORES, HEAD = "manifest.json", "hidden.bin", "scores.npz", "head.safetensors"
+USED = "used"  # touched on each reuse: pruning goes by it
+STORED_AS = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.int16, torch.float16: np.int16}
+# Beyond float noise, per dtype: (largest |ΔNLL| of one token, |Δ mean NLL|) between two scorings of the
+# same model on the same tokens. A batch size or kernel choice moves float32 tokens by ~1e-6 and 16-bit
+# ones by up to ~0.1 (the mean far less); a changed model computation moves the mean.
+DRIFT_TOLERANCE = {"float64": (1e-9, 1e-12), "float32": (1e-3, 1e-6), "bfloat16": (0.5, 1e-3), "float16": (0.25, 5e-4)}
+
+
+def model_files(source: str) -> Path | None:
+    """A model's local files: its folder or single-file checkpoint (``.gguf``), or a Hub id's snapshot in the
+    Hugging Face cache; None when the files are not on this machine (then nothing identifies it well enough
+    to reuse a reference)."""
+    if Path(source).is_dir() or (Path(source).is_file() and source.endswith(".gguf")):
+        return Path(source)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(source, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def stream_digest(stream: TokenStream) -> str:
+    """sha256 of exactly what is scored: the token ids, the prefix before every window and the BOS id."""
+    digest = hashlib.sha256(stream.ids.numpy().astype(np.int64).tobytes())
+    digest.update(json.dumps([list(stream.prefix), stream.bos, stream.bos_id]).encode())
+    return digest.hexdigest()
+
+
+def identity(folder: Path, tokenizer: str, stream: TokenStream, settings: EvaluationConfig, dtype: torch.dtype) -> dict:
+    """What a baseline's numbers are a function of, but for the environment.
+
+    Args:
+        folder: the model's local files (``model_files``).
+        tokenizer: the digest of its tokenizer (``tasks.data.corpus.tokenizer_digest``).
+    """
+    return {"format": FORMAT, "model": model_digest(str(folder)), "tokenizer": tokenizer, "stream": stream_digest(stream),
+            "mode": settings.mode, "window": settings.window,
+            "stride": settings.stride if settings.mode == "sliding" else settings.window, "bos": stream.bos,
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+def environment(device: torch.device) -> dict:
+    """What else can change a model's numbers: the libraries that compute them and the kind of device."""
+    kind = f"cuda {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+    return {**versions(), "device": kind}
+
+
+def key_of(identity_: dict, environment_: dict) -> str:
+    return hashlib.sha256(json.dumps([identity_, environment_], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _head_tensors(head: torch.nn.Module) -> list[torch.Tensor]:
+    return [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
+def _checkpoint_tensor(folder: Path, names: list[str]) -> torch.Tensor | None:
+    """The first of ``names`` found in the checkpoint's safetensors or .bin files, read alone."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    for file in files:
+        if file.suffix == ".safetensors":
+            with safe_open(file, "pt") as handle:
+                found = next((name for name in names if name in handle.keys()), None)
+                if found:
+                    return handle.get_tensor(found)
+        else:
+            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            found = next((name for name in names if name in state), None)
+            if found:
+                return state[found].clone()
+    return None
+
+
+def _gguf_head(path: Path) -> tuple[str, torch.Tensor, None] | None:
+    """A GGUF file's LM head, dequantized as transformers' GGUF loader does (gguf-py's ``dequantize``): its
+    ``output.weight``, or the token embeddings a tied head shares."""
+    import gguf
+
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+    name = next((name for name in ("output.weight", "token_embd.weight") if name in tensors), None)
+    if name is None:
+        return None
+    values = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+    return name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), None
+
+
+def read_head(folder: Path) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
+    """The LM head's weight (and bias) read from the checkpoint by tensor name, not the whole model: the
+    names come from the model's skeleton on the meta device (a tied head is stored as the embeddings).
+
+    Args:
+        folder: the checkpoint's folder, or its ``.gguf`` file.
+    Returns:
+        ``(name, weight [V, H], bias [V] or None)`` as stored; None when no name is found.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if folder.suffix == ".gguf" and folder.is_file():
+        return _gguf_head(folder)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    head = skeleton.get_output_embeddings()
+    own = next(name for name, module in skeleton.named_modules() if module is head)
+    names = [f"{own}.weight"] + [name for name, parameter in skeleton.named_parameters(remove_duplicate=False)
+                                 if parameter is head.weight and name != f"{own}.weight"]
+    weight = _checkpoint_tensor(folder, names)
+    if weight is None:
+        return None
+    bias = _checkpoint_tensor(folder, [f"{own}.bias"]) if getattr(head, "bias", None) is not None else None
+    return names[0], weight, bias
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest but for its own ``digest``: an edited manifest is told from the one written."""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True).encode()).hexdigest()
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A complete reference in its folder (see the module's docstring)."""
+
+    folder: Path
+    manifest: dict
+
+    @property
+    def key(self) -> str:
+        return self.folder.name
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(file.stat().st_size for file in self.folder.iterdir() if file.is_file())
+
+    @property
+    def last_used(self) -> float:
+        used = self.folder / USED
+        return used.stat().st_mtime if used.exists() else self.manifest["created"]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.manifest["identity"]["dtype"]]
+
+    @property
+    def tolerance(self) -> float:
+        """How far its head on its hidden states may give a token's NLL from the stored one: float noise."""
+        return DRIFT_TOLERANCE[self.manifest["identity"]["dtype"]][0]
+
+    @classmethod
+    def open(cls, folder: Path) -> Reference | None:
+        manifest = read_json(folder / MANIFEST, "baseline reference manifest")
+        return cls(folder, manifest) if manifest and manifest.get("format") == FORMAT else None
+
+    def touch(self) -> None:
+        (self.folder / USED).touch()
+
+    def scores(self) -> dict[str, np.ndarray]:
+        with np.load(self.folder / SCORES) as scores:
+            return {name: scores[name] for name in scores.files}
+
+    def result(self) -> PerplexityResult:
+        """The baseline's result as it was scored: the same arrays, so the same PPL to the last bit."""
+        arrays = {name: array for name, array in self.scores().items() if name != "targets"}
+        return PerplexityResult(**self.manifest["result"], **arrays)
+
+    def damage(self) -> str | None:
+        """What is wrong with the reference's files, None when they hold what was written: the manifest's own
+        digest, each file's size and sha256, and the stored result against the stored scores. It reads every
+        file once (a hidden.bin of 5 GB takes seconds: far less than scoring the baseline again)."""
+        manifest = self.manifest
+        if manifest.get("digest") != manifest_digest(manifest):
+            return f"{MANIFEST} was changed after it was written"
+        files = manifest.get("files", {})
+        for name in sorted({HIDDEN, SCORES} | set(files)):
+            path = self.folder / name
+            if name not in files or not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != files[name]["bytes"]:
+                return f"{name} holds {path.stat().st_size} bytes, not the {files[name]['bytes']} written"
+            if file_digest(path) != files[name]["sha256"]:
+                return f"{name} does not hold the bytes written (its sha256 differs)"
+        return self._inconsistency()
+
+    def _inconsistency(self) -> str | None:
+        """Where the manifest's result, the hidden states' shape and the per-token scores disagree."""
+        result, scores = self.manifest["result"], self.scores()
+        n = int(scores["window_tokens"].sum())
+        sizes = {"tokens counted": n, "token NLLs": len(scores["token_nll"]), "targets": len(scores["targets"]),
+                 "hidden rows": self.manifest["hidden"]["shape"][0]}
+        if len(set(sizes.values())) > 1 or n != result["n_tokens"]:
+            return f"its sizes disagree ({', '.join(f'{k} {v}' for k, v in sizes.items())}; result {result['n_tokens']})"
+        starts = np.cumsum(scores["window_tokens"]) - scores["window_tokens"]
+        sums = np.add.reduceat(scores["token_nll"].astype(np.float64), starts[scores["window_tokens"] > 0])
+        nll_sum = float(scores["window_nll"].sum())
+        if not (all(map(_close, sums, scores["window_nll"][scores["window_tokens"] > 0]))
+                and _close(nll_sum, result["nll_sum"]) and _close(math.exp(nll_sum / n), result["ppl"])):
+            return f"its result (PPL {result['ppl']:.6g}) is not what its scores give (PPL {math.exp(nll_sum / n):.6g})"
+        return None
+
+    def verify(self) -> str | None:
+        """``damage``, and the stored head applied to every stored hidden state checked to give back the stored
+        NLL of every token (within the float noise of its dtype). None when it is intact."""
+        problem = self.damage()
+        if problem:
+            return problem
+        head, softcap = self.head(self.manifest["source"], torch.device("cpu")), self.manifest["head"]["softcap"]
+        hidden, nll = self._hidden(), torch.from_numpy(self.scores()["token_nll"])
+        targets = torch.from_numpy(self.scores()["targets"]).long()
+        for start in range(0, len(nll), 4096):
+            rows = slice(start, start + 4096)
+            states = torch.from_numpy(np.array(hidden[rows])).view(self.dtype)
+            batch = BaselineBatch(head, states, softcap, nll[rows], self.tolerance, f"baseline reference {self.key}")
+            try:
+                batch.check(token_stats(head, states, targets[rows], softcap)["nll"], 0)
+            except DamagedReference:
+                return f"its LM head on its hidden states does not give back its stored NLL (tokens {start}…)"
+        return None
+
+    def head(self, source: str, device: torch.device) -> torch.nn.Linear:
+        """The baseline's LM head, stored beside the reference or read from ``source`` (its folder or Hub id),
+        checked against the digest it was made with, on ``device`` in the reference's dtype."""
+        about = self.manifest["head"]
+        if about["stored"]:
+            from safetensors.torch import load_file
+
+            stored = load_file(self.folder / HEAD)
+            weight, bias = stored["weight"], stored.get("bias")
+        else:
+            found = read_head(model_files(source) or Path(source))
+            if found is None:
+                raise InputError(f"the baseline's LM head ({about['name']}) is no longer in {source}; rebuild its "
+                                 f"reference: ppl-audit reference rm {self.key}")
+            _, weight, bias = found
+        weight, bias = (None if t is None else t.to(device=device, dtype=self.dtype) for t in (weight, bias))
+        if tensor_digest(*(t for t in (weight, bias) if t is not None)) != about["digest"]:
+            raise InputError(f"the baseline's LM head in {source} is not the one reference {self.key} was made with; "
+                             f"rebuild it: ppl-audit reference rm {self.key}")
+        return _linear(weight, bias)
+
+    def _hidden(self) -> np.memmap:
+        """``hidden.bin`` mapped, after its size is checked: a short file must not be mapped (a SIGBUS or a
+        ValueError far from here), a long one not read as if it were this reference's."""
+        shape = tuple(self.manifest["hidden"]["shape"])
+        stored_as = np.dtype(STORED_AS[self.dtype])
+        path = self.folder / HIDDEN
+        size = path.stat().st_size if path.is_file() else 0
+        if size != math.prod(shape) * stored_as.itemsize:
+            raise DamagedReference(f"baseline reference {self.key} is damaged: {HIDDEN} holds {size} bytes, not the "
+                                   f"{math.prod(shape) * stored_as.itemsize} of {shape[0]} rows of {shape[1]} "
+                                   "numbers; the next audit scores the baseline again")
+        return np.memmap(path, dtype=stored_as, mode="r", shape=shape)
+
+    def baseline(self, source: str, device: torch.device) -> Baseline:
+        """The baseline as a variant meets it: its LM head on ``device``, its stored hidden states, and its stored
+        NLL, which each batch checks the two against (``tasks.engine.perplexity.BaselineBatch.check``).
+
+        Args:
+            source: the baseline's folder or Hub id (its head is read from there).
+        """
+        head, hidden, dtype = self.head(source, device), self._hidden(), self.dtype
+        nll = torch.from_numpy(self.scores()["token_nll"])
+
+        def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(hidden[slots.numpy()])).view(dtype)
+
+        def stored_nll(slots: torch.Tensor) -> torch.Tensor:
+            return nll[slots]
+
+        return Baseline(head, self.manifest["head"]["softcap"], states, stored_nll, self.tolerance,
+                        f"baseline reference {self.key}")
+
+
+class Writer:
+    """Collects a reference in a scratch folder while the baseline is scored (``keep_hidden``), then
+    ``publish`` puts it in place. A failure to write (a full disk) stops the writing, not the scoring.
+
+    Args:
+        staging: an empty folder of its own, on the references' file system.
+        targets: ``[n_scored]`` the scored tokens' ids, in the token arrays' order: kept beside their NLL, so
+            that ``Reference.verify`` can check the head and hidden states against it with no corpus at hand.
+    """
+
+    def __init__(self, staging: Path, targets: torch.Tensor):
+        self.staging, self.targets, self.n_scored = staging, targets, len(targets)
+        self.hidden: np.memmap | None = None
+        self.dtype: torch.dtype | None = None
+        self.problem = ""
+
+    def __call__(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        if self.problem:
+            return
+        try:
+            if self.hidden is None:
+                self.dtype = hidden.dtype
+                shape = (self.n_scored, hidden.shape[1])
+                # the blocks are taken now: a full disk is an OSError here, not a SIGBUS on a later page write
+                with open(self.staging / HIDDEN, "wb") as file:
+                    os.posix_fallocate(file.fileno(), 0, math.prod(shape) * hidden.element_size())
+                self.hidden = np.memmap(self.staging / HIDDEN, dtype=STORED_AS[hidden.dtype], mode="r+", shape=shape)
+            rows = hidden.view(torch.int16) if hidden.dtype in (torch.bfloat16, torch.float16) else hidden
+            self.hidden[slots.numpy()] = rows.numpy()
+        except OSError as error:
+            self.problem = f"could not write the baseline reference in {self.staging.parent}: {error}"
+
+    def publish(self, key: str, manifest: dict, result: PerplexityResult, head: torch.nn.Module,
+                replace: bool) -> Reference:
+        """Finish the files and rename the folder to ``references/<key>``.
+
+        Args:
+            manifest: identity, environment, facts, ...; the result, head and sizes are added here.
+            head: the scored model's LM head: read back from its checkpoint by name when that gives the
+                same tensor, else stored beside the hidden states.
+            replace: put this one in place of an existing reference of the same key (a rescore);
+                otherwise an existing one (built meanwhile by another audit) is kept and returned.
+        """
+        if self.problem:
+            raise OSError(self.problem)
+        self.hidden.flush()
+        shape = list(self.hidden.shape)
+        self.hidden = None
+        np.savez(self.staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
+                 window_tokens=result.window_tokens, targets=self.targets.numpy().astype(np.int32))
+        tensors = [t.detach() for t in _head_tensors(head)]
+        found = read_head(Path(manifest["source"]))
+        read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \
+            == tensor_digest(*tensors)
+        if not read_back:
+            from safetensors.torch import save_file
+
+            save_file(dict(zip(("weight", "bias"), (t.cpu().contiguous() for t in tensors))), self.staging / HEAD)
+        softcap = manifest.pop("softcap")
+        manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(),
+                     "hidden": {"shape": shape, "dtype": str(self.dtype).removeprefix("torch.")},
+                     "head": {"name": found[0] if found else "", "digest": tensor_digest(*tensors),
+                              "softcap": softcap, "stored": not read_back}}
+        manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)} for f in self.staging.iterdir()}
+        manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
+        manifest["digest"] = manifest_digest(manifest)
+        write_atomically(self.staging / MANIFEST, json.dumps(manifest, indent=1))
+        final = references_dir() / key
+        if final.exists() and (replace or _manifest(final) is None):  # a rescore, or one too damaged to open
+            _discard(final)
+        try:
+            os.rename(self.staging, final)
+        except OSError:
+            if not final.is_dir():  # else another audit put the same reference in place first: use it
+                raise
+        return Reference.open(final)
+
+
+def building() -> AbstractContextManager[Path]:
+    """A scratch folder for a ``Writer``: removed when done, and by the next build if this process dies."""
+    return scratch(references_dir() / ".building")
+
+
+def _discard(folder: Path) -> None:
+    """Take a reference away at once (a rename), then delete it: no reader ever opens half a folder."""
+    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}-{time.time_ns()}")
+    os.rename(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def folders() -> dict[str, Path]:
+    """Every reference's folder by key, whether or not it opens (``stored`` gives those that do)."""
+    root = references_dir()
+    return {f.name: f for f in root.iterdir() if f.is_dir() and not f.name.startswith(".")} if root.is_dir() else {}
+
+
+def _manifest(folder: Path) -> dict | None:
+    """The folder's manifest when it is one of this format, read without a warning."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+
+def verify(folder: Path) -> str | None:
+    """What is wrong with the reference in ``folder`` (``Reference.verify``), None when it is intact; read
+    without the warning an audit prints, as the caller says it."""
+    manifest = _manifest(folder)
+    if manifest is None:
+        return f"{MANIFEST} is missing, not JSON or not a format-{FORMAT} manifest (an older ppl-audit's: never used)"
+    try:
+        return Reference(folder, manifest).verify()
+    except (KeyError, TypeError, IndexError) as error:  # a field missing or of the wrong kind: edited by hand
+        return f"{MANIFEST} lacks what a reference holds ({type(error).__name__}: {error})"
+
+
+def stored() -> list[Reference]:
+    """Every complete reference, most recently made first."""
+    root = references_dir()
+    found = [Reference.open(folder) for folder in root.iterdir() if folder.is_dir() and not folder.name.startswith(".")] \
+        if root.is_dir() else []
+    return sorted((r for r in found if r is not None), key=lambda r: r.manifest["created"], reverse=True)
+
+
+def find(identity_: dict, environment_: dict, rescore: Rescore) -> tuple[Reference | None, Reference | None]:
+    """``(reference to reuse, reference a rescore is compared with)`` for a baseline.
+
+    ``auto`` reuses the reference made in this environment; ``never`` any of this identity (the newest);
+    ``always`` reuses none. A baseline that is scored is compared with this environment's reference,
+    else the newest of its identity made elsewhere (another torch, say).
+    """
+    same = [r for r in stored() if r.manifest["identity"] == identity_]
+    here = next((r for r in same if r.manifest["environment"] == environment_), None)
+    if rescore == "auto" and here:
+        return here, None
+    if rescore == "never" and same:
+        return here or same[0], None
+    return None, here or (same[0] if same else None)
+
+
+def find_intact(identity_: dict, environment_: dict, rescore: Rescore
+                ) -> tuple[Reference | None, Reference | None, list[str]]:
+    """``find``, with what it finds checked first (``Reference.damage``): a damaged reference is never used. It is
+    removed, with one warning line naming it and its damage, and the search made again; under ``rescore: never``,
+    which forbids scoring the baseline again, it is refused instead.
+
+    Returns:
+        ``find``'s pair, and a ``"<key>: <damage>"`` line for each reference removed (for the record).
+    """
+    removed = []
+    while True:
+        found = find(identity_, environment_, rescore)
+        damaged = next(((r, problem) for r in found if r is not None and (problem := r.damage())), None)
+        if damaged is None:
+            return *found, removed
+        bad, problem = damaged
+        if rescore == "never":
+            raise DamagedReference(f"baseline reference {bad.key} is damaged: {problem}; rescore: never forbids making "
+                                   f"it again: set baseline.rescore to auto, or remove it (ppl-audit reference rm {bad.key})")
+        print(f"ppl-audit: warning: baseline reference {bad.key} is damaged: {problem}; it is removed and not used",
+              file=console.err())
+        remove(bad)
+        removed.append(f"{bad.key}: {problem}")
+
+
+def drift(previous: Reference, result: PerplexityResult, environment_: dict) -> dict:
+    """How a rescored baseline's numbers differ from its stored reference's, and whether beyond float noise.
+
+    Returns:
+        ``reference`` (its key), ``max_abs_delta_nll`` and ``mean_abs_delta_nll`` (per token),
+        ``delta_ppl_pct``, ``changed`` (environment entries that differ, ``then → now``) and ``drift``.
+    """
+    with np.load(previous.folder / SCORES) as scores:
+        delta = result.token_nll.astype(np.float64) - scores["token_nll"].astype(np.float64)
+    token_limit, mean_limit = DRIFT_TOLERANCE.get(previous.manifest["identity"]["dtype"], DRIFT_TOLERANCE["float32"])
+    mean_delta = result.mean_nll - previous.manifest["result"]["mean_nll"]
+    then = previous.manifest["environment"]
+    changed = {k: f"{then.get(k)} → {environment_.get(k)}" for k in sorted(set(then) | set(environment_))
+               if then.get(k) != environment_.get(k)}
+    largest = float(np.abs(delta).max()) if delta.size else 0.0
+    return {"reference": previous.key, "max_abs_delta_nll": largest, "mean_abs_delta_nll": float(np.abs(delta).mean()),
+            "delta_ppl_pct": 100 * math.expm1(mean_delta), "changed": changed,
+            "drift": largest > token_limit or abs(mean_delta) > mean_limit}
+
+
+def remove(reference: Reference) -> None:
+    _discard(reference.folder)
+
+
+def prune(older_than_seconds: float | None = None, max_bytes: int | None = None) -> list[Reference]:
+    """Remove references unused for longer than ``older_than_seconds``, then the least recently used until
+    the rest take at most ``max_bytes``; and scratch folders of builds whose process died. Returns the removed."""
+    with building():  # clears dead builds' folders
+        pass
+    kept = sorted(stored(), key=lambda r: r.last_used)
+    removed = []
+    if older_than_seconds is not None:
+        removed = [r for r in kept if time.time() - r.last_used > older_than_seconds]
+        kept = [r for r in kept if r not in removed]
+    if max_bytes is not None:
+        total = sum(r.size_bytes for r in kept)
+        while kept and total > max_bytes:
+            total -= kept[0].size_bytes
+            removed.append(kept.pop(0))
+    for reference in removed:
+        remove(reference)
+    return removed

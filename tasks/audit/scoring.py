@@ -1,0 +1,306 @@
+"""Score one model of an audit: make or load it, check it is comparable, and measure it.
+
+``score_variant`` never raises but for a transient failure: a model that cannot be loaded, is
+refused, runs out of memory or produces NaN ends as a failed ``VariantResult`` with a one-line reason,
+so the others carry on.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tasks.audit import reference
+from tasks.audit.checkpoints import Checkpoint, Lineup, quantized_checkpoint
+from tasks.audit.cluster import worker
+from tasks.config import VariantSpec
+from tasks.core.errors import InputError, NumericalError, TransientError, WorkerError, one_line
+from tasks.core.places import references_dir
+from tasks.data.corpus import tokenizer_digest
+from tasks.data.evaluation import Evaluation
+from tasks.engine.batching import auto_batch_size
+from tasks.engine.model_facts import input_device
+from tasks.engine.perplexity import Part, PerplexityResult, combine, score_part, scored_targets
+from tasks.engine.windows import plan
+from tasks.models.placement import devices, is_split, main_device, run_on
+from tasks.models.quantize import check_disjoint, read_manifest
+from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
+from tasks.models.variants import VariantFacts, check_same_tokenizer, load_variant
+from tasks.record.results import VariantResult
+
+
+def score_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool,
+                       windows: tuple[int, int] | None = None, **options) -> Part:
+    """Score the windows ``windows`` (all when None) at the configured batch size, halving it on out-of-memory
+    (the result does not depend on it)."""
+    settings = evaluation_.settings
+    batch_size = settings.batch_size
+    if batch_size == "auto":
+        batch_size = auto_batch_size(model, evaluation_.stream, settings.window, settings.stride, settings.mode)
+    while True:
+        try:
+            return score_part(model, evaluation_.stream, settings.window, settings.stride, batch_size, windows,
+                              progress=progress, model_name=name, mode=settings.mode, **options)
+        except torch.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+            batch_size //= 2
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def combined(parts: list[Part], evaluation_: Evaluation, name: str) -> PerplexityResult:
+    """The model's result from parts that cover the audit's windows."""
+    settings = evaluation_.settings
+    return combine(parts, evaluation_.stream, name, settings.window, settings.stride, settings.mode)
+
+
+def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **options) -> PerplexityResult:
+    """Every window scored here (``score_with_backoff``), as one result."""
+    return combined([score_with_backoff(model, evaluation_, name, progress, **options)], evaluation_, name)
+
+
+PARITY_WINDOWS = 2  # a split model's first windows, scored on one device too: enough to see a broken split
+
+
+def check_parity(spec: VariantSpec, source: str, model, facts: VariantFacts, evaluation_: Evaluation) -> dict:
+    """Refuse a model split over several devices (``device_map``) that scores the first windows differently
+    from the same checkpoint on one device, beyond the float noise of its dtype (``reference.DRIFT_TOLERANCE``):
+    multi-GPU splits have silently wrecked perplexity elsewhere (llama.cpp #8685: 7.10 became 26,727).
+
+    The one-device copy is loaded in host memory and computes on the split's first device (``run_on``), so
+    the check needs host memory for one more copy of the model, not GPU memory. Returns what it compared.
+    """
+    windows = (0, min(PARITY_WINDOWS, len(plan(evaluation_.stream, evaluation_.settings.window,
+                                                evaluation_.settings.stride, evaluation_.settings.mode))))
+    split = score_with_backoff(model, evaluation_, spec.name, False, windows).scores.token_nll.double()
+    alone = spec.model_copy(update={"device_map": None, "max_memory": None, "device": "cpu", "dtype": facts.dtype})
+    copy, _ = load_variant(alone, source)
+    try:
+        one = score_with_backoff(run_on(copy, main_device(model)), evaluation_, spec.name, False, windows)
+    finally:
+        del copy
+        gc.collect()
+    difference = split - one.scores.token_nll.double()
+    worst, mean = float(difference.abs().max()), float(difference.mean().abs())
+    token_limit, mean_limit = reference.DRIFT_TOLERANCE.get(facts.dtype, reference.DRIFT_TOLERANCE["float32"])
+    split_over = ", ".join(devices(model))
+    if not (worst <= token_limit and mean <= mean_limit):  # NaN fails too
+        raise InputError(f"{spec.name}: split over {split_over} it scores the first {len(difference)} tokens unlike "
+                         f"one device (largest |ΔNLL| {worst:.3g}, mean {mean:.3g}; {facts.dtype} noise is "
+                         f"{token_limit:g}, {mean_limit:g}): the split computes something else; check the device_map")
+    return {"devices": split_over, "tokens": len(difference), "max_abs_nll_difference": worst,
+            "mean_nll_difference": mean}
+
+
+def _loaded(spec: VariantSpec, source: str, evaluation_: Evaluation):
+    """``load_variant``, and a model split over several devices checked against one device first."""
+    model, facts = load_variant(spec, source)
+    if is_split(model):
+        facts.parity = check_parity(spec, source, model, facts, evaluation_)
+    return model, facts
+
+
+def _reuse(found: reference.Reference) -> tuple[PerplexityResult, VariantFacts]:
+    found.touch()
+    return found.result(), VariantFacts(**found.manifest["facts"])
+
+
+def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[Path | None, dict | None, dict]:
+    """``(its local files, identity, environment)`` of an audit's baseline (``tasks.audit.reference``); no identity
+    for a model whose files are not on this machine."""
+    device = resolve_device(checkpoint.spec.device)
+    dtype = resolve_dtype(checkpoint.spec.dtype, device)
+    folder = reference.model_files(checkpoint.source)
+    identity = None if folder is None else reference.identity(folder, checkpoint.tokenizer, evaluation_.stream,
+                                                              evaluation_.settings, dtype)
+    return folder, identity, reference.environment(device)
+
+
+def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: bool
+                    ) -> tuple[PerplexityResult, VariantFacts, dict]:
+    """The baseline's result, from its stored reference or scored (writing one), and what happened, for
+    the record: ``baseline`` (``reused``/``scored``), ``key`` and ``path`` of the reference, ``drift``
+    (a rescore against the reference stored before), ``problem`` (why there is no reference), ``removed``
+    (damaged references found and removed, ``reference.find_intact``)."""
+    spec, settings = checkpoint.spec, evaluation_.settings
+    folder, identity, environment = baseline_identity(checkpoint, evaluation_)
+    reuse = previous = None
+    said = {}
+    if identity is not None:
+        reuse, previous, removed = reference.find_intact(identity, environment, spec.rescore)
+        said = {"removed": removed} if removed else {}
+    if reuse is not None:
+        result, facts = _reuse(reuse)
+        return result, facts, said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
+    model, facts = _loaded(spec, checkpoint.source, evaluation_)
+    with ExitStack() as stack:
+        writer, key = None, None
+        problem = f"{checkpoint.source} is not on this machine: nothing identifies it well enough to keep a reference"
+        if identity is not None:
+            key = reference.key_of(identity, environment)
+            try:
+                writer = reference.Writer(stack.enter_context(reference.building()) / key,
+                                          scored_targets(evaluation_.stream, settings.window, settings.stride,
+                                                         settings.mode))
+                writer.staging.mkdir()
+            except OSError as error:  # the reference is lost, not the baseline's score
+                writer = None
+                problem = f"could not write the baseline reference in {references_dir()}: {error}"
+        result = perplexity_with_backoff(model, evaluation_, spec.name, progress, keep_hidden=writer)
+        said |= {"baseline": "scored", "key": None}
+        if previous is not None:
+            said["drift"] = reference.drift(previous, result, environment)
+        if writer is None:
+            return result, facts, said | {"problem": problem}
+        try:
+            manifest = {"identity": identity, "environment": environment, "facts": facts.summary(),
+                        "source": str(folder), "softcap": getattr(model.config, "final_logit_softcapping", None)}
+            # a rescore in this environment takes the old one's place; a race with another audit keeps theirs
+            replace = previous is not None and previous.key == key
+            stored = writer.publish(key, manifest, result, model.get_output_embeddings(), replace)
+            said |= {"key": stored.key, "path": str(stored.folder)}
+        except OSError as error:
+            said["problem"] = writer.problem or f"could not write the baseline reference: {error}"
+    return result, facts, said
+
+
+@contextmanager
+def failing_alone(outcome: VariantResult):
+    """Turn a failure of one model into ``outcome.reason`` (one line), so that the others carry on; only a
+    ``TransientError`` (network, remote storage) escapes, for the caller to retry. A failure that another
+    worker may not meet (out of memory, an unexpected error) marks the outcome ``retry_elsewhere``."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        outcome.reason = "out of memory at batch size 1; use a smaller window or a larger device"
+        outcome.retry_elsewhere = True
+    except TransientError:
+        raise
+    except (InputError, NumericalError) as error:
+        outcome.reason = one_line(error)
+    except WorkerError as error:
+        outcome.reason = one_line(error)
+        outcome.retry_elsewhere = True
+    except Exception as error:  # any other failure of one model must not lose the others
+        outcome.reason = f"{type(error).__name__}: {one_line(error)}"
+        outcome.retry_elsewhere = True
+
+
+def made(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
+         progress: bool = False) -> Checkpoint:
+    """A gptq/awq variant made here from the baseline, as a checkpoint with its new folder, tokenizer (the
+    baseline's, saved with it) and manifest; any other checkpoint as it is. Raises what quantizing raises."""
+    if checkpoint.source is not None or checkpoint.problem or checkpoint.role == "baseline":
+        return checkpoint
+    source = quantized_checkpoint(checkpoint.spec, lineup, evaluation_, corpus_text_of, progress)
+    return replace(checkpoint, source=source, tokenizer=tokenizer_digest(load_tokenizer(source)),
+                   manifest=read_manifest(source))
+
+
+def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
+                 progress: bool = False) -> Checkpoint:
+    """``made``, with a failure to make it as the checkpoint's ``problem``: once, before its shards load it."""
+    outcome = VariantResult(checkpoint.name, checkpoint.spec.method, "failed")
+    with failing_alone(outcome):
+        return made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
+    return replace(checkpoint, problem=outcome.reason)
+
+
+def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
+                  progress: bool = False, baseline_outcome: VariantResult | None = None,
+                  windows: tuple[int, int] | None = None) -> VariantResult:
+    """Score one model on the audit's stream; failures become a failed result, never an exception.
+
+    The baseline is read from its stored reference when one matches (``tasks.audit.reference``), else scored
+    and its reference written; a variant measures its divergence from the baseline (``baseline_outcome``)
+    through that reference: the baseline's LM head and hidden states, never the baseline model.
+
+    Only a ``TransientError`` (network, remote storage) is raised, for the caller to retry. Out of
+    memory is not retried at the same batch size: the batch size is halved until it fits.
+
+    Args:
+        corpus_text_of: maps a calibration ``CorpusConfig`` to its text (gptq/awq made here).
+        windows: a variant's shard: only these windows ``(first, stop)`` are scored; the outcome holds them
+            as its ``part`` (no ``result``), for ``merge_shards``.
+    """
+    spec, settings = checkpoint.spec, evaluation_.settings
+    model = None
+    outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
+    if windows is not None:
+        outcome.shards = [{"windows": list(windows), "worker": worker()}]
+    try:
+        with failing_alone(outcome):
+            if checkpoint.problem:
+                raise InputError(checkpoint.problem)
+            if checkpoint.role == "baseline":
+                outcome.manifest = checkpoint.manifest
+                outcome.result, outcome.facts, outcome.reference = _score_baseline(checkpoint, evaluation_, progress)
+                outcome.facts.worker = worker()
+                outcome.status = "ok"
+                return outcome
+            checkpoint = made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
+            outcome.manifest = checkpoint.manifest
+            if outcome.manifest:
+                check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
+            check_same_tokenizer(spec.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
+            model, outcome.facts = _loaded(spec, checkpoint.source, evaluation_)
+            outcome.facts.worker = worker()
+            if checkpoint.detected:
+                outcome.facts.quantization["detected"] = checkpoint.detected
+            against = None
+            baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
+            if settings.divergence and baseline_said.get("path"):
+                stored = reference.Reference.open(Path(baseline_said["path"]))
+                if stored is None:
+                    raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
+                                      "worker must see $PPL_AUDIT_REFERENCES at the same path")
+                against = stored.baseline(lineup.baseline.source, input_device(model))
+                outcome.divergence = {"reference": baseline_said["key"],
+                                      "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
+            elif settings.divergence:
+                outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
+            part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against)
+            if windows is None:
+                outcome.result = combined([part], evaluation_, spec.name)
+            else:
+                outcome.part = part
+                outcome.shards[0] |= {"tokens": int(part.scores.window_tokens.sum()), "seconds": part.wall_seconds}
+            outcome.status = "ok"
+    finally:
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        outcome.ended = time.time()
+    return outcome
+
+
+def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> VariantResult:
+    """One variant's outcome from its shards' (in window order): their parts combined into one result
+    (``tasks.engine.perplexity.combine``: bit for bit what one worker scoring every window gives), every worker named.
+    It fails, with the first failed shard's reason, when a shard failed."""
+    first = shards[0]
+    merged = VariantResult(first.name, first.method, "failed", manifest=first.manifest, facts=first.facts,
+                           divergence=first.divergence, shards=[row for s in shards for row in s.shards],
+                           # a task that raised before it started (e.g. on a worker that cannot reach
+                           # Prefect's API) has no times
+                           started=min((s.started for s in shards if s.started), default=None),
+                           ended=max((s.ended for s in shards if s.ended), default=None))
+    failed = next((n for n, shard in enumerate(shards) if not shard.ok), None)
+    if failed is not None:
+        merged.reason = shards[failed].reason
+        if len(shards) > 1:
+            merged.reason = f"shard {failed + 1} of {len(shards)}: {merged.reason}"
+        return merged
+    with failing_alone(merged):
+        merged.result = combined([shard.part for shard in shards], evaluation_, first.name)
+        merged.facts.worker = ", ".join(dict.fromkeys(row["worker"] for row in merged.shards))
+        merged.status = "ok"
+    return merged

@@ -1,0 +1,108 @@
+"""Files other runs read back: written whole or not at all, and a damaged one set aside, not fatal."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks.core import console
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and a rename.
+
+    A crash or a full disk leaves the old file (or none), never a truncated one that breaks every later
+    run; the temporary file is removed on failure.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes, read in chunks: what a cache records of each file to check it when read."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_json(path: Path, what: str) -> dict | None:
+    """The JSON object in ``path``; None when it is absent or damaged (then one line on stderr says so)."""
+    if not path.is_file():
+        return None
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        found = None
+    if not isinstance(found, dict):
+        print(f"ppl-audit: warning: {what} {path} is damaged; it is ignored and made again", file=console.err())
+        return None
+    return found
+
+
+def prune(folder: Path, max_bytes: int) -> list[Path]:
+    """Delete the least recently used files of ``folder`` until it holds at most ``max_bytes``.
+
+    A cache grows with every new corpus, tokenizer and setting; this keeps it to a size. "Used" is the
+    modification time, which a cache touches when it reads an entry. Returns what was deleted.
+    """
+    files = sorted((file for file in folder.iterdir() if file.is_file()), key=lambda file: file.stat().st_mtime)
+    total = sum(file.stat().st_size for file in files)
+    deleted = []
+    for file in files:
+        if total <= max_bytes:
+            break
+        total -= file.stat().st_size
+        file.unlink(missing_ok=True)
+        deleted.append(file)
+    return deleted
+
+
+def owner_tag() -> str:
+    """This process, as ``pid@host``: names what it writes so that a later run can tell whether it died."""
+    return f"{os.getpid()}@{platform.node()}"
+
+
+def died(owner: str) -> bool:
+    """Whether the process an ``owner_tag`` names is gone (one on another host is taken as alive)."""
+    pid, _, host = owner.partition("@")
+    if host != platform.node() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+@contextmanager
+def scratch(root: Path) -> Iterator[Path]:
+    """A folder for this process under ``root``, removed when done.
+
+    A process killed before it could remove its folder leaves it behind: the folders of processes that
+    died are removed first, so litter lasts until the next use at most.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    for folder in root.iterdir():
+        if died(folder.name.rpartition("~")[0]):
+            shutil.rmtree(folder, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"{owner_tag()}~", dir=root) as folder:
+        yield Path(folder)

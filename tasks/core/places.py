@@ -1,0 +1,50 @@
+"""The folders ppl-audit keeps things in; standard library only, so any command can ask cheaply."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def home() -> Path:
+    """Audit records, the local MLflow store and logs: ``$PPL_AUDIT_HOME``, default ``~/.ppl-audit``."""
+    return Path(os.environ.get("PPL_AUDIT_HOME", Path.home() / ".ppl-audit"))
+
+
+def cache_dir() -> Path:
+    """What can be made again (embedded model and corpus, quantized checkpoints, token streams):
+    ``$PPL_AUDIT_CACHE``, default ``~/.cache/ppl-audit``."""
+    return Path(os.environ.get("PPL_AUDIT_CACHE", Path.home() / ".cache" / "ppl-audit"))
+
+
+def references_dir() -> Path:
+    """Stored baseline references (``tasks.audit.reference``): ``$PPL_AUDIT_REFERENCES``, default
+    ``<cache>/references``. A 70B baseline's takes gigabytes: put them on a disk that has room."""
+    return Path(os.environ.get("PPL_AUDIT_REFERENCES", cache_dir() / "references"))
+
+
+def spool_dir() -> Path:
+    """Audit records not yet in a tracking server (``tasks.record.spool``)."""
+    return home() / "spool"
+
+
+def synced_dir() -> Path:
+    """Audit records already in one."""
+    return home() / "synced"
+
+
+def quarantine_dir() -> Path:
+    """Spooled records too damaged to replay, set aside for a person to inspect."""
+    return home() / "quarantine"
+
+
+def log_dir() -> Path:
+    return home() / "logs"
+
+
+def default_uri() -> str:
+    return f"sqlite:///{home() / 'mlflow.db'}"
+
+def tracking_uri(configured: str | None = None) -> str:
+    """The config's URI, else ``MLFLOW_TRACKING_URI``, else the local SQLite store."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()

@@ -1,0 +1,56 @@
+"""``batch_size: auto``: the batch size to score with, found once per model, window and device.
+
+On CUDA it is the largest power of two (up to ``cap``) whose batch of the longest windows runs without
+running out of memory. On CPU memory is rarely the limit and larger batches stop paying early, so it
+is the smallest power of two past which tokens per second stop improving by 5%. Either way the search
+is bounded, its result is cached in ``$PPL_AUDIT_CACHE/batch_sizes.json``, and the perplexity does not
+depend on it; an out-of-memory error later still halves the batch size instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from tasks.core.files import read_json, write_atomically
+from tasks.core.places import cache_dir
+from tasks.engine.model_facts import input_device
+from tasks.engine.perplexity import score_windows
+from tasks.engine.stream import TokenStream
+from tasks.engine.windows import plan
+
+
+def _cache_key(model, window: int, mode: str) -> str:
+    return json.dumps([str(model.name_or_path), str(model.dtype), str(input_device(model)), window, mode])
+
+
+def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: str = "sliding", cap: int = 64) -> int:
+    """Search (or recall) the batch size for ``model`` at this window on this device."""
+    file = cache_dir() / "batch_sizes.json"
+    known = read_json(file, "batch size cache") or {}
+    key = _cache_key(model, window, mode)
+    if key in known:
+        return known[key]
+    windows = sorted(plan(stream, window, stride, mode), key=lambda w: w.end - w.start, reverse=True)
+    device = input_device(model)
+    cuda = device.type == "cuda"
+    best, best_speed, size = 1, 0.0, 1
+    while size <= min(cap, len(windows)):
+        try:
+            started = time.perf_counter()
+            score_windows(model, stream.ids, windows[:size], stream.prefix, batch_size=size)
+            if cuda:
+                torch.cuda.synchronize(device)
+            speed = sum(w.n_scored for w in windows[:size]) / (time.perf_counter() - started)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            break
+        if not cuda and speed < best_speed * 1.05:
+            break
+        best, best_speed, size = size, max(speed, best_speed), size * 2
+    known[key] = best
+    file.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(file, json.dumps(known, indent=1))
+    return best

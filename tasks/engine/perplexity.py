@@ -1,0 +1,547 @@
+"""Sliding-window perplexity over one token stream: plain PyTorch, no Prefect.
+
+The corpus is one stream of N tokens. Window k ends at ``min(L + k*S, N)`` and holds at most L tokens;
+the first window scores its tokens 1..L-1, every later window scores only the tokens the previous one
+did not reach, and the rest of it is context. So every token but the first is scored exactly once, each
+with as much context as the window allows. Per-token NLL is summed in float64 and divided once, so the
+result does not depend on batch size, window order or padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from tasks.core import console
+from tasks.core.errors import DamagedReference, NumericalError
+from tasks.engine import divergence
+from tasks.engine.memory import PeakMemory
+from tasks.engine.model_facts import input_device, max_positions
+from tasks.engine.stream import TokenStream
+from tasks.engine.windows import Window, check_settings, plan, plan_chunks
+
+# Bounds one chunk of float32 logits, by device. CPU: 341 rows at vocab 49k, 128 at 128k. CUDA: 512 rows
+# at 128k; fewer rows re-read the head's weights too often (64 MiB chunks ran the 128k head at a quarter
+# of an H100's matmul rate), and the fused NLL below never writes the float32 chunk anyway.
+HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
+
+
+def _upcast(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _nll(logits: torch.Tensor, target: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``logsumexp(logits) - logits[target]`` per row, in float32 (float64 for a float64 model).
+
+    NLL alone needs no ``[rows, V]`` log-softmax: on CPU writing one costs a quarter of the head's matmul,
+    and logsumexp is the more accurate of the two.
+    """
+    logits = _upcast(logits, softcap)
+    return torch.logsumexp(logits, -1) - logits.gather(-1, target).squeeze(-1)
+
+
+@functools.cache
+def _compiled_nll():
+    return torch.compile(_nll)
+
+
+def _fused_nll(logits: torch.Tensor, target: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``_nll`` compiled for CUDA into passes that read the 16-bit logits and write one number per row.
+
+    Eager, the float32 upcast, max, subtraction, exp and sum each write or re-read a float32 copy of the
+    chunk: on an H100 at a 128k vocabulary that took twice as long as the head's matmul itself. Rows
+    vary from chunk to chunk, the vocabulary does not: one compiled kernel serves every chunk.
+    """
+    torch._dynamo.maybe_mark_dynamic(logits, 0)
+    torch._dynamo.maybe_mark_dynamic(target, 0)
+    return _compiled_nll()(logits, target, softcap)
+
+
+def _log_probs(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = _upcast(logits, softcap)
+    return logits - torch.logsumexp(logits, -1, keepdim=True)
+
+
+def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, target: torch.Tensor, softcap: float | None,
+                base_softcap: float | None) -> dict[str, torch.Tensor]:
+    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits, and the baseline's
+    NLL of the targets (``base_nll``), which checks its stored reference at no extra pass."""
+    base = _log_probs(base_logits, base_softcap)
+    return divergence.exact(base, _log_probs(logits, softcap)) | {"base_nll": -base.gather(-1, target).squeeze(-1)}
+
+
+@functools.cache
+def _divergence_kernel(device_type: str):
+    """``_divergence`` compiled into a few fused passes over the chunk, where it compiles.
+
+    Eager, the two log-softmaxes, the difference, both exps and both weighted sums each read or write a
+    ``[rows, V]`` array: on 2 CPU cores that took 1.5 times the baseline head's matmul, five times the
+    compiled kernel. Inductor needs a C++ compiler on CPU (Triton on CUDA); without one, eager gives the
+    same numbers, more slowly. The NLL is not taken here but by the plain path's own function, so that
+    a variant's PPL is the same number whether or not its KL is taken.
+    """
+    compiled = torch.compile(_divergence, dynamic=True)
+    try:
+        probe = torch.zeros(2, 3, device=device_type)
+        compiled(probe, probe, torch.zeros(2, 1, dtype=torch.long, device=device_type), None, None)
+    except Exception:  # inductor could not build here (no compiler); torch raises many kinds
+        return _divergence
+    return compiled
+
+
+def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+def head_chunk_bytes(device: torch.device) -> int:
+    return HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["cpu"])
+
+
+def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
+                chunk_bytes: int | None = None, reference: BaselineBatch | None = None) -> dict[str, torch.Tensor]:
+    """Per-token NLL (and divergence from the baseline), running the LM head in chunks of rows.
+
+    Args:
+        head: the output projection, ``[..., H] -> [..., V]``.
+        hidden: ``[T, H]`` final hidden states at the positions that predict ``targets``.
+        targets: ``[T]`` token ids.
+        softcap: final logit soft-capping of the model, if it has one (Gemma 2).
+        chunk_bytes: bound on one chunk's float32 logits (default by device, ``HEAD_CHUNK_BYTES``); the
+            full ``[T, V]`` is never built, for the variant nor for the baseline.
+        reference: the baseline's head and its hidden states at the same ``T`` positions.
+
+    Returns:
+        ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``reference`` also ``kl``
+        (KL(base‖variant)), ``kl_reverse`` (KL(variant‖base)) and ``top1`` (same most likely token).
+    """
+    rows = _chunk_rows(head, chunk_bytes or head_chunk_bytes(hidden.device))
+    nll = _fused_nll if hidden.is_cuda else _nll
+    out: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, hidden.shape[0], rows):
+        stop = start + rows
+        logits = head(hidden[start:stop])
+        target = targets[start:stop, None].to(logits.device)  # a split model's head may sit on another device
+        parts = {"nll": nll(logits, target, softcap)}
+        if reference is not None:
+            base_logits = reference.head(reference.hidden[start:stop]).to(logits.device)
+            parts |= _divergence_kernel(logits.device.type)(logits, base_logits, target, softcap, reference.softcap)
+            reference.check(parts.pop("base_nll"), start)
+        for key, value in parts.items():
+            out.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in out.items()}
+
+
+@dataclass
+class BaselineBatch:
+    """The baseline's head and its final hidden states ``[T, H]`` for the batch a variant is scoring, with
+    the NLL the baseline gave these tokens when it was scored (``nll``, ``[T]``; None: not checked)."""
+
+    head: torch.nn.Module
+    hidden: torch.Tensor
+    softcap: float | None
+    nll: torch.Tensor | None = None
+    tolerance: float = 0.0
+    source: str = "the baseline reference"
+
+    def check(self, base_nll: torch.Tensor, start: int) -> None:
+        """Refuse a reference whose head and hidden states do not give back its own NLL (rows ``start:``):
+        damaged hidden states would give every variant a wrong KL, not an error."""
+        if self.nll is None:
+            return
+        stored = self.nll[start : start + len(base_nll)].to(base_nll.device, base_nll.dtype)
+        difference = (base_nll - stored).abs()
+        worst = float(difference.max()) if len(difference) else 0.0
+        if not worst <= self.tolerance:  # NaN too
+            raise DamagedReference(f"{self.source} is damaged: its LM head on its hidden states gives NLLs up to "
+                                   f"{worst:.3g} away from its stored ones (float noise is {self.tolerance:g}); "
+                                   "the next audit scores the baseline again (`ppl-audit reference verify` checks "
+                                   "every stored reference)")
+
+
+@dataclass
+class Baseline:
+    """What a variant's divergence is measured against: the baseline's LM head and a source of its final
+    hidden states at the scored positions (a stored reference, ``tasks.audit.reference``).
+
+    Attributes:
+        states: ``(slots, inputs) -> [T, H]``: the hidden states of the scored tokens ``slots`` (their
+            places in the token arrays), given the batch's ``(input_ids, mask, row_index, columns)``.
+        nll: ``slots -> [T]``: the NLL the baseline gave those tokens when it was scored, checked against
+            what its head makes of ``states`` (within ``tolerance``); None: not checked.
+        source: how a damaged one is named.
+    """
+
+    head: torch.nn.Module
+    softcap: float | None
+    states: Callable[[torch.Tensor, tuple], torch.Tensor]
+    nll: Callable[[torch.Tensor], torch.Tensor] | None = None
+    tolerance: float = 0.0
+    source: str = "the baseline reference"
+
+
+@dataclass
+class WindowScores:
+    """Per-token and per-window results of scoring a stream.
+
+    Attributes:
+        token_nll: ``[n_scored]`` NLL of each scored token (float32; float64 for a float64 model),
+            window by window in index order (stream order for the sliding window).
+        window_nll: ``[n_windows]`` float64 NLL sum of each window's scored tokens.
+        window_tokens: ``[n_windows]`` int64 number of tokens each window scored.
+        extra: further per-token arrays aligned with ``token_nll``: ``kl``, ``kl_reverse`` (float64),
+            ``top1`` (divergence from the baseline).
+    """
+
+    token_nll: torch.Tensor
+    window_nll: torch.Tensor
+    window_tokens: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, first_token: int | None = None):
+    """Right-padded input ids, attention mask (None when nothing is padded), and scored positions.
+
+    ``first_token`` is written over the first token of every window (llama.cpp's BOS per chunk).
+    """
+    rows = [torch.cat([prefix, ids[w.start : w.end]]) for w in batch]
+    if first_token is not None:
+        for row in rows:
+            row[len(prefix)] = first_token
+    lengths = torch.tensor([len(row) for row in rows])
+    input_ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+    mask = None
+    if bool((lengths != lengths.max()).any()):
+        mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+    row_index = torch.cat([torch.full((w.n_scored,), i) for i, w in enumerate(batch)])
+    # the hidden state at column c predicts the token at column c + 1
+    columns = torch.cat([torch.arange(w.first_scored, w.end) - w.start + len(prefix) - 1 for w in batch])
+    targets = torch.cat([ids[w.first_scored : w.end] for w in batch])
+    return input_ids, mask, row_index, columns, targets
+
+
+def scored_targets(stream: TokenStream, window: int, stride: int, mode: str = "sliding") -> torch.Tensor:
+    """The ids of every token the plan scores, in the order of the token arrays (window by window)."""
+    return torch.cat([stream.ids[w.first_scored : w.end] for w in plan(stream, window, stride, mode)])
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host to device without making the host wait: from pinned memory on CUDA.
+
+    A plain copy from pageable memory waits for every kernel queued before it, which would leave the
+    GPU idle while the host prepares the next batch.
+    """
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
+    """Start copying a batch's per-token results to the host; returns them and an event to wait on.
+
+    On CUDA the copies go to pinned memory asynchronously, so the next batch is queued before these
+    results are read (``store`` then waits for this batch alone).
+    """
+    host = {key: value.to("cpu", non_blocking=True) for key, value in stats.items()}
+    copied = None
+    if device.type == "cuda":
+        copied = torch.cuda.Event()
+        copied.record()
+    return host, copied
+
+
+def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
+    device = input_device(model)
+    hidden = model.base_model(input_ids=_to_device(input_ids, device),
+                              attention_mask=None if mask is None else _to_device(mask, device),
+                              use_cache=False).last_hidden_state
+    # a model split over devices ends on its last module's device
+    return hidden[_to_device(row_index, hidden.device), _to_device(columns, hidden.device)]
+
+
+@torch.inference_mode()
+def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
+                  batch_size: int = 1, label: str | None = None, first_token: int | None = None,
+                  reference: Baseline | None = None, keep_hidden: Callable | None = None) -> WindowScores:
+    """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
+
+    Args:
+        model: a Hugging Face causal LM (``base_model`` gives hidden states, the output embeddings
+            give logits).
+        ids: ``[N]`` stream token ids.
+        windows: from ``plan_windows`` or ``plan_chunks``, in any order.
+        prefix: ids put before every window (BOS under the ``window`` policy).
+        batch_size: windows per forward pass; results do not depend on it.
+        label: the progress bar's name (``score <model>``); no bar when None.
+        first_token: written over each window's first token (llama.cpp convention).
+        reference: the baseline, to measure each token's divergence from.
+        keep_hidden: called as ``keep_hidden(slots, hidden)`` with each batch's final hidden states
+            ``[T, H]`` (on the host, in the model's dtype) and their places in the token arrays: how a
+            baseline reference is written batch by batch, never held whole.
+    """
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    counts = torch.zeros(len(windows) and max(w.index for w in windows) + 1, dtype=torch.long)
+    for w in windows:
+        counts[w.index] = w.n_scored
+    offsets = torch.cumsum(counts, 0) - counts  # where each window's tokens go, by window index
+    total = int(counts.sum())
+    arrays: dict[str, torch.Tensor] = {}
+    window_nll = torch.zeros(len(counts), dtype=torch.float64)
+    prefix_ids = torch.tensor(prefix, dtype=torch.long)
+
+    def store(batch: list[Window], slots: torch.Tensor, host: dict[str, torch.Tensor], copied) -> None:
+        if copied is not None:
+            copied.synchronize()
+        if "hidden" in host:
+            keep_hidden(slots, host.pop("hidden"))
+        for w, part in zip(batch, host["nll"].split([w.n_scored for w in batch])):
+            window_nll[w.index] = part.double().sum()
+        for key, value in host.items():
+            if key not in arrays:
+                # at least float32 (a bf16 model's figures are float32); a float64 model's stay float64
+                dtype = torch.promote_types(value.dtype, torch.float32) if value.is_floating_point() else value.dtype
+                arrays[key] = torch.zeros((total, *value.shape[1:]), dtype=dtype)
+            arrays[key][slots] = value.to(arrays[key].dtype)
+        bar.update(len(slots))
+
+    pending = None  # the previous batch, whose results are read once this batch is queued
+    with console.bar(total, label or "score", "tok", enabled=label is not None) as bar:
+        for b in range(0, len(windows), batch_size):
+            batch = windows[b : b + batch_size]
+            inputs = _batch_inputs(ids, batch, prefix_ids, first_token)
+            input_ids, mask, row_index, columns, targets = inputs
+            slots = torch.cat([torch.arange(int(offsets[w.index]), int(offsets[w.index]) + w.n_scored) for w in batch])
+            hidden = _hidden(model, input_ids, mask, row_index, columns)
+            against = None
+            if reference is not None:
+                against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),
+                                        reference.softcap, None if reference.nll is None else reference.nll(slots),
+                                        reference.tolerance, reference.source)
+            stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against)
+            if keep_hidden is not None:
+                stats["hidden"] = hidden
+            if pending is not None:
+                store(*pending)
+            pending = (batch, slots, *_to_host(stats, hidden.device))
+        if pending is not None:
+            store(*pending)
+    token_nll = arrays.pop("nll")
+    return WindowScores(token_nll, window_nll, counts, arrays)
+
+
+@dataclass
+class PerplexityResult:
+    """One model's perplexity on one token stream, with what it took to get it."""
+
+    model: str
+    n_tokens: int
+    nll_sum: float
+    mean_nll: float
+    ppl: float
+    stderr: float  # standard error of the mean token NLL; PPL error is ppl * stderr, as llama.cpp prints
+    ppl_stderr: float
+    n_bytes: int  # of the text whose tokens were scored; 0 where it was not counted for this mode
+    n_words: int
+    bits_per_byte: float | None  # None where the scored text was not counted
+    byte_ppl: float | None
+    word_ppl: float | None
+    window: int
+    stride: int
+    batch_size: int
+    bos: str
+    mode: str
+    n_windows: int
+    device: str
+    dtype: str
+    corpus_digest: str
+    wall_seconds: float
+    tokens_per_second: float
+    peak_memory_bytes: int
+    token_nll: np.ndarray = field(repr=False)
+    window_nll: np.ndarray = field(repr=False)
+    window_tokens: np.ndarray = field(repr=False)
+    extra: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    absent: dict[str, str] = field(default_factory=dict)  # figure -> why it is None
+
+    def summary(self) -> dict:
+        """Every scalar field and ``absent``, for JSON and tracking (the arrays are left out)."""
+        return {k: v for k, v in asdict(self).items() if k != "extra" and not isinstance(v, np.ndarray)}
+
+
+def _per_unit_ppl(nll_sum: float, units: int, unit: str, absent: dict[str, str]) -> float | None:
+    """``exp(nll_sum / units)``, or None with the reason put in ``absent``: nothing was counted, or it is
+    past a float (text with few whitespace-separated words, as Chinese or Japanese has, gives e^thousands)."""
+    if not units:
+        absent[f"{unit}_ppl"] = f"no {unit}s were counted in the scored text"
+        return None
+    if nll_sum / units > math.log(sys.float_info.max):
+        absent[f"{unit}_ppl"] = f"e^{nll_sum / units:.0f} is past a float: the scored text has too few {unit}s ({units})"
+        return None
+    return math.exp(nll_sum / units)
+
+
+def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityResult:
+    """Turn sums into the corpus figures: every mean is one sum divided once by one count."""
+    nll = scores.token_nll.double()
+    n = int(scores.window_tokens.sum())
+    nll_sum = float(scores.window_nll.sum())
+    if not math.isfinite(nll_sum):
+        bad = int((~torch.isfinite(nll)).sum())
+        raise NumericalError(f"the model produced non-finite log-probabilities for {bad} of {n} scored tokens")
+    mean = nll_sum / n
+    variance = float(((nll - mean) ** 2).sum()) / (n - 1) if n > 1 else float("nan")
+    stderr = math.sqrt(variance / n)
+    ppl = math.exp(mean)
+    n_bytes, n_words = (stream.n_bytes, stream.n_words) if stream.counted_for == facts["mode"] else (0, 0)
+    absent: dict[str, str] = {}
+    return PerplexityResult(
+        n_tokens=n, nll_sum=nll_sum, mean_nll=mean, ppl=ppl, stderr=stderr, ppl_stderr=ppl * stderr,
+        n_bytes=n_bytes, n_words=n_words,
+        bits_per_byte=nll_sum / (n_bytes * math.log(2)) if n_bytes else None,
+        byte_ppl=_per_unit_ppl(nll_sum, n_bytes, "byte", absent),
+        word_ppl=_per_unit_ppl(nll_sum, n_words, "word", absent), absent=absent,
+        bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
+        token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
+        window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, **facts,
+    )
+
+
+def count_scored_text(stream: TokenStream, tokenizer, window: int, mode: str) -> TokenStream:
+    """The stream with ``n_bytes``/``n_words`` of the text a chunk mode actually scores, decoded from
+    the scored tokens of each chunk (the dropped tail and each chunk's unscored part are left out)."""
+    texts = [tokenizer.decode(stream.ids[w.first_scored : w.end]) for w in plan_chunks(len(stream.ids), window, mode)]
+    return dataclasses.replace(stream, n_bytes=sum(len(text.encode("utf-8")) for text in texts),
+                               n_words=sum(len(text.split()) for text in texts), counted_for=mode)
+
+
+@dataclass
+class Part:
+    """What scoring one contiguous slice of a stream's windows gave: a shard, or the whole stream.
+
+    Attributes:
+        windows: ``(first, stop)``: the slice's window indices in the stream's plan.
+        scores: the slice's results, its windows numbered from 0.
+        wall_seconds, peak_memory_bytes, batch_size, device, dtype: what scoring it took, and where.
+    """
+
+    windows: tuple[int, int]
+    scores: WindowScores
+    wall_seconds: float
+    peak_memory_bytes: int
+    batch_size: int
+    device: str
+    dtype: str
+
+
+def shard_bounds(n_windows: int, shards: int, batch_size: int) -> list[tuple[int, int]]:
+    """At most ``shards`` contiguous, non-empty slices ``(first, stop)`` of ``n_windows`` windows, as even as
+    whole batches allow: each boundary is a multiple of ``batch_size``, so that every forward pass holds the
+    same windows as when one worker scores them all, and gives the same bits."""
+    batches = math.ceil(n_windows / batch_size)
+    shards = max(1, min(shards, batches))
+    bounds = [min(n_windows, (batches * i // shards) * batch_size) for i in range(shards + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: int):
+    """``reference`` and ``keep_hidden`` for a slice whose first scored token is token ``offset`` of the stream:
+    both address the stream's token arrays (a stored reference is read, or written, at the stream's places)."""
+    if not offset:
+        return reference, keep_hidden
+    whole = reference
+
+    def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        return whole.states(slots + offset, inputs)
+
+    def nll(slots: torch.Tensor) -> torch.Tensor:
+        return whole.nll(slots + offset)
+
+    def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        keep_hidden(slots + offset, hidden)
+
+    if whole is not None:
+        reference = dataclasses.replace(whole, states=states, nll=nll if whole.nll is not None else None)
+    return reference, None if keep_hidden is None else keep
+
+
+def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
+               windows: tuple[int, int] | None = None, progress: bool = False, model_name: str = "",
+               mode: str = "sliding", reference: Baseline | None = None, keep_hidden: Callable | None = None) -> Part:
+    """Score the windows ``windows = (first, stop)`` of the stream's plan (all of them when None).
+
+    A slice is scored exactly as within the whole run: the same windows, the same context; ``combine``
+    joins the parts. ``reference`` and ``keep_hidden`` are as in ``score_windows``, at the stream's places.
+    """
+    check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
+    planned = plan(stream, window, stride, mode)
+    first, stop = windows or (0, len(planned))
+    if not 0 <= first < stop <= len(planned):
+        raise ValueError(f"windows {first}..{stop} are not a slice of the plan's {len(planned)}")
+    offset = sum(w.n_scored for w in planned[:first])
+    mine = [dataclasses.replace(w, index=w.index - first) for w in planned[first:stop]]
+    reference, keep_hidden = _shifted(reference, keep_hidden, offset)
+    first_token = stream.bos_id if mode == "llama.cpp" and stream.bos != "none" else None
+    device = input_device(model)
+    with PeakMemory(device) as memory:
+        started = time.perf_counter()
+        label = None
+        if progress:
+            label = f"score {model_name or model.name_or_path}"
+            label += f" [windows {first}-{stop - 1}]" if windows else ""
+        scores = score_windows(model, stream.ids, mine, stream.prefix, batch_size, label, first_token,
+                               reference, keep_hidden)
+        wall = time.perf_counter() - started
+    return Part((first, stop), scores, wall, memory.peak_bytes, batch_size, str(device),
+                str(model.dtype).removeprefix("torch."))
+
+
+def combine(parts: list[Part], stream: TokenStream, model_name: str, window: int, stride: int,
+            mode: str = "sliding") -> PerplexityResult:
+    """One result from the parts that cover a stream's windows, in window order: per-token and per-window
+    arrays concatenated, then one float64 sum and one division (``summarize``), as if one run scored them."""
+    parts = sorted(parts, key=lambda part: part.windows)
+    joined = [b.windows[0] for b in parts[1:]] == [a.windows[1] for a in parts[:-1]]
+    if not parts or parts[0].windows[0] != 0 or not joined:
+        raise ValueError(f"parts {[p.windows for p in parts]} do not cover the windows from the first, in turn")
+
+    def cat(arrays: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(arrays) if len(arrays) > 1 else arrays[0]
+
+    scores = WindowScores(cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),
+                          cat([p.scores.window_tokens for p in parts]),
+                          {key: cat([p.scores.extra[key] for p in parts]) for key in parts[0].scores.extra})
+    wall = sum(p.wall_seconds for p in parts)  # compute time, on however many workers
+    return summarize(
+        scores, stream, model=model_name, window=window, stride=stride if mode == "sliding" else window,
+        batch_size=min(p.batch_size for p in parts), mode=mode, device=parts[0].device, dtype=parts[0].dtype,
+        wall_seconds=wall, tokens_per_second=int(scores.window_tokens.sum()) / wall,
+        peak_memory_bytes=max(p.peak_memory_bytes for p in parts),
+    )
+
+
+def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
+               progress: bool = False, model_name: str = "", mode: str = "sliding", reference: Baseline | None = None,
+               keep_hidden: Callable | None = None) -> PerplexityResult:
+    """Perplexity of ``model`` on ``stream`` with a sliding window of ``window`` tokens moving by ``stride``.
+
+    With the ``window`` BOS policy the BOS counts towards the window, so ``window - 1`` stream tokens fit.
+    ``mode`` selects a published convention instead (see ``plan_chunks``); ``reference`` (divergence from
+    a baseline) and ``keep_hidden`` (writing a baseline reference) are passed to ``score_windows``.
+    """
+    name = model_name or str(model.name_or_path)
+    part = score_part(model, stream, window, stride, batch_size, None, progress, name, mode, reference, keep_hidden)
+    return combine([part], stream, name, window, stride, mode)

@@ -1,0 +1,214 @@
+"""What a checkpoint is, read from its files: its method (``method: auto``), the package that method needs,
+and the facts of its format that the table and the record show (a GGUF file's tensor types and bits per
+weight, a compressed-tensors scheme and whether its activation quantization runs, HQQ's settings, the
+bits and groups of a GPTQ/AWQ checkpoint)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from tasks.config import VariantSpec
+from tasks.core.errors import InputError
+from tasks.engine.model_facts import input_device
+from tasks.models.gguf import gguf_facts
+from tasks.models.resolve import load_config, resolve_model_path
+
+# quantization_config.quant_method in config.json -> our method (bitsandbytes: by its load_in_* flag)
+QUANT_METHODS = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors", "fp8": "fp8",
+                 "torchao": "torchao-int8"}
+HQQ_DEFAULTS = (4, 64)  # bits, group size: HQQ's own defaults
+# the module each method imports and what to pip install for it (the versions pyproject.toml pins)
+PACKAGES = {"gptq": ("gptqmodel", "gptqmodel==7.6.0"), "awq": ("gptqmodel", "gptqmodel==7.6.0"),
+            "compressed-tensors": ("compressed_tensors", "compressed-tensors==0.20.0"),
+            "hqq": ("hqq", "hqq==0.2.8.post1"), "bnb-int8": ("bitsandbytes", "bitsandbytes"),
+            "bnb-nf4": ("bitsandbytes", "bitsandbytes"), "torchao-int8": ("torchao", "torchao"),
+            "gguf": ("gguf", "gguf")}
+FORMATS_EXTRA = ("compressed-tensors", "hqq")  # the methods whose packages pyproject's `formats` extra installs
+
+
+def locate(spec: VariantSpec, registry: str | None = None) -> str:
+    """The files ``spec`` loads: its folder, Hub id or ``.gguf`` file; ``embedded`` with method gguf is the
+    packaged GGUF file the embedded model is dequantized from."""
+    if spec.method == "gguf" and spec.path == "embedded":
+        from tasks.data.embedded import embedded_gguf
+
+        return str(embedded_gguf())
+    return resolve_model_path(spec.location, registry)
+
+
+def detect(source: str) -> tuple[str, str]:
+    """``(method, how it was found)`` of a checkpoint: a GGUF file, else its config's ``quantization_config``
+    (none: a float model, method ``baseline``)."""
+    if source.endswith(".gguf"):
+        return "gguf", "a GGUF file"
+    config = load_config(source)
+    settings = getattr(config, "quantization_config", None)
+    if settings is None:
+        return "baseline", "no quantization_config: a float model"
+    settings = settings if isinstance(settings, dict) else settings.to_dict()
+    found = settings.get("quant_method")
+    if found == "bitsandbytes":
+        return ("bnb-int8" if settings.get("load_in_8bit") else "bnb-nf4"), "quantization_config: bitsandbytes"
+    if found == "hqq":
+        raise InputError(f"{source} is a saved HQQ checkpoint, which transformers 5.23 cannot load; give the float "
+                         "model with method hqq (HQQ quantizes it as it loads, without calibration)")
+    if found not in QUANT_METHODS:
+        raise InputError(f"{source}: quantization_config.quant_method '{found}' is not one ppl-audit loads "
+                         f"({', '.join(QUANT_METHODS)}, bitsandbytes, or a .gguf file)")
+    return QUANT_METHODS[found], f"quantization_config: {found}"
+
+
+def require(method: str, device_type: str) -> None:
+    """Refuse a method whose package is not installed, in one line naming what to install, and one that
+    cannot run on ``device_type``."""
+    if method == "fp8" and device_type == "cpu":  # transformers' FP8 quantizer checks for a GPU itself
+        raise InputError("fp8 checkpoints (transformers' fine-grained FP8) need a GPU; on CPU audit a "
+                         "compressed-tensors FP8 checkpoint, whose activation quantization is emulated")
+    if method not in PACKAGES:
+        return
+    module, pip = PACKAGES[method]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        extra = " (all formats: pip install 'ppl-audit[formats]')" if method in FORMATS_EXTRA else ""
+        raise InputError(f"method {method} needs the package {pip.split('==')[0]}: pip install '{pip}'{extra}") from None
+
+
+def distributions(method: str) -> tuple[str, ...]:
+    """The packages whose versions a model loaded with ``method`` depends on (recorded in its facts)."""
+    found = (PACKAGES[method][1].split("==")[0],) if method in PACKAGES else ()
+    return found + (("optimum",) if method == "gptq" else ())
+
+
+def ready(spec: VariantSpec, model) -> None:
+    """Bring a loaded model into the state it scores in.
+
+    A compressed-tensors model decompresses its weights on its first forward, through a hook on its top
+    module that the engine's calls of the base model would skip: it is decompressed here (its layers keep
+    their scheme and quantize their inputs as they run). An hqq variant is quantized here with HQQ's own
+    API: transformers 5.23 no longer quantizes HQQ at load (``HqqConfig`` raises NotImplementedError).
+    """
+    if spec.method == "compressed-tensors" and hasattr(model, "ct_decompress_hook"):
+        model.hf_quantizer.compressor.decompress_model(model)
+    if spec.method == "hqq":
+        from hqq.core.quantize import BaseQuantizeConfig
+        from hqq.models.hf.base import AutoHQQHFModel
+
+        group = spec.group_size or HQQ_DEFAULTS[1]
+        head = model.get_output_embeddings()  # HQQ leaves the head as it is
+        uneven = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+                       and module is not head and module.weight.numel() % group), None)
+        if uneven is not None:  # HQQ asserts it, layer by layer, after quantizing the ones before
+            raise InputError(f"{spec.name}: hqq group_size {group} does not divide the {model.get_submodule(uneven).weight.numel()} "
+                             f"weights of {uneven}; use a group size that divides every layer's (64, say)")
+        settings = BaseQuantizeConfig(nbits=spec.bits or HQQ_DEFAULTS[0], group_size=group)
+        AutoHQQHFModel.quantize_model(model, quant_config=settings, compute_dtype=model.dtype, device=str(model.device))
+
+
+def describe(spec: VariantSpec, source: str, model) -> dict:
+    """The facts of a loaded model's format, with a short ``label`` for the table where the method name
+    alone would hide what was loaded."""
+    if spec.method == "gguf":
+        return gguf_facts(Path(source))
+    if spec.method == "hqq":
+        from hqq.core.quantize import HQQLinear
+
+        meta = next(m.meta for m in model.modules() if isinstance(m, HQQLinear))
+        return {"bits": meta["nbits"], "group_size": meta["group_size"], "axis": meta["axis"],
+                "packing": meta["packing"], "backend": HQQLinear.backend.name,
+                "label": f"hqq {meta['nbits']}-bit g{meta['group_size']}"}
+    settings = getattr(model.config, "quantization_config", None)
+    settings = settings if isinstance(settings, dict) or settings is None else settings.to_dict()
+    if spec.method == "compressed-tensors" and settings:
+        return compressed_facts(settings, model)
+    if spec.method in ("gptq", "awq") and settings:
+        return {key: settings[key] for key in ("bits", "group_size", "sym", "desc_act", "format") if key in settings}
+    return {}
+
+
+def _args_text(args: dict) -> str:
+    """One quantization's numbers as text: ``int4 g32``, ``int8 per channel``, ``float8 per token, dynamic``."""
+    grouping = f"g{args['group_size']}" if args.get("group_size") else f"per {args.get('strategy')}"
+    return f"{args.get('type')}{args.get('num_bits')} {grouping}" + (", dynamic" if args.get("dynamic") else "")
+
+
+def check_compressed(source: str) -> None:
+    """Refuse a compressed-tensors checkpoint whose ``quantization_config`` compressed-tensors would refuse or
+    misread (an unknown type or format, no ``config_groups``), and one whose stored weights hold more bits than
+    its config claims: its label (``W3A8``) would be read from a config that the tensors contradict."""
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig
+    from pydantic import ValidationError
+
+    settings = load_config(source).quantization_config
+    settings = settings if isinstance(settings, dict) else settings.to_dict()
+    try:
+        QuantizationConfig.model_validate(settings)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if "function-after" not in str(part))
+        raise InputError(f"{source}: quantization_config.{where}: {first['msg'].removeprefix('Value error, ')}; "
+                         "it is not a config compressed-tensors reads") from None
+    if not settings.get("config_groups"):
+        raise InputError(f"{source}: quantization_config has no config_groups: nothing in it is quantized")
+    formats = [f.value for f in CompressionFormat]
+    if settings.get("format") not in formats:
+        raise InputError(f"{source}: quantization_config.format '{settings.get('format')}' is not a compressed-tensors "
+                         f"format ({', '.join(formats)})")
+    claimed = max(g["weights"]["num_bits"] for g in settings["config_groups"].values() if g.get("weights"))
+    stored = _stored_bits(Path(source), settings["format"])
+    if stored is not None and stored > claimed:
+        raise InputError(f"{source}: its config claims {claimed}-bit weights, but its tensors hold {stored}-bit ones; "
+                         "fix the checkpoint's quantization_config")
+
+
+def _stored_bits(folder: Path, format_: str) -> int | None:
+    """The bits a compressed checkpoint's first quantized weight really uses: from a packed weight's width
+    (``pack-quantized``: 32-bit words over its ``weight_shape``), or an int8 weight's range (``int-quantized``)."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            names = set(handle.keys())
+            for name in sorted(names):
+                stem = name.rsplit(".", 1)[0]
+                if format_ == "pack-quantized" and name.endswith(".weight_packed") and f"{stem}.weight_shape" in names:
+                    columns = int(handle.get_tensor(f"{stem}.weight_shape")[1])
+                    return round(handle.get_slice(name).get_shape()[1] * 32 / columns)
+                if format_ == "int-quantized" and name.endswith(".weight") and f"{stem}.weight_scale" in names:
+                    weight = handle.get_tensor(name)
+                    if weight.dtype == torch.int8:
+                        largest = int(max(weight.max(), -weight.min() - 1))
+                        return max(1, largest.bit_length() + 1)
+    return None
+
+
+def compressed_facts(settings: dict, model) -> dict:
+    """A compressed-tensors checkpoint's scheme and whether its activation quantization runs here: on CPU
+    transformers decompresses the weights and each layer fake-quantizes its inputs in its forward, so a
+    W8A8 figure is a W8A8 one; a model loaded dequantized would be weight-only, and the label says so."""
+    groups = list((settings.get("config_groups") or {}).values())
+    weights = [g["weights"] for g in groups if g.get("weights")]
+    inputs = [g["input_activations"] for g in groups if g.get("input_activations")]
+    applied = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None
+               and m.quantization_scheme.input_activations is not None and "forward" in vars(m)
+               and getattr(m, "quantization_enabled", True)]  # the checks compressed-tensors' quantized_forward makes
+    scheme = f"W{weights[0]['num_bits'] if weights else 16}A{inputs[0]['num_bits'] if inputs else 16}"
+    if any(args.get("type") == "float" for args in weights + inputs):
+        scheme += "-FP8" if weights and weights[0]["num_bits"] == 8 else "-FP"
+    elif inputs:
+        scheme += "-INT8" if inputs[0]["num_bits"] == 8 else ""
+    if not inputs:
+        state = "none: a weight-only scheme"
+    elif applied:
+        state = (f"applied: {len(applied)} layers quantize their inputs in the forward"
+                 + (" (emulated in floating point on CPU)" if input_device(model).type == "cpu" else ""))
+    else:
+        state = "NOT applied: this figure is weight-only"
+    label = f"ct {scheme}" + (" W-only" if inputs and not applied else "")
+    return {"scheme": scheme, "format": settings.get("format"), "weights": [_args_text(a) for a in weights],
+            "activations": [_args_text(a) for a in inputs], "activation_quantization": state,
+            "ignored": settings.get("ignore") or [], "label": label}

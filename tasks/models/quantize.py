@@ -1,0 +1,233 @@
+"""Quantize a baseline with GPTQ or AWQ (gptqmodel), with calibration kept apart from evaluation.
+
+auto-gptq and autoawq are abandoned and do not build against current torch; gptqmodel is their
+maintained successor for both methods, on CPU and CUDA. Each checkpoint gets a ``ppl-audit.json``
+manifest saying how it was made, so an audit can check its calibration against what it evaluates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tasks.core import console
+from tasks.core.errors import InputError
+from tasks.core.files import file_digest, read_json, scratch, write_atomically
+from tasks.core.places import cache_dir
+from tasks.core.versions import versions
+from tasks.models.loading import WEIGHT_SUFFIXES
+from tasks.models.resolve import load_tokenizer, resolve_model_path
+
+MANIFEST = "ppl-audit.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibration samples and where they came from.
+
+    Attributes:
+        samples: token id lists, ``seq_len`` tokens each.
+        corpus_digest: sha256 of the calibration corpus text.
+        token_ranges: ``[start, end)`` of each sample in that corpus's token stream.
+    """
+
+    samples: list[list[int]]
+    source: str
+    corpus_digest: str
+    token_ranges: list[tuple[int, int]]
+    seq_len: int
+    seed: int
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.samples).encode()).hexdigest()
+
+    def describe(self) -> dict:
+        return {"source": self.source, "corpus_digest": self.corpus_digest, "samples": len(self.samples),
+                "seq_len": self.seq_len, "seed": self.seed, "digest": self.digest,
+                "token_ranges": [list(r) for r in self.token_ranges]}
+
+
+def draw_calibration(ids: torch.Tensor, samples: int, seq_len: int, seed: int, source: str, corpus_digest: str,
+                     exclude: tuple[int, int] | None = None) -> Calibration:
+    """Draw non-overlapping ``seq_len``-token blocks at random (seeded), none inside ``exclude``.
+
+    Args:
+        ids: ``[N]`` token stream of the calibration corpus.
+        exclude: ``[start, end)`` token range that must not be used (the evaluated tokens when the
+            calibration corpus is the evaluation corpus).
+    """
+    n = len(ids)
+    free = [(0, n)] if exclude is None else [(0, exclude[0]), (exclude[1], n)]
+    blocks = [(s, s + seq_len) for lo, hi in free for s in range(lo, hi - seq_len + 1, seq_len)]
+    if not blocks:
+        raise InputError(
+            f"no {seq_len}-token calibration block lies outside the evaluated tokens of {source}; "
+            "evaluate fewer tokens (max_tokens), shorten calibration.seq_len, or give calibration.corpus"
+        )
+    chosen = sorted(random.Random(seed).sample(blocks, min(samples, len(blocks))))
+    return Calibration([ids[s:e].tolist() for s, e in chosen], source, corpus_digest, chosen, seq_len, seed)
+
+
+def check_disjoint(manifest: dict, corpus_digest: str, evaluated: tuple[int, int], name: str) -> None:
+    """Refuse a checkpoint calibrated on tokens this audit evaluates (same corpus, overlapping range)."""
+    calibration = manifest.get("calibration") or {}
+    if calibration.get("corpus_digest") != corpus_digest:
+        return
+    for start, end in calibration.get("token_ranges", []):
+        if start < evaluated[1] and evaluated[0] < end:
+            raise InputError(f"variant '{name}' was calibrated on tokens {start}-{end} of the evaluated corpus, "
+                             f"which this audit scores ({evaluated[0]}-{evaluated[1]}); recalibrate on other text")
+
+
+def model_digest(path: str) -> str:
+    """sha256 over a model folder's config and weight files, or over a single-file checkpoint (``.gguf``).
+
+    Remembered by the files' names, sizes and modification times: an audit asks for it every run, and
+    reading a 70B checkpoint again would take minutes.
+    """
+    files = [Path(path)] if Path(path).is_file() else [
+        file for file in sorted(Path(path).iterdir()) if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES]
+    single = Path(path).is_file()
+    stamp = json.dumps([single] + [[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files])
+    remembered = cache_dir() / "digests" / hashlib.sha256(stamp.encode()).hexdigest()
+    if remembered.is_file():
+        return remembered.read_text().strip()
+    if single:  # its bytes alone: a renamed copy is the same model
+        found = file_digest(Path(path))
+    else:
+        digest = hashlib.sha256()
+        for file in files:
+            digest.update(file.name.encode())
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    digest.update(chunk)
+        found = digest.hexdigest()
+    remembered.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(remembered, found)
+    return found
+
+
+def _prepare_gptqmodel() -> None:
+    # gptqmodel's model-loader pool wants 2 workers; its default on a 2-core machine gives it 1.
+    if (os.cpu_count() or 1) < 4:
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    # Importing gptqmodel would otherwise move the Hugging Face cache to /tmp for the whole process.
+    os.environ.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+
+
+def _with_pad(source: str, tokenizer, staging: Path) -> str:
+    """``source`` as gptqmodel can load it: with a pad id in its config when its tokenizer has none.
+
+    gptqmodel passes the tokenizer to tokenicer, which refuses one without a pad token unless it can
+    borrow ``<pad>``, ``<unk>`` or eos, and gptqmodel passes on none of tokenicer's options
+    (``pad_tokens``); a base model whose tokenizer has only a BOS token then cannot be quantized.
+    tokenicer takes the config's ``pad_token_id`` instead, unless it is BOS or EOS. Calibration rows
+    all have ``seq_len`` tokens and go in one at a time, so nothing is padded and any other id does.
+    The baseline is left untouched: ``staging`` links to its files beside the amended config.
+    """
+    if tokenizer.pad_token_id is not None:
+        return source
+    config = json.loads((Path(source) / "config.json").read_text())
+    special = (config.get("bos_token_id"), config.get("eos_token_id"), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config["pad_token_id"] = next(i for i in range(len(tokenizer)) if i not in special)
+    for file in Path(source).iterdir():
+        if file.name != "config.json":
+            (staging / file.name).symlink_to(file.resolve())
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    return str(staging)
+
+
+@contextmanager
+def _layer_progress(quantizer, label: str, enabled: bool) -> Iterator[None]:
+    """A progress bar over the decoder layers gptqmodel quantizes, one after the other: a layer's first
+    forward pass means those before it are done."""
+    from gptqmodel.utils.model import get_layers_with_prefixes
+
+    layers = get_layers_with_prefixes(quantizer.model, quantizer.extract_layers_node())[0]
+    with console.bar(len(layers), label, "layer", enabled) as bar:
+        def started(index: int) -> None:
+            bar.update(max(0, index - bar.n))
+
+        hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: started(i)) for i, layer in enumerate(layers)]
+        try:
+            yield
+            bar.update(len(layers) - bar.n)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
+@contextmanager
+def _logs_in(folder: Path) -> Iterator[None]:
+    """gptqmodel 7.6.0 writes each quantizer's per-layer log to ``./logs``, in whatever folder the user
+    is in; it has no setting for that, so its module's path is pointed at ``folder`` meanwhile."""
+    from gptqmodel.looper import loop_processor
+
+    kept = loop_processor._PROJECT_LOG_DIR
+    loop_processor._PROJECT_LOG_DIR = folder
+    try:
+        yield
+    finally:
+        loop_processor._PROJECT_LOG_DIR = kept
+
+
+def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: Calibration,
+             out: Path, name: str | None = None, progress: bool = False) -> dict:
+    """Quantize ``model`` with gptqmodel and save it to ``out`` with its manifest.
+
+    Args:
+        model: baseline folder (or ``embedded``).
+        method: ``gptq`` or ``awq``.
+        bits, group_size, sym: the quantization scheme (``group_size`` must divide the layers' widths).
+        calibration: samples drawn by ``draw_calibration``.
+        out: folder for the checkpoint.
+        name: the variant's name, recorded for audits triggered by this checkpoint's event.
+        progress: show a progress bar over the layers (``quantize <name>``).
+
+    Returns:
+        The manifest, also written to ``out / "ppl-audit.json"``; gptqmodel's per-layer logs (losses,
+        timings) are kept in ``out / "quantize-logs"``.
+    """
+    _prepare_gptqmodel()
+    from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
+
+    source = resolve_model_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = load_tokenizer(source)
+    started = time.perf_counter()
+    # ours, so that a killed run's offloaded layers are removed next time (gptqmodel's own go to /tmp for good)
+    with scratch(cache_dir() / "scratch") as staging:
+        scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
+                                                                 offload_to_disk_path=str(staging / "offload"))
+        quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
+        options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
+        rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
+        with _logs_in(out / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress):
+            quantizer.quantize(rows, batch_size=1, **options)
+        out.mkdir(parents=True, exist_ok=True)
+        quantizer.save(str(out))
+    # gptqmodel saves its tokenizer with the pad token it set; a pad token that was not special
+    # before comes back from disk as an added special token, a different tokenizer from the baseline's
+    tokenizer.save_pretrained(out)
+    manifest = {
+        "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
+        "source_model": model, "source_model_digest": model_digest(source),
+        "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
+        "device": device, "seconds": round(time.perf_counter() - started, 2),
+    }
+    write_atomically(out / MANIFEST, json.dumps(manifest, indent=2))  # last: a manifest means a whole checkpoint
+    return manifest
+
+
+def read_manifest(path: str) -> dict | None:
+    return read_json(Path(path) / MANIFEST, "quantization manifest")

@@ -1,0 +1,119 @@
+"""Where a model is and what it is: its path (a folder, a GGUF file, ``embedded``, a Hub id, ``models:/``), its
+config and tokenizer, and the device and dtype it runs with."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from tasks.core.errors import InputError, TransientError, is_network_error, one_line
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device '{name}' asked for, but no CUDA GPU is visible; use device cpu or auto")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise InputError(f"unknown device '{name}'; use cpu, cuda, cuda:N or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (exact and fast there) and bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise InputError(f"unknown dtype '{name}'; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_model_path(name: str, registry: str | None = None) -> str:
+    """A local folder or ``.gguf`` file as a string, or a Hub id left as it is.
+
+    Args:
+        registry: the tracking server whose model registry holds ``models:/`` names (default: MLflow's
+            ``MLFLOW_TRACKING_URI``, else the local store).
+    """
+    if name == "embedded":
+        from tasks.data.embedded import ensure_embedded_model
+
+        return str(ensure_embedded_model())
+    if name.startswith("models:/"):
+        from tasks.core.places import tracking_uri
+        from tasks.data.registry import download
+
+        return download(name, tracking_uri(registry))
+    path = Path(name).expanduser()
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return str(path)
+        if path.exists():
+            if not path.is_dir() or not (path / "config.json").is_file():
+                raise InputError(f"model folder {path} has no config.json; give a folder saved with save_pretrained")
+            return str(path)
+    except PermissionError as error:
+        raise InputError(f"cannot read model {path}: {error.strerror}; give this user read access to it") from None
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise InputError(f"model folder not found: {path} (give a folder with config.json, a .gguf file, a Hub id, "
+                         "or embedded)")
+    return name
+
+
+def from_pretrained_args(source: str) -> tuple[str, dict]:
+    """``(folder or Hub id, keyword arguments)`` that transformers' ``from_pretrained`` takes for ``source``:
+    a ``.gguf`` file is its folder and ``gguf_file`` (transformers dequantizes it as it loads)."""
+    if source.endswith(".gguf"):
+        path = Path(source)
+        return str(path.parent), {"gguf_file": path.name}
+    return source, {}
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    source, extra = from_pretrained_args(resolve_model_path(name))
+    try:
+        return AutoTokenizer.from_pretrained(source, **extra)
+    except Exception as error:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a bad vocabulary
+        if is_network_error(error):
+            raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
+        raise InputError(f"cannot load the tokenizer of {name}: {one_line(error)}") from None
+
+
+def load_config(name: str, registry: str | None = None):
+    """The model's config alone: enough to check settings before any weights are loaded."""
+    from transformers import AutoConfig
+
+    source, extra = from_pretrained_args(resolve_model_path(name, registry))
+    _check_quantization_config(Path(source) / "config.json", name)
+    try:
+        return AutoConfig.from_pretrained(source, **extra)
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
+    except (struct.error, MemoryError, OverflowError) as error:  # a GGUF header cut short or with absurd lengths
+        raise InputError(f"cannot read {name}: {one_line(error)}; give a whole llama.cpp .gguf file") from None
+
+
+def _check_quantization_config(file: Path, name: str) -> None:
+    """A local config.json's ``quantization_config`` is a mapping: transformers crashes on anything else."""
+    try:
+        raw = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError) as error:
+        raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
+    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quantization is not None and not isinstance(quantization, dict):
+        raise InputError(f"the config.json of {name} holds quantization_config {json.dumps(quantization)[:60]}, not a "
+                         "mapping of its settings; fix the checkpoint's config.json")
+    method = (quantization or {}).get("quant_method")
+    if method in ("gptq", "awq") and not isinstance(quantization.get("bits"), int):
+        raise InputError(f"the config.json of {name} says quant_method {method} but gives no bits; it is not a "
+                         f"whole {method} checkpoint (save it again with its quantizer)")
+
+

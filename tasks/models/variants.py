@@ -1,0 +1,159 @@
+"""Load the baseline and its quantized variants, with the facts of each load.
+
+bitsandbytes (LLM.int8, NF4) and torchao (int8 weight-only) quantize at load through transformers, HQQ
+through its own API right after loading; GPTQ and AWQ checkpoints load through transformers with
+gptqmodel's kernels (optimum for GPTQ), compressed-tensors checkpoints with the compressed-tensors
+package, GGUF files dequantized by transformers' GGUF loader. The same code path runs on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tasks.config import VariantSpec
+from tasks.core.errors import InputError
+from tasks.core.versions import versions
+from tasks.models.formats import describe, distributions, ready, require
+from tasks.models.loading import WEIGHT_SUFFIXES, load_model
+from tasks.models.placement import check_ties, devices, forget_with, split_arguments
+from tasks.models.resolve import resolve_device, resolve_dtype
+
+
+@dataclass
+class VariantFacts:
+    """What loading one variant took and what it is made of."""
+
+    method: str
+    source: str
+    device: str
+    dtype: str
+    load_seconds: float
+    size_on_disk_bytes: int
+    weight_memory_bytes: int
+    quantized_layers: int
+    linear_layers: int
+    backend: str
+    versions: dict[str, str] = field(default_factory=dict)
+    quantization: dict = field(default_factory=dict)  # the format's own facts (tasks.models.formats.describe)
+    kernels: dict[str, str] = field(default_factory=dict)  # quantized layer -> the kernel class that runs it
+    worker: str = ""  # where it was scored: a Dask worker's address, else host and process (tasks.audit.cluster)
+    parity: dict = field(default_factory=dict)  # a split model's first windows against one device's (tasks.audit.scoring)
+
+    def summary(self) -> dict:
+        return asdict(self)
+
+
+def quantization_config(method: str, dtype: torch.dtype):
+    """The transformers quantization config for methods quantized at load, else None."""
+    if method in ("bnb-int8", "bnb-nf4"):
+        from transformers import BitsAndBytesConfig
+
+        # bitsandbytes warns on every int8 forward that it casts inputs; once is news, every call is noise
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        if method == "bnb-int8":
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    if method == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
+
+        return TorchAoConfig(Int8WeightOnlyConfig())
+    return None
+
+
+def layer_census(model) -> tuple[int, dict[str, str]]:
+    """``(all linear layers, {quantized layer: the kernel that runs it})`` of a loaded model: a kernel bug
+    shows as bad scores from the layers one kernel runs (GPTQModel #1854), so each layer's is kept."""
+    linear, kernels = 0, {}
+    for layer, module in model.named_modules():
+        name = type(module).__name__
+        weight = getattr(module, "weight", None)
+        is_linear = (isinstance(module, torch.nn.Linear) or "QuantLinear" in name or name.startswith("TorchAten")
+                     or name == "HQQLinear")
+        if not is_linear:
+            continue
+        linear += 1
+        scheme = getattr(module, "quantization_scheme", None)  # compressed-tensors' layers stay nn.Linear
+        packed = hasattr(module, "qweight") or hasattr(module, "W_q")  # gptqmodel, HQQ: packed int weights
+        subclass = weight is not None and type(weight).__name__ not in ("Parameter", "Tensor")
+        if scheme is not None:
+            kernels[layer] = f"compressed-tensors {name}"
+        elif packed or subclass or name in ("Linear8bitLt", "Linear4bit"):
+            kernels[layer] = type(weight).__name__ if subclass and name == "Linear" else name
+    return linear, kernels
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds, looking inside quantized tensor subclasses (torchao) at their parts."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def weight_bytes(model) -> int:
+    """Memory of a model's parameters and buffers as they are stored (quantized where they are), and of the
+    scales and zero points HQQ keeps beside its packed weights (in each layer's ``meta``)."""
+    held = list(model.parameters()) + list(model.buffers())
+    held += [t for module in model.modules() for t in getattr(module, "meta", {}).values() if torch.is_tensor(t)]
+    return sum(tensor_bytes(t) for t in held)
+
+
+def size_on_disk(path: str) -> int:
+    folder = Path(path)
+    if folder.is_file():  # a GGUF file
+        return folder.stat().st_size
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+
+
+def load_variant(spec: VariantSpec, source: str):
+    """Load ``spec`` from ``source`` (its own path, a quantized folder, or the baseline to quantize at load).
+
+    Returns:
+        ``(model, VariantFacts)``.
+    """
+    device = resolve_device(spec.device)
+    require(spec.method, device.type)
+    dtype = resolve_dtype(spec.dtype, device)
+    if spec.method == "bnb-nf4" and spec.path is not None and device.type == "cpu":
+        raise InputError(f"variant '{spec.name}': a saved NF4 checkpoint reloads corrupted on CPU; "
+                         "drop path to quantize the baseline at load")
+    extra = {}
+    config = quantization_config(spec.method, dtype)
+    if config is not None:
+        extra["quantization_config"] = config
+    check_ties(spec, source)
+    split = split_arguments(spec)
+    started = time.perf_counter()
+    model = load_model(source, dtype, device, **extra, **split)
+    forget_with(model, split)
+    ready(spec, model)
+    load_seconds = time.perf_counter() - started
+    linear, kernels = layer_census(model)
+    quantized, backend = len(kernels), ",".join(sorted(set(kernels.values()))) or "torch.nn.Linear"
+    if spec.method not in ("baseline", "gguf") and quantized == 0:  # a GGUF file is dequantized as it loads
+        raise InputError(f"variant '{spec.name}' ({spec.method}) loaded with no quantized layer; check its path")
+    facts = VariantFacts(
+        method=spec.method, source=source, device=",".join(devices(model)) if split else str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(source),
+        weight_memory_bytes=weight_bytes(model), quantized_layers=quantized,
+        linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
+        quantization=describe(spec, source, model), kernels=kernels,
+    )
+    return model, facts
+
+
+def check_same_tokenizer(name: str, baseline_digest: str, digest: str) -> None:
+    """Refuse a variant whose tokenizer (``tokenizer_digest``) is not the baseline's."""
+    if digest != baseline_digest:
+        raise InputError(f"variant '{name}' has a different tokenizer from the baseline (vocab, merges or special "
+                         "tokens): token perplexities are not comparable; audit it against its own baseline")

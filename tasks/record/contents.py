@@ -1,0 +1,95 @@
+"""An audit's record: everything it computed, as plain data (``audit_record``) and per-token tables
+(``token_arrays``), which the spool keeps and tracking replays."""
+
+from __future__ import annotations
+
+import os
+import platform
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from tasks.config import AuditConfig
+from tasks.core.versions import versions
+from tasks.data.evaluation import Evaluation
+from tasks.record.results import VariantResult
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def corpus_location(source: str) -> str:
+    """Where the corpus text lives: a resolved path, or the Hub dataset id as given."""
+    if source == "embedded":
+        from tasks.data.embedded import embedded_corpus_dir
+
+        return str(embedded_corpus_dir())
+    return source if source.startswith("hf:") else str(Path(source).resolve())
+
+
+def _arrays(outcome: VariantResult) -> pa.Table:
+    r = outcome.result
+    windows = np.arange(len(r.window_tokens))
+    token_window = np.repeat(windows, r.window_tokens)  # windows score consecutive stretches, in order
+    columns = {"token": np.arange(len(r.token_nll)), "window": token_window, "nll": r.token_nll}
+    columns |= {key: r.extra[key] for key in ("kl", "kl_reverse", "top1") if key in r.extra}
+    return pa.table(columns)
+
+
+def arrays_file(outcome: VariantResult) -> str | None:
+    """The record's Parquet file of a variant's per-token figures; None when it was not scored."""
+    return f"{outcome.name}.parquet" if outcome.result is not None else None
+
+
+def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
+                 results: list[VariantResult], started: datetime) -> dict:
+    """An audit's record: everything it computed but the per-token arrays (``token_arrays``).
+
+    ``started`` is when the audit began; ``created`` (now) is when it ended.
+    """
+    created = datetime.now(timezone.utc)
+    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
+    variants = []
+    for outcome, row in zip(results, summary["rows"]):
+        spec = config.baseline if outcome.name == config.baseline.name else next(
+            v for v in config.variants if v.name == outcome.name)
+        entry = {"name": outcome.name, "role": "baseline" if spec is config.baseline else "variant",
+                 "spec": spec.model_dump(mode="json"), "status": outcome.status, "reason": outcome.reason,
+                 "row": row, "verdict": verdicts.get(outcome.name), "manifest": outcome.manifest,
+                 "result": outcome.result.summary() if outcome.result else None,
+                 "facts": outcome.facts.summary() if outcome.facts else None,
+                 "started": outcome.started, "ended": outcome.ended}
+        if arrays_file(outcome):
+            entry["arrays"] = arrays_file(outcome)
+        if outcome.shards:  # where each slice of its windows ran, and any try that failed before
+            entry["shards"] = outcome.shards
+        if entry["role"] == "baseline":
+            entry["reference"] = outcome.reference
+        variants.append(entry)
+    stream = scored.stream
+    return {
+        "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.isoformat(), "created": created.isoformat(),
+        "config": config.model_dump(mode="json"), "config_path": str(config_path),
+        "config_text": Path(config_path).read_text() if Path(config_path).is_file() else "",
+        "corpus": {"source": config.corpus.source, "location": corpus_location(config.corpus.source),
+                   "digest": stream.text_digest, "n_tokens": int(stream.ids.numel()),
+                   "n_bytes": stream.n_bytes, "bos": stream.bos, "hf_config": config.corpus.hf_config,
+                   "hf_split": config.corpus.hf_split},
+        "environment": {"hardware": hardware(), "python": platform.python_version(),
+                        "versions": versions("gptqmodel", "bitsandbytes", "torchao", "optimum", "prefect", "mlflow")},
+        "verdict": {"status": summary["verdict"].status, "reason": summary["verdict"].reason},
+        "table": summary["table"],
+        "variants": variants,
+    }
+
+
+def token_arrays(results: list[VariantResult]) -> dict[str, pa.Table]:
+    """The per-token figures of every scored variant, by the record's file name for them."""
+    return {arrays_file(outcome): _arrays(outcome) for outcome in results if arrays_file(outcome)}

@@ -1,0 +1,260 @@
+"""Pictures of an audit, for MLflow and the HTML report, in one colour scheme: a model's colour is its verdict.
+
+First the chart a reviewer needs: ΔPPL % per variant with its paired 95% interval against the variant's own
+gate limit; then PPL per model on a zero-based axis, ΔNLL per window and per-token KL divergence.
+
+Figures are ``matplotlib.figure.Figure`` objects made without pyplot, so no backend is chosen for the whole
+process (a worker's or a notebook's stays as it was) and nothing needs closing; ``MlflowClient.log_figure``
+takes them, ``png`` renders one.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from tasks.config import Thresholds
+
+COLOURS = {"baseline": "#1565c0", "pass": "#2e7d32", "fail": "#c62828", "error": "#9e9e9e"}
+LIMIT_COLOUR = "#212121"
+DPI = 130  # with 11-inch figures: about 1400 pixels wide, legible when MLflow's viewer scales them down
+WIDTH = 11
+TEXT, SMALL, TITLE = 11, 10, 13  # points
+LINE_STYLES = ("-", "--", ":", "-.")  # tells apart variants that share a verdict's colour
+
+
+def verdict_of(entry: dict) -> str:
+    """A model's verdict as its colour and label say it: ``baseline``, ``pass``, ``fail`` or ``error``
+    (a baseline that was not scored, or a variant that was not judged, is an error)."""
+    if entry["role"] == "baseline":
+        return "baseline" if entry["status"] == "ok" else "error"
+    return (entry["verdict"] or {}).get("status") or "error"
+
+
+def ppl_limit(record: dict, name: str) -> float | None:
+    """The gate's ``max_ppl_increase_pct`` for variant ``name`` (its own override, else the audit's), or None."""
+    return Thresholds.model_validate(record["config"]["thresholds"]).for_variant(name).max_ppl_increase_pct
+
+
+def measured(value) -> bool:
+    """A figure that was computed: a number, not None, not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def charts(record: dict, folder: Path) -> dict[str, Figure]:
+    """Every chart of an audit by its artifact name, in reading order (the names sort in that order too).
+
+    Args:
+        record: the audit's record (``tasks.record.spool.audit_record``).
+        folder: the record's folder, which holds the per-token Parquet files.
+    """
+    return {"delta_ppl_pct.png": delta_ppl_chart(record), "ppl_by_model.png": ppl_chart(record),
+            "token_kld_histogram.png": kld_histogram(record, folder),
+            "window_delta_nll.png": delta_nll_per_window(record, folder)}
+
+
+def png(figure: Figure) -> bytes:
+    """The figure as PNG bytes, at its own resolution."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def delta_ppl_chart(record: dict) -> Figure:
+    """ΔPPL % of each variant against the baseline: a bar per variant, top to bottom in the config's order.
+
+    A bar's colour is the variant's verdict; its whiskers span the paired 95% interval; a dashed tick marks the
+    variant's own gate limit (``max_ppl_increase_pct``, which ``per_variant`` may change), or an arrow at the
+    right edge when the limit lies far beyond every figure. Above each bar: the estimate, its interval and the
+    limit; a variant without figures says why instead.
+    Returns the figure.
+    """
+    variants = [v for v in record["variants"] if v["role"] == "variant"]
+    figure, axis = _rows_figure(variants)
+    low, high = _delta_range(record, variants)
+    shown = set()  # what the legend explains: only what the chart holds
+    for y, entry in enumerate(variants):
+        row, verdict, limit = entry["row"], verdict_of(entry), ppl_limit(record, entry["name"])
+        limit_text = _draw_limit(axis, y, limit, high, shown)
+        if not measured(row.get("delta_ppl_pct")):
+            axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4)
+            _note(axis, y, f"{verdict}: {_why(entry)} · {limit_text}", verdict)
+            continue
+        delta = row["delta_ppl_pct"]
+        interval = row.get("delta_ppl_pct_low", delta), row.get("delta_ppl_pct_high", delta)
+        axis.barh(y + 0.2, delta, height=0.4, color=COLOURS[verdict], zorder=2)
+        axis.errorbar(delta, y + 0.2, xerr=[[delta - interval[0]], [interval[1] - delta]], fmt="D", markersize=7,
+                      color=COLOURS[verdict], markeredgecolor="black", ecolor="black", capsize=6, linewidth=1.6,
+                      zorder=3)  # the diamond shows an estimate too close to zero for its bar to be seen
+        shown.add("interval")
+        _note(axis, y, f"{delta:+z.2f}% [{interval[0]:+z.2f}, {interval[1]:+z.2f}]   {verdict}, {limit_text}", verdict)
+    marks = {"interval": Line2D([], [], color="black", marker="D", markerfacecolor="white", markersize=7,
+                                linewidth=1.6, label="estimate, paired 95% interval"),
+             "limit": Line2D([], [], color=LIMIT_COLOUR, linestyle="--", linewidth=2.2,
+                             label="gate limit (max ΔPPL %)"),
+             "beyond": Line2D([], [], color=LIMIT_COLOUR, marker=">", linestyle="none", markersize=9,
+                              label="gate limit beyond the axis")}
+    handles = _verdict_handles(variants) + [line for key, line in marks.items() if key in shown]
+    axis.axvline(0, color="black", linewidth=1)
+    axis.set_xlim(low, high)
+    axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
+    return _titled(figure, f"{record['name']}: ΔPPL % per variant · {record['verdict']['status'].upper()}", handles)
+
+
+def _draw_limit(axis, y: int, limit: float | None, high: float, shown: set) -> str:
+    """Draw slot ``y``'s gate limit: a dashed tick across its bar, or an arrow at the right edge when the limit
+    lies beyond the axis (``high``); adds what was drawn to ``shown`` and returns the limit in words."""
+    if limit is None:
+        return "no ΔPPL limit"
+    if limit <= high:
+        axis.vlines(limit, y, y + 0.42, colors=LIMIT_COLOUR, linestyles="--", linewidth=2.2, zorder=4)
+        shown.add("limit")
+        return f"limit ≤ {limit:g}%"
+    axis.plot(0.99, y + 0.2, marker=">", markersize=11, color=LIMIT_COLOUR, zorder=4,
+              transform=axis.get_yaxis_transform(), clip_on=False)
+    shown.add("beyond")
+    return f"limit ≤ {limit:g}% (beyond the axis →)"
+
+
+def _delta_range(record: dict, variants: list[dict]) -> tuple[float, float]:
+    """The ΔPPL axis: zero, every estimate and interval, and the limits that leave the figures a fifth of
+    the axis at least, with a margin on both sides."""
+    figures = [0.0] + [v["row"][key] for v in variants for key in ("delta_ppl_pct", "delta_ppl_pct_low",
+                                                                   "delta_ppl_pct_high") if measured(v["row"].get(key))]
+    low, high = min(figures), max(figures)
+    width = (high - low) or 1.0
+    limits = [x for x in (ppl_limit(record, v["name"]) for v in variants) if x is not None and x <= high + 4 * width]
+    high = max([high, *limits])
+    margin = 0.06 * (high - low or 1.0)
+    return low - margin, high + margin
+
+
+def ppl_chart(record: dict) -> Figure:
+    """Perplexity ± standard error of every model on a zero-based axis, coloured by verdict (baseline blue),
+    each value written above its bar and the baseline's drawn across as a dashed line. Returns the figure."""
+    models = record["variants"]
+    figure, axis = _rows_figure(models)
+    top = 0.0
+    for y, entry in enumerate(models):
+        row, verdict = entry["row"], verdict_of(entry)
+        if not measured(row.get("ppl")):
+            axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4, clip_on=False)
+            _note(axis, y, f"{verdict}: {_why(entry)}", verdict)
+            continue
+        error = row.get("ppl_stderr") if measured(row.get("ppl_stderr")) else 0.0
+        axis.barh(y + 0.2, row["ppl"], height=0.4, color=COLOURS[verdict], zorder=2)
+        axis.errorbar(row["ppl"], y + 0.2, xerr=error, fmt="none", ecolor="black", capsize=6, linewidth=1.6, zorder=3)
+        top = max(top, row["ppl"] + error)
+        _note(axis, y, f"PPL {row['ppl']:.4f} ± {error:.4f}   {verdict}", verdict)
+    handles = _verdict_handles(models)
+    base = next((m for m in models if m["role"] == "baseline" and measured(m["row"].get("ppl"))), None)
+    if base is not None:
+        axis.axvline(base["row"]["ppl"], color=COLOURS["baseline"], linestyle="--", linewidth=1.4, zorder=1)
+        handles.append(Line2D([], [], color=COLOURS["baseline"], linestyle="--", label="baseline PPL"))
+    axis.set_xlim(0, 1.1 * top or 1)  # zero-based: a bar's length is its perplexity
+    axis.set_xlabel("perplexity (whiskers: ± 1 standard error)", fontsize=TEXT)
+    return _titled(figure, f"{record['name']}: perplexity per model", handles)
+
+
+def delta_nll_per_window(record: dict, folder: Path) -> Figure:
+    """Mean NLL per window of each scored variant minus the baseline's, window by window, coloured by verdict.
+    Returns the figure."""
+    figure = Figure(figsize=(WIDTH, 4.6), dpi=DPI, layout="constrained")
+    axis = figure.add_subplot()
+    base = next((v for v in record["variants"] if v["role"] == "baseline" and v.get("arrays")), None)
+    if base is not None:
+        reference = _window_nll(folder, base)
+        for style, entry in _scored_variants(record):
+            change = _window_nll(folder, entry) - reference
+            axis.plot(change.index, change, color=COLOURS[verdict_of(entry)], linestyle=style, linewidth=1.5,
+                      label=_model_label(entry))
+    axis.axhline(0, color="black", linewidth=0.8)
+    axis.set_xlabel("window", fontsize=TEXT)
+    axis.set_ylabel("ΔNLL against the baseline (nats/token)", fontsize=TEXT)
+    axis.tick_params(labelsize=TEXT)
+    return _titled(figure, f"{record['name']}: change per window against the baseline",
+                   axis.get_legend_handles_labels()[0])
+
+
+def kld_histogram(record: dict, folder: Path) -> Figure:
+    """Distribution of per-token KL(baseline ‖ variant) on log axes, an outline per variant coloured by verdict.
+    Returns the figure."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    figure = Figure(figsize=(WIDTH, 4.6), dpi=DPI, layout="constrained")
+    axis = figure.add_subplot()
+    for style, entry in _scored_variants(record):
+        table = pq.read_table(folder / entry["arrays"])
+        if "kl" not in table.column_names:
+            continue
+        kl = np.clip(table.column("kl").to_numpy(), 1e-8, None)  # exact zeros cannot sit on a log axis
+        axis.hist(kl, bins=np.logspace(-8, max(1, np.log10(kl.max()) + 0.1), 60), histtype="step", linewidth=1.6,
+                  color=COLOURS[verdict_of(entry)], linestyle=style, label=_model_label(entry))
+    axis.set_xscale("log")
+    axis.set_xlabel("KL(baseline ‖ variant) per token (nats)", fontsize=TEXT)
+    axis.set_ylabel("tokens", fontsize=TEXT)
+    axis.tick_params(labelsize=TEXT)
+    return _titled(figure, f"{record['name']}: per-token KL divergence", axis.get_legend_handles_labels()[0])
+
+
+def _rows_figure(entries: list[dict]) -> tuple[Figure, Axes]:
+    """A figure with a horizontal slot per model, named on the left, the first on top: a line of text
+    above a bar."""
+    n = len(entries)
+    figure = Figure(figsize=(WIDTH, 1.8 + 0.85 * max(n, 1)), dpi=DPI, layout="constrained")
+    axis = figure.add_subplot()
+    axis.set_yticks(range(n), labels=[e["name"] for e in entries])
+    axis.set_ylim(max(n, 1) - 0.45, -0.45)
+    axis.tick_params(labelsize=TEXT)
+    axis.grid(axis="x", color="#e0e0e0", zorder=0)
+    return figure, axis
+
+
+def _note(axis, y: int, text: str, verdict: str) -> None:
+    """Text above slot ``y``'s bar, from the left edge of the plot, where no bar, whisker or limit reaches."""
+    axis.text(0.005, y - 0.17, text, transform=axis.get_yaxis_transform(), va="center", fontsize=SMALL,
+              color="#424242" if verdict == "error" else "black", zorder=5, parse_math=False)  # a path's "$" is text
+
+
+def _titled(figure: Figure, title: str, handles: list) -> Figure:
+    """Figure title above, legend below, both outside the plot (which stays clear); returns the figure."""
+    figure.suptitle(title, fontsize=TITLE)
+    if handles:
+        figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), fontsize=SMALL,
+                      frameon=False)
+    return figure
+
+
+def _verdict_handles(entries: list[dict]) -> list:
+    """A legend patch per verdict among ``entries``, in a fixed order."""
+    present = {verdict_of(e) for e in entries}
+    return [Patch(color=COLOURS[v], label=v) for v in COLOURS if v in present]
+
+
+def _why(entry: dict) -> str:
+    """Why a model has no figures, cut to fit one line of a chart."""
+    reason = (entry["verdict"] or {}).get("reason") or entry["reason"] or "not scored"
+    return reason if len(reason) <= 90 else reason[:89] + "…"
+
+
+def _model_label(entry: dict) -> str:
+    return f"{entry['name']} ({verdict_of(entry)})"
+
+
+def _scored_variants(record: dict) -> list[tuple[str, dict]]:
+    """(line style, entry) of every variant with per-token figures; styles tell apart variants of one colour."""
+    scored = [v for v in record["variants"] if v["role"] == "variant" and v.get("arrays")]
+    return [(LINE_STYLES[i % len(LINE_STYLES)], v) for i, v in enumerate(scored)]
+
+
+def _window_nll(folder: Path, entry: dict):
+    """Mean NLL per window of one model (a pandas Series by window index)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()

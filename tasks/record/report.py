@@ -1,0 +1,230 @@
+"""An audit's report: one self-contained HTML file that MLflow's artifact viewer shows inline and that a reviewer
+can download and mail.
+
+The verdict, the comparison table, the charts, the settings and the lineage of every model, in that order. The
+file stands alone: CSS inline, charts as base64 PNG, no script and no outside address. Every text from the record
+is escaped, so a path or a reason cannot inject markup.
+"""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+from html import escape
+from pathlib import Path
+
+from tasks.config import EvaluationConfig, Thresholds
+from tasks.record import plots
+
+STYLE = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #212121; margin: 24px;
+        max-width: 1280px; }
+h1 { font-size: 26px; margin: 0 0 6px; }
+h2 { font-size: 19px; margin: 30px 0 8px; border-bottom: 1px solid #e0e0e0; padding-bottom: 4px; }
+table { border-collapse: collapse; margin: 6px 0 12px; }
+th, td { border: 1px solid #e0e0e0; padding: 5px 10px; text-align: left; vertical-align: top; }
+th, td.n { white-space: nowrap; }
+.long { overflow-wrap: anywhere; }  /* paths and digests have no spaces to break at */
+th { background: #f5f5f5; }
+td.n { text-align: right; font-variant-numeric: tabular-nums; }
+code, pre { font: 13px ui-monospace, Menlo, Consolas, monospace; }
+pre { background: #f5f5f5; padding: 10px; overflow-x: auto; }
+.badge { display: inline-block; color: #fff; border-radius: 4px; padding: 1px 9px; font-weight: 600; }
+.reason { color: #424242; background: #fafafa; font-size: 13px; overflow-wrap: anywhere; padding-left: 24px; }
+.lead { font-size: 17px; margin: 4px 0; }
+.meta { color: #616161; }
+.wide { overflow-x: auto; }  /* a narrow viewer scrolls a table rather than cut it */
+.side { display: flex; flex-wrap: wrap; gap: 0 40px; align-items: flex-start; }
+img { max-width: 100%; height: auto; border: 1px solid #eeeeee; margin: 6px 0 14px; }
+""" + "".join(f".{verdict} {{ background: {colour}; }}\n" for verdict, colour in plots.COLOURS.items())
+
+
+def html_report(record: dict, folder: Path) -> str:
+    """The audit's report as one HTML document.
+
+    Args:
+        record: the audit's record (``tasks.record.spool.audit_record``).
+        folder: the record's folder, which holds the per-token Parquet files the charts read.
+    Returns the HTML text.
+    """
+    title = f"ppl-audit {record['name']}: {record['verdict']['status'].upper()}"
+    body = [_verdict(record), _comparison(record), _charts(record, folder), _settings(record), _lineage(record)]
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
+            f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _verdict(record: dict) -> str:
+    """The title: the audit's name, its verdict as a coloured badge, the reason and when it ran."""
+    verdict = record["verdict"]
+    started, ended = record.get("started"), record["created"]
+    when = f"{_time(started)} – {_time(ended)} ({_duration(started, ended)})" if started else f"ended {_time(ended)}"
+    return (f"<h1>Audit {escape(record['name'])} {_badge(verdict['status'])}</h1>"
+            f"<p class=\"lead\">{escape(verdict['reason'])}</p>"
+            f"<p class=\"meta\">{escape(when)} · audit id <code>{escape(record['audit_id'])}</code></p>")
+
+
+def _comparison(record: dict) -> str:
+    """A row per model: its verdict (first, where a narrow viewer still shows it), PPL ± s.e., ΔPPL % with its
+    paired 95% interval, KLD, top-1 and the gate's limit (the figures as the run's description prints them),
+    then the verdict's reason across the table."""
+    rows = []
+    for entry in record["variants"]:
+        row, verdict = entry["row"], plots.verdict_of(entry)
+        limit = plots.ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
+        reason = (entry["verdict"] or {}).get("reason") or entry["reason"]
+        error = f" ± {row['ppl_stderr']:.4f}" if plots.measured(row.get("ppl_stderr")) else ""
+        cells = [figure_text(row, "ppl", ".4f") + error,
+                 delta_text(row), figure_text(row, "kld_mean", ".4f"),
+                 f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—",
+                 "—" if limit is None else f"≤ {limit:g}"]
+        rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>'
+                    f'<td>{escape(row.get("method") or entry["spec"]["method"])}</td>'
+                    + "".join(f'<td class="n">{escape(c)}</td>' for c in cells) + "</tr>")
+        if reason:  # under its model, across the table: a reason is too long for a column
+            rows.append(f'<tr><td class="reason" colspan="8">{escape(reason)}</td></tr>')
+    return ('<h2>Comparison with the baseline</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
+            "<th>method</th><th>PPL ± s.e.</th><th>ΔPPL % [95% CI]</th><th>KLD</th><th>top-1</th>"
+            "<th>limit ΔPPL %</th></tr>" + "".join(rows) + "</table></div>")
+
+
+def _charts(record: dict, folder: Path) -> str:
+    """Every chart of ``tasks.record.plots.charts``, embedded as a base64 PNG."""
+    images = [f'<img alt="{escape(name)}" src="data:image/png;base64,{base64.b64encode(plots.png(figure)).decode()}">'
+              for name, figure in plots.charts(record, folder).items()]
+    return "<h2>Charts</h2>" + "".join(images)
+
+
+def _settings(record: dict) -> str:
+    """How the audit scored (evaluation settings), on what (the corpus) and what it demanded (the gate)."""
+    evaluation, corpus = record["config"]["evaluation"], record["corpus"]
+    thresholds = Thresholds.model_validate(record["config"]["thresholds"])
+    source = corpus["source"] + (f" ({corpus['hf_config'] or 'default'}, {corpus['hf_split']})"
+                                 if corpus["source"].startswith("hf:") else "")
+    gates = [[v["name"], *(_limit(getattr(thresholds.for_variant(v["name"]), key))
+                           for key in ("max_ppl_increase_pct", "max_kld_mean", "min_top1_agreement"))]
+             for v in record["variants"] if v["role"] == "variant"]
+    evaluation = EvaluationConfig.of_record(evaluation).model_dump()  # as scored: the stride filled in
+    return ('<h2>Settings</h2><div class="side">'
+            + _pairs("Evaluation", evaluation)
+            + _pairs("Corpus", {"source": source, "location": corpus.get("location"),
+                                "digest (SHA-256)": corpus["digest"], "tokens scored": corpus["n_tokens"],
+                                "bytes": corpus["n_bytes"], "beginning of sequence": corpus["bos"]})
+            + "<div><h3>Gate</h3>" + _table(["variant", "max ΔPPL %", "max KLD mean", "min top-1 agreement"], gates)
+            + "<p>Judged on the pessimistic end of each 95% interval.</p></div></div>")
+
+
+def _lineage(record: dict) -> str:
+    """Where every model came from (path, method, quantization and calibration), what ran the audit, and its
+    config as written."""
+    models = {entry["name"]: _model_lineage(entry) for entry in record["variants"]}
+    rows = [[what, *(model[what] for model in models.values())] for what in next(iter(models.values()))]
+    env = record["environment"]
+    return ('<h2>Lineage</h2><div class="wide">' + _table(["", *models], rows) + "</div>"
+            + '<div class="side">'
+            + _pairs("Environment", {"hardware": env["hardware"], "python": env.get("python"), **env["versions"]})
+            + _pairs("Audit", {"audit id": record["audit_id"], "config file": record.get("config_path"),
+                               "started": _time(record.get("started")), "ended": _time(record["created"]),
+                               "duration": _duration(record.get("started"), record["created"])})
+            + f"</div><details><summary>config as written</summary><pre>{escape(record.get('config_text') or '')}"
+              "</pre></details>")
+
+
+def _model_lineage(entry: dict) -> dict:
+    """One model's lineage by row name: what the config asked for, what was loaded and how it was made."""
+    spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
+    calibration = manifest.get("calibration") or {}
+    size = facts.get("size_on_disk_bytes")
+    found = facts.get("quantization") or {}
+    return {"role": entry["role"], "method": facts.get("method") or spec["method"],
+            "method found": found.get("detected"), "format": _format_text(found),
+            "path": facts.get("source") or spec["path"],
+            "bits": spec["bits"] or manifest.get("bits"),
+            "group size": spec["group_size"] or manifest.get("group_size"),
+            "symmetric": spec["sym"] if spec["sym"] is not None else manifest.get("sym"),
+            "dtype · device": f"{facts.get('dtype', spec['dtype'])} · {facts.get('device', spec['device'])}",
+            "backend": facts.get("backend"), "size on disk": None if size is None else f"{size / 2**20:.1f} MiB",
+            "quantized from (digest)": manifest.get("source_model_digest"),
+            "calibration": (f"{calibration.get('samples')} × {calibration.get('seq_len')} tokens, seed "
+                            f"{calibration.get('seed')}") if calibration else None,
+            "calibration digest": calibration.get("digest"), "baseline reference": _reference_text(entry)}
+
+
+def _format_text(found: dict) -> str | None:
+    """A format's facts in a line: GGUF file type, tensor types and bits per weight; a compressed-tensors
+    scheme and whether its activations were quantized; HQQ's bits, group and backend."""
+    if "file_type" in found:
+        types = ", ".join(f"{n} {name}" for name, n in found["tensor_types"].items())
+        return f"GGUF {found['file_type']}, {found['bits_per_weight']:.2f} bits per weight ({types})"
+    if "scheme" in found:
+        return (f"compressed-tensors {found['scheme']} ({found['format']}): weights {', '.join(found['weights'])}; "
+                f"activations {found['activation_quantization']}")
+    if "packing" in found:
+        return f"HQQ {found['bits']}-bit, group {found['group_size']}, {found['backend']} backend"
+    return None
+
+
+def _reference_text(entry: dict) -> str | None:
+    """The baseline's: scored or reused, its reference, drift; a variant's: the reference its KL came from."""
+    said = entry.get("reference")
+    if not said:
+        key = entry["row"].get("reference")
+        return f"KL against {key}" if key else None
+    from tasks.record.verdict import drift_text
+
+    parts = [f"{said['baseline']}" + (f", reference {said['key']}" if said.get("key") else "")]
+    parts += [drift_text(said["drift"])] if said.get("drift") else []
+    parts += [said["problem"]] if said.get("problem") else []
+    return "; ".join(parts)
+
+
+def _table(header: list[str] | None, rows: list[list]) -> str:
+    """An HTML table of escaped cells, with a header row when given; None shows as a dash."""
+    head = "" if header is None else "<tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>"
+    body = "".join("<tr>" + "".join(_cell("—" if c is None else str(c)) for c in row) + "</tr>" for row in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def _cell(text: str) -> str:
+    """A table cell; a long word (a path, a digest) may break anywhere, so that it cannot widen the page."""
+    long = len(text) > 24 and " " not in text
+    return f'<td class="long">{escape(text)}</td>' if long else f"<td>{escape(text)}</td>"
+
+
+def _pairs(title: str, values: dict) -> str:
+    """A titled two-column table: name, value."""
+    return f"<div><h3>{escape(title)}</h3>" + _table(None, [[k, v] for k, v in values.items()]) + "</div>"
+
+
+def _badge(verdict: str) -> str:
+    colour = verdict if verdict in plots.COLOURS else "error"
+    return f'<span class="badge {colour}">{escape(verdict.upper())}</span>'
+
+
+def figure_text(row: dict, key: str, form: str) -> str:
+    """``row[key]`` in ``form``, or a dash where it was not measured (here and in the run's description)."""
+    return format(row[key], form) if plots.measured(row.get(key)) else "—"
+
+
+def delta_text(row: dict) -> str:
+    """ΔPPL % and its paired 95% interval (here and in the run's description)."""
+    text = figure_text(row, "delta_ppl_pct", "+z.2f")
+    if plots.measured(row.get("delta_ppl_pct_low")):
+        text += f" [{row['delta_ppl_pct_low']:+z.2f}, {row['delta_ppl_pct_high']:+z.2f}]"
+    return text
+
+
+def _limit(value: float | None) -> str:
+    return "—" if value is None else f"{value:g}"
+
+
+def _time(stamp: str | None) -> str:
+    """An ISO time of the record as UTC to the second, or a dash (records from before ``started`` lack it)."""
+    return "—" if not stamp else datetime.fromisoformat(stamp).strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+
+
+def _duration(started: str | None, ended: str) -> str:
+    if not started:
+        return "—"
+    seconds = round((datetime.fromisoformat(ended) - datetime.fromisoformat(started)).total_seconds())
+    return f"{seconds // 3600} h {seconds // 60 % 60} min {seconds % 60} s" if seconds >= 3600 else \
+        f"{seconds // 60} min {seconds % 60} s"

@@ -1,0 +1,166 @@
+"""The local record of every audit: written before anything is sent to a tracking server.
+
+An audit's record is a folder holding ``record.json`` (config, figures, verdicts, facts) and one
+Parquet file per scored variant (per-token and per-window NLL). MLflow runs are made from the record,
+so nothing computed is lost when the tracking server is down, and ``ppl-audit sync`` replays it later.
+
+A record is written in a hidden partial folder and renamed into place once complete, so a folder in
+the spool is whole or not there; the process that replays a record holds a lock on it (``claim``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.core import console
+from tasks.core.files import died, owner_tag, write_atomically
+from tasks.core.places import quarantine_dir, spool_dir, synced_dir
+
+# a record being written: ``.partial-<pid>@<host>@<folder>``, hidden from ``pending()`` until renamed to <folder>
+PARTIAL = ".partial-"
+
+Claim = Literal["mine", "busy", "gone"]
+
+
+def record_json(record: dict) -> str:
+    return json.dumps(record, indent=2, default=str)
+
+
+def folder_name(record: dict) -> str:
+    return f"{datetime.fromisoformat(record['created']):%Y%m%dT%H%M%S}-{record['name']}-{record['audit_id'][:8]}"
+
+
+def write_record(record: dict, arrays: dict[str, pa.Table]) -> Path:
+    """Write an audit's record into the spool and return its folder; raises OSError when it cannot.
+
+    The files go into a hidden partial folder renamed into place after ``record.json``, so a killed
+    or failed write never leaves a folder ``pending()`` would list; a failed one leaves nothing.
+    """
+    root = spool_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    sweep_partials()
+    folder = root / folder_name(record)
+    partial = root / f"{PARTIAL}{owner_tag()}@{folder.name}"
+    try:
+        partial.mkdir()
+        for name, table in arrays.items():
+            pq.write_table(table, partial / name)
+        write_atomically(partial / "record.json", record_json(record))
+        partial.rename(folder)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return folder
+
+
+def _dead_writer(partial: Path) -> str | None:
+    """The folder name a partial folder was to get, when the process writing it died."""
+    owner, _, folder = partial.name.removeprefix(PARTIAL).rpartition("@")
+    return folder if folder and died(owner) else None
+
+
+def sweep_partials() -> None:
+    """Deal with the partial folders of writers that died: a complete record (``record.json`` is written
+    last, whole) is put in place, anything else is removed."""
+    root = spool_dir()
+    for partial in sorted(root.iterdir()) if root.is_dir() else []:
+        folder = _dead_writer(partial) if partial.name.startswith(PARTIAL) else None
+        if folder is None:
+            continue
+        if (partial / "record.json").is_file():
+            try:
+                partial.rename(root / folder)
+            except FileNotFoundError:  # another sweep got there first
+                continue
+            print(f"ppl-audit: recovered the record {folder}, complete when the process writing it died",
+                  file=console.err())
+        else:
+            shutil.rmtree(partial, ignore_errors=True)  # one that cannot be removed now is tried again next time
+            print(f"ppl-audit: removed {partial.name}, an unfinished record of a process that died", file=console.err())
+
+
+# what replaying a record reads of it, at the top and for each model
+RECORD_KEYS = ("name", "audit_id", "created", "verdict", "variants", "config", "table", "corpus")
+ENTRY_KEYS = ("name", "role", "status", "row", "spec", "reason")
+
+
+def damage(folder: Path) -> str | None:
+    """Why a spooled record cannot be replayed however often it is tried (not JSON, a field missing), or None."""
+    try:
+        record = read_record(folder)
+    except (OSError, ValueError) as error:
+        return f"record.json is not readable JSON ({type(error).__name__}: {str(error)[:100]})"
+    if not isinstance(record, dict):
+        return "record.json does not hold a record"
+    missing = [key for key in RECORD_KEYS if key not in record]
+    if not missing and isinstance(record["variants"], list):
+        missing = sorted({f"variants[].{key}" for entry in record["variants"] for key in ENTRY_KEYS
+                          if not isinstance(entry, dict) or key not in entry})
+    return f"record.json lacks {', '.join(missing)}" if missing else None
+
+
+def quarantine(folder: Path) -> Path:
+    """Move a damaged record out of the spool, so later syncs go on with the others; returns where it went."""
+    target = quarantine_dir() / folder.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(folder), str(target))
+    return target
+
+
+def read_record(folder: Path) -> dict:
+    return json.loads((folder / "record.json").read_text())
+
+
+def pending() -> list[Path]:
+    """Spooled audits not yet in a tracking server, oldest first."""
+    root = spool_dir()
+    found = root.iterdir() if root.is_dir() else []
+    return sorted(p for p in found if not p.name.startswith(".") and (p / "record.json").is_file())
+
+
+@contextmanager
+def claim(folder: Path, wait: bool = False) -> Iterator[Claim]:
+    """Hold a pending record for as long as it is replayed and moved to synced/, against other processes.
+
+    Yields "mine", "busy" (another process holds it; only when not ``wait``) or "gone" (another process
+    synced it since it was listed). The lock is on record.json's open file, which moves along with its
+    folder, and the kernel drops it with its process: a killed sync leaves no record locked.
+    """
+    path = folder / "record.json"
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        yield "gone"
+        return
+    with handle:
+        yield _lock(handle, path, wait)
+
+
+def _lock(handle: IO[bytes], path: Path, wait: bool) -> Claim:
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return "busy"
+    try:  # the process that held it before may have synced the record and moved it away meanwhile
+        still_pending = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        still_pending = False
+    return "mine" if still_pending else "gone"
+
+
+def mark_synced(folder: Path) -> None:
+    """Move a record out of the pending spool once its runs are in the tracking server."""
+    done = synced_dir()
+    done.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(folder), str(done / folder.name))

@@ -1,0 +1,315 @@
+"""MLflow records of an audit: a parent run, a nested run per model, made from a spooled record.
+
+``replay`` is idempotent: an audit already complete in the server is left alone, a partial one (the
+server died mid-audit) is deleted and logged again, so a synced audit has exactly the runs of a clean one.
+Two processes never replay one record at once: they hold it first (``tasks.record.spool.claim``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from tasks.config import EvaluationConfig
+from tasks.core.places import home, tracking_uri
+from tasks.data.registry import is_registered, tag_version
+from tasks.record.spool import read_record
+
+AUDIT_ID = "ppl_audit.audit_id"
+COMPLETE = "ppl_audit.complete"
+EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
+METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
+           "tokens_per_second", "wall_seconds", "peak_memory_bytes")
+FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
+COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib",
+                       "windows")  # the windows the paired intervals rest on
+
+
+def _absent(entry: dict) -> dict[str, str]:
+    """Each figure a model's run lacks, and why: a tag, so that an empty column in the UI is explained."""
+    absent = dict((entry["result"] or {}).get("absent", {}))
+    if entry["row"].get("divergence_absent"):
+        absent["kld_mean"] = entry["row"]["divergence_absent"]
+    return absent
+
+
+def is_tracking_outage(error: BaseException) -> bool:
+    """A failure of the tracking server or the way to it (retried), not of our code (not retried)."""
+    from tasks.core.errors import is_network_error
+
+    return is_network_error(error) or type(error).__name__ == "MlflowException"
+
+
+def ui_link(server: str, experiment_id: str, run_id: str | None = None) -> str:
+    """An experiment's runs, or one run, in the MLflow UI at ``server``, in its model-training view.
+
+    MLflow 3.17's UI does not open an experiment by its ``mlflow.experimentKind``: it opens the view last
+    picked in that browser (GenAI until a user picks "Model training"), unless the link names one.
+    """
+    page = f"runs/{run_id}" if run_id else "runs"
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/{page}?workflowType=machine_learning"
+
+
+def run_link(uri: str, run_id: str) -> str | None:
+    """A run's page in the UI of the tracking server at ``uri``; None for a local store (``ppl-audit ui``
+    lists its experiments' links)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    from mlflow import MlflowClient
+
+    return ui_link(uri, MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id, run_id)
+
+
+def _experiment(client, name: str, uri: str) -> str:
+    """The experiment's id, made if needed, declared a model-development one unless it says otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        location = None
+        if uri.startswith("sqlite:"):  # a local store keeps its artifacts beside it, not in the current folder
+            location = (home() / "mlartifacts" / name).as_uri()
+        try:
+            client.create_experiment(name, artifact_location=location)
+        except MlflowException:
+            if client.get_experiment_by_name(name) is None:  # else a concurrent sync or audit made it meanwhile
+                raise
+        found = client.get_experiment_by_name(name)
+    if EXPERIMENT_KIND not in found.tags:  # else MLflow 3 opens the experiment in its GenAI (traces) view
+        try:
+            client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, "custom_model_development")
+        except MlflowException:
+            if EXPERIMENT_KIND not in client.get_experiment(found.experiment_id).tags:  # else a concurrent one set it
+                raise
+    return found.experiment_id
+
+
+def _dataset_input(record: dict):
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    corpus = record["corpus"]
+    source_name = corpus["source"]
+    if source_name.startswith("hf:"):
+        from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+        source = HuggingFaceDatasetSource(path=source_name[3:], config_name=corpus["hf_config"], split=corpus["hf_split"])
+    else:
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+        with warnings.catch_warnings():  # MLflow warns that resolving by registry will change one day
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(corpus.get("location") or source_name)
+    dataset = MetaDataset(source=source, name=Path(source_name).name or source_name, digest=corpus["digest"][:16])
+    return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "evaluation")])
+
+
+def _log_dataset(client, run_id: str, dataset) -> None:
+    """Log the corpus as the run's input. MLflow's store looks the dataset up and inserts it if absent, so a
+    concurrent sync or audit of the same corpus can insert it in between and this insert then breaks the store's
+    unique constraint; the second try finds the dataset and links it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.log_inputs(run_id, datasets=[dataset])
+    except MlflowException:
+        client.log_inputs(run_id, datasets=[dataset])
+
+
+def _params(values: dict) -> list:
+    from mlflow.entities import Param
+
+    return [Param(k, str(v)[:6000]) for k, v in values.items() if v is not None]
+
+
+def _audit_params(record: dict) -> dict:
+    config, corpus, env = record["config"], record["corpus"], record["environment"]
+    evaluation = config["evaluation"]
+    params = {"audit": record["name"], "window": evaluation["window"],
+              "stride": EvaluationConfig.of_record(evaluation).stride, "batch_size": evaluation["batch_size"],
+              "bos": corpus["bos"], "max_tokens": evaluation["max_tokens"], "corpus.source": corpus["source"],
+              "corpus.digest": corpus["digest"], "corpus.tokens": corpus["n_tokens"], "hardware": env["hardware"],
+              "baseline": config["baseline"]["path"]}
+    params.update({f"version.{k}": v for k, v in env["versions"].items()})
+    return params
+
+
+def _variant_params(record: dict, entry: dict) -> dict:
+    spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
+    params = {**_audit_params(record), "variant": entry["name"], "method": facts.get("method") or spec["method"],
+              "path": spec["path"],
+              "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
+              "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
+              "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
+              "worker": facts.get("worker"),
+              "shards": sum("failed" not in row for row in entry.get("shards", [])) or None,
+              "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
+              "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),
+              "calibration.samples": (manifest.get("calibration") or {}).get("samples"),
+              "source_model_digest": manifest.get("source_model_digest")}
+    # the format's own facts: a GGUF's file type and bits per weight, a compressed-tensors scheme and whether
+    # its activations were quantized, how method auto found the method
+    params.update({f"format.{key}": value if isinstance(value, (str, int, float)) else str(value)
+                   for key, value in (facts.get("quantization") or {}).items()})
+    return params
+
+
+def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
+    import pyarrow.parquet as pq
+    from mlflow.entities import Metric
+
+    from tasks.record.plots import measured
+
+    metrics = []
+    result, facts, row = entry["result"] or {}, entry["facts"] or {}, entry["row"]
+    for key in METRICS:
+        if result.get(key) is not None:
+            metrics.append(Metric(key, float(result[key]), timestamp, 0))
+    for key in FACT_METRICS:
+        if key in facts:
+            metrics.append(Metric(key, float(facts[key]), timestamp, 0))
+    for key, value in row.items():
+        if key.startswith(COMPARISON_PREFIXES) and measured(value):
+            metrics.append(Metric(key, float(value), timestamp, 0))
+    if entry.get("arrays"):
+        per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
+        metrics += [Metric("window_nll", float(v), timestamp, int(k)) for k, v in per_window.items()]
+    return metrics
+
+
+# what a reviewer compares across variants: on the parent as ``<variant>.<figure>``, columns of the runs table
+AT_A_GLANCE = ("ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean", "top1_agreement")
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+# where a model's row goes in the parent run's description: what needs a reviewer first, first
+DESCRIPTION_ORDER = {"error": 0, "fail": 1, "pass": 2, "baseline": 3}
+
+
+def description(record: dict) -> str:
+    """The parent run's note (MLflow shows it as the run's description): a row per model and its verdict.
+
+    MLflow 3.17 shows a run's description 100 pixels high until "Show more" is pressed, and fades its
+    lower half when there is more: the header and four rows fit. So the table is all of it (the run's name
+    says the audit's verdict, its ``audit.reason`` tag why), erring and failing variants on top, the
+    baseline at the end.
+    """
+    from tasks.record.plots import ppl_limit, verdict_of
+    from tasks.record.report import delta_text, figure_text
+
+    lines = ["| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 |", "|---|---|---|---|---|---|---|"]
+    for entry in sorted(record["variants"], key=lambda entry: DESCRIPTION_ORDER[verdict_of(entry)]):
+        row, status = entry["row"], verdict_of(entry)
+        top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
+        limit = ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
+        lines.append(f"| {entry['name']} | {status.upper()} | {delta_text(row)} | "
+                     f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
+                     f"{figure_text(row, 'kld_mean', '.4f')} | {top1} |")
+    return "\n".join(lines)
+
+
+def _glance_metrics(record: dict, timestamp: int) -> list:
+    from mlflow.entities import Metric
+
+    from tasks.record.plots import measured
+
+    return [Metric(f"{entry['name']}.{key}", float(entry["row"][key]), timestamp, 0)
+            for entry in record["variants"] for key in AT_A_GLANCE
+            if measured(entry["row"].get(key))]
+
+
+def _baseline_tags(record: dict) -> dict[str, str]:
+    """How the audit had its baseline: ``ppl_audit.baseline`` scored or reused, the reference's key, and
+    for a rescore with a reference before it, ``ppl_audit.drift`` (``environment drift`` or ``none``)
+    and the drift's line."""
+    said = next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"), {})
+    tags = {"ppl_audit.baseline": said.get("baseline"), "ppl_audit.reference": said.get("key"),
+            "ppl_audit.reference_problem": said.get("problem")}
+    if said.get("drift"):
+        from tasks.record.verdict import drift_text
+
+        drift = said["drift"]
+        tags |= {"ppl_audit.drift": "environment drift" if drift["drift"] else "none",
+                 "ppl_audit.drift_detail": drift_text(drift)}
+    return {key: value for key, value in tags.items() if value}
+
+
+def _log_batches(client, run_id: str, metrics: list, params: list, tags: list) -> None:
+    client.log_batch(run_id, params=params, tags=tags)
+    for start in range(0, len(metrics), 1000):  # the server takes at most 1000 metrics a call
+        client.log_batch(run_id, metrics=metrics[start : start + 1000])
+
+
+def _delete_partial(client, experiment_id: str, audit_id: str) -> str | None:
+    """The parent run id of a complete earlier sync, or None after deleting any partial one."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{AUDIT_ID}` = '{audit_id}'")
+    complete = [r for r in runs if r.data.tags.get(COMPLETE) == "true"]
+    if complete:
+        return complete[0].info.run_id
+    for run in runs:
+        client.delete_run(run.info.run_id)
+    return None
+
+
+def replay(folder: Path, uri: str | None = None, experiment: str | None = None) -> str:
+    """Log a spooled audit record to MLflow; returns the parent run id. Raises if the server fails."""
+    import pandas as pd
+    from mlflow import MlflowClient
+    from mlflow.entities import RunTag
+
+    from tasks.record import plots
+    from tasks.record.report import html_report
+
+    record = read_record(folder)
+    uri = tracking_uri(uri or record["config"]["tracking"]["uri"])
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = _experiment(client, experiment or record["config"]["tracking"]["experiment"], uri)
+    done = _delete_partial(client, experiment_id, record["audit_id"])
+    if done:
+        return done
+    timestamp = _ms(pd.Timestamp(record["created"]).timestamp())
+    # the audit's own start and end, not the replay's (records from before "started" keep the end only)
+    started = _ms(pd.Timestamp(record.get("started", record["created"])).timestamp())
+    verdict = record["verdict"]
+    dataset = _dataset_input(record)
+    parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {verdict['status'].upper()}",
+                               tags={AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"],
+                                     "audit.reason": verdict["reason"][:5000], "ppl_audit.kind": "audit",
+                                     "ppl_audit.audit": record["name"], "mlflow.note.content": description(record),
+                                     "mlflow.runColor": plots.COLOURS[verdict["status"]],
+                                     **_baseline_tags(record)}).info.run_id
+    _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
+    _log_dataset(client, parent, dataset)
+    client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")
+    client.log_text(parent, record["table"], "comparison.txt")
+    table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
+             for entry in record["variants"]]
+    client.log_table(parent, pd.DataFrame(table), "comparison.json")
+    for name, figure in plots.charts(record, folder).items():  # the ΔPPL chart first: what a reviewer needs
+        client.log_figure(parent, figure, name)
+    client.log_text(parent, html_report(record, folder), "report.html")  # MLflow's artifact viewer shows it inline
+    for entry in record["variants"]:
+        status = plots.verdict_of(entry)
+        child = client.create_run(experiment_id, start_time=_ms(entry["started"]) if entry.get("started") else started,
+                                  run_name=f"{entry['name']} · {status.upper()}", tags={
+            "mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"], "ppl_audit.variant": entry["name"],
+            "ppl_audit.kind": entry["role"], "audit.verdict": status,
+            "mlflow.runColor": plots.COLOURS[status],  # the UI's dot and lines for the run: the charts' colours
+            "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
+            **{f"absent.{figure}": why for figure, why in _absent(entry).items()}}).info.run_id
+        _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),
+                     [RunTag("ppl_audit.status", entry["status"])])
+        _log_dataset(client, child, dataset)
+        if entry.get("arrays"):
+            client.log_artifact(child, str(folder / entry["arrays"]), "nll")
+        client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED",
+                              end_time=_ms(entry["ended"]) if entry.get("ended") else timestamp)
+        if is_registered(entry["spec"]["path"]):
+            tag_version(client, entry["spec"]["path"], status, ((entry["verdict"] or {}).get("reason") or entry["reason"]),
+                        child, parent)
+    client.set_tag(parent, COMPLETE, "true")
+    client.set_terminated(parent, "FINISHED", end_time=timestamp)
+    return parent

@@ -1,0 +1,224 @@
+"""Compare variants with the baseline and judge each against its gate. Pure Python, no Prefect."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tasks.config import Thresholds
+from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference
+from tasks.record.results import VariantResult
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    status: str  # pass, fail or error
+    reason: str
+
+
+def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
+    """One row of the comparison table: the variant's figures and its change against the baseline."""
+    row = {"variant": outcome.name, "method": outcome.method, "status": outcome.status, "reason": outcome.reason}
+    if outcome.ok:
+        r, facts = outcome.result, outcome.facts
+        row["method"] = facts.quantization.get("label", outcome.method)  # "gguf Q4_K_M", not a float model
+        row.update(ppl=r.ppl, ppl_stderr=r.ppl_stderr, mean_nll=r.mean_nll, bits_per_byte=r.bits_per_byte,
+                   n_tokens=r.n_tokens, tokens_per_second=r.tokens_per_second,
+                   weight_mib=facts.weight_memory_bytes / 2**20, load_seconds=facts.load_seconds,
+                   backend=facts.backend)
+        if outcome is baseline:
+            said = outcome.reference
+            row.update(baseline=said.get("baseline"), reference=said.get("key"))
+            if said.get("removed"):
+                row["removed_references"] = said["removed"]
+            if said.get("drift"):
+                row.update(drift="environment drift" if said["drift"]["drift"] else "none",
+                           drift_from=said["drift"]["reference"])
+        base = baseline.result if baseline.ok else None
+        if base is not None and outcome is not baseline:
+            row.update(delta_ppl=r.ppl - base.ppl, ppl_ratio=r.ppl / base.ppl, delta_ppl_pct=100 * (r.ppl / base.ppl - 1))
+            if len(base.token_nll) == len(r.token_nll):  # the same tokens: pair them
+                row.update(paired_difference(base.token_nll, r.token_nll, r.window_tokens))
+                if "absent" in outcome.divergence:
+                    row["divergence_absent"] = outcome.divergence["absent"]
+                if "kl" in r.extra:
+                    row.update(divergence_summary(r.extra, base.token_nll, r.token_nll, r.window_tokens))
+                    row.update(reference=outcome.divergence.get("reference", ""),
+                               divergence_mib=outcome.divergence.get("memory_bytes", 0) / 2**20)
+    return row
+
+
+# each gate: its name, the row's figure, the Gate's limit, whether the limit is a maximum, and how a figure reads
+GATES = (("ΔPPL", "delta_ppl_pct", "max_ppl_increase_pct", True, "{:+z.2f}", "%"),
+         ("KLD mean", "kld_mean", "max_kld_mean", True, "{:z.4f}", ""),
+         ("top-1 agreement", "top1_agreement", "min_top1_agreement", False, "{:.4f}", ""))
+
+
+def _check(row: dict, what: str, key: str, limit: float, above: bool, number: str, unit: str) -> tuple[str, str]:
+    """One gate, on the pessimistic end of the figure's interval: 'fail' when the estimate is past the limit,
+    'noise' when only that end is, 'unjudged' when the estimate or an end is not a finite number."""
+    value, low, high = row[key], row[f"{key}_low"], row[f"{key}_high"]
+    interval = f"{number.format(value)}{unit} [{number.format(low)}, {number.format(high)}]"
+    sign = "≤" if above else "≥"
+    if not all(math.isfinite(x) for x in (value, low, high)):
+        windows = row.get("windows", 0)
+        why = (f"it rests on {windows} window(s), and an interval needs at least {MIN_WINDOWS}"
+               if windows < MIN_WINDOWS else "it is not a finite number")
+        return "unjudged", f"{what} {interval} cannot be judged against {sign} {limit:g}: {why}"
+    worst = high if above else low
+    past = (lambda x: x > limit) if above else (lambda x: x < limit)
+    if past(value):
+        return "fail", f"{what} {interval} breaks the limit {sign} {limit:g}"
+    if past(worst):
+        return "noise", f"{what} {interval} is inside the noise of the limit {sign} {limit:g}"
+    return "pass", f"{what} {interval} {sign} {limit:g}"
+
+
+def judge(row: dict, thresholds: Thresholds) -> Verdict:
+    """pass / fail against the variant's gate, on the pessimistic end of each 95% interval.
+
+    A variant whose estimate is within a limit but whose interval reaches past it fails too ("inside
+    the noise"): a release gate passes what is shown to be within the limit. ``error`` when the variant
+    or the baseline could not be scored, a gated figure was not measured, or its estimate or interval is not
+    a finite number (too few windows, a NaN), unless another gate fails it.
+    """
+    name = row["variant"]
+    if row["status"] != "ok":
+        return Verdict(name, "error", row["reason"])
+    if "delta_ppl_pct" not in row:
+        return Verdict(name, "error", "no baseline result to compare with")
+    gate = thresholds.for_variant(name)
+    if gate.max_ppl_increase_pct is not None and "delta_ppl_pct_high" not in row:
+        return Verdict(name, "error", "ΔPPL has no interval: the variant did not score the baseline's tokens")
+    if (gate.max_kld_mean is not None or gate.min_top1_agreement is not None) and "kld_mean" not in row:
+        why = row.get("divergence_absent") or "evaluation.divergence is off"
+        return Verdict(name, "error", f"KL divergence was not measured: {why}")
+    checks = [_check(row, what, key, getattr(gate, limit), above, number, unit)
+              for what, key, limit, above, number, unit in GATES if getattr(gate, limit) is not None]
+    if not checks:
+        return Verdict(name, "pass", f"ΔPPL {row['delta_ppl_pct']:+z.2f}% (no limit set)")
+    failed = [reason for status, reason in checks if status != "pass"]
+    if any(status in ("fail", "noise") for status, _ in checks):
+        return Verdict(name, "fail", "; ".join(failed))
+    if failed:
+        return Verdict(name, "error", "; ".join(failed))
+    return Verdict(name, "pass", "; ".join(reason for _, reason in checks))
+
+
+def drift_text(drift: dict) -> str:
+    """One line on a rescored baseline against its stored reference (``tasks.audit.reference.drift``)."""
+    changed = ", ".join(f"{k} {v}" for k, v in drift["changed"].items()) or "same versions and device"
+    what = "environment drift" if drift["drift"] else "no drift"
+    return (f"{what}: the baseline's NLL moved by up to {drift['max_abs_delta_nll']:.3g} nats a token "
+            f"(ΔPPL {drift['delta_ppl_pct']:+.4f}%) since reference {drift['reference']} ({changed})")
+
+
+def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = None) -> Verdict:
+    """The audit's verdict: pass only when the baseline was scored and every variant passed. Environment
+    drift of the baseline (``drift``) is said in the reason: the variants' verdicts still stand, as each
+    was compared with the baseline in this environment, but the numbers differ from earlier audits'."""
+    if baseline_row["status"] != "ok":
+        return Verdict("audit", "error", f"baseline failed: {baseline_row['reason']}")
+    bad = [v for v in verdicts if v.status != "pass"]
+    if not bad:
+        verdict = Verdict("audit", "pass", f"all {len(verdicts)} variant(s) passed")
+    else:
+        status = "fail" if any(v.status == "fail" for v in bad) else "error"
+        verdict = Verdict("audit", status, "; ".join(f"{v.name}: {v.reason}" for v in bad))
+    if drift and drift["drift"]:
+        verdict = Verdict("audit", verdict.status, f"{drift_text(drift)}; {verdict.reason}")
+    return verdict
+
+
+def _baseline_said(row: dict) -> str:
+    if not row.get("baseline"):
+        return "baseline"
+    notes = [f"reference {row['reference']}"] if row.get("reference") else []
+    notes += [f"damaged reference {line.split(':')[0]} removed" for line in row.get("removed_references", [])]
+    if row.get("drift"):
+        notes.append(f"{'ENVIRONMENT DRIFT' if row['drift'] != 'none' else 'no drift'} from {row['drift_from']}")
+    return f"baseline, {row['baseline']}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
+    """A fixed-width comparison table for the terminal and the logs: each column at least its usual width and
+    wider where a figure needs it, so that no two figures ever run together. ``win``: the windows the paired
+    interval rests on."""
+    columns = [("variant", "<16"), ("method", "<16"), ("PPL", ">12"), ("± err", ">10"), ("ΔPPL % [95% CI]", ">24"),
+               ("win", ">6"), ("KLD", ">9"), ("top-1", ">8"), ("bits/B", ">8"), ("tok/s", ">8"), ("MiB", ">7")]
+    body = []
+    for row in rows:
+        verdict = verdicts.get(row["variant"])
+        said = f"{verdict.status}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
+        if row.get("divergence_absent") and "KL divergence was not measured" not in said:
+            said += f"; no KLD: {row['divergence_absent']}"  # a blank column says why
+        cells = [row["variant"], row["method"]] + [""] * (len(columns) - 2)
+        if row["status"] == "ok":
+            delta = f"{row['delta_ppl_pct']:+z.2f}" if "delta_ppl_pct" in row else ""
+            if "delta_ppl_pct_low" in row:
+                delta += f" [{row['delta_ppl_pct_low']:+z.2f},{row['delta_ppl_pct_high']:+z.2f}]"
+            cells[2:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta, str(row.get("windows", "")),
+                         f"{row['kld_mean']:z.4f}" if "kld_mean" in row else "",
+                         f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "",
+                         f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "",
+                         f"{row['tokens_per_second']:.0f}", f"{row['weight_mib']:.0f}"]
+        else:
+            cells[2] = "—"
+        body.append((cells, said))
+    widths = [max([int(spec[1:])] + [len(cells[i]) + 1 for cells, _ in body]) for i, (_, spec) in enumerate(columns)]
+
+    def line(cells: list[str], said: str) -> str:
+        return "".join(f"{cell:{spec[0]}{width}}" for cell, (_, spec), width in zip(cells, columns, widths)) + f"  {said}"
+
+    header = line([name for name, _ in columns], "verdict").rstrip()
+    return "\n".join([header, "-" * len(header)] + [line(cells, said) for cells, said in body])
+
+
+def _percentile_lines(row: dict, name: str, label: str, percentiles: tuple[float, ...], scale: float, unit: str) -> list[str]:
+    def line(title: str, key: str) -> str:
+        return f"{title:<8}{label}: {scale * row[key]:{'z9.3f' if unit else 'z11.6f'}}{unit}"
+
+    return ([line("Maximum", f"{name}_max")]
+            + [line("Median" if p == 50 else f"{p:.1f}%", f"{name}_p{p:g}") for p in percentiles]
+            + [line("Minimum", f"{name}_min")])
+
+
+def format_stats(rows: list[dict]) -> str:
+    """llama-perplexity's statistics block for each variant with KL (``ppl-audit run --stats full``),
+    in its wording, with KL(variant‖base) beside it. Errors are taken over windows (``tasks.engine.paired``)."""
+    from tasks.engine.paired import DP_PERCENTILES, KLD_PERCENTILES
+
+    base, blocks = rows[0], []
+    for row in rows[1:]:
+        if "kld_mean" not in row:
+            if row.get("divergence_absent"):
+                blocks.append(f"### {row['variant']} against {base['variant']}: no KL divergence statistics: "
+                              f"{row['divergence_absent']}")
+            continue
+        def pm(key: str, scale: float = 1.0, width: int = 11, digits: int = 6, row=row) -> str:
+            return f"{scale * row[key]:{width}.{digits}f} ± {scale * row[key + '_stderr']:{width - 2}.{digits}f}"
+
+        lines = [f"### {row['variant']} against {base['variant']} (reference {row.get('reference') or '—'})",
+                 "====== Perplexity statistics ======",
+                 f"Mean PPL(Q)                   : {row['ppl']:11.6f} ± {row['ppl_stderr']:9.6f}",
+                 f"Mean PPL(base)                : {base['ppl']:11.6f} ± {base['ppl_stderr']:9.6f}",
+                 f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * row['token_lnppl_correlation']:6.2f}% "
+                 f"(per window: {100 * row['window_lnppl_correlation']:.2f}%)",
+                 f"Mean ln(PPL(Q)/PPL(base))     : {pm('delta_nll')}",
+                 f"Mean PPL(Q)/PPL(base)         : {pm('ppl_ratio')}",
+                 f"Mean PPL(Q)-PPL(base)         : {row['delta_ppl']:11.6f}",
+                 "",
+                 "====== KL divergence statistics ======",
+                 f"Mean    KLD: {pm('kld_mean')}",
+                 *_percentile_lines(row, "kld", "KLD", KLD_PERCENTILES, 1, ""),
+                 f"Mean    KLD(Q‖base), reverse: {pm('kld_reverse_mean')}",
+                 f"Maximum KLD(Q‖base), reverse: {row['kld_reverse_max']:11.6f}",
+                 "",
+                 "====== Token probability statistics ======",
+                 f"Mean    Δp: {pm('dp_mean', 100, 7, 3)} %",
+                 *_percentile_lines(row, "dp", "Δp", DP_PERCENTILES, 100, "%"),
+                 f"RMS Δp    : {pm('dp_rms', 100, 7, 3)} %",
+                 f"Same top p: {pm('top1_agreement', 100, 7, 3)} %"]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
