@@ -72,7 +72,7 @@ def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
 
     Variants get the baseline's outcome, to measure their divergence from it.
     """
-    return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=CorpusConfig.text, progress=True,
+    return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True,
                          baseline_outcome=baseline_outcome, windows=windows)
 
 
@@ -80,7 +80,7 @@ def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
       retry_condition_fn=_transient)
 def make(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Checkpoint:
     """Quantize a gptq/awq variant made here, once, before its shards load it (a failure is its ``problem``)."""
-    return make_variant(checkpoint, lineup, evaluation_, corpus_text_of=CorpusConfig.text, progress=True)
+    return make_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True)
 
 
 @task(cache_policy=NO_CACHE)

@@ -9,10 +9,10 @@ from tasks.audit.checkpoints import calibration_for, prepare
 from tasks.audit.cluster import check_local_cluster, check_reachable, check_workers
 from tasks.audit.reference import find_intact
 from tasks.audit.scoring import baseline_identity
-from tasks.config import AuditConfig, CorpusConfig
+from tasks.config import AuditConfig
 from tasks.core.errors import InputError
 from tasks.core.places import references_dir, tracking_uri
-from tasks.data.corpus import tokenizer_digest
+from tasks.data.corpus import corpus_text, tokenizer_digest
 from tasks.data.evaluation import evaluation
 from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
@@ -86,13 +86,13 @@ def gated(config: AuditConfig) -> bool:
                for spec in config.variants for _, _, limit, *_ in GATES)
 
 
-def check_stream(config: AuditConfig, corpus_text: str) -> None:
+def check_stream(config: AuditConfig, text: str) -> None:
     """What the audit's token stream decides, checked before anything starts: a gate needs at least
     ``MIN_WINDOWS`` windows for a paired interval (one window shows no error bar, and a gate never passes what
     it cannot show); under ``rescore: never`` the stored reference is all there is, and a damaged one is refused
     (with ``auto`` the audit removes it and scores the baseline again)."""
     lineup = prepare(config.baseline, [], config.tracking.uri)
-    scored = evaluation(corpus_text, lineup.tokenizer, config.evaluation)
+    scored = evaluation(text, lineup.tokenizer, config.evaluation)
     settings = scored.settings
     windows = len(plan(scored.stream, settings.window, settings.stride, settings.mode))
     if windows < MIN_WINDOWS and gated(config):
@@ -105,16 +105,16 @@ def check_stream(config: AuditConfig, corpus_text: str) -> None:
             find_intact(identity, environment, "never")
 
 
-def check_calibration_room(config: AuditConfig, corpus_text: str, progress: bool = False) -> None:
+def check_calibration_room(config: AuditConfig, text: str, progress: bool = False) -> None:
     """Draw the calibration of every variant quantized here: one without room is refused now, not after
     the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
     makers = [spec for spec in config.variants if spec.quantize_here]
     if not makers:
         return
     lineup = prepare(config.baseline, [], config.tracking.uri)
-    scored = evaluation(corpus_text, lineup.tokenizer, config.evaluation, progress)
+    scored = evaluation(text, lineup.tokenizer, config.evaluation, progress)
     for spec in makers:
         try:
-            calibration_for(spec, lineup, scored, CorpusConfig.text, progress)
+            calibration_for(spec, lineup, scored, corpus_text, progress)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None

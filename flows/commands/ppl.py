@@ -1,0 +1,125 @@
+"""``ppl-audit ppl``: the perplexity of one model on one corpus, as an audit scores it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from flows.commands.arguments import batch_size_argument, config_field
+from tasks.core import console
+from tasks.core.errors import InputError
+
+NAME, LOGGED = "ppl", True
+
+
+def add(commands) -> None:
+    from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
+
+    def option(flag: str, model, name: str, **kwargs) -> None:
+        default, choices = config_field(model, name)
+        ppl.add_argument(flag, default=default, choices=choices, **kwargs)
+
+    ppl = commands.add_parser(NAME, help="perplexity of one model on one corpus")
+    ppl.add_argument("--model", required=True, help="model folder, Hugging Face Hub id, or 'embedded'")
+    ppl.add_argument("--corpus", required=True,
+                     help="text file, folder of .txt, .jsonl/.parquet file, hf:DATASET, or 'embedded'")
+    option("--text-column", CorpusConfig, "column", help="text column of JSONL/Parquet/HF sources")
+    option("--hf-config", CorpusConfig, "hf_config", help="Hugging Face dataset config (e.g. wikitext-2-raw-v1)")
+    option("--hf-split", CorpusConfig, "hf_split", help="Hugging Face dataset split")
+    option("--joiner", CorpusConfig, "joiner", help="separator put between documents")
+    option("--encoding", CorpusConfig, "encoding", help="text encoding of .txt/.jsonl corpora (e.g. latin-1)")
+    option("--window", EvaluationConfig, "window", type=int, help="tokens per window (L)")
+    option("--stride", EvaluationConfig, "stride", type=int, help="tokens each window moves (S); default L/2")
+    option("--batch-size", EvaluationConfig, "batch_size", type=batch_size_argument,
+           help="windows per forward pass, or auto (searched once per model, window and device)")
+    option("--bos", EvaluationConfig, "bos",
+           help="BOS policy; default: each mode's own (sliding: 'stream' when the tokenizer has a BOS token; "
+                "gptq: 'none'; llama.cpp: 'stream' when the tokenizer adds BOS, else 'none')")
+    option("--max-tokens", EvaluationConfig, "max_tokens", type=int, help="truncate the token stream to this many tokens")
+    option("--chunks", EvaluationConfig, "chunks", type=int,
+           help="gptq/llama.cpp modes: score the first N chunks (llama-perplexity --chunks)")
+    option("--mode", EvaluationConfig, "mode",
+           help="sliding window (default), or a published convention: gptq (GPTQ/AWQ papers), llama.cpp")
+    option("--device", VariantSpec, "device", help="cpu, cuda, cuda:N or auto")
+    option("--dtype", VariantSpec, "dtype", help="weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    ppl.add_argument("--method", choices=config_field(VariantSpec, "method")[1],
+                     help="measure --model quantized this way (bnb/torchao/hqq at load, gptq/awq on the spot); "
+                          "default auto: read from the checkpoint (a .gguf file, a quantization_config, or float)")
+    ppl.add_argument("--variant", help="a variant spec: a YAML file or inline YAML, e.g. '{name: q, method: gptq, path: DIR}'")
+    ppl.add_argument("--json", action="store_true", help="end stdout with one JSON line of the result")
+
+
+def _variant(args: argparse.Namespace):
+    """The one model `ppl` measures: --variant, else --model with --method, as a validated spec."""
+    import yaml
+
+    from tasks.config import QUANTIZED_AT_LOAD, QUANTIZED_BY_US, VariantSpec, parse
+
+    if args.variant:
+        path = Path(args.variant)
+        try:
+            data = yaml.safe_load(path.read_text() if path.is_file() else args.variant)
+        except yaml.YAMLError as error:
+            raise InputError(f"--variant is not valid YAML: {str(error).splitlines()[0]}") from None
+        return parse(VariantSpec, data, "--variant")
+    method = args.method or "auto"
+    name = (Path(args.model).name or args.model) if method in ("auto", "baseline") else method
+    spec = {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype, "device": args.device}
+    if method not in QUANTIZED_BY_US + QUANTIZED_AT_LOAD:  # a checkpoint measured as it is, not made from --model
+        spec["path"] = args.model
+    return parse(VariantSpec, spec, "arguments")
+
+
+def _settings(args: argparse.Namespace):
+    """The corpus and evaluation settings of `ppl`, validated as an audit's are (one line per mistake)."""
+    from tasks.config import CorpusConfig, EvaluationConfig, parse
+
+    corpus = parse(CorpusConfig, {"source": args.corpus, "column": args.text_column, "hf_config": args.hf_config,
+                                  "hf_split": args.hf_split, "joiner": args.joiner, "encoding": args.encoding},
+                   "arguments")
+    # `ppl` measures one model: nothing is kept for a KL it does not take
+    settings = parse(EvaluationConfig, {"window": args.window, "stride": args.stride, "batch_size": args.batch_size,
+                                        "bos": args.bos, "max_tokens": args.max_tokens, "chunks": args.chunks,
+                                        "mode": args.mode, "divergence": False}, "arguments")
+    return corpus, settings
+
+
+def run(args: argparse.Namespace) -> int:
+    from tasks.audit.checkpoints import prepare
+    from tasks.audit.scoring import score_variant
+    from tasks.config import BaselineSpec
+    from tasks.data.corpus import corpus_text
+    from tasks.data.evaluation import evaluation
+    from tasks.engine.model_facts import max_positions
+    from tasks.engine.windows import check_window
+    from tasks.models.loading import check_checkpoint
+    from tasks.models.resolve import load_config, resolve_device, resolve_dtype
+
+    spec = _variant(args)
+    corpus, settings = _settings(args)
+    resolve_dtype(spec.dtype, resolve_device(spec.device))
+    text = corpus_text(corpus)
+    check_window(settings.window, max_positions(load_config(spec.path or args.model)))
+    lineup = prepare(BaselineSpec(name="baseline", path=args.model), [spec])
+    [checkpoint] = lineup.variants
+    if checkpoint.problem:
+        raise InputError(checkpoint.problem)
+    check_checkpoint(checkpoint.source or lineup.baseline.source)  # the files it loads: made from --model, or its own
+    scored = evaluation(text, lineup.tokenizer, settings, progress=True)
+    outcome = score_variant(checkpoint, lineup, scored, progress=True)
+    if not outcome.ok:
+        print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=console.err())
+        return 1
+    result = outcome.result
+    per_byte = f"{result.bits_per_byte:.4f} bits/byte, " if result.bits_per_byte is not None else ""
+    say = console.out()
+    print(f"{spec.name}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} tokens "
+          f"(mean NLL {result.mean_nll:.5f}, {per_byte}{result.tokens_per_second:.0f} tok/s, {outcome.facts.backend})",
+          file=say)
+    for figure, why in result.absent.items():
+        print(f"{spec.name}: no {figure}: {why}", file=say)
+    if args.json:
+        print(json.dumps({**result.summary(), "name": spec.name, "model": spec.path or args.model,
+                          "method": spec.method, "variant": outcome.facts.summary()}), file=say)
+    return 0

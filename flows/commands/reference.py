@@ -1,0 +1,125 @@
+"""``ppl-audit reference``: stored baseline references: build, list, verify, remove."""
+
+from __future__ import annotations
+
+import argparse
+
+from flows.commands.arguments import VERBOSE, age, size
+from tasks.core import console
+from tasks.core.errors import InputError, one_line
+
+NAME, LOGGED = "reference", False  # `reference build` logs (it has its own --verbose)
+
+
+def add(commands) -> None:
+    reference = commands.add_parser(NAME, help="stored baseline references: build, list, verify, remove")
+    actions = reference.add_subparsers(dest="action", required=True)
+    build = actions.add_parser("build", help="score an audit's baseline once and store its reference "
+                                             "(audits then reuse it and load only their variants)")
+    build.add_argument("config", help="audit YAML: its baseline, corpus and evaluation settings")
+    build.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set baseline.rescore=always (repeatable)")
+    build.add_argument("--verbose", action="store_true", help=VERBOSE)
+    actions.add_parser("ls", help="list the stored references")
+    verify = actions.add_parser("verify", help="check stored references: every file's digest, the result against "
+                                               "the scores, the LM head on the hidden states against the NLL")
+    verify.add_argument("keys", nargs="*", help="keys from `ppl-audit reference ls`")
+    verify.add_argument("--all", action="store_true", help="check every reference")
+    rm = actions.add_parser("rm", help="remove references by key, by age or to a size")
+    rm.add_argument("keys", nargs="*", help="keys from `ppl-audit reference ls`")
+    rm.add_argument("--all", action="store_true", help="remove every reference")
+    rm.add_argument("--older-than", type=age, metavar="AGE", help="remove those unused for AGE (30d, 12h, ...)")
+    rm.add_argument("--over", type=size, metavar="SIZE",
+                    help="remove the least recently used until the rest fit in SIZE (20G, 500M, ...)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tasks.audit import reference
+    from tasks.core.places import references_dir
+    from tasks.record.verdict import drift_text
+
+    say = console.out()
+    if args.action == "build":
+        from flows.reference import build_reference
+        from tasks.audit.preflight import check_stream, preflight
+        from tasks.config import load_audit_config
+        from tasks.data.corpus import corpus_text
+
+        config = load_audit_config(args.config, args.set)
+        preflight(config, variants=False)  # before Prefect starts: the baseline only
+        check_stream(config, corpus_text(config.corpus))
+        outcome = build_reference(config=args.config, overrides=args.set)
+        if not outcome.ok:
+            print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
+            return 1
+        said, result = outcome.reference, outcome.result
+        where = f"reference {said['key']} in {said['path']}" if said.get("path") else f"no reference: {said['problem']}"
+        print(f"baseline {said['baseline']}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} "
+              f"tokens; {where}", file=say)
+        if said.get("drift"):
+            print(drift_text(said["drift"]), file=say)
+        return 0 if said.get("path") else 1
+    if args.action == "ls":
+        found = reference.stored()
+        print(f"{'key':<17}{'created':<17}{'last used':<17}{'size':>10}  {'tokens':>8}  {'dtype':<9}{'device':<12}"
+              "torch / transformers  model", file=say)
+        for r in found:
+            m = r.manifest
+            print(f"{r.key:<17}{_when(m['created']):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  "
+                  f"{m['result']['n_tokens']:>8}  {m['identity']['dtype']:<9}{m['environment']['device'][:11]:<12}"
+                  f"{m['environment'].get('torch')} / {m['environment'].get('transformers')}  {m['source']}", file=say)
+        print(f"{len(found)} reference(s), {_mib(sum(r.size_bytes for r in found))} in {references_dir()}",
+              file=say)
+        return 0
+    if args.action == "verify":
+        return _verify_references(args.keys, args.all)
+    if not (args.keys or args.all or args.older_than is not None or args.over is not None):
+        raise InputError("reference rm: name the keys to remove (see `ppl-audit reference ls`), or give --all, "
+                         "--older-than AGE or --over SIZE")
+    found = {r.key: r for r in reference.stored()}
+    unknown = [key for key in args.keys if key not in found]
+    if unknown:
+        raise InputError(f"reference rm: no reference {', '.join(unknown)}; `ppl-audit reference ls` lists them")
+    removed = [found[key] for key in args.keys] if not args.all else list(found.values())
+    for r in removed:
+        reference.remove(r)
+    if args.older_than is not None or args.over is not None:
+        removed += reference.prune(args.older_than, args.over)
+    print(f"removed {len(removed)} reference(s), {_mib(sum(r.manifest['size_bytes'] for r in removed))}"
+          + "".join(f"\n  {r.key}" for r in removed), file=say)
+    return 0
+
+
+def _verify_references(keys: list[str], every: bool) -> int:
+    """One line per reference: intact, or what is damaged; 1 when any is damaged."""
+    from tasks.audit import reference
+
+    if bool(keys) == every:
+        raise InputError("reference verify: name the keys to check (see `ppl-audit reference ls`), or give --all")
+    folders = reference.folders()
+    unknown = [key for key in keys if key not in folders]
+    if unknown:
+        raise InputError(f"reference verify: no reference {', '.join(unknown)}; `ppl-audit reference ls` lists them")
+    damaged = 0
+    for key in keys or sorted(folders):
+        try:
+            problem = reference.verify(folders[key])
+            said = f"DAMAGED: {problem}" if problem else "intact: files, result and NLL check out"
+        except (InputError, OSError, ValueError) as error:  # the baseline's files, whose head it needs, are gone
+            problem, said = None, f"files and result intact; NLL not checked: {one_line(error)}"
+        damaged += problem is not None
+        print(f"{key}  {said}", file=console.out())
+    if damaged:
+        print(f"{damaged} damaged: an audit never uses one; it removes it and scores the baseline again "
+              "(or: ppl-audit reference rm KEY)", file=console.out())
+    return 1 if damaged else 0
+
+
+def _when(epoch: float) -> str:
+    from datetime import datetime
+
+    return f"{datetime.fromtimestamp(epoch):%Y-%m-%d %H:%M}"
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f} MiB" if size >= 2**20 else f"{size / 2**10:,.0f} KiB"

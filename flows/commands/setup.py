@@ -1,0 +1,21 @@
+"""``ppl-audit setup``: build the embedded model and corpus (once; cached)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tasks.core import console
+
+NAME, LOGGED = "setup", True
+
+
+def add(commands) -> None:
+    commands.add_parser(NAME, help="build the embedded model and corpus (once; cached)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tasks.data.embedded import ensure_embedded_corpus, ensure_embedded_model
+
+    print(f"embedded model:  {ensure_embedded_model()}", file=console.out())
+    print(f"embedded corpus: {ensure_embedded_corpus()}", file=console.out())
+    return 0
