@@ -20,7 +20,7 @@ from helpers import free_port, wait_for, write_config
 
 from flows.audit import audit, summary_of
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 DASK = str(Path(sys.executable).with_name("dask"))
 
 

@@ -65,6 +65,7 @@ def test_a_failing_variant_is_isolated(tmp_path, cache, trained_model_dir, noisy
     assert rows["baseline"]["ppl"] > 1 and rows["int8"]["ppl"] > 1 and "delta_ppl_pct" in rows["int8"]
 
 
+@pytest.mark.slow
 def test_dask_runner_scores_variants_on_two_local_workers(tmp_path, cache, trained_model_dir, corpus_path):
     variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "nf4", "method": "bnb-nf4"}]
     sequential = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
@@ -94,6 +95,7 @@ def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corp
     assert calls.count("int8") == 2
 
 
+@pytest.mark.slow
 def test_quantize_flow_emits_quantization_completed(tmp_path, cache, trained_model_dir, corpus_path):
     import anyio
     from prefect.client.orchestration import get_client

@@ -30,7 +30,8 @@ from helpers import wait_for as waiting
 ROOT = Path(__file__).resolve().parents[1]
 STOPPED_WITHIN_S = 20
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the supervisor and its prctl settings are Linux's")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="the supervisor and its prctl settings are Linux's"),
+              pytest.mark.slow]
 
 
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -385,52 +386,51 @@ def test_serve_and_ui_stopped_by_their_group_end_at_once(command, config, tmp_pa
     ui.assert_all_gone(ui_port)
 
 
+def supervised_then_stopped(tmp_path, main: str, within: float) -> tuple[int, int, list, str, float]:
+    """Run ``main`` (the source of a function ``main`` that starts a process, prints ``started``, then sleeps)
+    under ``lifetime.run``, and SIGTERM its group: ``(exit code, processes it started, those still alive,
+    its stderr, seconds it took to end)``; whatever is left is killed."""
+    program = tmp_path / "program.py"
+    program.write_text("import atexit, signal, subprocess, sys, time\nfrom flows import lifetime\n\n"
+                       + textwrap.dedent(main) + "\nlifetime.run(main, lambda signum: f'killed after {signum.name}')\n")
+    process = psutil.Popen([sys.executable, str(program)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    assert process.stdout.readline() == "started\n"
+    started = alive(process.children(recursive=True))
+    signalled = time.monotonic()
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        code = process.wait(timeout=within)
+    finally:
+        left = alive(started)
+        for each in left + alive([process]):
+            each.kill()
+    return code, len(started), left, process.stderr.read(), time.monotonic() - signalled
+
+
 def test_a_child_that_does_not_stop_is_killed_with_everything_it_started(tmp_path):
     """A signal handler's exception can be swallowed (raised inside a ``__del__`` it is only printed: it
     happened to an audit stopped while scoring). Here the command ignores SIGTERM outright, and has started
     a process of its own: both must be gone within STOP_S, with the supervisor's line and 143."""
-    program = tmp_path / "stuck.py"
-    program.write_text(textwrap.dedent("""
-        import signal, subprocess, sys, time
-        from flows import lifetime
-
-        def stuck():
+    code, started, left, stderr, took = supervised_then_stopped(tmp_path, """
+        def main():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
             print("started", flush=True)
             time.sleep(300)
             return 0
-
-        lifetime.run(stuck, lambda signum: f"killed after {signum.name}")
-    """))
-    process = psutil.Popen([sys.executable, str(program)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
-    assert process.stdout.readline() == "started\n"
-    started = alive(process.children(recursive=True))
-    assert len(started) == 2
-    signalled = time.monotonic()
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        code = process.wait(timeout=STOP_S)
-    finally:
-        left = alive(started)
-        for each in left + alive([process]):
-            each.kill()
-    assert code == 128 + signal.SIGTERM and not left, (code, left)
-    assert process.stderr.read() == "killed after SIGTERM\n"
-    assert time.monotonic() - signalled < STOP_S
+    """, STOP_S)
+    assert started == 2 and code == 128 + signal.SIGTERM and not left, (started, code, left)
+    assert stderr == "killed after SIGTERM\n"
+    assert took < STOP_S
 
 
 def test_a_child_whose_cleanup_outlasts_the_grace_is_killed_without_a_second_line(tmp_path):
     """A command that said how it was interrupted, then cleans up for longer than STOP_S (Prefect stopping
     its server on a busy machine): it is killed with what it started, and its line stays the only one.
     Before, the supervisor added its own."""
-    program = tmp_path / "slow.py"
-    program.write_text(textwrap.dedent("""
-        import atexit, subprocess, sys, time
-        from flows import lifetime
-
-        def slow():
+    code, started, left, stderr, took = supervised_then_stopped(tmp_path, """
+        def main():
             atexit.register(time.sleep, 300)
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
             print("started", flush=True)
@@ -441,24 +441,10 @@ def test_a_child_whose_cleanup_outlasts_the_grace_is_killed_without_a_second_lin
                 lifetime.said()
                 raise
             return 0
-
-        lifetime.run(slow, lambda signum: f"killed after {signum.name}")
-    """))
-    process = psutil.Popen([sys.executable, str(program)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
-    assert process.stdout.readline() == "started\n"
-    started = alive(process.children(recursive=True))
-    signalled = time.monotonic()
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        code = process.wait(timeout=STOP_S + 5)
-    finally:
-        left = alive(started)
-        for each in left + alive([process]):
-            each.kill()
-    assert code == 128 + signal.SIGTERM and not left, (code, left)
-    assert process.stderr.read() == "interrupted, said\n"
-    assert time.monotonic() - signalled < STOP_S + 5
+    """, STOP_S + 5)
+    assert started == 2 and code == 128 + signal.SIGTERM and not left, (started, code, left)
+    assert stderr == "interrupted, said\n"
+    assert took < STOP_S + 5
 
 
 def test_ctrl_z_stops_the_command_with_its_servers_and_fg_continues_them(command, long_config):

@@ -13,6 +13,8 @@ from tasks.config import BaselineSpec, CalibrationConfig, EvaluationConfig, Vari
 from tasks.data.evaluation import evaluation
 from tasks.models.resolve import load_tokenizer
 
+pytestmark = pytest.mark.slow  # quick tier: pytest -m "not slow"
+
 
 @pytest.fixture(scope="module")
 def bos_only_dir(tokenizer, tmp_path_factory):

@@ -22,6 +22,8 @@ from helpers import free_port, make_text, wait_for, write_config
 from tasks.data.corpus import tokenize
 from tasks.models.quantize import draw_calibration, quantize
 
+pytestmark = pytest.mark.slow  # quick tier: pytest -m "not slow"
+
 
 def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:

@@ -52,7 +52,7 @@ def baseline(audit):
     return outcome
 
 
-@pytest.mark.parametrize("method", list(BOUNDS))
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in ("gptq", "awq") else m for m in BOUNDS])
 def test_each_method_scores_near_the_baseline(audit, baseline, method):
     spec = VariantSpec(name=method, method=method,
                        **({"bits": 4, "group_size": 32, "calibration": CALIBRATION} if method in ("gptq", "awq") else {}))
@@ -68,6 +68,7 @@ def test_each_method_scores_near_the_baseline(audit, baseline, method):
     assert facts.load_seconds > 0 and facts.size_on_disk_bytes > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantize_save_load_round_trip_with_complete_manifest(audit, baseline, method):
     spec = VariantSpec(name=f"{method}-g64", method=method, bits=4, group_size=64, calibration=CALIBRATION)
