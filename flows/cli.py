@@ -103,13 +103,11 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
         code = command.run(args)
     except KeyboardInterrupt:  # the one signal Python turns into an exception
         code = 128 + signal.SIGINT
-        print(interrupted(signal.SIGINT, started), file=console.err(), flush=True)
-        lifetime.said()
+        _say_interrupted(signal.SIGINT, started)
     except SystemExit as stop:  # flows.lifetime stops a command so on SIGTERM and SIGHUP
         if isinstance(stop.code, int) and stop.code - 128 in (signal.SIGTERM, signal.SIGHUP):
             code = stop.code
-            print(interrupted(signal.Signals(stop.code - 128), started), file=console.err(), flush=True)
-            lifetime.said()
+            _say_interrupted(signal.Signals(stop.code - 128), started)
         raise
     except InputError as error:
         print(f"ppl-audit: error: {error}", file=console.err())
@@ -128,6 +126,12 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
         elif log is not None:
             print(f"log: {log}", file=console.err())
     return code
+
+
+def _say_interrupted(signum: signal.Signals, started: float) -> None:
+    """Print the interrupted line, then tell the supervisor it was said (it adds none of its own)."""
+    print(interrupted(signum, started), file=console.err(), flush=True)
+    lifetime.said()
 
 
 def interrupted(signum: signal.Signals, started: float, how: str = "") -> str:

@@ -50,7 +50,7 @@ def charts(record: dict, folder: Path) -> dict[str, Figure]:
     """Every chart of an audit by its artifact name, in reading order (the names sort in that order too).
 
     Args:
-        record: the audit's record (``tasks.record.spool.audit_record``).
+        record: the audit's record (``tasks.record.contents.audit_record``).
         folder: the record's folder, which holds the per-token Parquet files.
     """
     return {"delta_ppl_pct.png": delta_ppl_chart(record), "ppl_by_model.png": ppl_chart(record),

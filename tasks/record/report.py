@@ -43,7 +43,7 @@ def html_report(record: dict, folder: Path) -> str:
     """The audit's report as one HTML document.
 
     Args:
-        record: the audit's record (``tasks.record.spool.audit_record``).
+        record: the audit's record (``tasks.record.contents.audit_record``).
         folder: the record's folder, which holds the per-token Parquet files the charts read.
     Returns the HTML text.
     """
