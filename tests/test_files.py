@@ -112,6 +112,25 @@ def test_a_killed_quantization_leaves_nothing_in_tmp_and_its_scratch_goes_next_t
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert list(tmp.iterdir()) == []
-    (left,) = (cache / "scratch").iterdir()
-    with scratch(cache / "scratch"):
-        assert not left.exists()
+    assert not (tmp_path / "out").exists(), "no half-made checkpoint where the finished one goes"
+    for root in (cache / "scratch", tmp_path / ".out.partial"):  # the latter: the checkpoint, made beside `out`
+        (left,) = root.iterdir()
+        with scratch(root):
+            assert not left.exists()
+
+
+def test_a_folder_is_published_whole_or_not_at_all(tmp_path):
+    from tasks.core.files import publish
+
+    made = tmp_path / "made"
+    made.mkdir()
+    (made / "weights").write_text("w")
+    (tmp_path / "empty").mkdir()
+    publish(made, tmp_path / "empty")
+    assert (tmp_path / "empty" / "weights").read_text() == "w" and not made.exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "weights").write_text("v")
+    with pytest.raises(FileExistsError, match="empty is not empty"):
+        publish(other, tmp_path / "empty")
+    assert (tmp_path / "empty" / "weights").read_text() == "w" and (other / "weights").read_text() == "v"

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers import free_port, make_text, write_config
+from helpers import build_llama, free_port, make_text, write_config
 from helpers import wait_for as waiting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,9 +354,19 @@ def test_reference_build_stopped_while_scoring_keeps_nothing_half_written(comman
     assert not references(build)
 
 
-def test_quantize_stopped_while_quantizing_ends_at_once(command, trained_model_dir, corpus_path, tmp_path):
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 24-layer Llama, 128 wide: GPTQ takes ~12 s over its layers here (the 2-layer one ~1 s, so it could
+    finish between the test seeing it start and the signal)."""
+    folder = tmp_path_factory.mktemp("deep-llama")
+    build_llama(folder, tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=24,
+                initializer_range=0.02)
+    return folder
+
+
+def test_quantize_stopped_while_quantizing_ends_at_once(command, deep_model_dir, corpus_path, tmp_path):
     out = tmp_path / "gptq"
-    quantize = command("quantize", "--model", str(trained_model_dir), "--method", "gptq", "--bits", "4",
+    quantize = command("quantize", "--model", str(deep_model_dir), "--method", "gptq", "--bits", "4",
                        "--group-size", "32", "--calibration", str(corpus_path), "--samples", "8", "--seq-len", "64",
                        "--out", str(out))
     port = prefect_server(quantize)
@@ -367,6 +377,7 @@ def test_quantize_stopped_while_quantizing_ends_at_once(command, trained_model_d
     the_line(quantize, signal.SIGTERM)
     quantize.assert_all_gone(port)
     assert not out.exists(), "no half-made checkpoint"
+    assert not any(tmp_path.glob(".gptq.partial/*")), "nor its parts beside it"
 
 
 def test_serve_and_ui_stopped_by_their_group_end_at_once(command, config, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from typing import Literal
 
@@ -121,5 +122,10 @@ def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluat
     key = json.dumps([model_digest(baseline), spec.method, bits, group_size, sym, calibration.digest])
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if read_manifest(str(out)) is None:
-        quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name, progress=progress)
+        shutil.rmtree(out, ignore_errors=True)  # a folder without its manifest is not a checkpoint: made again
+        try:
+            quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name, progress=progress)
+        except FileExistsError:  # another audit made the same one meanwhile
+            if read_manifest(str(out)) is None:
+                raise
     return str(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -106,3 +107,20 @@ def scratch(root: Path) -> Iterator[Path]:
             shutil.rmtree(folder, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f"{owner_tag()}~", dir=root) as folder:
         yield Path(folder)
+
+
+def publish(folder: Path, out: Path) -> None:
+    """Put the finished ``folder`` at ``out`` (absent or an empty folder) in one rename, so that whoever looks
+    at ``out`` finds all of it or nothing: a process stopped halfway leaves no half-made ``out``.
+
+    Raises:
+        FileExistsError: ``out`` holds something (another process published first).
+    """
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    try:
+        os.rename(folder, out)
+    except OSError as error:
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(f"{out} is not empty") from None
+        raise

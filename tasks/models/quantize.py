@@ -13,7 +13,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import torch
 
 from tasks.core import console
 from tasks.core.errors import InputError
-from tasks.core.files import file_digest, read_json, scratch, write_atomically
+from tasks.core.files import file_digest, publish, read_json, scratch, write_atomically
 from tasks.core.places import cache_dir
 from tasks.core.versions import versions
 from tasks.models.loading import WEIGHT_SUFFIXES
@@ -205,27 +205,32 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(source)
     started = time.perf_counter()
-    # ours, so that a killed run's offloaded layers are removed next time (gptqmodel's own go to /tmp for good)
-    with scratch(cache_dir() / "scratch") as staging:
+    # ours, so that a killed run's offloaded layers are removed next time (gptqmodel's own go to /tmp for good);
+    # the checkpoint is made beside `out` (one rename away) and appears there whole, with its manifest, or not at all
+    with scratch(cache_dir() / "scratch") as staging, scratch(out.parent / f".{out.name}.partial") as partial:
+        made = partial / "checkpoint"
         scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
                                                                  offload_to_disk_path=str(staging / "offload"))
         quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
         options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
         rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
-        with _logs_in(out / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress):
+        with _logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress):
             quantizer.quantize(rows, batch_size=1, **options)
-        out.mkdir(parents=True, exist_ok=True)
-        quantizer.save(str(out))
-    # gptqmodel saves its tokenizer with the pad token it set; a pad token that was not special
-    # before comes back from disk as an added special token, a different tokenizer from the baseline's
-    tokenizer.save_pretrained(out)
-    manifest = {
-        "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
-        "source_model": model, "source_model_digest": model_digest(source),
-        "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
-        "device": device, "seconds": round(time.perf_counter() - started, 2),
-    }
-    write_atomically(out / MANIFEST, json.dumps(manifest, indent=2))  # last: a manifest means a whole checkpoint
+        made.mkdir(exist_ok=True)
+        quantizer.save(str(made))
+        # gptqmodel saves its tokenizer with the pad token it set; a pad token that was not special
+        # before comes back from disk as an added special token, a different tokenizer from the baseline's
+        tokenizer.save_pretrained(made)
+        manifest = {
+            "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
+            "source_model": model, "source_model_digest": model_digest(source),
+            "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
+            "device": device, "seconds": round(time.perf_counter() - started, 2),
+        }
+        write_atomically(made / MANIFEST, json.dumps(manifest, indent=2))
+        publish(made, out)
+    with suppress(OSError):  # the partial folders' parent, unless another process is making one there too
+        partial.parent.rmdir()
     return manifest
 
 
