@@ -3,12 +3,18 @@ a corpus, a Prefect server, and a temporary audit home. The plain functions behi
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import build_llama, build_tokenizer, make_text, train_briefly
+
+# This project's machines reach no model hub. Offline, the Hub libraries refuse a Hub name at once; online they
+# wait ~23 s for the resolver to give up. They read these once, when first imported, so a test's own setenv
+# came too late whenever another test had imported them first. Set before any test (or process it starts) runs.
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 
 @pytest.fixture(scope="session")

@@ -377,3 +377,34 @@ def test_a_variant_whose_positions_are_below_the_window_is_refused_before_start(
     code, out, err = cli("run", str(path))
     assert code == 2 and err.strip() == "ppl-audit: error: evaluation.window 64 is longer than short's 32 positions; " \
                                         "use 32 or less", err
+
+
+def test_a_gguf_file_is_parsed_once_for_its_config_tokenizer_and_facts_until_it_changes(tmp_path, monkeypatch):
+    """Reading a GGUF file's config or tokenizer parses all of its metadata, every vocabulary string (~4 s for
+    SmolLM2 here), and an audit asks for them again and again (lineup, preflight, loading, the reference's head)."""
+    import os
+    import shutil
+    import time
+
+    import gguf
+
+    from tasks.models.gguf import gguf_facts
+    from tasks.models.resolve import load_config, load_tokenizer
+
+    path = tmp_path / "copy.gguf"
+    shutil.copy(embedded_gguf(), path)
+    parses = []
+    parse = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *args, **kw: parses.append(1) or parse(self, *args, **kw))
+    first = [load_config(str(path)), load_tokenizer(str(path)), gguf_facts(path)]
+    assert parses, "the counter counts nothing"
+    once = len(parses)
+    again = [load_config(str(path)), load_tokenizer(str(path)), gguf_facts(path)]
+    assert len(parses) == once, "parsed again"
+    assert again[0].to_dict() == first[0].to_dict() and again[0] is not first[0]  # copies: one changed changes no other
+    assert again[1].get_vocab() == first[1].get_vocab() and again[1] is not first[1]
+    assert again[2] == first[2]
+    later = time.time_ns() + 10**9
+    os.utime(path, ns=(later, later))  # as a file rewritten in place
+    load_config(str(path))
+    assert len(parses) > once, "a changed file is read again"

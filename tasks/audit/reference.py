@@ -42,6 +42,7 @@ from tasks.core.places import references_dir
 from tasks.core.versions import versions
 from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
 from tasks.engine.stream import TokenStream
+from tasks.models.gguf import gguf_reader
 from tasks.models.quantize import model_digest
 from tasks.models.resolve import DTYPES
 
@@ -143,7 +144,7 @@ def _gguf_head(path: Path) -> tuple[str, torch.Tensor, None] | None:
     ``output.weight``, or the token embeddings a tied head shares."""
     import gguf
 
-    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(path).tensors}
+    tensors = {tensor.name: tensor for tensor in gguf_reader(path).tensors}
     name = next((name for name in ("output.weight", "token_embd.weight") if name in tensors), None)
     if name is None:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections import Counter
 from pathlib import Path
@@ -67,12 +68,26 @@ def _gguf_needs(path: Path, architecture: str) -> set[str]:
             needs.add(found + suffix)
     return needs
 
+def gguf_reader(path: Path):
+    """gguf-py's reader of ``path`` (its tensors memory-mapped), made once per process for each state of the
+    file: it parses every metadata field, the whole vocabulary too, which takes seconds."""
+    stat = path.stat()
+    return _reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, size: int, mtime_ns: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
 def gguf_facts(path: Path) -> dict:
     """A GGUF file's quantization: its file type as llama.cpp names it (``Q4_K_M``), the count of tensors of
     each type, and bits per weight over all its tensors (how llama.cpp reports a file's size)."""
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     stored = sum(int(tensor.n_bytes) for tensor in reader.tensors)
     weights = sum(int(tensor.n_elements) for tensor in reader.tensors)

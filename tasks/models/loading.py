@@ -128,6 +128,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
     source, extra = from_pretrained_args(resolve_model_path(name))
     if "gguf_file" in extra:  # checked before transformers builds the whole model for it
         check_gguf(Path(source) / extra["gguf_file"])
+        extra["config"] = load_config(name)  # parsed once: from_pretrained would parse the file for it again
     try:
         model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
                                                            **({"device_map": str(device)} | extra | from_pretrained))

@@ -3,6 +3,8 @@ config and tokenizer, and the device and dtype it runs with."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import struct
 from pathlib import Path
@@ -80,7 +82,7 @@ def load_tokenizer(name: str):
 
     source, extra = from_pretrained_args(resolve_model_path(name))
     try:
-        return AutoTokenizer.from_pretrained(source, **extra)
+        return _parsed_once(AutoTokenizer, source, **extra)
     except Exception as error:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a bad vocabulary
         if is_network_error(error):
             raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
@@ -94,11 +96,29 @@ def load_config(name: str, registry: str | None = None):
     source, extra = from_pretrained_args(resolve_model_path(name, registry))
     _check_quantization_config(Path(source) / "config.json", name)
     try:
-        return AutoConfig.from_pretrained(source, **extra)
+        return _parsed_once(AutoConfig, source, **extra)
     except (OSError, ValueError) as error:
         raise InputError(f"cannot load the config of {name}: {one_line(error)}") from None
     except (struct.error, MemoryError, OverflowError) as error:  # a GGUF header cut short or with absurd lengths
         raise InputError(f"cannot read {name}: {one_line(error)}; give a whole llama.cpp .gguf file") from None
+
+
+def _parsed_once(auto, source: str, gguf_file: str | None = None):
+    """``auto.from_pretrained(source)``; from a GGUF file, parsed once per process and copied after.
+
+    transformers reads a config or a tokenizer out of a GGUF file by parsing all of its metadata, every vocabulary
+    string and merge (~4 s for SmolLM2's 49k on this project's 2-core machine), and an audit asks for each of a
+    file several times (lineup, preflight, loading, the reference's head). The file's size and modification time
+    are in the key: a file rewritten in place is parsed again."""
+    if gguf_file is None:
+        return auto.from_pretrained(source)
+    stat = (Path(source) / gguf_file).stat()
+    return copy.deepcopy(_from_gguf(auto, source, gguf_file, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=16)
+def _from_gguf(auto, source: str, gguf_file: str, size: int, mtime_ns: int):
+    return auto.from_pretrained(source, gguf_file=gguf_file)
 
 
 def _check_quantization_config(file: Path, name: str) -> None:
