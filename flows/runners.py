@@ -47,11 +47,11 @@ def task_runner(config: AuditConfig):
     if runner.kind == "ray":
         from prefect_ray import RayTaskRunner
 
+        from flows.ray_runner import ConnectedRayTaskRunner
+
         quiet = {"logging_level": "WARNING"}
-        if runner.address == "auto":  # the cluster `ray start` runs on this machine, never a new one
-            return RayTaskRunner(init_kwargs=quiet | {"address": "auto"})
-        if runner.address:
-            return RayTaskRunner(address=runner.address, init_kwargs=quiet)
+        if runner.address:  # `auto`: the cluster `ray start` runs on this machine, never a new one
+            return ConnectedRayTaskRunner(address=runner.address, init_kwargs=quiet)
         # a local instance of `workers` CPUs (it finds the GPUs itself), no dashboard listening on every interface
         return RayTaskRunner(init_kwargs=quiet | {"num_cpus": runner.workers, "include_dashboard": False})
     return None

@@ -70,19 +70,17 @@ def _dask_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[
     return {worker: (*looked[worker], offered.get(worker, 0)) for worker in looked}
 
 
-def _ray_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[str, tuple]:
-    """Each live node of the Ray cluster at ``address`` (``auto``: the one on this machine): the ``paths`` a
-    task placed on it cannot see, why it cannot reach ``api``, and the GPUs it offers."""
+def connect_ray(address: str, **init_kwargs) -> None:
+    """``ray.init`` at ``address``, tried again when Ray's client server answers but the server process it starts
+    for this client dies as it starts (ConnectionAbortedError, seen under load; the next client is served). A
+    cluster that is down (ConnectionError) or a client server that fails every time is one line."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     for attempt in range(RAY_INIT_TRIES):
         try:
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-            break
+            ray.init(address=address, **init_kwargs)
+            return
         except ConnectionAbortedError:
-            # the client server answered but the server process it forks for this client died as it started
-            # (seen under load: the next client is served); a cluster that is down is ConnectionError, not this
             if attempt == RAY_INIT_TRIES - 1:
                 raise InputError(f"runner.address {address}: the Ray client server failed to start a server for "
                                  f"this audit {RAY_INIT_TRIES} times; see ray_client_server*.err in the head "
@@ -90,6 +88,15 @@ def _ray_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[s
         except ConnectionError as error:
             raise InputError(f"runner.address {address}: no Ray cluster answers ({one_line(error)}); start one "
                              "with `ray start --head` or correct the address") from None
+
+
+def _ray_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[str, tuple]:
+    """Each live node of the Ray cluster at ``address`` (``auto``: the one on this machine): the ``paths`` a
+    task placed on it cannot see, why it cannot reach ``api``, and the GPUs it offers."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    connect_ray(address, logging_level="ERROR", log_to_driver=False)
     try:
         look = ray.remote(num_cpus=0)(_look)
         nodes = [node for node in ray.nodes() if node["Alive"]]
