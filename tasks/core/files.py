@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -124,3 +125,20 @@ def publish(folder: Path, out: Path) -> None:
         if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise FileExistsError(f"{out} is not empty") from None
         raise
+
+
+def once_per_file_state(maxsize: int):
+    """Decorate ``function(path, *args)`` to run once in this process for each state of the file at ``path`` (its
+    size and modification time in the key, with ``args``), for reads that cost seconds: a file rewritten in place
+    is read again. Callers that may change what it returns get it as it is: copy it."""
+    def decorate(function):
+        @functools.lru_cache(maxsize=maxsize)
+        def cached(path: str, size: int, mtime_ns: int, *args):
+            return function(Path(path), *args)
+
+        @functools.wraps(function)
+        def call(path: Path, *args):
+            stat = path.stat()
+            return cached(str(path), stat.st_size, stat.st_mtime_ns, *args)
+        return call
+    return decorate

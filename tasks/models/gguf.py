@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections import Counter
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tasks.core.errors import InputError, one_line
+from tasks.core.files import once_per_file_state
 from tasks.models.resolve import load_config
 
 
@@ -68,15 +68,10 @@ def _gguf_needs(path: Path, architecture: str) -> set[str]:
             needs.add(found + suffix)
     return needs
 
+@once_per_file_state(maxsize=4)
 def gguf_reader(path: Path):
-    """gguf-py's reader of ``path`` (its tensors memory-mapped), made once per process for each state of the
-    file: it parses every metadata field, the whole vocabulary too, which takes seconds."""
-    stat = path.stat()
-    return _reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _reader(path: str, size: int, mtime_ns: int):
+    """gguf-py's reader of ``path`` (its tensors memory-mapped), made once per state of the file: it parses every
+    metadata field, the whole vocabulary too, which takes seconds."""
     from gguf import GGUFReader
 
     return GGUFReader(path)

@@ -256,31 +256,34 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
     started = time.perf_counter()
     # ours, so that a killed run's offloaded layers are removed next time (gptqmodel's own go to /tmp for good);
     # the checkpoint is made beside `out` (one rename away) and appears there whole, with its manifest, or not at all
-    with scratch(cache_dir() / "scratch") as staging, scratch(out.parent / f".{out.name}.partial") as partial:
-        made = partial / "checkpoint"
-        scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
-                                                                 offload_to_disk_path=str(staging / "offload"))
-        quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
-        options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
-        rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
-        with _logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress), \
-                _clip_search_by_matmul():
-            quantizer.quantize(rows, batch_size=1, **options)
-        made.mkdir(exist_ok=True)
-        quantizer.save(str(made))
-        # gptqmodel saves its tokenizer with the pad token it set; a pad token that was not special
-        # before comes back from disk as an added special token, a different tokenizer from the baseline's
-        tokenizer.save_pretrained(made)
-        manifest = {
-            "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
-            "source_model": model, "source_model_digest": model_digest(source),
-            "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
-            "device": device, "seconds": round(time.perf_counter() - started, 2),
-        }
-        write_atomically(made / MANIFEST, json.dumps(manifest, indent=2))
-        publish(made, out)
-    with suppress(OSError):  # the partial folders' parent, unless another process is making one there too
-        partial.parent.rmdir()
+    partials = out.parent / f".{out.name}.partial"
+    try:
+        with scratch(cache_dir() / "scratch") as staging, scratch(partials) as partial:
+            made = partial / "checkpoint"
+            scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
+                                                                     offload_to_disk_path=str(staging / "offload"))
+            quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
+            options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
+            rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
+            with _logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress), \
+                    _clip_search_by_matmul():
+                quantizer.quantize(rows, batch_size=1, **options)
+            made.mkdir(exist_ok=True)
+            quantizer.save(str(made))
+            # gptqmodel saves its tokenizer with the pad token it set; a pad token that was not special
+            # before comes back from disk as an added special token, a different tokenizer from the baseline's
+            tokenizer.save_pretrained(made)
+            manifest = {
+                "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
+                "source_model": model, "source_model_digest": model_digest(source),
+                "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
+                "device": device, "seconds": round(time.perf_counter() - started, 2),
+            }
+            write_atomically(made / MANIFEST, json.dumps(manifest, indent=2))
+            publish(made, out)
+    finally:
+        with suppress(OSError):  # left empty, also by a failed or stopped run, unless another is making one there
+            partials.rmdir()
     return manifest
 
 

@@ -4,7 +4,6 @@ config and tokenizer, and the device and dtype it runs with."""
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import struct
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tasks.core.errors import InputError, TransientError, is_network_error, one_line
+from tasks.core.files import once_per_file_state
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,13 +112,12 @@ def _parsed_once(auto, source: str, gguf_file: str | None = None):
     are in the key: a file rewritten in place is parsed again."""
     if gguf_file is None:
         return auto.from_pretrained(source)
-    stat = (Path(source) / gguf_file).stat()
-    return copy.deepcopy(_from_gguf(auto, source, gguf_file, stat.st_size, stat.st_mtime_ns))
+    return copy.deepcopy(_from_gguf(Path(source) / gguf_file, auto))
 
 
-@functools.lru_cache(maxsize=16)
-def _from_gguf(auto, source: str, gguf_file: str, size: int, mtime_ns: int):
-    return auto.from_pretrained(source, gguf_file=gguf_file)
+@once_per_file_state(maxsize=16)
+def _from_gguf(file: Path, auto):
+    return auto.from_pretrained(str(file.parent), gguf_file=file.name)
 
 
 def _check_quantization_config(file: Path, name: str) -> None:
