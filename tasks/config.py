@@ -207,6 +207,8 @@ class EvaluationConfig(Strict):
     chunks: int | None = Field(None, description="chunk modes: the first N chunks (llama-perplexity --chunks)")
     mode: Mode = "sliding"
     divergence: bool = Field(True, description="KL, top-1 and Δp from the baseline reference (YAML on/off)")
+    sequential: bool = Field(False, description="stop each variant once its verdict is settled (YAML on/off)")
+    order_seed: int = Field(0, ge=0, description="the seed of a sequential run's window order")
 
     @model_validator(mode="before")
     @classmethod
@@ -392,6 +394,9 @@ class AuditConfig(Strict):
         unknown = sorted(set(self.thresholds.per_variant) - set(names))
         if unknown:
             raise ValueError(f"thresholds.per_variant names no variant: {', '.join(unknown)}")
+        if self.evaluation.sequential and self.runner.shards > 1:
+            raise ValueError("evaluation.sequential stops a variant after any batch, which shards cannot yet: "
+                             "set runner.shards to 1 or sequential off")
         return self
 
 

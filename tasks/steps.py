@@ -42,7 +42,7 @@ def read_corpus(corpus: CorpusConfig) -> str:
 def prepare_models(config: AuditConfig) -> Lineup:
     """Resolve the baseline and every variant once (folders, tokenizer digests, manifests); a registered
     or Hub model is fetched here, retried when the network blips."""
-    return prepare(config.baseline, config.variants, config.tracking.uri)
+    return prepare(config.baseline, config.variants, config.tracking.uri, config.thresholds)
 
 
 @task(cache_policy=NO_CACHE)

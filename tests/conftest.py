@@ -78,6 +78,15 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A quantization and token cache of the module's own (a module may override it with one per test)."""
+    with pytest.MonkeyPatch.context() as patch:
+        folder = tmp_path_factory.mktemp("cache")
+        patch.setenv("PPL_AUDIT_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def corpus_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("audit-corpus") / "corpus.txt"

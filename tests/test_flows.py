@@ -15,14 +15,6 @@ from tasks.core.errors import TransientError
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        folder = tmp_path_factory.mktemp("cache")
-        patch.setenv("PPL_AUDIT_CACHE", str(folder))
-        yield folder
-
-
 def test_audit_passes_when_every_variant_is_within_its_gate(tmp_path, cache, trained_model_dir, corpus_path):
     config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path,
                           [{"name": "int8", "method": "torchao-int8"},

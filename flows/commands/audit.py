@@ -14,6 +14,8 @@ def add(commands) -> None:
     run.add_argument("config", help="audit YAML, e.g. configs/demo.yaml")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set evaluation.max_tokens=4096 (repeatable)")
+    run.add_argument("--sequential", action="store_true",
+                     help="stop scoring each variant once its verdict is settled (evaluation.sequential: on)")
     run.add_argument("--json", action="store_true", help="end stdout with one JSON line of the audit's result")
     run.add_argument("--stats", choices=("summary", "full"), default="summary",
                      help="full: after the table, llama-perplexity's statistics block for each variant (KL both "
@@ -38,8 +40,9 @@ def checked_config(path: str, overrides: list[str]):
 def run(args: argparse.Namespace) -> int:
     from flows.audit import audit, summary_json, summary_of
 
-    checked_config(args.config, args.set)
-    state = audit(config=args.config, overrides=args.set, return_state=True)
+    overrides = args.set + (["evaluation.sequential=true"] if args.sequential else [])
+    checked_config(args.config, overrides)
+    state = audit(config=args.config, overrides=overrides, return_state=True)
     summary = summary_of(state)
     if summary is None:
         print(f"ppl-audit: audit failed: {state.message}", file=console.err())

@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from tasks.config import DEFAULT_CALIBRATION, BaselineSpec, VariantSpec
+from tasks.config import DEFAULT_CALIBRATION, BaselineSpec, Gate, Thresholds, VariantSpec
 from tasks.core.errors import InputError, one_line
 from tasks.core.places import cache_dir
 from tasks.data.corpus import cached_tokenize, tokenizer_digest
@@ -38,6 +38,7 @@ class Checkpoint:
         manifest: the ``ppl_audit.json`` of a checkpoint we quantized, if it has one.
         problem: why it cannot be scored, in one line; empty when it can.
         detected: how ``method: auto`` found the method ``spec`` now holds; empty when it was given.
+        gate: a variant's limits, which a sequential run watches (``tasks.audit.sequential``).
     """
 
     spec: VariantSpec
@@ -47,6 +48,7 @@ class Checkpoint:
     manifest: dict | None = None
     problem: str = ""
     detected: str = ""
+    gate: Gate | None = None
 
     @property
     def name(self) -> str:
@@ -63,18 +65,22 @@ class Lineup:
     tokenizer: object
 
 
-def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str | None = None) -> Lineup:
+def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str | None = None,
+            thresholds: Thresholds | None = None) -> Lineup:
     """Resolve every model once. A baseline that cannot be resolved raises ``InputError`` (there is
     nothing to compare with); a variant that cannot is prepared with its ``problem``.
 
     Args:
         registry: the tracking server whose model registry holds ``models:/`` names (the audit's).
+        thresholds: the audit's, which give each variant its gate.
     """
     folder = resolve_model_path(baseline.path, registry)
     tokenizer = load_tokenizer(folder)
     digest = tokenizer_digest(tokenizer)
     lead = Checkpoint(baseline, "baseline", folder, digest, read_manifest(folder))
-    return Lineup(lead, [_variant(spec, lead, registry) for spec in variants], tokenizer)
+    gates = thresholds or Thresholds()
+    return Lineup(lead, [replace(_variant(spec, lead, registry), gate=gates.for_variant(spec.name))
+                         for spec in variants], tokenizer)
 
 
 def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> Checkpoint:

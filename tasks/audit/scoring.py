@@ -18,7 +18,8 @@ import torch
 from tasks.audit import reference
 from tasks.audit.checkpoints import Checkpoint, Lineup, quantized_checkpoint
 from tasks.audit.cluster import worker
-from tasks.config import VariantSpec
+from tasks.audit.sequential import Watch
+from tasks.config import Gate, VariantSpec
 from tasks.core.errors import InputError, NumericalError, TransientError, WorkerError, one_line
 from tasks.core.places import references_dir
 from tasks.data.corpus import tokenizer_digest
@@ -26,6 +27,7 @@ from tasks.data.evaluation import Evaluation
 from tasks.engine.batching import auto_batch_size
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import Part, PerplexityResult, combine, score_part, scored_targets
+from tasks.engine.sequential import window_order
 from tasks.engine.windows import plan
 from tasks.models.placement import devices, is_split, main_device, run_on
 from tasks.models.quantize import check_disjoint, read_manifest
@@ -266,9 +268,17 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
                                       "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
             elif settings.divergence:
                 outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
-            part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against)
+            watch = None
+            if settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
+                watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result, settings.order_seed)
+                n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
+                sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
+            part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against,
+                                      **(sequence if watch else {}))
             if windows is None:
                 outcome.result = combined([part], evaluation_, spec.name)
+                if watch:
+                    outcome.sequential = watch.said(outcome.result)
             else:
                 outcome.part = part
                 outcome.shards[0] |= {"tokens": int(part.scores.window_tokens.sum()), "seconds": part.wall_seconds}

@@ -19,6 +19,7 @@ import numpy as np
 from scipy import stats
 
 MIN_WINDOWS = 2  # a paired interval needs the spread of windows: fewer give no interval
+CONFIDENCE = 0.95  # of every interval and gate; a sequential run's sequences share it (tasks.audit.sequential)
 # llama-perplexity's statistics block: the percentiles it prints of the per-token KL and of Δp
 KLD_PERCENTILES = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
 DP_PERCENTILES = (99.9, 99, 95, 90, 75, 50, 25, 10, 5, 1, 0.1)
@@ -60,7 +61,7 @@ def cluster_mean(values: np.ndarray, window_tokens: np.ndarray) -> Estimate:
         return Estimate(mean, math.nan, math.nan, math.nan)
     residuals = sums - mean * counts
     stderr = math.sqrt(clusters / (clusters - 1) * float((residuals**2).sum()) / n**2)
-    quantile = float(stats.t.ppf(0.975, clusters - 1))
+    quantile = float(stats.t.ppf((1 + CONFIDENCE) / 2, clusters - 1))
     return Estimate(mean, stderr, mean - quantile * stderr, mean + quantile * stderr)
 
 

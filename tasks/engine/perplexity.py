@@ -208,6 +208,34 @@ class WindowScores:
     window_nll: torch.Tensor
     window_tokens: torch.Tensor
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    windows: torch.Tensor | None = None  # a run stopped early: the plan's indices of the windows it scored
+    planned_tokens: int | None = None  # and how many tokens every window of the plan holds
+
+    def kept(self, windows: torch.Tensor) -> "WindowScores":
+        """Only the windows ``windows`` (indices, ascending), their tokens in window order."""
+        starts = torch.cumsum(self.window_tokens, 0) - self.window_tokens
+        slots = torch.cat([torch.arange(int(starts[w]), int(starts[w] + self.window_tokens[w])) for w in windows])
+        return WindowScores(self.token_nll[slots], self.window_nll[windows], self.window_tokens[windows],
+                            {key: value[slots] for key, value in self.extra.items()}, windows,
+                            int(self.window_tokens.sum()))
+
+
+@dataclass
+class Progress:
+    """What a run scoring windows in a given order has done so far, for ``until`` to judge after each batch.
+
+    Attributes:
+        order: the plan's indices of the windows scored, in the order scored.
+        sums: per-window float64 sums of each per-token figure (``nll``, and ``kl``, ``kl_reverse``, ``top1``
+            with a baseline), by window index; the windows not scored yet hold 0.
+        tokens: ``[n_windows]`` tokens each window of the plan scores.
+        batch_size: windows per forward pass.
+    """
+
+    order: list[int]
+    sums: dict[str, torch.Tensor]
+    tokens: torch.Tensor
+    batch_size: int
 
 
 def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, first_token: int | None = None):
@@ -275,7 +303,8 @@ def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index
 @torch.inference_mode()
 def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
                   batch_size: int = 1, label: str | None = None, first_token: int | None = None,
-                  reference: Baseline | None = None, keep_hidden: Callable | None = None) -> WindowScores:
+                  reference: Baseline | None = None, keep_hidden: Callable | None = None,
+                  until: Callable[[Progress], bool] | None = None) -> WindowScores:
     """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
 
     Args:
@@ -291,6 +320,8 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         keep_hidden: called as ``keep_hidden(slots, hidden)`` with each batch's final hidden states
             ``[T, H]`` (on the host, in the model's dtype) and their places in the token arrays: how a
             baseline reference is written batch by batch, never held whole.
+        until: asked after each batch with the ``Progress`` so far; when it answers True the run stops there,
+            and the result holds the windows scored (``WindowScores.windows``).
     """
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -302,6 +333,7 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
     arrays: dict[str, torch.Tensor] = {}
     window_nll = torch.zeros(len(counts), dtype=torch.float64)
     prefix_ids = torch.tensor(prefix, dtype=torch.long)
+    progress = Progress([], {}, counts, batch_size)
 
     def store(batch: list[Window], slots: torch.Tensor, host: dict[str, torch.Tensor], copied) -> None:
         if copied is not None:
@@ -310,6 +342,12 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
             keep_hidden(slots, host.pop("hidden"))
         for w, part in zip(batch, host["nll"].split([w.n_scored for w in batch])):
             window_nll[w.index] = part.double().sum()
+        if until is not None:
+            progress.order += [w.index for w in batch]
+            for key, value in host.items():
+                sums = progress.sums.setdefault(key, torch.zeros(len(counts), dtype=torch.float64))
+                for w, part in zip(batch, value.split([w.n_scored for w in batch])):
+                    sums[w.index] = part.double().sum()
         for key, value in host.items():
             if key not in arrays:
                 # at least float32 (a bf16 model's figures are float32); a float64 model's stay float64
@@ -337,10 +375,18 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
             if pending is not None:
                 store(*pending)
             pending = (batch, slots, *_to_host(stats, hidden.device))
+            if until is not None:  # judged on this batch before the next is queued: none is scored for nothing
+                store(*pending)
+                pending = None
+                if until(progress):
+                    break
         if pending is not None:
             store(*pending)
     token_nll = arrays.pop("nll")
-    return WindowScores(token_nll, window_nll, counts, arrays)
+    scores = WindowScores(token_nll, window_nll, counts, arrays)
+    if until is not None and len(progress.order) < len(windows):
+        return scores.kept(torch.tensor(sorted(progress.order)))
+    return scores
 
 
 @dataclass
@@ -376,10 +422,13 @@ class PerplexityResult:
     window_tokens: np.ndarray = field(repr=False)
     extra: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     absent: dict[str, str] = field(default_factory=dict)  # figure -> why it is None
+    scored_fraction: float = 1.0  # the share of the stream's scored tokens this result holds
+    scored_windows: np.ndarray | None = field(default=None, repr=False)  # which windows, where not all
 
     def summary(self) -> dict:
         """Every scalar field and ``absent``, for JSON and tracking (the arrays are left out)."""
-        return {k: v for k, v in asdict(self).items() if k != "extra" and not isinstance(v, np.ndarray)}
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("extra", "scored_windows") and not isinstance(v, np.ndarray)}
 
 
 def _per_unit_ppl(nll_sum: float, units: int, unit: str, absent: dict[str, str]) -> float | None:
@@ -408,12 +457,19 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
     ppl = math.exp(mean)
     n_bytes, n_words = (stream.n_bytes, stream.n_words) if stream.counted_for == facts["mode"] else (0, 0)
     absent: dict[str, str] = {}
+    sampled = scores.windows is not None
+    if sampled:  # the stream's bytes and words are not those of the windows scored
+        n_bytes = n_words = 0
+        absent |= {f"{unit}_ppl": "the run stopped early: it scored a sample of the stream's windows"
+                   for unit in ("byte", "word")}
     return PerplexityResult(
         n_tokens=n, nll_sum=nll_sum, mean_nll=mean, ppl=ppl, stderr=stderr, ppl_stderr=ppl * stderr,
         n_bytes=n_bytes, n_words=n_words,
         bits_per_byte=nll_sum / (n_bytes * math.log(2)) if n_bytes else None,
-        byte_ppl=_per_unit_ppl(nll_sum, n_bytes, "byte", absent),
-        word_ppl=_per_unit_ppl(nll_sum, n_words, "word", absent), absent=absent,
+        byte_ppl=None if sampled else _per_unit_ppl(nll_sum, n_bytes, "byte", absent),
+        word_ppl=None if sampled else _per_unit_ppl(nll_sum, n_words, "word", absent), absent=absent,
+        scored_fraction=n / scores.planned_tokens if sampled else 1.0,
+        scored_windows=scores.windows.numpy() if sampled else None,
         bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
         token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
         window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, **facts,
@@ -480,11 +536,14 @@ def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: i
 
 def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
                windows: tuple[int, int] | None = None, progress: bool = False, model_name: str = "",
-               mode: str = "sliding", reference: Baseline | None = None, keep_hidden: Callable | None = None) -> Part:
+               mode: str = "sliding", reference: Baseline | None = None, keep_hidden: Callable | None = None,
+               order: np.ndarray | None = None, until: Callable[[Progress], bool] | None = None) -> Part:
     """Score the windows ``windows = (first, stop)`` of the stream's plan (all of them when None).
 
     A slice is scored exactly as within the whole run: the same windows, the same context; ``combine``
     joins the parts. ``reference`` and ``keep_hidden`` are as in ``score_windows``, at the stream's places.
+    ``order`` (a permutation of the slice's windows, numbered from 0) is the order they are scored in, and
+    ``until`` may stop the run after any batch (``score_windows``); the figures do not depend on the order.
     """
     check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
     planned = plan(stream, window, stride, mode)
@@ -493,6 +552,8 @@ def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256,
         raise ValueError(f"windows {first}..{stop} are not a slice of the plan's {len(planned)}")
     offset = sum(w.n_scored for w in planned[:first])
     mine = [dataclasses.replace(w, index=w.index - first) for w in planned[first:stop]]
+    if order is not None:
+        mine = [mine[i] for i in order]
     reference, keep_hidden = _shifted(reference, keep_hidden, offset)
     first_token = stream.bos_id if mode == "llama.cpp" and stream.bos != "none" else None
     device = input_device(model)
@@ -503,7 +564,7 @@ def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256,
             label = f"score {model_name or model.name_or_path}"
             label += f" [windows {first}-{stop - 1}]" if windows else ""
         scores = score_windows(model, stream.ids, mine, stream.prefix, batch_size, label, first_token,
-                               reference, keep_hidden)
+                               reference, keep_hidden, until)
         wall = time.perf_counter() - started
     return Part((first, stop), scores, wall, memory.peak_bytes, batch_size, str(device),
                 str(model.dtype).removeprefix("torch."))
@@ -521,9 +582,12 @@ def combine(parts: list[Part], stream: TokenStream, model_name: str, window: int
     def cat(arrays: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(arrays) if len(arrays) > 1 else arrays[0]
 
-    scores = WindowScores(cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),
-                          cat([p.scores.window_tokens for p in parts]),
-                          {key: cat([p.scores.extra[key] for p in parts]) for key in parts[0].scores.extra})
+    if len(parts) > 1 and any(p.scores.windows is not None for p in parts):
+        raise ValueError("a part stopped early (a sample of its windows) cannot be joined with others")
+    scores = parts[0].scores if len(parts) == 1 else WindowScores(
+        cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),
+        cat([p.scores.window_tokens for p in parts]),
+        {key: cat([p.scores.extra[key] for p in parts]) for key in parts[0].scores.extra})
     wall = sum(p.wall_seconds for p in parts)  # compute time, on however many workers
     return summarize(
         scores, stream, model=model_name, window=window, stride=stride if mode == "sliding" else window,

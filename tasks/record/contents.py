@@ -36,7 +36,7 @@ def corpus_location(source: str) -> str:
 
 def _arrays(outcome: VariantResult) -> pa.Table:
     r = outcome.result
-    windows = np.arange(len(r.window_tokens))
+    windows = np.arange(len(r.window_tokens)) if r.scored_windows is None else r.scored_windows
     token_window = np.repeat(windows, r.window_tokens)  # windows score consecutive stretches, in order
     columns = {"token": np.arange(len(r.token_nll)), "window": token_window, "nll": r.token_nll}
     columns |= {key: r.extra[key] for key in ("kl", "kl_reverse", "top1") if key in r.extra}
@@ -70,6 +70,8 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
             entry["arrays"] = arrays_file(outcome)
         if outcome.shards:  # where each slice of its windows ran, and any try that failed before
             entry["shards"] = outcome.shards
+        if outcome.sequential:  # the order's seed, how much was scored, the bounds at a stop
+            entry["sequential"] = outcome.sequential
         if entry["role"] == "baseline":
             entry["reference"] = outcome.reference
         variants.append(entry)

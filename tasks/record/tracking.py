@@ -22,7 +22,7 @@ METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bi
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
 FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
 COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib",
-                       "windows")  # the windows the paired intervals rest on
+                       "windows", "scored_fraction")  # the windows the paired intervals rest on; how much was scored
 
 
 def _absent(entry: dict) -> dict[str, str]:

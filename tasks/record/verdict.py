@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from tasks.config import Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference
 from tasks.record.results import VariantResult
@@ -35,18 +37,46 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
             if said.get("drift"):
                 row.update(drift="environment drift" if said["drift"]["drift"] else "none",
                            drift_from=said["drift"]["reference"])
+        row["scored_fraction"] = r.scored_fraction
         base = baseline.result if baseline.ok else None
         if base is not None and outcome is not baseline:
             row.update(delta_ppl=r.ppl - base.ppl, ppl_ratio=r.ppl / base.ppl, delta_ppl_pct=100 * (r.ppl / base.ppl - 1))
-            if len(base.token_nll) == len(r.token_nll):  # the same tokens: pair them
-                row.update(paired_difference(base.token_nll, r.token_nll, r.window_tokens))
+            base_nll = base.token_nll if r.scored_windows is None else base.token_nll[
+                _token_slots(base.window_tokens, r.scored_windows)]
+            if len(base_nll) == len(r.token_nll):  # the same tokens: pair them
+                row.update(paired_difference(base_nll, r.token_nll, r.window_tokens))
                 if "absent" in outcome.divergence:
                     row["divergence_absent"] = outcome.divergence["absent"]
                 if "kl" in r.extra:
-                    row.update(divergence_summary(r.extra, base.token_nll, r.token_nll, r.window_tokens))
+                    row.update(divergence_summary(r.extra, base_nll, r.token_nll, r.window_tokens))
                     row.update(reference=outcome.divergence.get("reference", ""),
                                divergence_mib=outcome.divergence.get("memory_bytes", 0) / 2**20)
+            if outcome.sequential:
+                row.update(_sequential_figures(row, outcome.sequential, base.ppl))
     return row
+
+
+def _token_slots(window_tokens: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """The places in a whole run's token arrays of the tokens of ``windows``, in window order."""
+    starts = np.cumsum(window_tokens) - window_tokens
+    return np.concatenate([np.arange(starts[w], starts[w] + window_tokens[w]) for w in windows])
+
+
+def _sequential_figures(row: dict, said: dict, base_ppl: float) -> dict:
+    """A sequential run's row: where it stopped early, the gated figures' bounds are their anytime-valid
+    sequences' at the stop, and PPL is the baseline's (over every window) moved by the paired estimate of the
+    change; a run that went to the end keeps its figures and intervals, judged as without ``sequential``."""
+    if said["stopped"] != "settled":
+        return {"sequential": f"scored every window: not settled earlier (order seed {said['seed']})"}
+    figures = {"sequential": f"stopped at {100 * said['scored_fraction']:.0f}% of tokens: settled "
+                             f"(anytime-valid {100 * said['level']:g}% bounds, order seed {said['seed']})"}
+    if "delta_nll" in row:
+        ppl = base_ppl * math.exp(row["delta_nll"])
+        figures |= {"ppl": ppl, "ppl_stderr": ppl * row["delta_nll_stderr"], "delta_ppl": ppl - base_ppl,
+                    "ppl_ratio": ppl / base_ppl}
+    for key, (low, high) in said["bounds"].items():
+        figures |= {f"{key}_low": low, f"{key}_high": high}
+    return figures
 
 
 # each gate: its name, the row's figure, the Gate's limit, whether the limit is a maximum, and how a figure reads
@@ -99,11 +129,12 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
     if not checks:
         return Verdict(name, "pass", f"ΔPPL {row['delta_ppl_pct']:+z.2f}% (no limit set)")
     failed = [reason for status, reason in checks if status != "pass"]
+    how = f"; {row['sequential']}" if row.get("sequential") else ""
     if any(status in ("fail", "noise") for status, _ in checks):
-        return Verdict(name, "fail", "; ".join(failed))
+        return Verdict(name, "fail", "; ".join(failed) + how)
     if failed:
-        return Verdict(name, "error", "; ".join(failed))
-    return Verdict(name, "pass", "; ".join(reason for _, reason in checks))
+        return Verdict(name, "error", "; ".join(failed) + how)
+    return Verdict(name, "pass", "; ".join(reason for _, reason in checks) + how)
 
 
 def drift_text(drift: dict) -> str:
