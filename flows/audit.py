@@ -67,7 +67,8 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
     """Comparison rows, per-variant verdicts and the audit's verdict, as plain data."""
     rows = [comparison_row(baseline, baseline)] + [comparison_row(v, baseline) for v in variants]
     verdicts = [judge(row, config.thresholds) for row in rows[1:]]
-    verdict = overall(rows[0], verdicts, baseline.reference.get("drift"))
+    stopped = sum(row.get("scored_fraction", 1.0) < 1 for row in rows[1:])
+    verdict = overall(rows[0], verdicts, baseline.reference.get("drift"), stopped)
     return {"name": config.name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
             "table": format_table(rows, {v.name: v for v in verdicts})}
 

@@ -181,6 +181,91 @@ def _workers_report_here():
     return temporary_settings(updates={PREFECT_API_URL: str(get_client(sync_client=True).api_url)})
 
 
+PIECES_PER_SHARD = 4  # a sequential run on a cluster: its windows in this many pieces per shard, judged as each returns
+
+
+def _cancel(future) -> None:
+    """Stop a task that is no longer needed: Dask drops it (or its result), Ray interrupts it."""
+    wrapped = future.wrapped_future
+    if hasattr(wrapped, "cancel"):
+        wrapped.cancel()
+    else:
+        import ray
+
+        ray.cancel(wrapped)
+
+
+def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult
+                  ) -> list[VariantResult]:
+    """A sequential audit on a cluster: each variant's windows, in its seeded random order, cut into
+    ``PIECES_PER_SHARD × shards`` pieces, at most ``shards`` of them running at once; after each piece returns, the
+    variant's ``Watch`` judges every window returned so far, and once its verdict is settled no piece of it is
+    submitted again and those still running are cancelled. A failed piece fails its variant."""
+    import numpy as np
+    import torch
+    from prefect.futures import as_completed
+
+    from tasks.audit.sequential import Watch, progress_of
+    from tasks.config import Gate
+    from tasks.engine.sequential import window_order
+
+    settings = scored.settings
+    planned = plan(scored.stream, settings.window, settings.stride, settings.mode)
+    tokens = torch.tensor([w.n_scored for w in planned])
+    batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
+    pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),
+                                                         PIECES_PER_SHARD * config.runner.shards) if len(piece)]
+    variants = [made_first(runner, c, lineup, scored) for c in lineup.variants]
+    watches = [Watch(c.gate or Gate(), baseline.result, settings.order_seed) if baseline.ok else None
+               for c in variants]
+    returned: list[list[VariantResult]] = [[] for _ in variants]
+    queued = [list(pieces) for _ in variants]
+    running = {}
+
+    def submit(v: int) -> None:
+        piece = queued[v].pop(0)
+        future = runner.submit(score, {"checkpoint": variants[v], "lineup": lineup, "evaluation_": scored,
+                                       "baseline_outcome": baseline, "sample": piece})
+        running[future] = v
+
+    with _placement(config):
+        for v in range(len(variants)):
+            for _ in range(min(config.runner.shards, len(queued[v]))):
+                submit(v)
+        while running:
+            future = next(as_completed(list(running)))
+            v = running.pop(future)
+            outcome = _outcome(variants[v], _settled(future))
+            returned[v].append(outcome)
+            done = not outcome.ok
+            if outcome.ok and watches[v] is not None:
+                samples = [piece.part.scores for piece in returned[v]]
+                done = watches[v](progress_of(samples, tokens, batch))
+            if done:
+                queued[v].clear()
+                for other in [f for f, owner in running.items() if owner == v]:
+                    _cancel(other)
+                    del running[other]
+            elif queued[v]:
+                submit(v)
+    merged = []
+    for v, outcomes in enumerate(returned):
+        failed = next((o for o in outcomes if not o.ok), None)
+        outcome = merge_shards([failed] if failed else outcomes, scored)
+        if outcome.ok and watches[v] is not None:
+            outcome.sequential = watches[v].said(outcome.result)
+        merged.append(outcome)
+    return merged
+
+
+def made_first(runner, checkpoint, lineup: Lineup, scored: Evaluation):
+    """A gptq/awq variant made here, quantized once on a worker before its pieces load it; any other as it is."""
+    if checkpoint.source is not None or checkpoint.problem:
+        return checkpoint
+    made = _settled(runner.submit(make, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored}))
+    return replace(checkpoint, problem=_raised(made)) if isinstance(made, BaseException) else made
+
+
 def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
     """Score the baseline, then every variant against it; a variant whose task failed becomes a failed result."""
     baseline = _outcome(lineup.baseline, score(lineup.baseline, lineup, scored, return_state=True)
@@ -191,7 +276,8 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
                              .result(raise_on_failure=False)) for checkpoint in lineup.variants]
     else:
         with runner, _workers_report_here():
-            variants = score_concurrently(runner, config, lineup, scored, baseline)
+            sampled = scored.settings.sequential and config.runner.shards > 1
+            variants = (score_sampled if sampled else score_concurrently)(runner, config, lineup, scored, baseline)
         logger = get_run_logger()
         for outcome in variants:
             logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")
@@ -201,6 +287,9 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
 def where_it_ran(shards: list[dict]) -> str:
     """Which worker scored which windows, and which tries failed where, for the run's log."""
     def ran(row: dict) -> str:
+        if "sample" in row:
+            return f"{len(row['sample'])} windows from window {row['sample'][0]} on {row['worker']}" + (
+                f" failed: {row['failed']}" if "failed" in row else "")
         first, stop = row["windows"]
         if "failed" in row:
             return f"windows {first}-{stop - 1} failed on {row['worker']}: {row['failed']}"

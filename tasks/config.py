@@ -394,9 +394,6 @@ class AuditConfig(Strict):
         unknown = sorted(set(self.thresholds.per_variant) - set(names))
         if unknown:
             raise ValueError(f"thresholds.per_variant names no variant: {', '.join(unknown)}")
-        if self.evaluation.sequential and self.runner.shards > 1:
-            raise ValueError("evaluation.sequential stops a variant after any batch, which shards cannot yet: "
-                             "set runner.shards to 1 or sequential off")
         return self
 
 

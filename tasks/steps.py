@@ -60,20 +60,24 @@ def _score_name() -> str:
     from prefect.runtime import task_run
 
     name, windows = task_run.parameters["checkpoint"].name, task_run.parameters.get("windows")
+    sample = task_run.parameters.get("sample")
+    if sample:
+        return f"score-{name}-sample-of-{len(sample)}-from-window-{sample[0]}"
     return f"score-{name}" + (f"-windows-{windows[0]}-{windows[1] - 1}" if windows else "")
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name=_score_name,
       retry_condition_fn=_transient)
 def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
-          baseline_outcome: VariantResult | None = None, windows: tuple[int, int] | None = None) -> VariantResult:
-    """Load (or make) one model and score it, or only its ``windows`` (a shard); a failure is a failed result,
-    not a failed task.
+          baseline_outcome: VariantResult | None = None, windows: tuple[int, int] | None = None,
+          sample: list[int] | None = None) -> VariantResult:
+    """Load (or make) one model and score it, or only its ``windows`` (a shard) or ``sample`` (a piece of a
+    sequential run); a failure is a failed result, not a failed task.
 
     Variants get the baseline's outcome, to measure their divergence from it.
     """
     return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True,
-                         baseline_outcome=baseline_outcome, windows=windows)
+                         baseline_outcome=baseline_outcome, windows=windows, sample=sample)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="make-{checkpoint.name}",

@@ -193,6 +193,35 @@ def test_sharded_variants_on_an_existing_cluster_equal_one_worker_bit_for_bit(tm
         assert split.facts.worker.split(", ")[0] == split.shards[0]["worker"]
 
 
+def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_a_borderline_one_to_the_end(
+        tmp_path, trained_model_dir, corpus_path, noisy_model_dir):
+    """`evaluation.sequential` with shards: each variant's windows in random pieces over 2 workers, judged as each
+    piece returns; a clear variant stops early, a borderline one scores every window and is judged as without it."""
+    variants = [{"name": "clear", "path": str(noisy_model_dir)}, {"name": "borderline", "path": str(noisy_model_dir)}]
+    whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants[1:])),
+                  return_state=True).result()
+    fixed = whole["rows"][1]
+    thresholds = {"max_ppl_increase_pct": 1000, "per_variant": {
+        "borderline": {"max_ppl_increase_pct": (fixed["delta_ppl_pct"] + fixed["delta_ppl_pct_high"]) / 2}}}
+    with dask_cluster(2) as (address, workers):
+        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants, thresholds=thresholds,
+                              runner={"kind": "dask", "address": address, "shards": 2})
+        state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
+    summary = summary_of(state)
+    rows, verdicts = {r["variant"]: r for r in summary["rows"]}, {v.name: v for v in summary["verdicts"]}
+    clear, borderline = summary["results"][1], summary["results"][2]
+    assert verdicts["clear"].status == "pass" and "stopped at" in verdicts["clear"].reason
+    assert rows["clear"]["scored_fraction"] < 1 and clear.sequential["decision"] == "pass"
+    assert 30 <= len(clear.sequential["windows"]) < 46
+    pieces = [row["sample"] for row in clear.shards]
+    assert 5 <= len(pieces) < 8 and {row["worker"] for row in clear.shards} <= set(workers)
+    assert sorted(w for piece in pieces for w in piece) == clear.sequential["windows"]  # each window once
+    assert verdicts["borderline"].status == "fail" and rows["borderline"]["scored_fraction"] == 1.0
+    assert len(borderline.shards) == 8 and borderline.sequential["stopped"] == "ran to the end"
+    for key in ("ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean", "top1_agreement"):
+        assert rows["borderline"][key] == pytest.approx(fixed[key], rel=1e-6, abs=1e-9), key
+
+
 def kill_a_worker_mid_shard(address: str, name: str, killed: list) -> None:
     """Once a shard of ``name`` has been running for a second (its Prefect task run Running, the scheduler
     processing it on a worker), kill that worker's process with SIGKILL; its address goes into ``killed``."""
@@ -359,6 +388,20 @@ def test_an_audit_on_a_ray_cluster_in_shards_scores_as_sequential(tmp_path, trai
     assert [row["windows"] for row in outcome.shards] == [[0, 24], [24, 46]]
     assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
     assert os.getpid() not in {int(re.search(r"pid (\d+)", row["worker"]).group(1)) for row in outcome.shards}
+
+
+def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_path, trained_model_dir, corpus_path,
+                                                                         noisy_model_dir, ray_address):
+    variants = [{"name": "clear", "path": str(noisy_model_dir)}]
+    config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, variants,
+                          thresholds={"max_ppl_increase_pct": 1000},
+                          runner={"kind": "ray", "address": ray_address, "shards": 2})
+    state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
+    assert state.is_completed(), state.message
+    outcome = state.result()["results"][1]
+    assert outcome.sequential["decision"] == "pass" and outcome.result.scored_fraction < 1
+    assert 5 <= len(outcome.shards) < 8
+    assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
 
 
 def test_gpus_no_worker_offers_are_one_line_before_anything_loads(cli, tmp_path, trained_model_dir, corpus_path,

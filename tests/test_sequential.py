@@ -150,7 +150,12 @@ def test_the_watch_splits_the_level_over_the_gated_figures(stream, tiny_model):
 @pytest.mark.usefixtures("prefect_harness", "cache")
 def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one_to_the_end(
         tmp_path, trained_model_dir, noisy_model_dir, corpus_path):
+    import json
+
+    from mlflow import MlflowClient
+
     from flows.audit import audit, summary_json, summary_of
+    from tasks.core.places import tracking_uri
 
     variants = [{"name": "noisy-clear", "path": str(noisy_model_dir)},
                 {"name": "noisy-failing", "path": str(noisy_model_dir)},
@@ -178,17 +183,21 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
     said = next(r for r in on["results"] if r.name == "noisy-clear").sequential
     assert said["seed"] == 5 and said["stopped"] == "settled" and said["decision"] == "pass"
     assert len(said["windows"]) == rows["noisy-clear"]["windows"] >= minimum_windows(len(said["windows"]), 4)
-    models = {m["variant"]: m for m in __import__("json").loads(summary_json(on))["models"]}
+    models = {m["variant"]: m for m in json.loads(summary_json(on))["models"]}
     assert models["baseline"]["scored_fraction"] == 1.0 and models["noisy-clear"]["scored_fraction"] < 1
+    client = MlflowClient(tracking_uri(None))
+    children = client.search_runs([client.get_experiment_by_name("ppl-audit").experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{on['mlflow_run_id']}'")
+    run = next(r for r in children if r.data.params.get("variant") == "noisy-clear")
+    assert (run.data.params["sequential.seed"], run.data.params["sequential.stopped"]) == ("5", "settled")
+    assert run.data.metrics["scored_fraction"] == rows["noisy-clear"]["scored_fraction"]
 
 
-def test_sequential_with_shards_is_refused_in_one_line(tmp_path, corpus_path):
-    from tasks.config import load_audit_config
-    from tasks.core.errors import InputError
 
-    config = write_config(tmp_path / "s.yaml", tmp_path, corpus_path, [{"name": "copy", "method": "baseline"}],
-                          runner={"kind": "dask", "shards": 2})
-    assert not load_audit_config(str(config)).evaluation.sequential
-    with pytest.raises(InputError, match="evaluation.sequential stops a variant after any batch") as error:
-        load_audit_config(str(config), ["evaluation.sequential=on"])
-    assert "\n" not in str(error.value)
+def test_a_passing_audit_says_how_many_variants_stopped_early():
+    from tasks.record.verdict import Verdict, overall
+
+    passing = [Verdict("a", "pass", "fine"), Verdict("b", "pass", "fine")]
+    assert overall({"status": "ok"}, passing).reason == "all 2 variant(s) passed"
+    assert overall({"status": "ok"}, passing, stopped=1).reason == \
+        "all 2 variant(s) passed (1 stopped early, settled: sequential)"

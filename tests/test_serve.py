@@ -95,12 +95,16 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
                                                                                    corpus_path, gptq_checkpoint):
     """Two events for one checkpoint: named by the config's matching variant it passes that variant's
     gate; named ``gptq-strict`` by its event it meets the global gate, fails, and ends Failed with the
-    verdict's one line (no traceback in the serving process). Cron 03:00 runs at 03:00 Berlin time."""
+    verdict's one line (no traceback in the serving process). Cron 03:00 runs at 03:00 Berlin time. The audit is
+    sequential: the clearly good one ends before scoring every window, the one judged against a limit inside its
+    noise scores every window."""
     env, api = server
     variants = [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}]
     thresholds = {"max_ppl_increase_pct": 0.001, "per_variant": {"gptq-4bit": {"max_ppl_increase_pct": 50}}}
     config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path, variants, name="nightly",
-                          schedule={"cron": "0 3 * * *", "timezone": "Europe/Berlin"}, thresholds=thresholds)
+                          schedule={"cron": "0 3 * * *", "timezone": "Europe/Berlin"}, thresholds=thresholds,
+                          evaluation={"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 1500,
+                                      "sequential": True})
     log = open(tmp_path / "serve.console", "w")
     home = tmp_path / "home"
     serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config), "--allow",
@@ -123,6 +127,7 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
         emit(env, payload)  # as a job that names nothing sends it
         matched = wait_for(lambda: next(iter(runs(None)), None), 400, "the audit of the checkpoint named by the config")
         assert matched["state_type"] == "COMPLETED", (matched["state"], serve_log(home)[-3000:])
+        assert "1 stopped early, settled" in matched["state"]["message"], matched["state"]["message"]
         assert (matched["parameters"]["method"], str(matched["parameters"]["bits"])) == ("gptq", "4")
         assert matched["parameters"]["baseline"] == str(trained_model_dir)
         assert matched["parameters"]["config"] == str(config.resolve())
@@ -136,6 +141,8 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
         assert strict["state_type"] == "FAILED", (strict["state"], serve_log(home)[-3000:])
         message = strict["state"]["message"]
         assert message.startswith("fail: gptq-strict: ΔPPL ") and "limit ≤ 0.001" in message and "\n" not in message
+        # a limit inside the noise of a near-lossless checkpoint: it scores every window and is judged as ever
+        assert message.endswith("; scored every window: not settled earlier (order seed 0)"), message
         # the run's process logs its end after the server has its state; read before SIGTERM, whose
         # shutdown Prefect itself logs with tracebacks
         wait_for(lambda: f"Finished in state Failed('{message}')" in serve_log(home), 30, "the run's last line")

@@ -13,6 +13,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tasks.audit import reference
@@ -217,7 +218,7 @@ def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation
 
 def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
                   progress: bool = False, baseline_outcome: VariantResult | None = None,
-                  windows: tuple[int, int] | None = None) -> VariantResult:
+                  windows: tuple[int, int] | None = None, sample: list[int] | None = None) -> VariantResult:
     """Score one model on the audit's stream; failures become a failed result, never an exception.
 
     The baseline is read from its stored reference when one matches (``tasks.audit.reference``), else scored
@@ -231,12 +232,16 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
         corpus_text_of: maps a calibration ``CorpusConfig`` to its text (gptq/awq made here).
         windows: a variant's shard: only these windows ``(first, stop)`` are scored; the outcome holds them
             as its ``part`` (no ``result``), for ``merge_shards``.
+        sample: a piece of a sequential run on a cluster: only these windows of the plan, in this order, as
+            a ``part``; without it, a sequential run stops itself once its verdict is settled.
     """
     spec, settings = checkpoint.spec, evaluation_.settings
     model = None
     outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
     if windows is not None:
         outcome.shards = [{"windows": list(windows), "worker": worker()}]
+    if sample is not None:
+        outcome.shards = [{"sample": [int(w) for w in sample], "worker": worker()}]
     try:
         with failing_alone(outcome):
             if checkpoint.problem:
@@ -268,14 +273,16 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
                                       "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
             elif settings.divergence:
                 outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
-            watch = None
-            if settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
+            watch, sequence = None, {}
+            n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
+            if sample is not None:
+                rest = np.setdiff1d(np.arange(n_windows), sample)
+                sequence = {"order": np.concatenate([np.asarray(sample, np.int64), rest]), "stop_at": len(sample)}
+            elif settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
                 watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result, settings.order_seed)
-                n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
                 sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
-            part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against,
-                                      **(sequence if watch else {}))
-            if windows is None:
+            part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against, **sequence)
+            if windows is None and sample is None:
                 outcome.result = combined([part], evaluation_, spec.name)
                 if watch:
                     outcome.sequential = watch.said(outcome.result)

@@ -16,7 +16,7 @@ import torch
 
 from tasks.config import Gate
 from tasks.engine.paired import CONFIDENCE, Estimate
-from tasks.engine.perplexity import PerplexityResult, Progress
+from tasks.engine.perplexity import PerplexityResult, Progress, WindowScores
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence
 from tasks.record.verdict import GATES
 
@@ -99,3 +99,18 @@ class Watch:
             said |= {"decision": self.decision, "bounds": {key: list(b) for key, b in self.bounds.items()},
                      "windows": [int(w) for w in result.scored_windows]}
         return said
+
+
+def progress_of(samples: list[WindowScores], tokens: torch.Tensor, batch_size: int) -> Progress:
+    """The ``Progress`` of a sequential run whose pieces (samples of the stream's windows, scored on a cluster)
+    came back in this order: what ``Watch`` judges after each piece, as after each batch of a run in one place."""
+    order: list[int] = []
+    sums: dict[str, torch.Tensor] = {}
+    for sample in samples:
+        order += sample.windows.tolist()
+        split = sample.window_tokens.tolist()
+        per_window = {"nll": sample.window_nll} | {
+            key: torch.stack([piece.double().sum() for piece in value.split(split)]) for key, value in sample.extra.items()}
+        for key, values in per_window.items():
+            sums.setdefault(key, torch.zeros(len(tokens), dtype=torch.float64))[sample.windows] = values.double()
+    return Progress(order, sums, tokens, batch_size)

@@ -304,7 +304,7 @@ def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index
 def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
                   batch_size: int = 1, label: str | None = None, first_token: int | None = None,
                   reference: Baseline | None = None, keep_hidden: Callable | None = None,
-                  until: Callable[[Progress], bool] | None = None) -> WindowScores:
+                  until: Callable[[Progress], bool] | None = None, stop_at: int | None = None) -> WindowScores:
     """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
 
     Args:
@@ -322,6 +322,7 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
             baseline reference is written batch by batch, never held whole.
         until: asked after each batch with the ``Progress`` so far; when it answers True the run stops there,
             and the result holds the windows scored (``WindowScores.windows``).
+        stop_at: score only the first ``stop_at`` windows given (a sample of them, as ``until`` leaves).
     """
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -357,9 +358,12 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         bar.update(len(slots))
 
     pending = None  # the previous batch, whose results are read once this batch is queued
-    with console.bar(total, label or "score", "tok", enabled=label is not None) as bar:
-        for b in range(0, len(windows), batch_size):
-            batch = windows[b : b + batch_size]
+    limit = len(windows) if stop_at is None else stop_at
+    scored = limit
+    with console.bar(sum(w.n_scored for w in windows[:limit]), label or "score", "tok",
+                     enabled=label is not None) as bar:
+        for b in range(0, limit, batch_size):
+            batch = windows[b : min(b + batch_size, limit)]
             inputs = _batch_inputs(ids, batch, prefix_ids, first_token)
             input_ids, mask, row_index, columns, targets = inputs
             slots = torch.cat([torch.arange(int(offsets[w.index]), int(offsets[w.index]) + w.n_scored) for w in batch])
@@ -379,13 +383,14 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
                 store(*pending)
                 pending = None
                 if until(progress):
+                    scored = b + len(batch)
                     break
         if pending is not None:
             store(*pending)
     token_nll = arrays.pop("nll")
     scores = WindowScores(token_nll, window_nll, counts, arrays)
-    if until is not None and len(progress.order) < len(windows):
-        return scores.kept(torch.tensor(sorted(progress.order)))
+    if scored < len(windows):
+        return scores.kept(torch.tensor(sorted(w.index for w in windows[:scored])))
     return scores
 
 
@@ -537,13 +542,15 @@ def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: i
 def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
                windows: tuple[int, int] | None = None, progress: bool = False, model_name: str = "",
                mode: str = "sliding", reference: Baseline | None = None, keep_hidden: Callable | None = None,
-               order: np.ndarray | None = None, until: Callable[[Progress], bool] | None = None) -> Part:
+               order: np.ndarray | None = None, until: Callable[[Progress], bool] | None = None,
+               stop_at: int | None = None) -> Part:
     """Score the windows ``windows = (first, stop)`` of the stream's plan (all of them when None).
 
     A slice is scored exactly as within the whole run: the same windows, the same context; ``combine``
     joins the parts. ``reference`` and ``keep_hidden`` are as in ``score_windows``, at the stream's places.
     ``order`` (a permutation of the slice's windows, numbered from 0) is the order they are scored in, and
-    ``until`` may stop the run after any batch (``score_windows``); the figures do not depend on the order.
+    ``until`` may stop the run after any batch, ``stop_at`` after that many windows of the order (a sample of
+    them: ``score_windows``); the figures do not depend on the order.
     """
     check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
     planned = plan(stream, window, stride, mode)
@@ -564,7 +571,7 @@ def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256,
             label = f"score {model_name or model.name_or_path}"
             label += f" [windows {first}-{stop - 1}]" if windows else ""
         scores = score_windows(model, stream.ids, mine, stream.prefix, batch_size, label, first_token,
-                               reference, keep_hidden, until)
+                               reference, keep_hidden, until, stop_at)
         wall = time.perf_counter() - started
     return Part((first, stop), scores, wall, memory.peak_bytes, batch_size, str(device),
                 str(model.dtype).removeprefix("torch."))
@@ -576,18 +583,21 @@ def combine(parts: list[Part], stream: TokenStream, model_name: str, window: int
     arrays concatenated, then one float64 sum and one division (``summarize``), as if one run scored them."""
     parts = sorted(parts, key=lambda part: part.windows)
     joined = [b.windows[0] for b in parts[1:]] == [a.windows[1] for a in parts[:-1]]
-    if not parts or parts[0].windows[0] != 0 or not joined:
+    sampled = any(p.scores.windows is not None for p in parts)
+    if not parts or parts[0].windows[0] != 0 or not (joined or sampled):
         raise ValueError(f"parts {[p.windows for p in parts]} do not cover the windows from the first, in turn")
 
     def cat(arrays: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(arrays) if len(arrays) > 1 else arrays[0]
 
-    if len(parts) > 1 and any(p.scores.windows is not None for p in parts):
-        raise ValueError("a part stopped early (a sample of its windows) cannot be joined with others")
-    scores = parts[0].scores if len(parts) == 1 else WindowScores(
-        cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),
-        cat([p.scores.window_tokens for p in parts]),
-        {key: cat([p.scores.extra[key] for p in parts]) for key in parts[0].scores.extra})
+    if len(parts) == 1:
+        scores = parts[0].scores
+    elif any(p.scores.windows is not None for p in parts):
+        scores = joined_samples([p.scores for p in parts])
+    else:
+        scores = WindowScores(cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),
+                              cat([p.scores.window_tokens for p in parts]),
+                              {key: cat([p.scores.extra[key] for p in parts]) for key in parts[0].scores.extra})
     wall = sum(p.wall_seconds for p in parts)  # compute time, on however many workers
     return summarize(
         scores, stream, model=model_name, window=window, stride=stride if mode == "sliding" else window,
@@ -595,6 +605,31 @@ def combine(parts: list[Part], stream: TokenStream, model_name: str, window: int
         wall_seconds=wall, tokens_per_second=int(scores.window_tokens.sum()) / wall,
         peak_memory_bytes=max(p.peak_memory_bytes for p in parts),
     )
+
+
+def joined_samples(samples: list[WindowScores]) -> WindowScores:
+    """One sample of a stream's windows from samples of disjoint windows (``WindowScores.windows``), its windows
+    in index order; the whole stream's scores, with no ``windows``, when they hold every token."""
+    windows = torch.cat([sample.windows for sample in samples])
+    order = torch.argsort(windows)
+    if len(set(windows.tolist())) != len(windows):
+        raise ValueError("samples that share a window cannot be joined: it would count twice")
+
+    def by_window(arrays: list[torch.Tensor], per_token: bool) -> torch.Tensor:
+        if not per_token:
+            return torch.cat(arrays)[order]
+        pieces = [piece for array, sample in zip(arrays, samples)
+                  for piece in array.split(sample.window_tokens.tolist())]
+        return torch.cat([pieces[i] for i in order.tolist()])
+
+    joined = WindowScores(by_window([s.token_nll for s in samples], True),
+                          by_window([s.window_nll for s in samples], False),
+                          by_window([s.window_tokens for s in samples], False),
+                          {key: by_window([s.extra[key] for s in samples], True) for key in samples[0].extra},
+                          windows[order], samples[0].planned_tokens)
+    if int(joined.window_tokens.sum()) == joined.planned_tokens:
+        return dataclasses.replace(joined, windows=None, planned_tokens=None)
+    return joined
 
 
 def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,

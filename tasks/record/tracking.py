@@ -151,6 +151,9 @@ def _variant_params(record: dict, entry: dict) -> dict:
     # its activations were quantized, how method auto found the method
     params.update({f"format.{key}": value if isinstance(value, (str, int, float)) else str(value)
                    for key, value in (facts.get("quantization") or {}).items()})
+    # a sequential run: the order's seed and whether it stopped (its bounds at the stop are the row's)
+    params.update({f"sequential.{key}": entry["sequential"][key] for key in ("seed", "stopped", "decision")
+                   if key in entry.get("sequential", {})})
     return params
 
 

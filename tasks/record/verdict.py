@@ -145,15 +145,18 @@ def drift_text(drift: dict) -> str:
             f"(ΔPPL {drift['delta_ppl_pct']:+.4f}%) since reference {drift['reference']} ({changed})")
 
 
-def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = None) -> Verdict:
+def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = None, stopped: int = 0) -> Verdict:
     """The audit's verdict: pass only when the baseline was scored and every variant passed. Environment
     drift of the baseline (``drift``) is said in the reason: the variants' verdicts still stand, as each
-    was compared with the baseline in this environment, but the numbers differ from earlier audits'."""
+    was compared with the baseline in this environment, but the numbers differ from earlier audits'.
+    ``stopped``: how many variants a sequential audit stopped early, said in a passing audit's reason (a failing
+    variant's own reason says it)."""
     if baseline_row["status"] != "ok":
         return Verdict("audit", "error", f"baseline failed: {baseline_row['reason']}")
     bad = [v for v in verdicts if v.status != "pass"]
     if not bad:
-        verdict = Verdict("audit", "pass", f"all {len(verdicts)} variant(s) passed")
+        early = f" ({stopped} stopped early, settled: sequential)" if stopped else ""
+        verdict = Verdict("audit", "pass", f"all {len(verdicts)} variant(s) passed{early}")
     else:
         status = "fail" if any(v.status == "fail" for v in bad) else "error"
         verdict = Verdict("audit", status, "; ".join(f"{v.name}: {v.reason}" for v in bad))
