@@ -38,7 +38,7 @@ def run(delta: np.ndarray, counts: np.ndarray, gate: Gate, seed: int, batch: int
         t = min(t, n)
         e = ratio_sequence(delta[order[:t]], counts[order[:t]], alpha, rho2)
         held &= bool(e.low <= full <= e.high)
-        pct = e.mapped(lambda x: 100 * math.expm1(x))
+        pct = ratio_sequence(delta[order[:t]], counts[order[:t]], alpha, rho2, n).mapped(lambda x: 100 * math.expm1(x))
         if decision is None and t < n:
             decision = settled({"delta_ppl_pct": (pct.low, pct.high)}, gate)
             if decision:

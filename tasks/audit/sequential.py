@@ -76,7 +76,7 @@ class Watch:
             sums = progress.sums[source][scored]
             if source == "nll":
                 sums = sums - self.base_nll[scored]
-            found[key] = ratio_sequence(sums.numpy(), counts, self.alpha, rho2).mapped(figure)
+            found[key] = ratio_sequence(sums.numpy(), counts, self.alpha, rho2, len(progress.tokens)).mapped(figure)
         return found
 
     def __call__(self, progress: Progress) -> bool:

@@ -16,17 +16,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy import stats
 from scipy.special import lambertw
 
-from tasks.engine.paired import Estimate
+from tasks.engine.paired import CONFIDENCE, Estimate
 
-# A sequence may stop a run only after the most of these: its bound rests on the windows' running mean and
-# spread being near normal, which a few windows are not. On the demo's int8 (31 windows, two of them several
-# times the others' ΔNLL), stopping from 16 windows passed a limit set at the top of the full run's interval
-# in 12.6% of 1,000 orders, the full run failing it (docs/statistics.md).
+# A sequence may stop a run only after the more of these: its bound rests on the windows' running mean and
+# spread, which a few windows do not show.
 MIN_FRACTION = 0.05
 MIN_BATCHES = 4
-MIN_WINDOWS = 30
 
 
 def window_order(n_windows: int, seed: int) -> np.ndarray:
@@ -36,7 +34,7 @@ def window_order(n_windows: int, seed: int) -> np.ndarray:
 
 def minimum_windows(n_windows: int, batch_size: int) -> int:
     """How many windows are scored before a sequence may stop the run."""
-    return min(n_windows, max(math.ceil(MIN_FRACTION * n_windows), MIN_BATCHES * batch_size, MIN_WINDOWS))
+    return min(n_windows, max(math.ceil(MIN_FRACTION * n_windows), MIN_BATCHES * batch_size))
 
 
 def mixture_rho2(t_opt: float, alpha: float) -> float:
@@ -50,7 +48,8 @@ def margin(t: int, alpha: float, rho2: float) -> float:
     return math.sqrt(2 * (t * rho2 + 1) / (t * t * rho2) * math.log(math.sqrt(t * rho2 + 1) / alpha))
 
 
-def ratio_sequence(sums: np.ndarray, counts: np.ndarray, alpha: float, rho2: float) -> Estimate:
+def ratio_sequence(sums: np.ndarray, counts: np.ndarray, alpha: float, rho2: float, windows: int | None = None
+                   ) -> Estimate:
     """The stream's mean of a per-token figure from the windows scored so far: the ratio of their sums to their
     token counts, with the sequence's bounds as ``low``/``high`` and the plain standard error as ``stderr``.
 
@@ -59,6 +58,9 @@ def ratio_sequence(sums: np.ndarray, counts: np.ndarray, alpha: float, rho2: flo
         counts: ``[t]`` tokens each of those windows scored.
         alpha: the sequence's error over every look at once.
         rho2: ``mixture_rho2`` for the time it is tuned to.
+        windows: the stream's windows: the bounds then reach further by the half-width the whole run's fixed
+            interval will have (estimated from the spread so far), so that they bound that interval's ends, on
+            which the whole run's gate judges, not only the stream's value.
     """
     sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
     t = len(sums)
@@ -69,4 +71,6 @@ def ratio_sequence(sums: np.ndarray, counts: np.ndarray, alpha: float, rho2: flo
     residuals = (sums - mean * counts) / counts.mean()
     sigma = float(np.sqrt((residuals**2).sum() / (t - 1)))
     half = sigma * margin(t, alpha, rho2)
+    if windows:
+        half += float(stats.t.ppf((1 + CONFIDENCE) / 2, windows - 1)) * sigma / math.sqrt(windows)
     return Estimate(mean, sigma / math.sqrt(t), mean - half, mean + half)
