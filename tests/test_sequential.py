@@ -188,6 +188,9 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
     client = MlflowClient(tracking_uri(None))
     children = client.search_runs([client.get_experiment_by_name("ppl-audit").experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{on['mlflow_run_id']}'")
+    parent = client.get_run(on["mlflow_run_id"]).data.tags["mlflow.note.content"]
+    assert f"| noisy-clear | PASS at {100 * rows['noisy-clear']['scored_fraction']:.0f}% |" in parent, parent
+    assert "| noisy-borderline | FAIL |" in parent
     run = next(r for r in children if r.data.params.get("variant") == "noisy-clear")
     assert (run.data.params["sequential.seed"], run.data.params["sequential.stopped"]) == ("5", "settled")
     assert run.data.metrics["scored_fraction"] == rows["noisy-clear"]["scored_fraction"]

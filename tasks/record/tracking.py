@@ -208,7 +208,9 @@ def description(record: dict) -> str:
         row, status = entry["row"], verdict_of(entry)
         top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
         limit = ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
-        lines.append(f"| {entry['name']} | {status.upper()} | {delta_text(row)} | "
+        scored = row.get("scored_fraction", 1.0)
+        said = status.upper() + (f" at {100 * scored:.0f}%" if scored < 1 else "")  # a sequential run's stop
+        lines.append(f"| {entry['name']} | {said} | {delta_text(row)} | "
                      f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
                      f"{figure_text(row, 'kld_mean', '.4f')} | {top1} |")
     return "\n".join(lines)
