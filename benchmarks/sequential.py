@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 
-from tasks.audit.sequential import settled
+from tasks.audit.sequential import Watch
 from tasks.config import Gate
 from tasks.engine.paired import CONFIDENCE, cluster_mean
+from tasks.engine.perplexity import Progress
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence, window_order
 
 
@@ -28,21 +30,24 @@ def window_sums(table: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return grouped.sum().to_numpy(), grouped.size().to_numpy()
 
 
-def run(delta: np.ndarray, counts: np.ndarray, gate: Gate, seed: int, batch: int) -> tuple[str | None, int, bool]:
-    """A sequential run's ``(decision, tokens scored, whether every look held the full value)``."""
+def run(base: np.ndarray, variant: np.ndarray, counts: np.ndarray, gate: Gate, seed: int, batch: int
+        ) -> tuple[str | None, int, bool]:
+    """A sequential run's ``(decision, tokens scored, whether every look held the full value)``: the audit's own
+    ``Watch`` judging these per-window NLL sums after each batch of a random order."""
+    delta = variant - base
     n, full = len(delta), delta.sum() / counts.sum()
     order, first = window_order(n, seed), minimum_windows(n, batch)
-    alpha = 1 - CONFIDENCE
-    rho2, held, decision, t = mixture_rho2(first, alpha), True, None, n
+    rho2 = mixture_rho2(first, 1 - CONFIDENCE)
+    watch = Watch(gate, base, seed)
+    progress = Progress([], {"nll": torch.tensor(variant)}, torch.tensor(counts), batch)
+    held = True
     for t in range(first, n + batch, batch):
         t = min(t, n)
-        e = ratio_sequence(delta[order[:t]], counts[order[:t]], alpha, rho2)
+        e = ratio_sequence(delta[order[:t]], counts[order[:t]], 1 - CONFIDENCE, rho2)  # the stream's value alone
         held &= bool(e.low <= full <= e.high)
-        pct = ratio_sequence(delta[order[:t]], counts[order[:t]], alpha, rho2, n).mapped(lambda x: 100 * math.expm1(x))
-        if decision is None and t < n:
-            decision = settled({"delta_ppl_pct": (pct.low, pct.high)}, gate)
-            if decision:
-                return decision, int(counts[order[:t]].sum()), held
+        progress.order = order[:t].tolist()
+        if t < n and watch(progress):
+            return watch.decision, int(counts[order[:t]].sum()), held
     return None, int(counts.sum()), held
 
 
@@ -65,7 +70,6 @@ def main() -> None:
             continue
         table = pd.read_parquet(args.record / entry["arrays"])
         sums, _ = window_sums(table)
-        delta = sums - base_sums
         fixed = cluster_mean(table["nll"].to_numpy(np.float64) - base_tokens, counts).mapped(
             lambda x: 100 * math.expm1(x))
         width = fixed.high - fixed.low
@@ -78,7 +82,7 @@ def main() -> None:
             if limit <= 0:
                 continue  # a gate's limit is positive
             full = "pass" if fixed.high <= limit else "fail"
-            runs = [run(delta, counts, Gate(max_ppl_increase_pct=limit), seed, args.batch_size)
+            runs = [run(base_sums, sums, counts, Gate(max_ppl_increase_pct=limit), seed, args.batch_size)
                     for seed in range(args.orders)]
             held = np.mean([h for _, _, h in runs])
             contradicted = np.mean([d is not None and d != full for d, _, _ in runs])

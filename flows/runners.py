@@ -75,6 +75,11 @@ def _raised(error: BaseException) -> str:
     return f"{type(error).__name__}: {one_line(error)}"
 
 
+def _made(checkpoint, value):
+    """What a ``make`` task gave: the made checkpoint, or ``checkpoint`` with what the task raised as its problem."""
+    return replace(checkpoint, problem=_raised(value)) if isinstance(value, BaseException) else value
+
+
 def _settled(future):
     """A future's result, or what its task raised: also an error raised before Prefect recorded any state (a
     worker that cannot reach the Prefect API), which ``result`` raises whatever ``raise_on_failure`` says."""
@@ -148,8 +153,7 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
         ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
         submitted = {v: [shard(c, windows) for windows in bounds] for v, c in ready.items()}
         for v, future in making.items():  # each variant's shards start once it is made
-            made = _settled(future)
-            ready[v] = replace(lineup.variants[v], problem=_raised(made)) if isinstance(made, BaseException) else made
+            ready[v] = _made(lineup.variants[v], _settled(future))
             submitted[v] = [shard(ready[v], windows) for windows in bounds]
         outcomes = [[_outcome(c, _settled(f)) for f in submitted[v]]
                     for v, c in enumerate(lineup.variants)]
@@ -200,7 +204,8 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
     """A sequential audit on a cluster: each variant's windows, in its seeded random order, cut into
     ``PIECES_PER_SHARD × shards`` pieces, at most ``shards`` of them running at once; after each piece returns, the
     variant's ``Watch`` judges every window returned so far, and once its verdict is settled no piece of it is
-    submitted again and those still running are cancelled. A failed piece fails its variant."""
+    submitted again and those still running are cancelled. A failed piece fails its variant; a variant made here is
+    quantized once first, all of them at once."""
     import numpy as np
     import torch
     from prefect.futures import as_completed
@@ -215,8 +220,10 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
     batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
     pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),
                                                          PIECES_PER_SHARD * config.runner.shards) if len(piece)]
-    variants = [made_first(runner, c, lineup, scored) for c in lineup.variants]
-    watches = [Watch(c.gate or Gate(), baseline.result, settings.order_seed) if baseline.ok else None
+    making = {v: runner.submit(make, {"checkpoint": c, "lineup": lineup, "evaluation_": scored})
+              for v, c in enumerate(lineup.variants) if c.source is None and not c.problem}
+    variants = [_made(c, _settled(making[v])) if v in making else c for v, c in enumerate(lineup.variants)]
+    watches = [Watch(c.gate or Gate(), baseline.result.window_nll, settings.order_seed) if baseline.ok else None
                for c in variants]
     returned: list[list[VariantResult]] = [[] for _ in variants]
     queued = [list(pieces) for _ in variants]
@@ -256,14 +263,6 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
             outcome.sequential = watches[v].said(outcome.result)
         merged.append(outcome)
     return merged
-
-
-def made_first(runner, checkpoint, lineup: Lineup, scored: Evaluation):
-    """A gptq/awq variant made here, quantized once on a worker before its pieces load it; any other as it is."""
-    if checkpoint.source is not None or checkpoint.problem:
-        return checkpoint
-    made = _settled(runner.submit(make, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored}))
-    return replace(checkpoint, problem=_raised(made)) if isinstance(made, BaseException) else made
 
 
 def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:

@@ -142,8 +142,8 @@ def test_a_gate_settles_only_when_every_limit_is_inside_or_one_is_clearly_past()
 
 def test_the_watch_splits_the_level_over_the_gated_figures(stream, tiny_model):
     base = perplexity(tiny_model, stream, WINDOW, STRIDE, 4)
-    assert Watch(Gate(max_ppl_increase_pct=5), base, 0).alpha == pytest.approx(0.05)
-    assert Watch(Gate(max_ppl_increase_pct=5, max_kld_mean=0.1, min_top1_agreement=0.5), base, 0).alpha == \
+    assert Watch(Gate(max_ppl_increase_pct=5), base.window_nll, 0).alpha == pytest.approx(0.05)
+    assert Watch(Gate(max_ppl_increase_pct=5, max_kld_mean=0.1, min_top1_agreement=0.5), base.window_nll, 0).alpha == \
         pytest.approx(0.05 / 3)
 
 

@@ -279,7 +279,7 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
                 rest = np.setdiff1d(np.arange(n_windows), sample)
                 sequence = {"order": np.concatenate([np.asarray(sample, np.int64), rest]), "stop_at": len(sample)}
             elif settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
-                watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result, settings.order_seed)
+                watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result.window_nll, settings.order_seed)
                 sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
             part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against, **sequence)
             if windows is None and sample is None:

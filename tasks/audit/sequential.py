@@ -51,17 +51,16 @@ class Watch:
 
     Args:
         gate: the variant's limits.
-        baseline: the baseline's result over every window (its per-window NLL sums pair with the variant's).
+        base_window_nll: ``[n_windows]`` the baseline's NLL sum of every window, which the variant's pair with.
         seed: the seed of the window order, kept in ``said``.
     """
 
-    def __init__(self, gate: Gate, baseline: PerplexityResult, seed: int):
+    def __init__(self, gate: Gate, base_window_nll: np.ndarray, seed: int):
         self.gate, self.seed = gate, seed
-        self.base_nll = torch.as_tensor(np.asarray(baseline.window_nll, np.float64))
+        self.base_nll = torch.as_tensor(np.asarray(base_window_nll, np.float64))
         self.alpha = (1 - CONFIDENCE) / max(1, len(gated(gate)))
         self.decision: str | None = None
         self.bounds: dict[str, tuple[float, float]] = {}
-        self.looked = 0
 
     def sequences(self, progress: Progress) -> dict[str, Estimate]:
         """Each gated figure's estimate with its sequence's bounds, from the windows scored so far."""
@@ -80,7 +79,6 @@ class Watch:
         return found
 
     def __call__(self, progress: Progress) -> bool:
-        self.looked += 1
         if len(progress.order) < minimum_windows(len(progress.tokens), progress.batch_size):
             return False
         found = self.sequences(progress)

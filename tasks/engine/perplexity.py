@@ -213,11 +213,17 @@ class WindowScores:
 
     def kept(self, windows: torch.Tensor) -> "WindowScores":
         """Only the windows ``windows`` (indices, ascending), their tokens in window order."""
-        starts = torch.cumsum(self.window_tokens, 0) - self.window_tokens
-        slots = torch.cat([torch.arange(int(starts[w]), int(starts[w] + self.window_tokens[w])) for w in windows])
+        slots = torch.from_numpy(token_slots(self.window_tokens.numpy(), windows.numpy()))
         return WindowScores(self.token_nll[slots], self.window_nll[windows], self.window_tokens[windows],
                             {key: value[slots] for key, value in self.extra.items()}, windows,
                             int(self.window_tokens.sum()))
+
+
+def token_slots(window_tokens: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """The places, in token arrays that hold every window's tokens window by window (``window_tokens`` each), of
+    the tokens of ``windows``, in the order given."""
+    starts = np.cumsum(window_tokens) - window_tokens
+    return np.concatenate([np.arange(starts[w], starts[w] + window_tokens[w]) for w in windows])
 
 
 @dataclass
@@ -592,7 +598,7 @@ def combine(parts: list[Part], stream: TokenStream, model_name: str, window: int
 
     if len(parts) == 1:
         scores = parts[0].scores
-    elif any(p.scores.windows is not None for p in parts):
+    elif sampled:
         scores = joined_samples([p.scores for p in parts])
     else:
         scores = WindowScores(cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),

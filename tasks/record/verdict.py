@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from tasks.config import Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference
+from tasks.engine.perplexity import token_slots
 from tasks.record.results import VariantResult
 
 
@@ -42,7 +41,7 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
         if base is not None and outcome is not baseline:
             row.update(delta_ppl=r.ppl - base.ppl, ppl_ratio=r.ppl / base.ppl, delta_ppl_pct=100 * (r.ppl / base.ppl - 1))
             base_nll = base.token_nll if r.scored_windows is None else base.token_nll[
-                _token_slots(base.window_tokens, r.scored_windows)]
+                token_slots(base.window_tokens, r.scored_windows)]
             if len(base_nll) == len(r.token_nll):  # the same tokens: pair them
                 row.update(paired_difference(base_nll, r.token_nll, r.window_tokens))
                 if "absent" in outcome.divergence:
@@ -54,12 +53,6 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
             if outcome.sequential:
                 row.update(_sequential_figures(row, outcome.sequential, base.ppl))
     return row
-
-
-def _token_slots(window_tokens: np.ndarray, windows: np.ndarray) -> np.ndarray:
-    """The places in a whole run's token arrays of the tokens of ``windows``, in window order."""
-    starts = np.cumsum(window_tokens) - window_tokens
-    return np.concatenate([np.arange(starts[w], starts[w] + window_tokens[w]) for w in windows])
 
 
 def _sequential_figures(row: dict, said: dict, base_ppl: float) -> dict:
