@@ -37,7 +37,7 @@ import torch
 from tasks.config import CorpusConfig
 from tasks.data.corpus import corpus_text, tokenize
 from tasks.engine.memory import PeakMemory
-from tasks.engine.perplexity import _batch_inputs, perplexity
+from tasks.engine.perplexity import batch_inputs, perplexity
 from tasks.engine.windows import Window, plan
 from tasks.models.loading import load_model
 from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
@@ -93,7 +93,7 @@ def bare_forwards(model, ids: torch.Tensor, windows: list[Window], batch_size: i
     """The forward passes our engine makes, logits for the scored positions only, and nothing else."""
     for b in range(0, len(windows), batch_size):
         batch = windows[b : b + batch_size]
-        input_ids, mask, *_ = _batch_inputs(ids, batch, torch.tensor([], dtype=torch.long))
+        input_ids, mask, *_ = batch_inputs(ids, batch, torch.tensor([], dtype=torch.long))
         model(input_ids=input_ids.to(model.device), attention_mask=None if mask is None else mask.to(model.device),
               use_cache=False, logits_to_keep=max(w.n_scored for w in batch))
 
@@ -148,7 +148,7 @@ def llama_shaped(name: str, dtype: torch.dtype, device: torch.device):
 def activation_bytes(model, ids: torch.Tensor, windows: list[Window]) -> int:
     """Peak memory of the body's forward pass over one batch of ``windows``, above what was in use before."""
     device = model.device
-    input_ids, mask, *_ = _batch_inputs(ids, windows, torch.tensor([], dtype=torch.long))
+    input_ids, mask, *_ = batch_inputs(ids, windows, torch.tensor([], dtype=torch.long))
     with PeakMemory(device) as before:
         pass
     with PeakMemory(device) as during, torch.inference_mode():

@@ -68,7 +68,14 @@ from tasks.audit.reference import Reference, Writer, building
 from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import evaluation
-from tasks.engine.perplexity import Baseline, PerplexityResult, _divergence_kernel, _hidden, perplexity, scored_targets
+from tasks.engine.perplexity import (
+    Baseline,
+    PerplexityResult,
+    _divergence_kernel,
+    hidden_states,
+    perplexity,
+    scored_targets,
+)
 from tasks.engine.stream import TokenStream
 from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype, resolve_model_path
 from tasks.models.variants import load_variant
@@ -115,7 +122,7 @@ def count_forwards(*models) -> list[int]:
 def lockstep(base_model) -> Baseline:
     """The baseline as audits met it before the reference: the whole model, run on each batch's inputs."""
     return Baseline(base_model.get_output_embeddings(), getattr(base_model.config, "final_logit_softcapping", None),
-                    lambda slots, inputs: _hidden(base_model, *inputs[:4]))
+                    lambda slots, inputs: hidden_states(base_model, *inputs[:4]))
 
 
 def spec(args: argparse.Namespace, name: str, method: str, path: str | None = None) -> VariantSpec:

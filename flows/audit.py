@@ -15,10 +15,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed
 
 from flows.answers import failed
+from flows.diagnose import diagnoses
 from flows.runners import score_all
 from tasks.audit.events import event_config
 from tasks.audit.preflight import preflight
 from tasks.audit.served import Policy, Refused
+from tasks.audit.where import where_of
 from tasks.config import AuditConfig, load_audit_config
 from tasks.core import console
 from tasks.core.errors import InputError
@@ -106,7 +108,9 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     results = [baseline_result, *variant_results]
     summary = report(settings, baseline_result, variant_results)
     print(summary["table"])
-    record = audit_record(settings, config, scored, summary, results, started)
+    lost = {v.name: found for v in variant_results if (found := where_of(v, baseline_result, scored, lineup.tokenizer))}
+    found = diagnoses(settings, lineup, scored, summary["verdicts"])  # after the verdict: it never changes it
+    record = audit_record(settings, config, scored, summary, results, started, lost, found)
     spooled = spool_audit(record, results, return_state=True)  # first: tracking and artifacts can fill a disk too
     if not spooled.is_completed():
         return _unspooled(record, spooled.message)

@@ -13,18 +13,20 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
 from tasks.audit.checkpoints import Checkpoint, Lineup, prepare
+from tasks.audit.diagnose import Examination, Restored, examine, restore
 from tasks.audit.scoring import make_variant, score_variant
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.core.errors import TransientError
 from tasks.core.places import spool_dir, synced_dir
 from tasks.data.corpus import cached_tokenize, corpus_text
 from tasks.data.evaluation import Evaluation, evaluation
+from tasks.engine.windows import Window
 from tasks.models.quantize import draw_calibration, quantize
 from tasks.models.resolve import load_tokenizer
 from tasks.record.contents import token_arrays
 from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
-from tasks.record.tracking import is_tracking_outage, replay
+from tasks.record.tracking import is_tracking_outage, replay, track_diagnosis
 
 
 def _transient(task, run, state) -> bool:
@@ -125,3 +127,32 @@ def track(folder: Path) -> str:
             mark_synced(folder)
             return run_id
     return replay(synced_dir() / folder.name)
+
+
+@task(cache_policy=NO_CACHE, task_run_name="examine-{checkpoint.name}")
+def examine_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window]) -> Examination:
+    """Both models on a diagnosis's sample: per-layer errors and per-token losses."""
+    return examine(checkpoint, lineup, evaluation_, windows)
+
+
+def _restore_name() -> str:
+    from prefect.runtime import task_run
+
+    parameters = task_run.parameters
+    sets = parameters["sets"]
+    return f"restore-{parameters['checkpoint'].name}-{len(sets)}-sets-from-{'-'.join(map(str, sets[0]))}"
+
+
+@task(cache_policy=NO_CACHE, task_run_name=_restore_name)
+def restore_layers(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window],
+                   sets: list[tuple[int, ...]]) -> list[Restored]:
+    """The variant with each set of the baseline's decoder layers in ``sets`` in place, scored on the sample."""
+    return restore(checkpoint, lineup, evaluation_, windows, sets, progress=True)
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=lambda task, run, state: is_tracking_outage(state.result(raise_on_failure=False)))
+def log_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
+    """Log a diagnosis to MLflow (retried: the tracking server may blip); returns the run id."""
+    return track_diagnosis(found, uri, experiment)
+

@@ -276,3 +276,15 @@ def make_compressed(source: Path, target: Path, scheme: str) -> Path:
     compressor.update_config(target)
     AutoTokenizer.from_pretrained(source).save_pretrained(target)
     return target
+
+
+def scored_log_probs(base, variant, stream, windows):
+    """Each window alone through both models, in float64 over the whole vocabulary: yields, for every scored token
+    in window order, its place in the stream and the baseline's and the variant's log-probabilities there."""
+    for w in sorted(windows, key=lambda w: w.index):
+        row = stream.ids[w.start : w.end][None]
+        with torch.no_grad():
+            lb = torch.log_softmax(base(row).logits[0].double(), -1)
+            lv = torch.log_softmax(variant(row).logits[0].double(), -1)
+        for q in range(w.first_scored, w.end):
+            yield q, lb[q - w.start - 1], lv[q - w.start - 1]

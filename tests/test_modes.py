@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import scored_log_probs
 
 from tasks.core.errors import InputError
 from tasks.data.corpus import tokenize
@@ -70,16 +71,10 @@ def full_vocabulary_kl(base, variant, stream, windows) -> tuple[torch.Tensor, to
     """Each window alone through both models: KL(base‖variant), KL(variant‖base) and same top token over
     the whole vocabulary at every scored position."""
     forward, reverse, top1 = [], [], []
-    for w in sorted(windows, key=lambda w: w.index):
-        row = stream.ids[w.start : w.end][None]
-        with torch.no_grad():
-            lb = torch.log_softmax(base(row).logits[0].double(), -1)
-            lv = torch.log_softmax(variant(row).logits[0].double(), -1)
-        for q in range(w.first_scored, w.end):
-            c = q - w.start - 1
-            forward.append(float((lb[c].exp() * (lb[c] - lv[c])).sum()))
-            reverse.append(float((lv[c].exp() * (lv[c] - lb[c])).sum()))
-            top1.append(bool(lb[c].argmax() == lv[c].argmax()))
+    for _, lb, lv in scored_log_probs(base, variant, stream, windows):
+        forward.append(float((lb.exp() * (lb - lv)).sum()))
+        reverse.append(float((lv.exp() * (lv - lb)).sum()))
+        top1.append(bool(lb.argmax() == lv.argmax()))
     return torch.tensor(forward, dtype=torch.float64), torch.tensor(reverse, dtype=torch.float64), torch.tensor(top1)
 
 

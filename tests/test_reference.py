@@ -22,7 +22,7 @@ from tasks.core.errors import InputError
 from tasks.data.corpus import tokenize
 from tasks.data.evaluation import evaluation
 from tasks.engine.paired import divergence_summary
-from tasks.engine.perplexity import Baseline, _hidden, perplexity
+from tasks.engine.perplexity import Baseline, hidden_states, perplexity
 from tasks.models.loading import load_model
 from tasks.record.verdict import comparison_row, format_stats, format_table, judge
 
@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 
 def lockstep(base) -> Baseline:
     """The baseline model itself run on every batch beside the variant: what the reference replaces."""
-    return Baseline(base.get_output_embeddings(), None, lambda slots, inputs: _hidden(base, *inputs[:4]))
+    return Baseline(base.get_output_embeddings(), None, lambda slots, inputs: hidden_states(base, *inputs[:4]))
 
 
 def relative(a: np.ndarray, b: np.ndarray) -> float:

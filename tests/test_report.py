@@ -24,7 +24,8 @@ HOSTILE = "gone<b>x</b>&amp;|*y*"  # a folder name that markup would swallow if 
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path, prefect_harness):
     """One audit with a verdict of each kind: int8 passes (limit 5%), noisy fails its own limit (1%),
-    missing errs (its folder, named with markup, does not exist). Returns (client, parent run, record)."""
+    missing errs (its folder, named with markup, does not exist). Returns (client, parent run, record, the record's
+    folder)."""
     folder = tmp_path_factory.mktemp("report")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPL_AUDIT_HOME", str(folder / "home"))
@@ -41,7 +42,7 @@ def audited(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path, p
     client = MlflowClient(uri)
     record = json.loads((record_folder / "record.json").read_text())
     assert {v.name: v.status for v in summary["verdicts"]} == {"int8": "pass", "noisy": "fail", "missing": "error"}
-    return client, client.get_run(summary["mlflow_run_id"]), record
+    return client, client.get_run(summary["mlflow_run_id"]), record, record_folder
 
 
 def report_of(client: MlflowClient, run, tmp_path: Path) -> str:
@@ -51,7 +52,7 @@ def report_of(client: MlflowClient, run, tmp_path: Path) -> str:
 def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audited, tmp_path):
     from PIL import Image
 
-    client, parent, record = audited
+    client, parent, record, _ = audited
     report = report_of(client, parent, tmp_path)
     # nothing fetched from elsewhere: a mailed copy reads the same offline
     assert not re.search(r"""((src|href)\s*=\s*["']?|url\(\s*["']?)\s*(https?:|//)|@import""", report, re.IGNORECASE)
@@ -81,7 +82,7 @@ def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audite
 def test_the_run_description_shows_each_verdict_before_show_more(audited):
     from markdown_it import MarkdownIt
 
-    _, parent, _ = audited
+    _, parent, _, _ = audited
     note = parent.data.tags["mlflow.note.content"]
     page = MarkdownIt("commonmark").enable("table").render(note)
     rows = re.findall(r"<tr>(.*?)</tr>", page, re.DOTALL)
@@ -100,7 +101,7 @@ def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_
 
     from tasks.record.plots import delta_ppl_chart, ppl_chart
 
-    _, _, record = audited
+    _, _, record, _ = audited
     rows = {v["name"]: v["row"] for v in record["variants"]}
     [axis] = delta_ppl_chart(record).axes
     bars = {round(bar.get_y() + bar.get_height() / 2): bar for bar in axis.patches if isinstance(bar, Rectangle)}
@@ -126,3 +127,61 @@ def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_
     assert legend == ["pass", "fail", "error", "estimate, paired 95% interval", "gate limit (max ΔPPL %)"]
     [ppl_axis] = ppl_chart(record).axes
     assert ppl_axis.get_xlim()[0] == 0  # zero-based: bar lengths compare perplexities
+
+
+def children_of(client: MlflowClient, parent) -> dict:
+    """The parent's nested runs by model name."""
+    return {r.data.tags["ppl_audit.variant"]: r for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+
+
+def test_each_scored_variant_says_where_in_the_text_it_loses(audited, tmp_path):
+    """In the record, the variant's run and the report: its ΔNLL and KL by group over the very tokens its gate
+    judged, and its 20 tokens of largest KL shown in their context as text."""
+    from tasks.record.plots import where_chart
+
+    client, parent, record, _ = audited
+    entries = {entry["name"]: entry for entry in record["variants"]}
+    assert "where" not in entries["baseline"] and "where" not in entries["missing"]
+    runs = children_of(client, parent)
+    report = report_of(client, parent, tmp_path)
+    section = report[report.index("<h2>Where in the text</h2>") : report.index("<h2>Settings</h2>")]
+    for name in ("int8", "noisy"):
+        where, row = entries[name]["where"], entries[name]["row"]
+        assert where["tokens"] == row["n_tokens"] == sum(group["tokens"] for group in where["by_position"])
+        assert where["all"]["delta_nll"] == pytest.approx(row["delta_nll"], rel=1e-9)
+        assert where["all"]["kl"] == pytest.approx(row["kld_mean"], rel=1e-9)
+        assert sum(group["tokens"] for group in where["by_confidence"]) == row["n_tokens"]
+        assert sum(group["tokens"] for group in where["by_baseline"]) == row["n_tokens"]
+        kls = [token["kl"] for token in where["top_kl"]]
+        assert len(kls) == 20 and kls == sorted(kls, reverse=True) and kls[0] == pytest.approx(row["kld_max"])
+        run_id = runs[name].info.run_id
+        assert {"where.json", "where.png"} <= {a.path for a in client.list_artifacts(run_id)}
+        assert json.loads(Path(client.download_artifacts(run_id, "where.json", str(tmp_path))).read_text()) == where
+        delta_axis = where_chart(entries[name]).axes[0]  # ΔNLL by position, the first of four
+        heights = [bar.get_height() for bar in delta_axis.patches]
+        assert heights == pytest.approx([group["delta_nll"] for group in where["by_position"] if group["tokens"]])
+        assert f"<h3>{name} <span" in section
+        for token in where["top_kl"]:  # escaped, as every text from the record
+            assert html.escape(token["context"].replace("\n", "⏎")) in section
+            assert html.escape(repr(token["target_text"])) in section
+    assert "where.json" not in {a.path for a in client.list_artifacts(runs["baseline"].info.run_id)}
+
+
+def test_a_record_from_before_where_was_kept_still_replays(audited, tmp_path):
+    """An older record has no ``where``: it is logged and reported as before, with no section and no artifact."""
+    import shutil
+
+    from tasks.record.tracking import replay
+
+    client, _, _, folder = audited
+    older = shutil.copytree(folder, tmp_path / folder.name)
+    record = json.loads((older / "record.json").read_text())
+    assert any("where" in entry for entry in record["variants"])
+    for entry in record["variants"]:
+        entry.pop("where", None)
+    (older / "record.json").write_text(json.dumps(record))
+    parent = client.get_run(replay(older, client.tracking_uri, "older records"))
+    assert "Where in the text" not in report_of(client, parent, tmp_path)
+    for run in children_of(client, parent).values():
+        assert not {"where.json", "where.png"} & {a.path for a in client.list_artifacts(run.info.run_id)}

@@ -48,7 +48,8 @@ def test_shards_merged_equal_the_whole_run_bit_for_bit(tiny_model_dir, tokenizer
                                                                            whole.n_tokens)
     assert np.array_equal(merged.token_nll, whole.token_nll) and np.array_equal(merged.window_nll, whole.window_nll)
     assert np.array_equal(merged.window_tokens, whole.window_tokens)
-    assert sorted(merged.extra) == sorted(whole.extra) == (["kl", "kl_reverse", "top1"] if against else [])
+    divergence = ["base_right", "base_top", "base_top_p", "kl", "kl_reverse", "top", "top1"]
+    assert sorted(merged.extra) == sorted(whole.extra) == (divergence if against else [])
     for key in merged.extra:
         assert np.array_equal(merged.extra[key], whole.extra[key]), key
     if against:

@@ -89,6 +89,8 @@ def check_record(client: MlflowClient, parent) -> dict:
                 "dp_mean_stderr", "dp_rms", "dp_rms_stderr", "dp_p99.9"} <= set(runs[name].data.metrics)
         # KL was measured against the baseline's stored reference, named on the parent
         assert runs[name].data.params["reference"] == parent.data.tags["ppl_audit.reference"]
+        # where in the text it loses: the figures and their chart
+        assert {"where.json", "where.png"} <= {a.path for a in client.list_artifacts(runs[name].info.run_id)}
     assert parent.data.tags["ppl_audit.baseline"] in ("scored", "reused")
     assert runs["missing"].info.status == "FAILED"
     # at a glance: the verdict in the parent's name, a row per model in its description, figures as columns

@@ -16,7 +16,7 @@ import torch
 
 from tasks.config import Gate
 from tasks.engine.paired import CONFIDENCE, Estimate
-from tasks.engine.perplexity import PerplexityResult, Progress, WindowScores
+from tasks.engine.perplexity import PROGRESS_FIGURES, PerplexityResult, Progress, WindowScores
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence
 from tasks.record.verdict import GATES
 
@@ -108,7 +108,8 @@ def progress_of(samples: list[WindowScores], tokens: torch.Tensor, batch_size: i
         order += sample.windows.tolist()
         split = sample.window_tokens.tolist()
         per_window = {"nll": sample.window_nll} | {
-            key: torch.stack([piece.double().sum() for piece in value.split(split)]) for key, value in sample.extra.items()}
+            key: torch.stack([piece.double().sum() for piece in value.split(split)]) for key, value in sample.extra.items()
+            if key in PROGRESS_FIGURES}
         for key, values in per_window.items():
             sums.setdefault(key, torch.zeros(len(tokens), dtype=torch.float64))[sample.windows] = values.double()
     return Progress(order, sums, tokens, batch_size)

@@ -75,10 +75,13 @@ def _log_probs(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, target: torch.Tensor, softcap: float | None,
                 base_softcap: float | None) -> dict[str, torch.Tensor]:
-    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits, and the baseline's
-    NLL of the targets (``base_nll``), which checks its stored reference at no extra pass."""
+    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits, whether the baseline's
+    most likely token is the target (``base_right``), and the baseline's NLL of the targets (``base_nll``), which
+    checks its stored reference at no extra pass."""
     base = _log_probs(base_logits, base_softcap)
-    return divergence.exact(base, _log_probs(logits, softcap)) | {"base_nll": -base.gather(-1, target).squeeze(-1)}
+    figures = divergence.exact(base, _log_probs(logits, softcap))
+    return figures | {"base_right": figures["base_top"] == target.squeeze(-1),
+                      "base_nll": -base.gather(-1, target).squeeze(-1)}
 
 
 @functools.cache
@@ -124,7 +127,9 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
 
     Returns:
         ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``reference`` also ``kl``
-        (KL(base‖variant)), ``kl_reverse`` (KL(variant‖base)) and ``top1`` (same most likely token).
+        (KL(base‖variant)), ``kl_reverse`` (KL(variant‖base)), ``top1`` (same most likely token), ``base_top`` and
+        ``top`` (each model's most likely token), ``base_top_p`` (the baseline's probability of its own) and
+        ``base_right`` (the baseline's most likely token is the target).
     """
     rows = _chunk_rows(head, chunk_bytes or head_chunk_bytes(hidden.device))
     nll = _fused_nll if hidden.is_cuda else _nll
@@ -201,7 +206,8 @@ class WindowScores:
         window_nll: ``[n_windows]`` float64 NLL sum of each window's scored tokens.
         window_tokens: ``[n_windows]`` int64 number of tokens each window scored.
         extra: further per-token arrays aligned with ``token_nll``: ``kl``, ``kl_reverse`` (float64),
-            ``top1`` (divergence from the baseline).
+            ``top1``, ``base_top``, ``top``, ``base_top_p``, ``base_right`` (divergence from the baseline,
+            ``token_stats``).
     """
 
     token_nll: torch.Tensor
@@ -226,14 +232,17 @@ def token_slots(window_tokens: np.ndarray, windows: np.ndarray) -> np.ndarray:
     return np.concatenate([np.arange(starts[w], starts[w] + window_tokens[w]) for w in windows])
 
 
+PROGRESS_FIGURES = ("nll", "kl", "kl_reverse", "top1")  # the per-token figures a gate judges, summed by window
+
+
 @dataclass
 class Progress:
     """What a run scoring windows in a given order has done so far, for ``until`` to judge after each batch.
 
     Attributes:
         order: the plan's indices of the windows scored, in the order scored.
-        sums: per-window float64 sums of each per-token figure (``nll``, and ``kl``, ``kl_reverse``, ``top1``
-            with a baseline), by window index; the windows not scored yet hold 0.
+        sums: per-window float64 sums of each figure of ``PROGRESS_FIGURES`` (``nll``, and ``kl``, ``kl_reverse``,
+            ``top1`` with a baseline), by window index; the windows not scored yet hold 0.
         tokens: ``[n_windows]`` tokens each window of the plan scores.
         batch_size: windows per forward pass.
     """
@@ -244,7 +253,7 @@ class Progress:
     batch_size: int
 
 
-def _batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, first_token: int | None = None):
+def batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, first_token: int | None = None):
     """Right-padded input ids, attention mask (None when nothing is padded), and scored positions.
 
     ``first_token`` is written over the first token of every window (llama.cpp's BOS per chunk).
@@ -272,6 +281,14 @@ def scored_targets(stream: TokenStream, window: int, stride: int, mode: str = "s
     return torch.cat([stream.ids[w.first_scored : w.end] for w in plan(stream, window, stride, mode)])
 
 
+def scored_positions(stream: TokenStream, window: int, stride: int, mode: str = "sliding") -> np.ndarray:
+    """The position in its window of every token the plan scores, in the order of the token arrays: how many
+    tokens of context precede it in the model's input (the BOS prefix of every window included)."""
+    prefix = len(stream.prefix)
+    return np.concatenate([np.arange(w.first_scored - w.start, w.end - w.start) + prefix
+                           for w in plan(stream, window, stride, mode)])
+
+
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host to device without making the host wait: from pinned memory on CUDA.
 
@@ -297,7 +314,7 @@ def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
     return host, copied
 
 
-def _hidden(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
+def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
     device = input_device(model)
     hidden = model.base_model(input_ids=_to_device(input_ids, device),
                               attention_mask=None if mask is None else _to_device(mask, device),
@@ -352,6 +369,8 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         if until is not None:
             progress.order += [w.index for w in batch]
             for key, value in host.items():
+                if key not in PROGRESS_FIGURES:
+                    continue
                 sums = progress.sums.setdefault(key, torch.zeros(len(counts), dtype=torch.float64))
                 for w, part in zip(batch, value.split([w.n_scored for w in batch])):
                     sums[w.index] = part.double().sum()
@@ -370,10 +389,10 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
                      enabled=label is not None) as bar:
         for b in range(0, limit, batch_size):
             batch = windows[b : min(b + batch_size, limit)]
-            inputs = _batch_inputs(ids, batch, prefix_ids, first_token)
+            inputs = batch_inputs(ids, batch, prefix_ids, first_token)
             input_ids, mask, row_index, columns, targets = inputs
             slots = torch.cat([torch.arange(int(offsets[w.index]), int(offsets[w.index]) + w.n_scored) for w in batch])
-            hidden = _hidden(model, input_ids, mask, row_index, columns)
+            hidden = hidden_states(model, input_ids, mask, row_index, columns)
             against = None
             if reference is not None:
                 against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),

@@ -9,16 +9,21 @@ package, GGUF files dequantized by transformers' GGUF loader. The same code path
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from tasks.config import VariantSpec
+from tasks.config import QUANTIZED_AT_LOAD, VariantSpec
 from tasks.core.errors import InputError
 from tasks.core.versions import versions
+from tasks.engine.layers import decoder_layers
 from tasks.models.formats import describe, distributions, ready, require
+from tasks.models.gguf import gguf_reader
 from tasks.models.loading import WEIGHT_SUFFIXES, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
 from tasks.models.resolve import resolve_device, resolve_dtype
@@ -103,6 +108,38 @@ def weight_bytes(model) -> int:
     held = list(model.parameters()) + list(model.buffers())
     held += [t for module in model.modules() for t in getattr(module, "meta", {}).values() if torch.is_tensor(t)]
     return sum(tensor_bytes(t) for t in held)
+
+
+# bytes per element of the dtypes a safetensors header names
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                     "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def decoder_layer_bytes(model, spec: VariantSpec, source: str) -> list[int]:
+    """Bytes each decoder layer's weights take as the model is shipped: for a checkpoint, in its files (a GGUF file
+    or a compressed-tensors folder is dequantized as it loads, so memory would not say); for a model quantized as it
+    loads, in memory."""
+    count = len(decoder_layers(model))
+    if spec.method in QUANTIZED_AT_LOAD or not Path(source).exists():
+        return [weight_bytes(layer) for layer in decoder_layers(model)]
+    sizes = Counter()
+    if source.endswith(".gguf"):
+        for tensor in gguf_reader(Path(source)).tensors:
+            if tensor.name.startswith("blk."):  # llama.cpp names a decoder layer's tensors blk.<layer>.<tensor>
+                sizes[int(tensor.name.split(".")[1])] += int(tensor.n_bytes)
+        return [sizes[i] for i in range(count)]
+    from safetensors import safe_open
+
+    for file in Path(source).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as tensors:
+            for name in tensors.keys():
+                layer = re.search(r"\.layers\.(\d+)\.", name)
+                if layer:
+                    part = tensors.get_slice(name)
+                    sizes[int(layer[1])] += math.prod(part.get_shape()) * SAFETENSORS_BYTES[part.get_dtype()]
+    if not sizes:  # weights in another form (a .bin): as loaded
+        return [weight_bytes(layer) for layer in decoder_layers(model)]
+    return [sizes[i] for i in range(count)]
 
 
 def size_on_disk(path: str) -> int:

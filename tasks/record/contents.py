@@ -8,6 +8,7 @@ import platform
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +18,12 @@ from tasks.config import AuditConfig
 from tasks.core.versions import versions
 from tasks.data.evaluation import Evaluation
 from tasks.record.results import VariantResult
+
+if TYPE_CHECKING:
+    from tasks.engine.perplexity import PerplexityResult
+
+# a variant's per-token divergence from the baseline (``tasks.engine.perplexity.token_stats``), kept beside its NLL
+TOKEN_COLUMNS = ("kl", "kl_reverse", "top1", "base_top", "top", "base_top_p", "base_right")
 
 
 def hardware() -> str:
@@ -34,12 +41,17 @@ def corpus_location(source: str) -> str:
     return source if source.startswith("hf:") else str(Path(source).resolve())
 
 
+def token_windows(result: PerplexityResult) -> np.ndarray:
+    """The plan's index of the window of each token of a result's token arrays (a stopped run's hold a sample
+    of the windows)."""
+    windows = np.arange(len(result.window_tokens)) if result.scored_windows is None else result.scored_windows
+    return np.repeat(windows, result.window_tokens)  # windows score consecutive stretches, in order
+
+
 def _arrays(outcome: VariantResult) -> pa.Table:
     r = outcome.result
-    windows = np.arange(len(r.window_tokens)) if r.scored_windows is None else r.scored_windows
-    token_window = np.repeat(windows, r.window_tokens)  # windows score consecutive stretches, in order
-    columns = {"token": np.arange(len(r.token_nll)), "window": token_window, "nll": r.token_nll}
-    columns |= {key: r.extra[key] for key in ("kl", "kl_reverse", "top1") if key in r.extra}
+    columns = {"token": np.arange(len(r.token_nll)), "window": token_windows(r), "nll": r.token_nll}
+    columns |= {key: r.extra[key] for key in TOKEN_COLUMNS if key in r.extra}
     return pa.table(columns)
 
 
@@ -49,10 +61,13 @@ def arrays_file(outcome: VariantResult) -> str | None:
 
 
 def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
-                 results: list[VariantResult], started: datetime) -> dict:
+                 results: list[VariantResult], started: datetime, where: dict[str, dict],
+                 diagnoses: dict[str, dict] | None = None) -> dict:
     """An audit's record: everything it computed but the per-token arrays (``token_arrays``).
 
-    ``started`` is when the audit began; ``created`` (now) is when it ended.
+    ``started`` is when the audit began; ``created`` (now) is when it ended. ``where``: by variant, where in the
+    text it loses (``tasks.audit.where.where_of``), for the variants it was found for. ``diagnoses``: by variant,
+    the diagnosis the audit asked for (``diagnose``), or its ``problem``.
     """
     created = datetime.now(timezone.utc)
     verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
@@ -72,6 +87,10 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
             entry["shards"] = outcome.shards
         if outcome.sequential:  # the order's seed, how much was scored, the bounds at a stop
             entry["sequential"] = outcome.sequential
+        if outcome.name in where:
+            entry["where"] = where[outcome.name]
+        if outcome.name in (diagnoses or {}):
+            entry["diagnosis"] = diagnoses[outcome.name]
         if entry["role"] == "baseline":
             entry["reference"] = outcome.reference
         variants.append(entry)

@@ -1,7 +1,8 @@
 """Pictures of an audit, for MLflow and the HTML report, in one colour scheme: a model's colour is its verdict.
 
 First the chart a reviewer needs: ΔPPL % per variant with its paired 95% interval against the variant's own
-gate limit; then PPL per model on a zero-based axis, ΔNLL per window and per-token KL divergence.
+gate limit; then PPL per model on a zero-based axis, ΔNLL per window and per-token KL divergence. Each variant's
+own run has where in the text it loses (``where_chart``).
 
 Figures are ``matplotlib.figure.Figure`` objects made without pyplot, so no backend is chosen for the whole
 process (a worker's or a notebook's stays as it was) and nothing needs closing; ``MlflowClient.log_figure``
@@ -258,3 +259,55 @@ def _window_nll(folder: Path, entry: dict):
     import pyarrow.parquet as pq
 
     return pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
+
+
+def where_chart(entry: dict) -> Figure:
+    """Where a variant loses (``entry["where"]``, ``tasks.record.where``): its ΔNLL (top) and KL (bottom) against
+    the baseline by the token's position in its window (left) and by the baseline's top-1 probability (right); a bar
+    per bin in the variant's verdict colour, whiskers its 95% interval (over windows), its tokens under it. A variant
+    without KL has ΔNLL by position only. Returns the figure."""
+    where, colour = entry["where"], COLOURS[verdict_of(entry)]
+    groups = (("position in the window (tokens of context)", where["by_position"], position_label),
+              ("baseline's top-1 probability", where.get("by_confidence", []), confidence_label))
+    figures = (("delta_nll", "ΔNLL (nats/token)"), ("kl", "KL(baseline ‖ variant) (nats/token)"))
+    figure = Figure(figsize=(WIDTH, 7.6), dpi=DPI, layout="constrained")
+    axes = figure.subplots(len(figures), len(groups), squeeze=False)
+    for column, (title, rows, label) in enumerate(groups):
+        ticks = [f"{label(row)}\n{row['tokens']:,} tok" for row in rows]
+        for line, (key, name) in enumerate(figures):
+            axis = axes[line][column]
+            _bins_axis(axis, rows, key, colour)
+            axis.set_xticks(range(len(rows)), labels=ticks, fontsize=SMALL - 1 if len(rows) > 6 else SMALL)
+            axis.set_ylabel(name, fontsize=SMALL)
+            axis.set_xlabel(title, fontsize=SMALL)
+    handles = [Patch(color=colour, label=f"{entry['name']} ({verdict_of(entry)}): mean over the bin's tokens"),
+               Line2D([], [], color="black", linewidth=1.6, label=where["interval"])]
+    return _titled(figure, f"{entry['name']}: where in the text it loses against the baseline", handles)
+
+
+def position_label(row: dict) -> str:
+    """A position bin of ``where`` as the positions it holds, first and last (here and in the report)."""
+    return f"{row['low']}–{row['high'] - 1}"
+
+
+def confidence_label(row: dict) -> str:
+    """A bin of the baseline's top-1 probability of ``where`` as its bounds (here and in the report)."""
+    return f"{row['low']:g}–{row['high']:g}"
+
+
+def _bins_axis(axis: Axes, rows: list[dict], key: str, colour: str) -> None:
+    """A bar per row of ``rows`` with its ``key`` (ΔNLL or KL) and whiskers to its interval; a bin without tokens or
+    without the figure is left empty, an axis without any says so."""
+    shown = [(x, row) for x, row in enumerate(rows) if measured(row.get(key))]
+    for x, row in shown:
+        value = row[key]
+        low, high = (row[f"{key}_low"], row[f"{key}_high"]) if measured(row.get(f"{key}_low")) else (value, value)
+        axis.bar(x, value, width=0.6, color=colour, zorder=2)
+        axis.errorbar(x, value, yerr=[[value - low], [high - value]], fmt="none", ecolor="black", capsize=5,
+                      linewidth=1.6, zorder=3)
+    if not shown:
+        axis.text(0.5, 0.5, "not measured", transform=axis.transAxes, ha="center", va="center", fontsize=TEXT,
+                  color="#616161")
+    axis.axhline(0, color="black", linewidth=0.8)
+    axis.grid(axis="y", color="#e0e0e0", zorder=0)
+    axis.tick_params(labelsize=SMALL)

@@ -1,9 +1,9 @@
 """An audit's report: one self-contained HTML file that MLflow's artifact viewer shows inline and that a reviewer
 can download and mail.
 
-The verdict, the comparison table, the charts, the settings and the lineage of every model, in that order. The
-file stands alone: CSS inline, charts as base64 PNG, no script and no outside address. Every text from the record
-is escaped, so a path or a reason cannot inject markup.
+The verdict, the comparison table, the charts, where in the text each variant loses, the settings and the lineage
+of every model, in that order. The file stands alone: CSS inline, charts as base64 PNG, no script and no outside
+address. Every text from the record is escaped, so a path or a reason cannot inject markup.
 """
 
 from __future__ import annotations
@@ -39,16 +39,18 @@ img { max-width: 100%; height: auto; border: 1px solid #eeeeee; margin: 6px 0 14
 """ + "".join(f".{verdict} {{ background: {colour}; }}\n" for verdict, colour in plots.COLOURS.items())
 
 
-def html_report(record: dict, folder: Path) -> str:
+def html_report(record: dict, folder: Path, diagnoses: dict[str, str] | None = None) -> str:
     """The audit's report as one HTML document.
 
     Args:
         record: the audit's record (``tasks.record.contents.audit_record``).
         folder: the record's folder, which holds the per-token Parquet files the charts read.
+        diagnoses: by variant, the address of its diagnosis's run in the MLflow UI, from the UI's root.
     Returns the HTML text.
     """
     title = f"ppl-audit {record['name']}: {record['verdict']['status'].upper()}"
-    body = [_verdict(record), _comparison(record), _charts(record, folder), _settings(record), _lineage(record)]
+    body = [_verdict(record), _comparison(record), _diagnoses(record, diagnoses or {}), _charts(record, folder),
+            _where(record), _settings(record), _lineage(record)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
@@ -92,6 +94,89 @@ def _charts(record: dict, folder: Path) -> str:
     images = [f'<img alt="{escape(name)}" src="data:image/png;base64,{base64.b64encode(plots.png(figure)).decode()}">'
               for name, figure in plots.charts(record, folder).items()]
     return "<h2>Charts</h2>" + "".join(images)
+
+
+def _where(record: dict) -> str:
+    """Where in the text each variant loses (its record's ``where``, ``tasks.record.where``); nothing for a record
+    without any (divergence off, or an audit from before it was kept)."""
+    sections = [_variant_where(entry) for entry in record["variants"] if entry.get("where")]
+    if not sections:
+        return ""
+    interval = escape(next(entry["where"]["interval"] for entry in record["variants"] if entry.get("where")))
+    return ("<h2>Where in the text</h2><p>Mean change in NLL (variant less baseline, nats a token) and KL(baseline ‖ "
+            f"variant) over each group's tokens. Intervals: {interval}.</p>" + "".join(sections))
+
+
+def _variant_where(entry: dict) -> str:
+    """One variant's groups side by side (by position in the window, by the baseline's top-1 probability, by whether
+    the baseline was right) and its tokens of largest KL, each in its context."""
+    where = entry["where"]
+    groups = [("position in window", plots.position_label, where["by_position"])]
+    if "by_confidence" in where:
+        groups += [("baseline's top-1 p", plots.confidence_label, where["by_confidence"]),
+                   ("baseline", lambda row: row["baseline"], where["by_baseline"])]
+    tables = "".join("<div>" + _table([title, "tokens", "ΔNLL [95%]", "KL [95%]"],
+                                      [[label(row), f"{row['tokens']:,}", _where_figure(row, "delta_nll"),
+                                        _where_figure(row, "kl")] for row in rows]) + "</div>"
+                     for title, label, rows in groups)
+    every = where["all"]
+    section = (f"<h3>{escape(entry['name'])} {_badge(plots.verdict_of(entry))}</h3>"
+               f"<p>All {every['tokens']:,} tokens: ΔNLL {escape(_where_figure(every, 'delta_nll'))}, "
+               f"KL {escape(_where_figure(every, 'kl'))}</p><div class=\"side\">{tables}</div>")
+    if where.get("top_kl"):
+        rows = [[n, f"{row['kl']:.4f}", f"{row['delta_nll']:+.4f}", row["window"], row["position"],
+                 _shown(row["context"]), repr(row["target_text"]), repr(row["base_top_text"]), repr(row["top_text"])]
+                for n, row in enumerate(where["top_kl"], 1)]
+        section += (f"<p>The {len(rows)} tokens of largest KL:</p><div class=\"wide\">"
+                    + _table(["", "KL", "ΔNLL", "window", "position", "text before it", "token", "baseline's top",
+                              "variant's top"], rows) + "</div>")
+    return section
+
+
+def _where_figure(row: dict, key: str) -> str:
+    """A group's ΔNLL (signed) or KL with its interval; a dash where the group has no tokens or no KL was measured."""
+    if not plots.measured(row.get(key)):
+        return "—"
+    form = "+.4f" if key == "delta_nll" else ".4f"
+    text = format(row[key], form)
+    if plots.measured(row.get(f"{key}_low")):
+        text += f" [{row[f'{key}_low']:{form}}, {row[f'{key}_high']:{form}}]"
+    return text
+
+
+def _shown(text: str) -> str:
+    """Text as one line of a table: a line break shows as ⏎ rather than vanish into a space."""
+    return text.replace("\n", "⏎")
+
+
+def _diagnoses(record: dict, runs: dict[str, str]) -> str:
+    """Each diagnosed variant: the layers most responsible, what restoring them wins back and costs, and a link
+    to its diagnosis's run; a diagnosis that failed, why. Nothing when no variant was diagnosed."""
+    parts = []
+    for entry in record["variants"]:
+        found = entry.get("diagnosis")
+        if not found:
+            continue
+        name = escape(entry["name"])
+        if "problem" in found:
+            parts.append(f"<p><b>{name}</b>: not diagnosed: {escape(found['problem'])}</p>")
+            continue
+        # the report is viewed inside the MLflow UI: a path from its root opens the run there, whatever its host
+        link = (f' · <a href="{escape(runs[entry["name"]])}" target="_top">its diagnosis run</a>'
+                if entry["name"] in runs else "")
+        curve = [[len(step["restored"]), ", ".join(map(str, step["restored"])) or "none", f"{step['kl']:.5f}",
+                  f"{step['kl_recovery_pct']:.1f}%", f"{step['delta_nll']:+.5f}", f"{step['mib']:.1f}"]
+                 for step in found["restore_curve"]]
+        parts.append(f"<p><b>{name}</b>: on {found['windows']} windows ({found['tokens']} tokens), the layers most "
+                     f"responsible, first: {escape(', '.join(map(str, found['ranking'][:5])))}; the LM head's own KL "
+                     f"{found['head']['kl']:.2e}, the input embeddings' SQNR {found['embeddings']['sqnr_db']:.1f} dB"
+                     f"{link}</p>" + _table(["layers restored", "which", "KL left", "KL won back", "ΔNLL left", "MiB"],
+                                            curve))
+    if not parts:
+        return ""
+    return ("<h2>Diagnoses: where in the model it loses</h2><p class=\"meta\">Greedy: each step restores the "
+            "baseline's layer that wins back most beside those before (<code>ppl-audit diagnose</code>).</p>"
+            + "".join(parts))
 
 
 def _settings(record: dict) -> str:

@@ -266,6 +266,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     from mlflow.entities import RunTag
 
     from tasks.record import plots
+    from tasks.record.diagnosis import log_run
     from tasks.record.report import html_report
 
     record = read_record(folder)
@@ -295,7 +296,11 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
     for name, figure in plots.charts(record, folder).items():  # the ΔPPL chart first: what a reviewer needs
         client.log_figure(parent, figure, name)
-    client.log_text(parent, html_report(record, folder), "report.html")  # MLflow's artifact viewer shows it inline
+    diagnosed = {entry["name"]: log_run(client, experiment_id, entry["diagnosis"],
+                                        {"mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"]})
+                 for entry in record["variants"] if "problem" not in entry.get("diagnosis", {"problem": None})}
+    runs = {name: ui_link("", experiment_id, run) for name, run in diagnosed.items()}  # from the UI's own root
+    client.log_text(parent, html_report(record, folder, runs), "report.html")  # MLflow's artifact viewer shows it inline
     for entry in record["variants"]:
         status = plots.verdict_of(entry)
         child = client.create_run(experiment_id, start_time=_ms(entry["started"]) if entry.get("started") else started,
@@ -310,6 +315,9 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
         _log_dataset(client, child, dataset)
         if entry.get("arrays"):
             client.log_artifact(child, str(folder / entry["arrays"]), "nll")
+        if entry.get("where"):  # where in the text it loses: the figures, and a chart of them
+            client.log_dict(child, entry["where"], "where.json")
+            client.log_figure(child, plots.where_chart(entry), "where.png")
         client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED",
                               end_time=_ms(entry["ended"]) if entry.get("ended") else timestamp)
         if is_registered(entry["spec"]["path"]):
@@ -318,3 +326,22 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     client.set_tag(parent, COMPLETE, "true")
     client.set_terminated(parent, "FINISHED", end_time=timestamp)
     return parent
+
+
+def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
+    """Log a diagnosis made by ``ppl-audit diagnose`` to MLflow, a child of its audit's latest run when there is
+    one (the MLflow UI shows it under that run); returns its run id."""
+    from mlflow import MlflowClient
+
+    from tasks.record.diagnosis import log_run
+
+    uri = tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = _experiment(client, experiment, uri)
+    latest = client.search_runs([experiment_id], filter_string=f"tags.`ppl_audit.audit` = '{found['audit']}' and "
+                                                               "tags.`ppl_audit.kind` = 'audit'",
+                                order_by=["attributes.start_time DESC"], max_results=1)
+    tags = {}
+    if latest:
+        tags = {"mlflow.parentRunId": latest[0].info.run_id, AUDIT_ID: latest[0].data.tags.get(AUDIT_ID, "")}
+    return log_run(client, experiment_id, found, tags)

@@ -1,0 +1,51 @@
+"""``ppl-audit diagnose``: where in the model and in the text one variant of an audit loses, and what restoring
+layers would win back."""
+
+from __future__ import annotations
+
+import argparse
+
+from tasks.core import console
+
+NAME, LOGGED = "diagnose", True
+
+
+def add(commands) -> None:
+    from flows.commands.arguments import config_field
+    from tasks.config import Diagnosis
+
+    diagnose = commands.add_parser(NAME, help="where a variant loses: per-layer errors, restoring layers, the text")
+    diagnose.add_argument("config", help="the audit YAML the variant is in, e.g. configs/demo.yaml")
+    diagnose.add_argument("--variant", required=True, help="the name of the variant to diagnose")
+    diagnose.add_argument("--windows", type=int, metavar="N",
+                          help=f"windows of the audit's stream to score, a seeded sample (default: diagnosis.windows, "
+                               f"{config_field(Diagnosis, 'windows')[0]})")
+    diagnose.add_argument("--restore", type=int, metavar="K",
+                          help=f"the greedy restore curve's length in layers (default: diagnosis.restore, "
+                               f"{config_field(Diagnosis, 'restore')[0]})")
+    diagnose.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a config value, e.g. --set diagnosis.seed=1 (repeatable)")
+    diagnose.add_argument("--json", action="store_true", help="end stdout with one JSON line of the diagnosis")
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The command's settings as config overrides: the config stays the one source of every default."""
+    given = {"diagnosis.windows": args.windows, "diagnosis.restore": args.restore}
+    return args.set + [f"{key}={value}" for key, value in given.items() if value is not None]
+
+
+def run(args: argparse.Namespace) -> int:
+    from flows.diagnose import diagnose
+    from tasks.audit.diagnose import narrowed
+    from tasks.audit.preflight import preflight
+    from tasks.config import load_audit_config
+    from tasks.record.diagnosis import diagnosis_json, format_table
+
+    preflight(narrowed(load_audit_config(args.config, overrides(args)), args.variant))  # before any model loads
+    found = diagnose(config=args.config, variant=args.variant, overrides=overrides(args))
+    say = console.out()
+    print(format_table(found), file=say)
+    print(f"record: {found['record']}", file=say)
+    if args.json:
+        print(diagnosis_json(found), file=say)
+    return 0

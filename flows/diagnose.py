@@ -1,0 +1,103 @@
+"""Diagnose a variant: where in the model and where in the text it loses, and what restoring layers wins back.
+
+``diagnosed`` is the work, shared by the ``diagnose`` flow (``ppl-audit diagnose``) and the audit flow
+(``diagnose: failed`` or ``on``): one pass of both models over a seeded sample of the audit's windows, then one
+task per restored layer set on the audit's runner (Dask or Ray workers when configured, else one after another
+here, sharing the models loaded once).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+from prefect import flow
+
+from flows.runners import task_runner
+from tasks.audit.checkpoints import Checkpoint, Lineup
+from tasks.audit.diagnose import Restored, forget_models, narrowed, report, sample, search
+from tasks.audit.preflight import preflight
+from tasks.config import AuditConfig, load_audit_config
+from tasks.core.errors import InputError, one_line
+from tasks.core.places import tracking_uri
+from tasks.data.evaluation import Evaluation
+from tasks.record.diagnosis import keep
+from tasks.record.tracking import run_link
+from tasks.steps import examine_variant, log_diagnosis, prepare_models, read_corpus, restore_layers, tokenize_corpus
+
+
+def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoint: Checkpoint) -> dict:
+    """``checkpoint``'s diagnosis as plain data (``tasks.audit.diagnose.report``); raises what it meets."""
+    started = time.perf_counter()
+    settings = config.diagnosis
+    windows = sample(scored, settings.windows, settings.seed)
+    print(f"diagnosing {checkpoint.name} on {len(windows)} windows ({sum(w.n_scored for w in windows)} tokens), "
+          f"restoring up to {settings.restore} layers")
+    runner = task_runner(config)
+
+    def evaluate(sets: list[tuple[int, ...]]) -> list[Restored]:
+        if runner is None:
+            return restore_layers(checkpoint, lineup, scored, windows, sets)
+        # a task per worker: each runs the variant once per batch and every set of its share from there
+        shares = [sets[i :: config.runner.workers] for i in range(min(config.runner.workers, len(sets)))]
+        futures = [runner.submit(restore_layers, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
+                                                  "windows": windows, "sets": share}) for share in shares]
+        found = {each.layers: each for future in futures for each in future.result()}
+        return [found[tuple(layers)] for layers in sets]
+
+    try:
+        seen = examine_variant(checkpoint, lineup, scored, windows)
+        with runner or nullcontext():
+            alone, curve = search(seen, evaluate, settings.restore)
+    finally:
+        forget_models()
+    return report(seen, alone, curve, time.perf_counter() - started) | {"seed": settings.seed}
+
+
+def wanted(config: AuditConfig, checkpoint: Checkpoint, verdict: str) -> bool:
+    """Whether an audit diagnoses a variant after its verdict: ``diagnose: on`` for it (or for the audit), or
+    ``diagnose: failed`` for the audit and it failed its gate (one that could not be scored has nothing to show)."""
+    return checkpoint.spec.diagnose or config.diagnose is True or (config.diagnose == "failed" and verdict == "fail")
+
+
+def diagnoses(config: AuditConfig, lineup: Lineup, scored: Evaluation, verdicts: list) -> dict[str, dict]:
+    """The diagnoses an audit asks for (``wanted``), by variant; one that fails holds its ``problem`` and the
+    others go on: a diagnosis never costs the audit its verdict or its record."""
+    found = {}
+    for checkpoint, verdict in zip(lineup.variants, verdicts):
+        if not wanted(config, checkpoint, verdict.status):
+            continue
+        try:
+            found[checkpoint.name] = diagnosed(config, lineup, scored, checkpoint)
+        except Exception as error:  # noqa: BLE001 -- whatever stops one diagnosis, the audit keeps its results
+            found[checkpoint.name] = {"variant": checkpoint.name, "problem": f"{type(error).__name__}: {one_line(error)}"}
+    return found
+
+
+@flow(name="ppl-audit-diagnose", flow_run_name="diagnose-{variant}", log_prints=True)
+def diagnose(config: str, variant: str, overrides: list[str] | None = None) -> dict:
+    """Diagnose the variant ``variant`` of the audit ``config`` against its baseline, and log it to MLflow (a child
+    of the audit's latest run, when there is one).
+
+    Returns:
+        the diagnosis, with ``record``: where it was logged, or kept when tracking failed.
+    """
+    settings = narrowed(load_audit_config(config, overrides or []), variant)
+    preflight(settings, variants=False)
+    lineup = prepare_models(settings)
+    scored = tokenize_corpus(read_corpus(settings.corpus), settings, lineup)
+    [checkpoint] = lineup.variants
+    if checkpoint.problem:
+        raise InputError(checkpoint.problem)
+    found = diagnosed(settings, lineup, scored, checkpoint) | {"audit": settings.name}
+    kept = keep(found)
+    tracking = settings.tracking
+    logged = log_diagnosis(found, tracking.uri, tracking.experiment, return_state=True)
+    if logged.is_completed():
+        found["mlflow_run_id"] = logged.result()
+        link = run_link(tracking_uri(tracking.uri), found["mlflow_run_id"])
+        found["record"] = f"MLflow run {found['mlflow_run_id']} (experiment {tracking.experiment})" + (
+            f": {link}" if link else "") + f"; also in {kept}"
+    else:
+        found["record"] = f"kept in {kept} (tracking failed: {logged.message})"
+    return found

@@ -1,0 +1,275 @@
+"""Why a variant loses: each decoder layer's own and accumulated error, and what putting the baseline's layers
+back wins back (one layer at a time, then a greedy search), on a seeded sample of the audit's own windows.
+
+The evaluations are independent of each other, so the flow runs them as tasks (``flows.diagnose``); each task
+loads the two models once per process (``_pair``) and scores the sample with some layers restored. The sample's
+baseline figures are computed once per process too, in memory: a diagnosis never writes a reference.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tasks.audit.checkpoints import Checkpoint, Lineup
+from tasks.audit.scoring import made
+from tasks.audit.where import located
+from tasks.config import AuditConfig
+from tasks.core.errors import InputError
+from tasks.data.corpus import corpus_text
+from tasks.data.evaluation import Evaluation
+from tasks.engine.layers import LayerErrors, decoder_layers, layer_errors, recovered_share, restored_scores
+from tasks.engine.model_facts import input_device
+from tasks.engine.paired import CONFIDENCE
+from tasks.engine.perplexity import Baseline, WindowScores, score_windows, token_slots
+from tasks.engine.sequential import window_order
+from tasks.engine.windows import Window, plan
+from tasks.models.variants import check_same_tokenizer, decoder_layer_bytes, load_variant, weight_bytes
+
+# The greedy search tries, at each step, the layers among the CANDIDATES that won back most alone not chosen yet:
+# a layer that wins back little alone rarely wins back much beside others, and trying every layer at every step
+# would cost L evaluations a step.
+CANDIDATES = 4
+MIB = 2**20
+
+
+def narrowed(config: AuditConfig, variant: str) -> AuditConfig:
+    """The audit ``config`` with its variant ``variant`` alone: what a diagnosis of it loads and checks."""
+    spec = next((v for v in config.variants if v.name == variant), None)
+    if spec is None:
+        raise InputError(f"audit {config.name} has no variant '{variant}'; give one of "
+                         f"{', '.join(v.name for v in config.variants)}")
+    return config.model_copy(update={"variants": [spec]})
+
+
+def sample(evaluation_: Evaluation, windows: int | None, seed: int) -> list[Window]:
+    """The windows a diagnosis scores: ``windows`` of the audit's plan drawn by ``seed`` (all of them when the
+    plan has no more, or ``windows`` is None), in the plan's order."""
+    settings = evaluation_.settings
+    planned = plan(evaluation_.stream, settings.window, settings.stride, settings.mode)
+    count = len(planned) if windows is None else min(windows, len(planned))
+    return [planned[i] for i in sorted(window_order(len(planned), seed)[:count])]
+
+
+@dataclass
+class Pair:
+    """The baseline and the variant loaded side by side, and the baseline's figures on a sample (made once)."""
+
+    baseline: torch.nn.Module
+    variant: torch.nn.Module
+    name: str
+    method: str
+    layer_mib: np.ndarray  # ``[L]`` memory each decoder layer takes more in the baseline than in the variant
+    on_sample: dict[tuple[int, ...], tuple[WindowScores, Baseline]] = field(default_factory=dict)
+
+    def baseline_on(self, evaluation_: Evaluation, windows: list[Window]) -> tuple[WindowScores, Baseline]:
+        """The baseline's scores on ``windows`` and itself as a ``Baseline`` (its final hidden states kept in
+        memory) for the variant's KL."""
+        key = tuple(w.index for w in windows)
+        if key not in self.on_sample:
+            held: dict[str, torch.Tensor] = {}
+
+            def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
+                whole = held.setdefault("hidden", torch.empty(_tokens(windows), hidden.shape[-1], dtype=hidden.dtype))
+                whole[slots] = hidden
+
+            scores = _scored(self.baseline, evaluation_, windows, keep_hidden=keep)
+            against = Baseline(self.baseline.get_output_embeddings(),
+                               getattr(self.baseline.config, "final_logit_softcapping", None),
+                               lambda slots, inputs: held["hidden"][slots])
+            self.on_sample = {key: (scores, against)}
+        return self.on_sample[key]
+
+
+def _tokens(windows: list[Window]) -> int:
+    return sum(w.n_scored for w in windows)
+
+
+def _batching(evaluation_: Evaluation) -> tuple[int, int | None]:
+    """``(batch_size, first_token)`` the sample is scored with: the audit's batch size (1 for ``auto``: a sample
+    is small) and llama.cpp's BOS per chunk."""
+    settings, stream = evaluation_.settings, evaluation_.stream
+    batch_size = settings.batch_size if isinstance(settings.batch_size, int) else 1
+    return batch_size, stream.bos_id if settings.mode == "llama.cpp" and stream.bos != "none" else None
+
+
+def _scored(model, evaluation_: Evaluation, windows: list[Window], **options) -> WindowScores:
+    batch_size, first_token = _batching(evaluation_)
+    stream = evaluation_.stream
+    return score_windows(model, stream.ids, windows, stream.prefix, batch_size, first_token=first_token, **options)
+
+
+_held: dict = {}  # the pair loaded in this process, and what it was loaded for
+
+
+def _pair(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Pair:
+    """The two models of a diagnosis, loaded once per process (a worker's tasks share them). One pair at a time:
+    the next diagnosis's takes its place."""
+    key = (lineup.baseline.source, lineup.baseline.spec.model_dump_json(), checkpoint.source,
+           checkpoint.spec.model_dump_json())
+    if _held.get("key") != key:
+        forget_models()
+        _held.update(key=key, pair=_loaded_pair(checkpoint, lineup, evaluation_))
+    return _held["pair"]
+
+
+def _loaded_pair(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Pair:
+    checkpoint = made(checkpoint, lineup, evaluation_, corpus_text)
+    if checkpoint.problem:
+        raise InputError(checkpoint.problem)
+    check_same_tokenizer(checkpoint.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
+    baseline, _ = load_variant(lineup.baseline.spec, lineup.baseline.source)
+    variant, facts = load_variant(checkpoint.spec, checkpoint.source)
+    if input_device(baseline) != input_device(variant) or baseline.dtype != variant.dtype:
+        raise InputError(f"diagnosing {checkpoint.name} puts the baseline's layers in its place: both must run on one "
+                         f"device in one dtype (baseline {input_device(baseline)} {baseline.dtype}, variant "
+                         f"{input_device(variant)} {variant.dtype}); give the variant the baseline's device and dtype")
+    if len(decoder_layers(baseline)) != len(decoder_layers(variant)):
+        raise InputError(f"{checkpoint.name} has not the baseline's decoder layers: it cannot be diagnosed against it")
+    # the baseline's layers as they run (float, in memory), the variant's as it is shipped
+    cost = np.subtract([weight_bytes(layer) for layer in decoder_layers(baseline)],
+                       decoder_layer_bytes(variant, checkpoint.spec, checkpoint.source)) / MIB
+    return Pair(baseline, variant, checkpoint.name, facts.method, cost)
+
+
+def forget_models() -> None:
+    """Let go of the loaded pair (a long-lived process, ``serve``, keeps no model between audits)."""
+    _held.clear()
+    gc.collect()
+
+
+@dataclass
+class Examination:
+    """One pass of both models over the sample: per-layer errors, and both models' per-token figures.
+
+    Attributes:
+        window_tokens: ``[W]`` tokens each sampled window scores, in the plan's order.
+        base_nll, nll, kl: ``[n]`` per-token NLL of the baseline and of the variant, and KL(baseline‖variant).
+        extra: the variant's further per-token figures against the baseline (``kl_reverse``, ``top1``, ...).
+        layer_mib: ``[L]`` memory each decoder layer takes more in the baseline than in the variant.
+        where: where in the sample's text it loses (``tasks.audit.where.located``).
+    """
+
+    name: str
+    method: str
+    windows: list[int]
+    window_tokens: np.ndarray
+    base_nll: np.ndarray
+    nll: np.ndarray
+    kl: np.ndarray
+    extra: dict[str, np.ndarray]
+    errors: LayerErrors
+    layer_mib: np.ndarray
+    where: dict
+    seconds: float
+
+
+def examine(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window]) -> Examination:
+    """Both models on the sample: the variant's per-layer errors and its loss, token by token."""
+    started = time.perf_counter()
+    pair = _pair(checkpoint, lineup, evaluation_)
+    base, against = pair.baseline_on(evaluation_, windows)
+    scores = _scored(pair.variant, evaluation_, windows, reference=against)
+    stream = evaluation_.stream
+    errors = layer_errors(pair.baseline, pair.variant, stream.ids, windows, stream.prefix, *_batching(evaluation_))
+    extra = {key: value.numpy() for key, value in scores.extra.items()}
+    indices = np.array([w.index for w in windows])
+    counts = np.array([w.n_scored for w in windows])
+    settings = evaluation_.settings
+    planned = plan(evaluation_.stream, settings.window, settings.stride, settings.mode)
+    slots = token_slots(np.array([w.n_scored for w in planned]), indices)
+    base_nll, nll = base.token_nll.double().numpy(), scores.token_nll.double().numpy()
+    where = located(base_nll, nll, extra, slots, np.repeat(indices, counts), evaluation_, lineup.tokenizer)
+    return Examination(pair.name, pair.method, indices.tolist(), counts, base_nll, nll, extra.pop("kl"), extra, errors,
+                       pair.layer_mib, where, time.perf_counter() - started)
+
+
+@dataclass
+class Restored:
+    """The variant with the baseline's decoder layers ``layers`` in place, on the sample: per-token NLL and KL."""
+
+    layers: tuple[int, ...]
+    nll: np.ndarray
+    kl: np.ndarray
+
+
+def restore(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window],
+            sets: list[tuple[int, ...]], progress: bool = False) -> list[Restored]:
+    """Score the sample with each set of the baseline's decoder layers in ``sets`` put in the variant's place."""
+    pair = _pair(checkpoint, lineup, evaluation_)
+    _, against = pair.baseline_on(evaluation_, windows)
+    stream = evaluation_.stream
+    label = f"{checkpoint.name}: restore {len(sets)} layer set(s)" if progress else None
+    found = restored_scores(pair.baseline, pair.variant, sets, stream.ids, windows, against, stream.prefix,
+                            *_batching(evaluation_), label=label)
+    return [Restored(each.layers, each.nll.numpy(), each.kl.numpy()) for each in found]
+
+
+def _step(seen: Examination, found: Restored) -> dict:
+    """What restoring ``found.layers`` gives: the loss left, what it wins back (with intervals) and costs."""
+    kl = recovered_share(seen.kl, found.kl, seen.window_tokens, CONFIDENCE)
+    nll = recovered_share(seen.nll - seen.base_nll, found.nll - seen.base_nll, seen.window_tokens, CONFIDENCE)
+    return {"restored": list(found.layers), "mib": float(seen.layer_mib[list(found.layers)].sum()),
+            "delta_nll": float((found.nll - seen.base_nll).mean()), "kl": float(found.kl.mean()),
+            "kl_recovery_pct": kl[0], "kl_recovery_low": kl[1], "kl_recovery_high": kl[2],
+            "nll_recovery_pct": nll[0], "nll_recovery_low": nll[1], "nll_recovery_high": nll[2]}
+
+
+def _gain(step: dict) -> tuple[float, float]:
+    """How a restore is ranked: by the KL it wins back (every token's, always ≥ 0: a steadier measure than
+    ΔNLL on a sample, which can move either way), then by ΔNLL."""
+    return step["kl_recovery_pct"], step["nll_recovery_pct"]
+
+
+Evaluate = Callable[[list[tuple[int, ...]]], list[Restored]]
+
+
+def search(seen: Examination, evaluate: Evaluate, restore_k: int) -> tuple[list[dict], list[dict]]:
+    """Every layer restored alone, then the greedy curve: restore the layer that wins back most, then the one that
+    wins back most beside it, ... ``restore_k`` layers. ``evaluate`` scores a list of layer sets (as tasks).
+
+    Returns:
+        ``(alone, curve)``: one step per layer, by layer; the curve's steps from none restored to ``restore_k``.
+    """
+    count = len(seen.layer_mib)
+    alone = [_step(seen, found) for found in evaluate([(i,) for i in range(count)])]
+    nothing = Restored((), seen.nll, seen.kl)
+    curve = [_step(seen, nothing)]
+    chosen: tuple[int, ...] = ()
+    ranked = sorted(range(count), key=lambda i: _gain(alone[i]), reverse=True)
+    for k in range(min(restore_k, count)):
+        candidates = [i for i in ranked if i not in chosen][: max(CANDIDATES - k, 1)]
+        steps = [alone[candidates[0]]] if k == 0 else \
+            [_step(seen, found) for found in evaluate([tuple(sorted(chosen + (i,))) for i in candidates])]
+        best = max(steps, key=_gain)
+        chosen = tuple(best["restored"])
+        curve.append(best)
+    return alone, curve
+
+
+def report(seen: Examination, alone: list[dict], curve: list[dict], seconds: float) -> dict:
+    """The diagnosis as plain data: the JSON line of ``ppl-audit diagnose --json``, the MLflow run's artifact."""
+    own, accumulated = seen.errors.own, seen.errors.accumulated
+    layers = [{"layer": i, "own_sqnr_db": float(own.sqnr_db()[i]), "accumulated_sqnr_db": float(accumulated.sqnr_db()[i]),
+               "own_rel_error": float(own.relative_error()[i]),
+               "accumulated_rel_error": float(accumulated.relative_error()[i]),
+               "own_cos_err": float(own.mean_cos_error()[i]), "accumulated_cos_err": float(accumulated.mean_cos_error()[i]),
+               "restore_recovery_pct": step["kl_recovery_pct"], "restore_recovery_low": step["kl_recovery_low"],
+               "restore_recovery_high": step["kl_recovery_high"], "restore_nll_recovery_pct": step["nll_recovery_pct"],
+               "restore_nll_recovery_low": step["nll_recovery_low"],
+               "restore_nll_recovery_high": step["nll_recovery_high"], "restore_mib": step["mib"]}
+              for i, step in enumerate(alone)]
+    delta = seen.nll - seen.base_nll
+    return {"variant": seen.name, "method": seen.method, "windows": len(seen.windows), "window_indices": seen.windows,
+            "tokens": int(seen.window_tokens.sum()), "delta_nll": float(delta.mean()),
+            "delta_ppl_pct": float(100 * np.expm1(delta.mean())), "kl": float(seen.kl.mean()),
+            "head": {"kl": seen.errors.head_kl, "top1": seen.errors.head_top1},
+            "embeddings": {"sqnr_db": float(seen.errors.embeddings.sqnr_db()[0]),
+                           "rel_error": float(seen.errors.embeddings.relative_error()[0])},
+            "layers": layers, "ranking": sorted(range(len(alone)), key=lambda i: _gain(alone[i]), reverse=True),
+            "restore_curve": curve, "where": seen.where, "seconds": seconds}

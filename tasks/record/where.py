@@ -1,0 +1,103 @@
+"""Where in the text a variant loses against its baseline: its change in NLL and its KL divergence by the
+token's position in its window, by how sure the baseline was and by whether the baseline was right, and the
+tokens it diverges on most. Plain numpy on paired per-token arrays: an audit's record and ``diagnose`` both
+call ``where_figures``.
+
+Each group's figures are means over its tokens with a 95% interval whose error is taken over windows, as every
+interval of an audit is (``tasks.engine.paired.cluster_mean``): the tokens of one window are correlated, and an
+interval that took them as independent would be too narrow to tell a group's difference from noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tasks.engine.paired import cluster_mean
+
+POSITION_BINS = 8  # equal bins of the window, from its first position to its last
+CONFIDENCE_EDGES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)  # of the baseline's top-1 probability; the last bin holds 1
+TOP_TOKENS = 20  # the tokens of largest KL listed
+INTERVAL = "95%, Student's t with the error taken over windows (tokens of a window are not independent)"
+
+
+def position_edges(window: int) -> np.ndarray:
+    """The edges of the ``POSITION_BINS`` bins of positions ``[0, window)``, whole numbers; bin i holds
+    ``edges[i] <= position < edges[i + 1]``."""
+    return np.unique(np.linspace(0, window, POSITION_BINS + 1).round().astype(np.int64))
+
+
+def _mean(values: np.ndarray, windows: np.ndarray, name: str) -> dict[str, float | None]:
+    """``name``, ``name_low``, ``name_high``: the mean of ``values`` and its 95% interval over the windows
+    ``windows`` (each value's, ascending) (None where there are no values, or too few windows for an interval)."""
+    if not len(values):
+        return {name: None, f"{name}_low": None, f"{name}_high": None}
+    _, counts = np.unique(windows, return_counts=True)
+    found = cluster_mean(values, counts)
+    return {name: float(found.value)} | {f"{name}_{end}": float(bound) if math.isfinite(bound) else None
+                                         for end, bound in (("low", found.low), ("high", found.high))}
+
+
+def _figures(figures: dict[str, np.ndarray], windows: np.ndarray, chosen: np.ndarray) -> dict:
+    """How many tokens ``chosen`` (a mask) holds, and each figure's mean over them with its interval."""
+    row = {"tokens": int(chosen.sum())}
+    for name, values in figures.items():
+        row |= _mean(values[chosen], windows[chosen], name)
+    return row
+
+
+def _binned(figures: dict[str, np.ndarray], windows: np.ndarray, values: np.ndarray, edges: np.ndarray) -> list[dict]:
+    """A row per bin of ``values`` (``low <= value < high``, the last bin closed at its top): its bounds and
+    its figures."""
+    bins = np.clip(np.searchsorted(edges, values, side="right") - 1, 0, len(edges) - 2)
+    return [{"low": edges[i].item(), "high": edges[i + 1].item()} | _figures(figures, windows, bins == i)
+            for i in range(len(edges) - 1)]
+
+
+def _top_tokens(extra: dict[str, np.ndarray], delta: np.ndarray, positions: np.ndarray, windows: np.ndarray,
+                targets: np.ndarray) -> list[dict]:
+    """The ``TOP_TOKENS`` tokens of largest KL, largest first (the earlier token first among equals)."""
+    order = np.argsort(-extra["kl"], kind="stable")[:TOP_TOKENS]
+    return [{"token": int(i), "window": int(windows[i]), "position": int(positions[i]), "kl": float(extra["kl"][i]),
+             "delta_nll": float(delta[i]), "target": int(targets[i]), "base_top": int(extra["base_top"][i]),
+             "top": int(extra["top"][i])} for i in order]
+
+
+def where_figures(base_nll: np.ndarray, nll: np.ndarray, extra: dict[str, np.ndarray], positions: np.ndarray,
+                  windows: np.ndarray, targets: np.ndarray, window: int) -> dict:
+    """Where a variant loses against its baseline, over the same scored tokens.
+
+    Args:
+        base_nll, nll: ``[n]`` the baseline's and the variant's NLL of each token.
+        extra: the variant's per-token divergence (``kl``, ``base_top_p``, ``base_right``, ``base_top``, ``top``:
+            ``tasks.engine.perplexity.token_stats``), aligned with ``nll``; without ``kl`` (divergence off) the
+            figures are ΔNLL by position only.
+        positions: ``[n]`` each token's position in its window (``tasks.engine.perplexity.scored_positions``).
+        windows: ``[n]`` the plan's index of each token's window, ascending (the token arrays' order).
+        targets: ``[n]`` each token's id.
+        window: the window's length, whose positions are binned.
+
+    Returns:
+        Plain data: ``tokens``, ``interval`` (how the intervals are taken), ``all`` (every token's figures),
+        ``by_position`` (a row per bin of ``position_edges``) and with KL also ``by_confidence`` (a row per bin
+        of ``CONFIDENCE_EDGES`` of the baseline's top-1 probability), ``by_baseline`` (``right`` and ``wrong``)
+        and ``top_kl`` (``TOP_TOKENS`` rows: ``token`` (its place in the token arrays), ``window``,
+        ``position``, ``kl``, ``delta_nll``, ``target``, ``base_top``, ``top``). A row's figures are ``tokens``,
+        ``delta_nll`` (mean variant NLL less the baseline's) and with KL ``kl``, each with ``_low``/``_high``.
+    """
+    delta = np.asarray(nll, np.float64) - np.asarray(base_nll, np.float64)
+    figures = {"delta_nll": delta}
+    if "kl" in extra:
+        figures["kl"] = np.asarray(extra["kl"], np.float64)
+    every = np.ones(len(delta), bool)
+    windows = np.asarray(windows)
+    found = {"tokens": len(delta), "interval": INTERVAL, "all": _figures(figures, windows, every),
+             "by_position": _binned(figures, windows, positions, position_edges(window))}
+    if "kl" in extra:
+        right = np.asarray(extra["base_right"], bool)
+        found |= {"by_confidence": _binned(figures, windows, extra["base_top_p"], np.asarray(CONFIDENCE_EDGES)),
+                  "by_baseline": [{"baseline": "right"} | _figures(figures, windows, right),
+                                  {"baseline": "wrong"} | _figures(figures, windows, ~right)],
+                  "top_kl": _top_tokens(extra, delta, positions, windows, targets)}
+    return found
