@@ -73,7 +73,7 @@ def layers_chart(found: dict) -> Figure:
     axis.set_xlabel("decoder layer", fontsize=TEXT)
     axis.set_ylabel("SQNR (dB; higher is closer to the baseline)", fontsize=TEXT)
     handles = axis.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    axis.legend(handles=handles, fontsize=SMALL, loc="upper right")
+    figure.legend(handles=handles, fontsize=SMALL, loc="outside lower center", ncols=3)  # off the bars
     figure.suptitle(f"{found['variant']}: where in the model it loses (worst first: {found['ranking'][:WORST]})",
                     fontsize=TITLE)
     return figure
@@ -89,9 +89,10 @@ def curve_chart(found: dict) -> Figure:
     for count, step in zip(counts, steps):
         axis.annotate(f"+{step['mib']:.1f} MiB" if count else "as quantized", (count, step["kl"]),
                       textcoords="offset points", xytext=(4, 6), fontsize=SMALL)
+    added = [""] + [f"+ layer {(set(b['restored']) - set(a['restored'])).pop()}" for a, b in zip(steps, steps[1:])]
     twin = axis.twinx()
     twin.plot(counts, [step["delta_nll"] for step in steps], "s--", color=COLOURS["baseline"], label="ΔNLL")
-    axis.set_xticks(counts)
+    axis.set_xticks(counts, labels=[f"{count}\n{label}" for count, label in zip(counts, added)])
     axis.set_xlabel("decoder layers restored (greedy: each the one that wins back most beside those before)",
                     fontsize=TEXT)
     axis.set_ylabel("mean KL", fontsize=TEXT)
