@@ -86,6 +86,7 @@ def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoR
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     for signum in STOPPING:
         signal.signal(signum, _stop)
+    signal.signal(signal.SIGINT, _interrupt)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)  # processes it starts inherit its mask
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != supervisor:  # the supervisor died before the line above: no signal will come
@@ -168,6 +169,15 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     for stopping in STOPPING:
         signal.signal(stopping, _again)
     raise SystemExit(128 + signum)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """Python's own SIGINT handling (``KeyboardInterrupt``), but not lost inside a ``__del__``, where it would only
+    be printed and the command would go on until the supervisor kills it: raised a moment later instead."""
+    if _finalizing(frame):
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
+    raise KeyboardInterrupt
 
 
 def _finalizing(frame: FrameType | None) -> bool:

@@ -397,10 +397,11 @@ def test_serve_and_ui_stopped_by_their_group_end_at_once(command, config, tmp_pa
     ui.assert_all_gone(ui_port)
 
 
-def supervised_then_stopped(tmp_path, main: str, within: float) -> tuple[int, int, list, str, float]:
+def supervised_then_stopped(tmp_path, main: str, within: float, signum: signal.Signals = signal.SIGTERM
+                            ) -> tuple[int, int, list, str, float]:
     """Run ``main`` (the source of a function ``main`` that starts a process, prints ``started``, then sleeps)
-    under ``lifetime.run``, and SIGTERM its group: ``(exit code, processes it started, those still alive,
-    its stderr, seconds it took to end)``; whatever is left is killed."""
+    under ``lifetime.run``, and send ``signum`` to its group: ``(exit code, processes it started, those still
+    alive, its stderr, seconds it took to end)``; whatever is left is killed."""
     program = tmp_path / "program.py"
     program.write_text("import atexit, signal, subprocess, sys, time\nfrom flows import lifetime\n\n"
                        + textwrap.dedent(main) + "\nlifetime.run(main, lambda signum: f'killed after {signum.name}')\n")
@@ -409,7 +410,7 @@ def supervised_then_stopped(tmp_path, main: str, within: float) -> tuple[int, in
     assert process.stdout.readline() == "started\n"
     started = alive(process.children(recursive=True))
     signalled = time.monotonic()
-    os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, signum)
     try:
         code = process.wait(timeout=within)
     finally:
@@ -434,6 +435,29 @@ def test_a_child_that_does_not_stop_is_killed_with_everything_it_started(tmp_pat
     assert started == 2 and code == 128 + signal.SIGTERM and not left, (started, code, left)
     assert stderr == "killed after SIGTERM\n"
     assert took < STOP_S
+
+
+def test_a_ctrl_c_that_lands_inside_a_del_still_stops_the_command_at_once(tmp_path):
+    """Python only prints an exception raised inside a ``__del__``: a Ctrl-C that landed there was lost, and the
+    command went on (a ``ppl`` finished and said 0; a reference build published its reference) until the
+    supervisor killed it. It is raised again a moment later, outside the ``__del__``."""
+    code, _, _, stderr, took = supervised_then_stopped(tmp_path, """
+        class Slow:
+            def __del__(self):
+                print("started", flush=True)  # the test signals now: the signal lands inside this __del__
+                time.sleep(1)
+
+        def main():
+            try:
+                Slow()
+                while True:
+                    time.sleep(0.1)
+            except KeyboardInterrupt:
+                print("interrupted", file=sys.stderr, flush=True)
+                return 128 + signal.SIGINT
+    """, STOP_S, signal.SIGINT)
+    assert code == 128 + signal.SIGINT and "interrupted" in stderr and "killed after" not in stderr, stderr
+    assert took < 2
 
 
 def test_a_child_whose_cleanup_outlasts_the_grace_is_killed_without_a_second_line(tmp_path):
