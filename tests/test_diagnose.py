@@ -307,8 +307,9 @@ def test_a_gguf_variant_is_diagnosed_and_costed_from_its_file(cache, tmp_path):
 def test_a_diagnosis_on_dask_workers_gives_the_figures_of_one_made_here(tmp_path, cache, deep_dirs, corpus_path):
     """The restore evaluations go to the audit's runner, each worker with its share of the layer sets and the models
     loaded once; the figures are those the same diagnosis gives here."""
-    from flows.diagnose import diagnose
     from helpers import write_config
+
+    from flows.diagnose import diagnose
 
     config = write_config(tmp_path / "k.yaml", deep_dirs["deep"], corpus_path,
                           [{"name": "one", "path": str(deep_dirs["fault-2"])}], tracking={"experiment": "diagnose-dask"})
