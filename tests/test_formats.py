@@ -55,6 +55,22 @@ def test_the_embedded_gguf_file_scores_as_the_model_dequantized_from_it(embedded
     assert outcome.result.extra["kl"].max() < 1e-6  # the same distribution at every token
 
 
+def test_a_gguf_file_loads_as_transformers_loads_it_to_the_bit():
+    """Our GGUF loader (the file parsed once, gguf-py's name map made once) against transformers' own: the same
+    tensors under the same names, the tied head still tied."""
+    from transformers import AutoModelForCausalLM
+
+    from tasks.models.loading import load_model
+
+    path = embedded_gguf()
+    ours = load_model(str(path), torch.float32, torch.device("cpu"))
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    mine, want = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == want.keys()
+    assert all(torch.equal(mine[key], want[key]) for key in want)
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+
+
 def test_a_requantized_gguf_scores_as_its_dequantized_weights(embedded_audit, tmp_path):
     """Q8_0 written by gguf-py from the Q4_1 file's values; the expected model applies the same Q8_0
     round trip to the embedded float model's matrices (blocks run along rows, which llama.cpp's Q/K row

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tasks.core.errors import InputError, TransientError, is_network_error, one_line
-from tasks.models.gguf import check_gguf
+from tasks.models.gguf import check_gguf, gguf_state_dict
 from tasks.models.resolve import from_pretrained_args, load_config, resolve_model_path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -126,12 +126,17 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
     from transformers import AutoModelForCausalLM
 
     source, extra = from_pretrained_args(resolve_model_path(name))
-    if "gguf_file" in extra:  # checked before transformers builds the whole model for it
-        check_gguf(Path(source) / extra["gguf_file"])
-        extra["config"] = load_config(name)  # parsed once: from_pretrained would parse the file for it again
+    loader = AutoModelForCausalLM
+    if "gguf_file" in extra:  # checked before the model is built for it
+        gguf = Path(source) / extra.pop("gguf_file")
+        check_gguf(gguf)
+        extra["config"] = load_config(name)  # parsed once per process
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(extra["config"])
+        loader, source, extra["state_dict"] = type(skeleton), None, gguf_state_dict(gguf, skeleton, dtype)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
-                                                           **({"device_map": str(device)} | extra | from_pretrained))
+        model, info = loader.from_pretrained(source, dtype=dtype, output_loading_info=True,
+                                             **({"device_map": str(device)} | extra | from_pretrained))
     except (OSError, ValueError) as error:
         if is_network_error(error):
             raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
