@@ -91,7 +91,11 @@ def curve_chart(found: dict) -> Figure:
                       textcoords="offset points", xytext=(4, 6), fontsize=SMALL)
     added = [""] + [f"+ layer {(set(b['restored']) - set(a['restored'])).pop()}" for a, b in zip(steps, steps[1:])]
     twin = axis.twinx()
-    twin.plot(counts, [step["delta_nll"] for step in steps], "s--", color=COLOURS["baseline"], label="ΔNLL")
+    deltas = [step["delta_nll"] for step in steps]
+    twin.plot(counts, deltas, "s--", color=COLOURS["baseline"], label="ΔNLL")
+    # both from zero: a curve drawn from its own minimum makes a tenth of a nat look like the whole loss
+    axis.set_ylim(0, 1.1 * max(step["kl"] for step in steps) or 1.0)
+    twin.set_ylim(1.1 * min(0.0, *deltas), 1.1 * max(0.0, *deltas) or 1.0)
     axis.set_xticks(counts, labels=[f"{count}\n{label}" for count, label in zip(counts, added)])
     axis.set_xlabel("decoder layers restored (greedy: each the one that wins back most beside those before)",
                     fontsize=TEXT)
