@@ -3,7 +3,7 @@
 bitsandbytes (LLM.int8, NF4) and torchao (int8 weight-only) quantize at load through transformers, HQQ
 through its own API right after loading; GPTQ and AWQ checkpoints load through transformers with
 gptqmodel's kernels (optimum for GPTQ), compressed-tensors checkpoints with the compressed-tensors
-package, GGUF files dequantized by transformers' GGUF loader. The same code path runs on CUDA.
+package, GGUF files dequantized from gguf-py's reader of the file (``tasks.models.gguf``). The same code path runs on CUDA.
 """
 
 from __future__ import annotations
