@@ -29,7 +29,8 @@ from tasks.engine.paired import CONFIDENCE
 from tasks.engine.perplexity import Baseline, WindowScores, score_windows, token_slots
 from tasks.engine.sequential import window_order
 from tasks.engine.windows import Window, plan
-from tasks.models.variants import check_same_tokenizer, decoder_layer_bytes, load_variant, weight_bytes
+from tasks.models.cost import decoder_layer_bytes, weight_bytes
+from tasks.models.variants import check_same_tokenizer, load_variant
 
 # The greedy search tries, at each step, the layers among the CANDIDATES that won back most alone not chosen yet:
 # a layer that wins back little alone rarely wins back much beside others, and trying every layer at every step

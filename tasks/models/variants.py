@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from tasks.config import QUANTIZED_AT_LOAD, VariantSpec
+from tasks.config import VariantSpec
 from tasks.core.errors import InputError
 from tasks.core.versions import versions
-from tasks.engine.layers import decoder_layers
+from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
-from tasks.models.gguf import gguf_reader
 from tasks.models.loading import WEIGHT_SUFFIXES, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
 from tasks.models.resolve import resolve_device, resolve_dtype
@@ -48,6 +45,10 @@ class VariantFacts:
     kernels: dict[str, str] = field(default_factory=dict)  # quantized layer -> the kernel class that runs it
     worker: str = ""  # where it was scored: a Dask worker's address, else host and process (tasks.audit.cluster)
     parity: dict = field(default_factory=dict)  # a split model's first windows against one device's (tasks.audit.scoring)
+    # bits per weight (tasks.models.cost): of the quantized layers as shipped, of the model where none is; of the
+    # whole model as loaded. NaN in a baseline reference stored before they were measured.
+    bits_per_weight: float = math.nan
+    model_bits_per_weight: float = math.nan
 
     def summary(self) -> dict:
         return asdict(self)
@@ -94,54 +95,6 @@ def layer_census(model) -> tuple[int, dict[str, str]]:
     return linear, kernels
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes a tensor holds, looking inside quantized tensor subclasses (torchao) at their parts."""
-    if hasattr(tensor, "__tensor_flatten__"):
-        names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
-    return tensor.numel() * tensor.element_size()
-
-
-def weight_bytes(model) -> int:
-    """Memory of a model's parameters and buffers as they are stored (quantized where they are), and of the
-    scales and zero points HQQ keeps beside its packed weights (in each layer's ``meta``)."""
-    held = list(model.parameters()) + list(model.buffers())
-    held += [t for module in model.modules() for t in getattr(module, "meta", {}).values() if torch.is_tensor(t)]
-    return sum(tensor_bytes(t) for t in held)
-
-
-# bytes per element of the dtypes a safetensors header names
-SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                     "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def decoder_layer_bytes(model, spec: VariantSpec, source: str) -> list[int]:
-    """Bytes each decoder layer's weights take as the model is shipped: for a checkpoint, in its files (a GGUF file
-    or a compressed-tensors folder is dequantized as it loads, so memory would not say); for a model quantized as it
-    loads, in memory."""
-    count = len(decoder_layers(model))
-    if spec.method in QUANTIZED_AT_LOAD or not Path(source).exists():
-        return [weight_bytes(layer) for layer in decoder_layers(model)]
-    sizes = Counter()
-    if source.endswith(".gguf"):
-        for tensor in gguf_reader(Path(source)).tensors:
-            if tensor.name.startswith("blk."):  # llama.cpp names a decoder layer's tensors blk.<layer>.<tensor>
-                sizes[int(tensor.name.split(".")[1])] += int(tensor.n_bytes)
-        return [sizes[i] for i in range(count)]
-    from safetensors import safe_open
-
-    for file in Path(source).glob("*.safetensors"):
-        with safe_open(str(file), "pt") as tensors:
-            for name in tensors.keys():
-                layer = re.search(r"\.layers\.(\d+)\.", name)
-                if layer:
-                    part = tensors.get_slice(name)
-                    sizes[int(layer[1])] += math.prod(part.get_shape()) * SAFETENSORS_BYTES[part.get_dtype()]
-    if not sizes:  # weights in another form (a .bin): as loaded
-        return [weight_bytes(layer) for layer in decoder_layers(model)]
-    return [sizes[i] for i in range(count)]
-
-
 def size_on_disk(path: str) -> int:
     folder = Path(path)
     if folder.is_file():  # a GGUF file
@@ -178,11 +131,13 @@ def load_variant(spec: VariantSpec, source: str):
     quantized, backend = len(kernels), ",".join(sorted(set(kernels.values()))) or "torch.nn.Linear"
     if spec.method not in ("baseline", "gguf") and quantized == 0:  # a GGUF file is dequantized as it loads
         raise InputError(f"variant '{spec.name}' ({spec.method}) loaded with no quantized layer; check its path")
+    whole = model_bits(model, list(kernels))
     facts = VariantFacts(
         method=spec.method, source=source, device=",".join(devices(model)) if split else str(device),
         dtype=str(dtype).removeprefix("torch."),
         load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(source),
-        weight_memory_bytes=weight_bytes(model), quantized_layers=quantized,
+        weight_memory_bytes=weight_bytes(model), bits_per_weight=quantized_bits(model, spec, source, list(kernels))
+        or whole, model_bits_per_weight=whole, quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
         quantization=describe(spec, source, model), kernels=kernels,
     )

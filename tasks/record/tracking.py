@@ -20,7 +20,8 @@ COMPLETE = "ppl_audit.complete"
 EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
-FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "quantized_layers")
+FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "bits_per_weight", "model_bits_per_weight",
+                "quantized_layers")
 COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib",
                        "windows", "scored_fraction")  # the windows the paired intervals rest on; how much was scored
 
@@ -169,7 +170,7 @@ def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
         if result.get(key) is not None:
             metrics.append(Metric(key, float(result[key]), timestamp, 0))
     for key in FACT_METRICS:
-        if key in facts:
+        if measured(facts.get(key)):
             metrics.append(Metric(key, float(facts[key]), timestamp, 0))
     for key, value in row.items():
         if key.startswith(COMPARISON_PREFIXES) and measured(value):
@@ -203,16 +204,18 @@ def description(record: dict) -> str:
     from tasks.record.plots import ppl_limit, verdict_of
     from tasks.record.report import delta_text, figure_text
 
-    lines = ["| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 | bpw |",
+             "|---|---|---|---|---|---|---|---|"]
     for entry in sorted(record["variants"], key=lambda entry: DESCRIPTION_ORDER[verdict_of(entry)]):
         row, status = entry["row"], verdict_of(entry)
         top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
         limit = ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
         scored = row.get("scored_fraction", 1.0)
         said = status.upper() + (f" at {100 * scored:.0f}%" if scored < 1 else "")  # a sequential run's stop
+        said += f", dominated by {row['dominated_by']}" if row.get("dominated_by") else ""
         lines.append(f"| {entry['name']} | {said} | {delta_text(row)} | "
                      f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
-                     f"{figure_text(row, 'kld_mean', '.4f')} | {top1} |")
+                     f"{figure_text(row, 'kld_mean', '.4f')} | {top1} | {figure_text(row, 'bits_per_weight', '.2f')} |")
     return "\n".join(lines)
 
 
