@@ -29,6 +29,7 @@ from tasks.record.contents import audit_record
 from tasks.record.results import VariantResult
 from tasks.record.spool import record_json
 from tasks.record.tracking import run_link
+from tasks.record.dominance import dominated_by
 from tasks.record.verdict import comparison_row, format_table, judge, overall
 from tasks.steps import prepare_models, read_corpus, spool_audit, tokenize_corpus, track
 
@@ -69,8 +70,13 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
     """Comparison rows, per-variant verdicts and the audit's verdict, as plain data."""
     rows = [comparison_row(baseline, baseline)] + [comparison_row(v, baseline) for v in variants]
     verdicts = [judge(row, config.thresholds) for row in rows[1:]]
+    dominated = dominated_by(variants)
+    for row in rows[1:]:
+        if row["variant"] in dominated:
+            row["dominated_by"] = dominated[row["variant"]]
     stopped = sum(row.get("scored_fraction", 1.0) < 1 for row in rows[1:])
-    verdict = overall(rows[0], verdicts, baseline.reference.get("drift"), stopped)
+    front = [name for name, by in dominated.items() if by is None] if len(dominated) > 1 else []
+    verdict = overall(rows[0], verdicts, baseline.reference.get("drift"), stopped, front)
     return {"name": config.name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
             "table": format_table(rows, {v.name: v for v in verdicts})}
 

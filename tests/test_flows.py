@@ -11,6 +11,7 @@ from helpers import write_config
 from flows.audit import audit, summary_of
 from flows.cli import main
 from tasks.core.errors import TransientError
+from tasks.record.verdict import FRONT
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -42,6 +43,11 @@ def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, 
     summary = summary_of(state)
     statuses = {v.name: v.status for v in summary["verdicts"]}
     assert statuses == {"noisy": "fail", "int8": "pass"}
+    # the noisy float model is 32 bits a weight and clearly worse than 8-bit LLM.int8: dominated
+    rows = {row["variant"]: row for row in summary["rows"]}
+    assert rows["noisy"]["bits_per_weight"] == 32 and 8 < rows["int8"]["bits_per_weight"] < 8.5
+    assert rows["noisy"]["dominated_by"] == "int8" and rows["int8"]["dominated_by"] is None
+    assert state.message.endswith(f"{FRONT}: int8") and "dominated by int8" in summary["table"]
 
 
 def test_a_failing_variant_is_isolated(tmp_path, cache, trained_model_dir, noisy_model_dir, corpus_path):

@@ -9,6 +9,7 @@ address. Every text from the record is escaped, so a path or a reason cannot inj
 from __future__ import annotations
 
 import base64
+import math
 from datetime import datetime
 from html import escape
 from pathlib import Path
@@ -67,8 +68,8 @@ def _verdict(record: dict) -> str:
 
 def _comparison(record: dict) -> str:
     """A row per model: its verdict (first, where a narrow viewer still shows it), PPL ± s.e., ΔPPL % with its
-    paired 95% interval, KLD, top-1 and the gate's limit (the figures as the run's description prints them),
-    then the verdict's reason across the table."""
+    paired 95% interval, KLD, top-1, the gate's limit and bits per weight (the figures as the run's description
+    prints them), then the verdict's reason across the table, with the variant that dominates it."""
     rows = []
     for entry in record["variants"]:
         row, verdict = entry["row"], plots.verdict_of(entry)
@@ -78,15 +79,17 @@ def _comparison(record: dict) -> str:
         cells = [figure_text(row, "ppl", ".4f") + error,
                  delta_text(row), figure_text(row, "kld_mean", ".4f"),
                  f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—",
-                 "—" if limit is None else f"≤ {limit:g}"]
+                 "—" if limit is None else f"≤ {limit:g}", figure_text(row, "bits_per_weight", ".2f")]
+        if row.get("dominated_by"):
+            reason = f"{reason}; dominated by {row['dominated_by']}"
         rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>'
                     f'<td>{escape(row.get("method") or entry["spec"]["method"])}</td>'
                     + "".join(f'<td class="n">{escape(c)}</td>' for c in cells) + "</tr>")
         if reason:  # under its model, across the table: a reason is too long for a column
-            rows.append(f'<tr><td class="reason" colspan="8">{escape(reason)}</td></tr>')
+            rows.append(f'<tr><td class="reason" colspan="9">{escape(reason)}</td></tr>')
     return ('<h2>Comparison with the baseline</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
             "<th>method</th><th>PPL ± s.e.</th><th>ΔPPL % [95% CI]</th><th>KLD</th><th>top-1</th>"
-            "<th>limit ΔPPL %</th></tr>" + "".join(rows) + "</table></div>")
+            "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + "</table></div>")
 
 
 def _charts(record: dict, folder: Path) -> str:
@@ -228,10 +231,19 @@ def _model_lineage(entry: dict) -> dict:
             "symmetric": spec["sym"] if spec["sym"] is not None else manifest.get("sym"),
             "dtype · device": f"{facts.get('dtype', spec['dtype'])} · {facts.get('device', spec['device'])}",
             "backend": facts.get("backend"), "size on disk": None if size is None else f"{size / 2**20:.1f} MiB",
+            "bits per weight": _bits_text(facts),
             "quantized from (digest)": manifest.get("source_model_digest"),
             "calibration": (f"{calibration.get('samples')} × {calibration.get('seq_len')} tokens, seed "
                             f"{calibration.get('seed')}") if calibration else None,
             "calibration digest": calibration.get("digest"), "baseline reference": _reference_text(entry)}
+
+
+def _bits_text(facts: dict) -> str | None:
+    """Bits per weight of the quantized layers as shipped and of the whole model as loaded (NaN: not measured)."""
+    layers, whole = facts.get("bits_per_weight"), facts.get("model_bits_per_weight")
+    if layers is None or not math.isfinite(layers):
+        return None
+    return f"{layers:.3f} (quantized layers, scales and zeros included); {whole:.3f} the whole model as loaded"
 
 
 def _format_text(found: dict) -> str | None:

@@ -11,6 +11,9 @@ from tasks.engine.perplexity import token_slots
 from tasks.record.results import VariantResult
 
 
+FRONT = "front of size against quality (bits per weight, ΔPPL and KLD)"
+
+
 @dataclass(frozen=True)
 class Verdict:
     name: str
@@ -26,7 +29,8 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
         row["method"] = facts.quantization.get("label", outcome.method)  # "gguf Q4_K_M", not a float model
         row.update(ppl=r.ppl, ppl_stderr=r.ppl_stderr, mean_nll=r.mean_nll, bits_per_byte=r.bits_per_byte,
                    n_tokens=r.n_tokens, tokens_per_second=r.tokens_per_second,
-                   weight_mib=facts.weight_memory_bytes / 2**20, load_seconds=facts.load_seconds,
+                   weight_mib=facts.weight_memory_bytes / 2**20, bits_per_weight=facts.bits_per_weight,
+                   model_bits_per_weight=facts.model_bits_per_weight, load_seconds=facts.load_seconds,
                    backend=facts.backend)
         if outcome is baseline:
             said = outcome.reference
@@ -138,12 +142,14 @@ def drift_text(drift: dict) -> str:
             f"(ΔPPL {drift['delta_ppl_pct']:+.4f}%) since reference {drift['reference']} ({changed})")
 
 
-def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = None, stopped: int = 0) -> Verdict:
+def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = None, stopped: int = 0,
+            front: list[str] | None = None) -> Verdict:
     """The audit's verdict: pass only when the baseline was scored and every variant passed. Environment
     drift of the baseline (``drift``) is said in the reason: the variants' verdicts still stand, as each
     was compared with the baseline in this environment, but the numbers differ from earlier audits'.
     ``stopped``: how many variants a sequential audit stopped early, said in a passing audit's reason (a failing
-    variant's own reason says it)."""
+    variant's own reason says it). ``front``: the variants no other dominates (``tasks.record.dominance``), named
+    last."""
     if baseline_row["status"] != "ok":
         return Verdict("audit", "error", f"baseline failed: {baseline_row['reason']}")
     bad = [v for v in verdicts if v.status != "pass"]
@@ -155,6 +161,8 @@ def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = No
         verdict = Verdict("audit", status, "; ".join(f"{v.name}: {v.reason}" for v in bad))
     if drift and drift["drift"]:
         verdict = Verdict("audit", verdict.status, f"{drift_text(drift)}; {verdict.reason}")
+    if front:
+        verdict = Verdict("audit", verdict.status, f"{verdict.reason}; {FRONT}: {', '.join(front)}")
     return verdict
 
 
@@ -173,13 +181,15 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
     wider where a figure needs it, so that no two figures ever run together. ``win``: the windows the paired
     interval rests on."""
     columns = [("variant", "<16"), ("method", "<16"), ("PPL", ">12"), ("± err", ">10"), ("ΔPPL % [95% CI]", ">24"),
-               ("win", ">6"), ("KLD", ">9"), ("top-1", ">8"), ("bits/B", ">8"), ("tok/s", ">8"), ("MiB", ">7")]
+               ("win", ">6"), ("KLD", ">9"), ("top-1", ">8"), ("bits/B", ">8"), ("tok/s", ">8"), ("bpw", ">7"), ("MiB", ">7")]
     body = []
     for row in rows:
         verdict = verdicts.get(row["variant"])
         said = f"{verdict.status}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
         if row.get("divergence_absent") and "KL divergence was not measured" not in said:
             said += f"; no KLD: {row['divergence_absent']}"  # a blank column says why
+        if row.get("dominated_by"):
+            said += f"; dominated by {row['dominated_by']}"
         cells = [row["variant"], row["method"]] + [""] * (len(columns) - 2)
         if row["status"] == "ok":
             delta = f"{row['delta_ppl_pct']:+z.2f}" if "delta_ppl_pct" in row else ""
@@ -189,7 +199,9 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
                          f"{row['kld_mean']:z.4f}" if "kld_mean" in row else "",
                          f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "",
                          f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "",
-                         f"{row['tokens_per_second']:.0f}", f"{row['weight_mib']:.0f}"]
+                         f"{row['tokens_per_second']:.0f}",
+                         f"{row['bits_per_weight']:.2f}" if math.isfinite(row.get("bits_per_weight", math.nan)) else "",
+                         f"{row['weight_mib']:.0f}"]
         else:
             cells[2] = "—"
         body.append((cells, said))
