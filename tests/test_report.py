@@ -58,8 +58,8 @@ def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audite
     assert not re.search(r"""((src|href)\s*=\s*["']?|url\(\s*["']?)\s*(https?:|//)|@import""", report, re.IGNORECASE)
     assert "<script" not in report.lower() and "<link" not in report.lower()
     images = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)"', report)
-    assert [name for name, _ in images] == ["delta_ppl_pct.png", "ppl_by_model.png", "token_kld_histogram.png",
-                                            "window_delta_nll.png"]  # the ΔPPL chart first
+    assert [name for name, _ in images] == ["delta_ppl_pct.png", "ppl_by_model.png", "size_quality.png",
+                                            "token_kld_histogram.png", "window_delta_nll.png"]  # the ΔPPL chart first
     assert all(Image.open(io.BytesIO(base64.b64decode(data))).size[0] >= 1200 for _, data in images)
     assert re.search(r'<h1>Audit reported <span class="badge fail">FAIL</span></h1>', report)
     children = {r.data.tags["ppl_audit.variant"]: r for r in client.search_runs(
@@ -72,6 +72,10 @@ def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audite
             assert (f"{metrics['delta_ppl_pct']:+z.2f} [{metrics['delta_ppl_pct_low']:+z.2f}, "
                     f"{metrics['delta_ppl_pct_high']:+z.2f}]") in row
     assert "≤ 1</td>" in re.search(r'<tr class="model"><th>noisy</th>.*?</tr>', report).group(0)  # its own limit, not the 5%
+    # what each costs: the float noisy model (32 bits a weight) is larger than int8 and worse beyond noise
+    assert '<td class="n">32.00</td></tr>' in re.search(r'<tr class="model"><th>noisy</th>.*?</tr>', report).group(0)
+    assert re.search(r'<tr class="model"><th>noisy</th>.*?</tr><tr><td class="reason" colspan="9">[^<]*; dominated by '
+                     r'int8</td>', report)
     # settings and lineage: what was scored, how, and from what
     assert record["corpus"]["digest"] in report and record["audit_id"] in report
     assert record["environment"]["versions"]["torch"] in report
@@ -88,9 +92,9 @@ def test_the_run_description_shows_each_verdict_before_show_more(audited):
     rows = re.findall(r"<tr>(.*?)</tr>", page, re.DOTALL)
     cells = [re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.DOTALL) for row in rows]
     # the header and four rows are what MLflow 3.17 shows unfolded: failures first, the baseline last
-    assert [c[:2] for c in cells] == [["model", "verdict"], ["missing", "ERROR"], ["noisy", "FAIL"], ["int8", "PASS"],
-                                      ["baseline", "BASELINE"]]
-    assert all(len(c) == 7 for c in cells)
+    assert [c[:2] for c in cells] == [["model", "verdict"], ["missing", "ERROR"], ["noisy", "FAIL, dominated by int8"],
+                                      ["int8", "PASS"], ["baseline", "BASELINE"]]
+    assert all(len(c) == 8 for c in cells) and [c[-1] for c in cells] == ["bpw", "—", "32.00", cells[3][-1], "32.00"]
     # the reason (with the hostile folder name) is the audit.reason tag's, not markup here
     assert "<b>" not in page and "<em>" not in page and "missing: " in parent.data.tags["audit.reason"]
 
@@ -185,3 +189,18 @@ def test_a_record_from_before_where_was_kept_still_replays(audited, tmp_path):
     assert "Where in the text" not in report_of(client, parent, tmp_path)
     for run in children_of(client, parent).values():
         assert not {"where.json", "where.png"} & {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_the_size_chart_puts_each_costed_variant_at_its_bits_hollow_where_dominated(audited):
+    from tasks.record.plots import COLOURS, size_quality_chart
+
+    _, _, record, _ = audited
+    rows = {v["name"]: v["row"] for v in record["variants"]}
+    for axis, key in zip(size_quality_chart(record).axes, ("delta_ppl_pct", "kld_mean")):
+        labels = {f"{n} ({rows[n]['weight_mib']:.0f} MiB)" for n in ("int8", "noisy")}  # missing was not scored
+        assert {t.get_text() for t in axis.texts} == labels
+        points = {(round(line.get_xdata()[0], 6), round(line.get_ydata()[0], 6)): line for line in axis.lines
+                  if line.get_marker() == "o"}
+        for name, face in (("int8", COLOURS["pass"]), ("noisy", "white")):  # noisy is dominated by int8
+            point = points[(round(rows[name]["bits_per_weight"], 6), round(rows[name][key], 6))]
+            assert to_rgb(point.get_markerfacecolor()) == to_rgb(face)

@@ -1,7 +1,8 @@
 """Pictures of an audit, for MLflow and the HTML report, in one colour scheme: a model's colour is its verdict.
 
 First the chart a reviewer needs: ΔPPL % per variant with its paired 95% interval against the variant's own
-gate limit; then PPL per model on a zero-based axis, ΔNLL per window and per-token KL divergence. Each variant's
+gate limit; then PPL per model on a zero-based axis, size against quality (ΔPPL and KL against bits per
+weight, the front drawn), ΔNLL per window and per-token KL divergence. Each variant's
 own run has where in the text it loses (``where_chart``).
 
 Figures are ``matplotlib.figure.Figure`` objects made without pyplot, so no backend is chosen for the whole
@@ -54,9 +55,12 @@ def charts(record: dict, folder: Path) -> dict[str, Figure]:
         record: the audit's record (``tasks.record.contents.audit_record``).
         folder: the record's folder, which holds the per-token Parquet files.
     """
-    return {"delta_ppl_pct.png": delta_ppl_chart(record), "ppl_by_model.png": ppl_chart(record),
-            "token_kld_histogram.png": kld_histogram(record, folder),
-            "window_delta_nll.png": delta_nll_per_window(record, folder)}
+    found = {"delta_ppl_pct.png": delta_ppl_chart(record), "ppl_by_model.png": ppl_chart(record)}
+    if any(measured(v["row"].get("bits_per_weight")) and measured(v["row"].get("delta_ppl_pct"))
+           for v in record["variants"] if v["role"] == "variant"):
+        found["size_quality.png"] = size_quality_chart(record)
+    return found | {"token_kld_histogram.png": kld_histogram(record, folder),
+                    "window_delta_nll.png": delta_nll_per_window(record, folder)}
 
 
 def png(figure: Figure) -> bytes:
@@ -105,6 +109,43 @@ def delta_ppl_chart(record: dict) -> Figure:
     axis.set_xlim(low, high)
     axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
     return _titled(figure, f"{record['name']}: ΔPPL % per variant · {record['verdict']['status'].upper()}", handles)
+
+
+def size_quality_chart(record: dict) -> Figure:
+    """What each variant costs against what it loses: ΔPPL % (whiskers: its paired 95% interval) and mean KL
+    against bits per weight, a point per variant coloured by its verdict and named with its MiB in memory; a
+    dominated variant hollow, the front (``tasks.record.dominance``) joined by a line. Returns the figure."""
+    variants = [v for v in record["variants"] if v["role"] == "variant" and measured(v["row"].get("bits_per_weight"))
+                and measured(v["row"].get("delta_ppl_pct"))]
+    figure = Figure(figsize=(WIDTH, 5.2), dpi=DPI, layout="constrained")
+    axes = figure.subplots(1, 2)
+    for axis, key, label in ((axes[0], "delta_ppl_pct", "ΔPPL % against the baseline (paired 95% interval)"),
+                             (axes[1], "kld_mean", "mean KL(baseline ‖ variant), nats per token")):
+        shown = [v for v in variants if measured(v["row"].get(key))]
+        front = sorted((v for v in shown if not v["row"].get("dominated_by")),
+                       key=lambda v: v["row"]["bits_per_weight"])
+        if len(front) > 1:
+            axis.plot([v["row"]["bits_per_weight"] for v in front], [v["row"][key] for v in front], color="#757575",
+                      linewidth=1.2, zorder=1)
+        for entry in shown:
+            row, colour = entry["row"], COLOURS[verdict_of(entry)]
+            x, y = row["bits_per_weight"], row[key]
+            low, high = row.get(f"{key}_low", y), row.get(f"{key}_high", y)
+            axis.errorbar(x, y, yerr=[[y - low], [high - y]], fmt="o", markersize=9, capsize=5, color=colour,
+                          markerfacecolor="white" if row.get("dominated_by") else colour, markeredgewidth=2, zorder=3)
+            axis.annotate(f"{entry['name']} ({row['weight_mib']:.0f} MiB)", (x, y), textcoords="offset points",
+                          xytext=(7, 5), fontsize=SMALL, annotation_clip=False)
+        axis.axhline(0, color="black", linewidth=0.8)
+        axis.set_xlabel("bits per weight of the quantized layers (scales and zeros included)", fontsize=TEXT)
+        axis.set_ylabel(label, fontsize=TEXT)
+        axis.grid(color="#e0e0e0", zorder=0)
+        axis.tick_params(labelsize=SMALL)
+        axis.margins(x=0.25, y=0.15)
+    handles = _verdict_handles(variants) + [
+        Line2D([], [], color="#757575", linewidth=1.2, label="front: no smaller variant is better beyond noise"),
+        Line2D([], [], color="black", marker="o", markerfacecolor="white", linestyle="none", markersize=9,
+               label="dominated (larger and worse than another)")]
+    return _titled(figure, f"{record['name']}: size against quality · {record['verdict']['status'].upper()}", handles)
 
 
 def _draw_limit(axis, y: int, limit: float | None, high: float, shown: set) -> str:
