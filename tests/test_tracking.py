@@ -99,12 +99,15 @@ def check_record(client: MlflowClient, parent) -> dict:
     assert parent.data.tags["mlflow.runColor"] == COLOURS["error"]
     note = parent.data.tags["mlflow.note.content"].splitlines()
     # the table first (MLflow shows the header and four rows before "Show more"), what needs a reviewer on top
-    assert note[0] == "| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 |"
+    assert note[0] == "| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 | bpw |"
     assert [line.split(" | ")[0] for line in note[2:6]] == ["| missing", "| int8", "| nf4", "| baseline"]
-    assert note[2] == "| missing | ERROR | — | ≤ 5 | — | — | — |" and note[5].startswith("| baseline | BASELINE | — | — |")
+    assert note[2] == "| missing | ERROR | — | ≤ 5 | — | — | — | — |"
+    assert note[5].startswith("| baseline | BASELINE | — | — |")
+    assert note[5].endswith("| 32.00 |")  # the float baseline: its dtype's bits
     for name in ("int8", "nf4"):
         row = next(line for line in note if line.startswith(f"| {name} |"))
         assert row.startswith(f"| {name} | PASS | {runs[name].data.metrics['delta_ppl_pct']:+z.2f} [") and "| ≤ 5 |" in row
+        assert row.endswith(f"| {runs[name].data.metrics['bits_per_weight']:.2f} |")
         assert parent.data.metrics[f"{name}.delta_ppl_pct"] == runs[name].data.metrics["delta_ppl_pct"]
         assert parent.data.metrics[f"{name}.kld_mean"] == runs[name].data.metrics["kld_mean"]
     assert len(note) == 6 and parent.data.tags["audit.reason"].startswith("missing: ")  # MLflow shows six lines unfolded
