@@ -56,8 +56,7 @@ def charts(record: dict, folder: Path) -> dict[str, Figure]:
         folder: the record's folder, which holds the per-token Parquet files.
     """
     found = {"delta_ppl_pct.png": delta_ppl_chart(record), "ppl_by_model.png": ppl_chart(record)}
-    if any(measured(v["row"].get("bits_per_weight")) and measured(v["row"].get("delta_ppl_pct"))
-           for v in record["variants"] if v["role"] == "variant"):
+    if _costed(record):
         found["size_quality.png"] = size_quality_chart(record)
     return found | {"token_kld_histogram.png": kld_histogram(record, folder),
                     "window_delta_nll.png": delta_nll_per_window(record, folder)}
@@ -115,8 +114,7 @@ def size_quality_chart(record: dict) -> Figure:
     """What each variant costs against what it loses: ΔPPL % (whiskers: its paired 95% interval) and mean KL
     against bits per weight, a point per variant coloured by its verdict and named with its MiB in memory; a
     dominated variant hollow, the front (``tasks.record.dominance``) joined by a line. Returns the figure."""
-    variants = [v for v in record["variants"] if v["role"] == "variant" and measured(v["row"].get("bits_per_weight"))
-                and measured(v["row"].get("delta_ppl_pct"))]
+    variants = _costed(record)
     figure = Figure(figsize=(WIDTH, 5.2), dpi=DPI, layout="constrained")
     axes = figure.subplots(1, 2)
     for axis, key, label in ((axes[0], "delta_ppl_pct", "ΔPPL % against the baseline (paired 95% interval)"),
@@ -146,6 +144,12 @@ def size_quality_chart(record: dict) -> Figure:
         Line2D([], [], color="black", marker="o", markerfacecolor="white", linestyle="none", markersize=9,
                label="dominated (larger and worse than another)")]
     return _titled(figure, f"{record['name']}: size against quality · {record['verdict']['status'].upper()}", handles)
+
+
+def _costed(record: dict) -> list[dict]:
+    """The variants with both a cost (bits per weight) and a ΔPPL: the points of ``size_quality_chart``."""
+    return [v for v in record["variants"] if v["role"] == "variant" and measured(v["row"].get("bits_per_weight"))
+            and measured(v["row"].get("delta_ppl_pct"))]
 
 
 def _draw_limit(axis, y: int, limit: float | None, high: float, shown: set) -> str:

@@ -9,7 +9,6 @@ address. Every text from the record is escaped, so a path or a reason cannot inj
 from __future__ import annotations
 
 import base64
-import math
 from datetime import datetime
 from html import escape
 from pathlib import Path
@@ -241,7 +240,7 @@ def _model_lineage(entry: dict) -> dict:
 def _bits_text(facts: dict) -> str | None:
     """Bits per weight of the quantized layers as shipped and of the whole model as loaded (NaN: not measured)."""
     layers, whole = facts.get("bits_per_weight"), facts.get("model_bits_per_weight")
-    if layers is None or not math.isfinite(layers):
+    if not plots.measured(layers):
         return None
     return f"{layers:.3f} (quantized layers, scales and zeros included); {whole:.3f} the whole model as loaded"
 
