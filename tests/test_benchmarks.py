@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_peer_benchmark_runs_and_agrees(tiny_model_dir, text, tmp_path):
     corpus = tmp_path / "corpus.txt"
@@ -39,6 +41,7 @@ def test_quantized_benchmark_loads_as_an_audit_does_and_agrees(trained_model_dir
     assert abs(rows[1]["ppl"] / rows[0]["ppl"] - 1) < 0.05 and all(row["tokens_per_second"] > 0 for row in rows)
 
 
+@pytest.mark.slow  # runs the benchmark
 def test_reference_benchmark_agrees_with_lockstep_at_one_forward_pass_a_batch(tiny_model_dir, text, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text)

@@ -113,6 +113,7 @@ def test_quantize_refuses_a_name_no_audit_could_use(capsys, tmp_path, tiny_model
     assert "name 'my variant' may hold only letters, digits" in err
 
 
+@pytest.mark.slow  # a CLI process each
 @pytest.mark.parametrize("text", ["我们今天去公园散步，天气很好。" * 120, "\0" * 5000], ids=["chinese", "nul-bytes"])
 def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir, tmp_path, text):
     """Few whitespace 'words' make exp(nll_sum / n_words) overflow a float: the figure is absent, not a crash."""

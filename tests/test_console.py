@@ -104,6 +104,7 @@ def test_gptqmodel_keeps_its_layer_logs_with_the_checkpoint_not_in_the_users_fol
     assert [log.name.split("_")[0] for log in (checkpoint / "quantize-logs").iterdir()] == ["gptq"]
 
 
+@pytest.mark.slow  # three CLI processes
 def test_ppl_output_is_the_figure_and_verbose_shows_the_libraries_live(tmp_path, tiny_model_dir, corpus_path):
     args = ("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_path), "--window", "64", "--max-tokens", "300")
     quiet = ppl_audit(tmp_path, *args, home=tmp_path / "home", cache=tmp_path / "cache")  # no stream tokenized yet

@@ -114,6 +114,7 @@ def test_under_rescore_never_a_damaged_reference_stops_the_baseline_in_one_line(
     assert [r.key for r in reference.stored()] == [clean[0].reference["key"]]  # kept, not rebuilt
 
 
+@pytest.mark.slow  # audits through the CLI
 def test_rescore_never_with_a_damaged_reference_exits_2_before_anything_starts(cli, tiny_model_dir, variant_dir, text,
                                                                                references, tmp_path):
     corpus = tmp_path / "corpus.txt"
@@ -153,6 +154,7 @@ def test_each_batch_checks_the_reference_against_its_own_nll(tiny_model_dir, var
         stored.baseline(str(tiny_model_dir), torch.device("cpu"))
 
 
+@pytest.mark.slow  # audits through the CLI
 def test_reference_verify_says_which_are_damaged(cli, tiny_model_dir, variant_dir, text, references, tmp_path):
     base, _ = audit(tiny_model_dir, variant_dir, text)
     intact = base.reference["key"]

@@ -286,6 +286,7 @@ def test_every_format_is_diagnosed_with_finite_figures(fmt, cache, trained_model
         assert found["embeddings"]["sqnr_db"] < SQNR_CAP_DB or found["head"]["kl"] > 0
 
 
+@pytest.mark.slow  # the embedded model's GGUF file
 def test_a_gguf_variant_is_diagnosed_and_costed_from_its_file(cache, tmp_path):
     from helpers import rewrite_gguf
 

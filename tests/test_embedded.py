@@ -29,6 +29,7 @@ def test_reflow_joins_wrapped_lines_and_keeps_paragraphs():
     assert reflow(["One line", "wrapped here.", "", "", "Next  ", "paragraph."]) == "One line wrapped here.\n\nNext paragraph."
 
 
+@pytest.mark.slow  # the embedded 135M model
 def test_embedded_model_gives_a_sane_perplexity_on_the_embedded_corpus(cli):
     code, out, err = cli("ppl", "--model", "embedded", "--corpus", "embedded", "--max-tokens", "3000",
                          "--batch-size", "4", "--json")
@@ -57,6 +58,7 @@ def embedded():
     return load_model("embedded", torch.float32, torch.device("cpu")), tokenizer, stream
 
 
+@pytest.mark.slow  # the embedded 135M model
 def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
     """`ppl` in float32 against our own float64 computation of the same windows (L=256, S=128)."""
     import torch
@@ -73,6 +75,7 @@ def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
     assert abs(result["ppl"] / math.exp(reference / count) - 1) < 1e-6
 
 
+@pytest.mark.slow  # the embedded 135M model
 def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
     """Plain NLL, NLL while the hidden states are kept (a reference being written) and NLL beside a
     baseline reference (KL being taken) are one computation."""
@@ -90,6 +93,7 @@ def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
     assert float(beside.extra["kl"].max()) < 1e-6 and beside.extra["top1"].all()
 
 
+@pytest.mark.slow  # the embedded 135M model
 def test_llama_cpp_mode_follows_the_model_s_add_bos_flag(cli, embedded):
     """SmolLM2 adds no BOS, so llama-perplexity scores its plain stream: so must `--mode llama.cpp`."""
     _, tokenizer, _ = embedded

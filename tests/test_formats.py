@@ -42,6 +42,7 @@ def score_gguf(embedded_audit, spec: VariantSpec):
                          baseline_outcome=embedded_audit["baseline"])
 
 
+@pytest.mark.slow  # the embedded model's GGUF file
 def test_the_embedded_gguf_file_scores_as_the_model_dequantized_from_it(embedded_audit):
     outcome = score_gguf(embedded_audit, VariantSpec(name="q4_1", method="gguf", path="embedded"))
     assert outcome.ok, outcome.reason
@@ -71,6 +72,7 @@ def test_a_gguf_file_loads_as_transformers_loads_it_to_the_bit():
     assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
 
 
+@pytest.mark.slow  # the embedded model's GGUF file
 def test_a_requantized_gguf_scores_as_its_dequantized_weights(embedded_audit, tmp_path):
     """Q8_0 written by gguf-py from the Q4_1 file's values; the expected model applies the same Q8_0
     round trip to the embedded float model's matrices (blocks run along rows, which llama.cpp's Q/K row
@@ -95,6 +97,7 @@ def test_a_requantized_gguf_scores_as_its_dequantized_weights(embedded_audit, tm
     assert outcome.result.ppl != embedded_audit["baseline"].result.ppl  # Q8_0 really moved the weights
 
 
+@pytest.mark.slow  # the embedded model's GGUF file
 def test_a_gguf_baseline_keeps_a_reference_and_gives_its_variants_kl(embedded_audit, tmp_path, monkeypatch):
     """llama.cpp's KLD workflow: GGUF against a GGUF baseline. The file is digested and its head read from its
     tensors (the tied token_embd.weight), so the reference is reused and KL is that against the same weights as
@@ -362,6 +365,7 @@ def test_an_audit_of_a_contradicted_compressed_checkpoint_stops_before_start(cli
     assert code == 2 and err.strip().splitlines() == [err.strip()] and "claims 3-bit weights" in err, err
 
 
+@pytest.mark.slow  # the embedded model's GGUF file
 def test_a_gguf_of_another_model_is_refused_before_start(cli, tmp_path, corpus_path):
     """The tokenizer refusal was right, but came after Prefect and MLflow had started (an ERROR run left behind)."""
     other = rewrite_gguf(embedded_gguf(), tmp_path / "other.gguf", tokens={1000: 1001, 1001: 1000})
@@ -395,6 +399,7 @@ def test_a_variant_whose_positions_are_below_the_window_is_refused_before_start(
                                         "use 32 or less", err
 
 
+@pytest.mark.slow  # the embedded model's GGUF file
 def test_a_gguf_file_is_parsed_once_for_its_config_tokenizer_and_facts_until_it_changes(tmp_path, monkeypatch):
     """Reading a GGUF file's config or tokenizer parses all of its metadata, every vocabulary string (~4 s for
     SmolLM2 here), and an audit asks for them again and again (lineup, preflight, loading, the reference's head)."""

@@ -174,6 +174,7 @@ def test_two_builds_of_the_same_reference_keep_one(tiny_model_dir, tokenizer, te
     assert [r.key for r in reference.stored()] == ["same"] and list((references / ".building").iterdir()) == []
 
 
+@pytest.mark.slow  # two audits at once
 def test_two_concurrent_audits_building_the_same_reference_both_succeed(tiny_model_dir, text, references, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text)
@@ -208,6 +209,7 @@ def test_drift_is_flagged_when_the_baseline_s_numbers_move_and_not_on_a_clean_re
     assert again.reference["baseline"] == "reused" and again.result.ppl == moved.result.ppl
 
 
+@pytest.mark.slow  # audits twice through the CLI
 def test_drift_reaches_the_audit_s_reason_and_its_mlflow_run(cli, tiny_model_dir, text, references, tmp_path):
     from mlflow import MlflowClient
 
@@ -234,6 +236,7 @@ def test_drift_reaches_the_audit_s_reason_and_its_mlflow_run(cli, tiny_model_dir
     assert "environment drift" in latest.data.tags["audit.reason"]
 
 
+@pytest.mark.slow  # five CLI processes
 def test_reference_commands_list_and_remove(cli, tiny_model_dir, tokenizer, text, references):
     model = load_model(str(tiny_model_dir), torch.float32, CPU)
     stream = tokenize(text, tokenizer, max_tokens=300)

@@ -165,6 +165,7 @@ def broken_model_dir(tmp_path_factory, trained_model_dir, tokenizer):
     return folder
 
 
+@pytest.mark.slow  # a whole sequential audit
 @pytest.mark.usefixtures("prefect_harness", "cache")
 def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one_to_the_end(
         tmp_path, trained_model_dir, noisy_model_dir, broken_model_dir, corpus_path):

@@ -126,6 +126,7 @@ def gated_syncs(folder: Path, count: int) -> tuple[list[subprocess.Popen], Path]
     return syncs, gate
 
 
+@pytest.mark.slow  # two sync processes at once
 def test_two_syncs_at_once_log_each_audit_once(tmp_path, home, audited):
     uri = fresh_store(tmp_path)
     ids = spool_copies(audited, 4, uri)
@@ -228,6 +229,7 @@ def run_in_process(tmp_path: Path, trained_model_dir: Path, corpus_path: Path, n
                                "PPL_AUDIT_CACHE": str(tmp_path / "cache")})
 
 
+@pytest.mark.slow  # an audit process each
 @pytest.mark.parametrize("failure", ["spool is a file", "file too large"])
 def test_an_audit_whose_record_cannot_be_written_prints_it_fails_and_leaves_nothing(
         tmp_path, home, prefect_harness, trained_model_dir, corpus_path, failure):
@@ -253,6 +255,7 @@ def test_an_audit_whose_record_cannot_be_written_prints_it_fails_and_leaves_noth
         assert list((home / "spool").iterdir()) == []
 
 
+@pytest.mark.slow  # kills an audit process
 def test_an_audit_killed_while_writing_its_record_leaves_no_pending_folder_and_sync_sweeps_it(
         tmp_path, home, prefect_harness, trained_model_dir, corpus_path, capsys):
     done = run_in_process(tmp_path, trained_model_dir, corpus_path, "killed", limit=LIMIT, on_limit="die")

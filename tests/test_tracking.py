@@ -120,6 +120,7 @@ def check_record(client: MlflowClient, parent) -> dict:
             for n, r in runs.items()}
 
 
+@pytest.mark.slow  # two whole audits
 def test_sqlite_store_holds_the_whole_audit_and_repeats_exactly(tmp_path, trained_model_dir, corpus_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = config_for(tmp_path, trained_model_dir, corpus_path, uri)
@@ -168,6 +169,7 @@ def server(tmp_path):
     running.stop()
 
 
+@pytest.mark.slow  # a real mlflow server, killed mid-audit
 def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trained_model_dir, corpus_path, monkeypatch):
     import tasks.record.plots
     config = config_for(tmp_path, trained_model_dir, corpus_path, server.uri)
@@ -238,6 +240,7 @@ def test_the_ui_opens_the_model_training_view_only_where_a_link_says_so():
     assert 'key:"mlflow.workflowType",version:1,initialValue:c' in main_js and "const c=l.GENAI" in main_js
 
 
+@pytest.mark.slow  # starts `ppl-audit ui` and its server
 def test_ui_lists_each_experiment_with_its_model_training_link(tmp_path, monkeypatch):
     home = tmp_path / "ui-home"
     monkeypatch.setenv("PPL_AUDIT_HOME", str(home))

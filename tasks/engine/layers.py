@@ -20,6 +20,7 @@ import torch
 
 from tasks.core import console
 from tasks.engine.model_facts import input_device
+from tasks.engine.paired import t_quantile
 from tasks.engine.perplexity import Baseline, BaselineBatch, batch_inputs, hidden_states, token_stats
 from tasks.engine.windows import Window
 
@@ -310,8 +311,6 @@ def recovered_share(variant_loss: np.ndarray, restored_loss: np.ndarray, window_
         variant_loss, restored_loss: ``[n]`` per-token losses (ΔNLL against the baseline, or KL), window by window.
         window_tokens: ``[W]`` tokens per window, summing to ``n``.
     """
-    from scipy import stats
-
     counts = np.asarray(window_tokens, np.int64)
     counts = counts[counts > 0]
     starts = np.cumsum(counts) - counts
@@ -326,5 +325,5 @@ def recovered_share(variant_loss: np.ndarray, restored_loss: np.ndarray, window_
         return 100 * share, math.nan, math.nan
     residuals = gain - share * loss
     stderr = math.sqrt(clusters / (clusters - 1) * float((residuals**2).sum())) / total
-    half = float(stats.t.ppf((1 + confidence) / 2, clusters - 1)) * stderr
+    half = t_quantile(confidence, clusters - 1) * stderr
     return 100 * share, 100 * (share - half), 100 * (share + half)

@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
 from scipy.special import lambertw
 
-from tasks.engine.paired import CONFIDENCE, Estimate
+from tasks.engine.paired import CONFIDENCE, Estimate, t_quantile
 
 # A sequence may stop a run only after the more of these: its bound rests on the windows' running mean and
 # spread, which a few windows do not show.
@@ -72,5 +71,5 @@ def ratio_sequence(sums: np.ndarray, counts: np.ndarray, alpha: float, rho2: flo
     sigma = float(np.sqrt((residuals**2).sum() / (t - 1)))
     half = sigma * margin(t, alpha, rho2)
     if windows:
-        half += float(stats.t.ppf((1 + CONFIDENCE) / 2, windows - 1)) * sigma / math.sqrt(windows)
+        half += t_quantile(CONFIDENCE, windows - 1) * sigma / math.sqrt(windows)
     return Estimate(mean, sigma / math.sqrt(t), mean - half, mean + half)
