@@ -66,6 +66,14 @@ def summary_json(summary: dict) -> str:
                        "mlflow_run_id": summary.get("mlflow_run_id"), "record": summary["record"], "models": models})
 
 
+def _scheduled() -> bool:
+    """Whether Prefect's scheduler made this run (a deployment's cron), not an event, a user or a test."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    return bool(context and context.flow_run and context.flow_run.auto_scheduled)
+
+
 def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantResult]) -> dict:
     """Comparison rows, per-variant verdicts and the audit's verdict, as plain data."""
     rows = [comparison_row(baseline, baseline)] + [comparison_row(v, baseline) for v in variants]
@@ -116,7 +124,7 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
     print(summary["table"])
     lost = {v.name: found for v in variant_results if (found := where_of(v, baseline_result, scored, lineup.tokenizer))}
     found = diagnoses(settings, lineup, scored, summary["verdicts"])  # after the verdict: it never changes it
-    record = audit_record(settings, config, scored, summary, results, started, lost, found)
+    record = audit_record(settings, config, scored, summary, results, started, lost, found, _scheduled())
     spooled = spool_audit(record, results, return_state=True)  # first: tracking and artifacts can fill a disk too
     if not spooled.is_completed():
         return _unspooled(record, spooled.message)

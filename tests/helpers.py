@@ -288,3 +288,42 @@ def scored_log_probs(base, variant, stream, windows):
             lv = torch.log_softmax(variant(row).logits[0].double(), -1)
         for q in range(w.first_scored, w.end):
             yield q, lb[q - w.start - 1], lv[q - w.start - 1]
+
+
+class MlflowServer:
+    """``mlflow server`` on 127.0.0.1 over a SQLite file that outlives restarts."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port, self.process = folder, free_port(), None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        import os
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.folder / 'server.db'}",
+             "--artifacts-destination", str(self.folder / "artifacts")],
+            env=env, stdout=open(self.folder / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(1)
+        raise AssertionError("mlflow server did not start")
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # gunicorn workers die with their group
+            self.process.wait()

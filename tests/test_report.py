@@ -196,11 +196,13 @@ def test_the_size_chart_puts_each_costed_variant_at_its_bits_hollow_where_domina
 
     _, _, record, _ = audited
     rows = {v["name"]: v["row"] for v in record["variants"]}
-    for axis, key in zip(size_quality_chart(record).axes, ("delta_ppl_pct", "kld_mean")):
-        labels = {f"{n} ({rows[n]['weight_mib']:.0f} MiB)" for n in ("int8", "noisy")}  # missing was not scored
-        assert {t.get_text() for t in axis.texts} == labels
+    panels = [(key, size) for key in ("delta_ppl_pct", "kld_mean") for size in ("bits_per_weight", "weight_mib")]
+    axes = size_quality_chart(record).axes
+    assert len(axes) == len(panels)
+    for axis, (key, size) in zip(axes, panels):
+        assert {t.get_text() for t in axis.texts} == {"int8", "noisy"}  # missing was not scored
         points = {(round(line.get_xdata()[0], 6), round(line.get_ydata()[0], 6)): line for line in axis.lines
                   if line.get_marker() == "o"}
         for name, face in (("int8", COLOURS["pass"]), ("noisy", "white")):  # noisy is dominated by int8
-            point = points[(round(rows[name]["bits_per_weight"], 6), round(rows[name][key], 6))]
+            point = points[(round(rows[name][size], 6), round(rows[name][key], 6))]
             assert to_rgb(point.get_markerfacecolor()) == to_rgb(face)

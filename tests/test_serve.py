@@ -5,6 +5,7 @@ The server and the serving process are started by this test and stopped by it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -156,6 +157,18 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
         berlin = ZoneInfo("Europe/Berlin")
         assert {datetime.fromisoformat(r["expected_start_time"]).astimezone(berlin).strftime("%H:%M")
                 for r in scheduled} == {"03:00"}
+
+        # a cron run brought forward to now: its record says Prefect's schedule started it (compare reads that),
+        # the event-triggered ones' say not
+        nightly = scheduled[0]
+        now = datetime.now(ZoneInfo("UTC")).isoformat()
+        api.post(f"/flow_runs/{nightly['id']}/set_state", json={"state": {"type": "SCHEDULED", "state_details": {
+            "scheduled_time": now}}, "force": True}).raise_for_status()
+        ran = wait_for(lambda: (run := api.get(f"/flow_runs/{nightly['id']}").json())["state_type"] in (
+            "COMPLETED", "FAILED", "CRASHED") and run, 400, "the cron run brought forward")
+        assert ran["state_type"] == "COMPLETED" and ran["auto_scheduled"], (ran["state"], serve_log(home)[-3000:])
+        records = [json.loads(path.read_text()) for path in home.glob("*/*/record.json")]
+        assert sorted(record["scheduled"] for record in records) == [False, False, True]
     finally:
         stop(serving)
         log.close()

@@ -6,12 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import free_port, wait_for, write_config
+from helpers import MlflowServer, free_port, wait_for, write_config
 from mlflow import MlflowClient
 
 from flows.audit import audit, summary_of
@@ -130,35 +129,6 @@ def test_sqlite_store_holds_the_whole_audit_and_repeats_exactly(tmp_path, traine
     parents = audits(client, "tracked")
     assert len(parents) == 2
     assert check_record(client, parents[0]) == check_record(client, parents[1])
-
-
-class MlflowServer:
-    """``mlflow server`` on 127.0.0.1 over a SQLite file that outlives restarts."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.port, self.process = folder, free_port(), None
-        self.uri = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        self.process = subprocess.Popen(
-            [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend-store-uri", f"sqlite:///{self.folder / 'server.db'}",
-             "--artifacts-destination", str(self.folder / "artifacts")],
-            env=env, stdout=open(self.folder / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(1)
-        raise AssertionError("mlflow server did not start")
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)  # gunicorn workers die with their group
-            self.process.wait()
 
 
 @pytest.fixture

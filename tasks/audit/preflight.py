@@ -118,3 +118,17 @@ def check_calibration_room(config: AuditConfig, text: str, progress: bool = Fals
             calibration_for(spec, lineup, scored, corpus_text, progress)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
+
+
+def baseline_key_of(config: AuditConfig) -> str:
+    """The key of the audit's baseline as its audits record it (``tasks.audit.reference.baseline_key``), worked out
+    without loading a model: from its files, tokenizer and the token stream."""
+    from tasks.audit.reference import baseline_key
+
+    lineup = prepare(config.baseline, [], config.tracking.uri)
+    _, identity, _ = baseline_identity(lineup.baseline, evaluation(corpus_text(config.corpus), lineup.tokenizer,
+                                                                   config.evaluation))
+    if identity is None:
+        raise InputError(f"baseline: {config.baseline.path} is not on this machine, so nothing names its audits; "
+                         "give --baseline KEY instead (the ppl_audit.baseline_key tag of its audits' runs)")
+    return baseline_key(identity)

@@ -101,6 +101,12 @@ def key_of(identity_: dict, environment_: dict) -> str:
     return hashlib.sha256(json.dumps([identity_, environment_], sort_keys=True).encode()).hexdigest()[:16]
 
 
+def baseline_key(identity_: dict) -> str:
+    """What makes audits comparable (``ppl-audit compare``): their baselines scored the same tokens the same way.
+    Unlike the reference's key it leaves out the library versions, which change while the audits stay comparable."""
+    return hashlib.sha256(json.dumps(identity_, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def tensor_digest(*tensors: torch.Tensor) -> str:
     digest = hashlib.sha256()
     for tensor in tensors:

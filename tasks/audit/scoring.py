@@ -131,14 +131,15 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
     """The baseline's result, from its stored reference or scored (writing one), and what happened, for
     the record: ``baseline`` (``reused``/``scored``), ``key`` and ``path`` of the reference, ``drift``
     (a rescore against the reference stored before), ``problem`` (why there is no reference), ``removed``
-    (damaged references found and removed, ``reference.find_intact``)."""
+    (damaged references found and removed, ``reference.find_intact``), ``baseline_key`` (which audits compare with
+    this one, ``reference.baseline_key``)."""
     spec, settings = checkpoint.spec, evaluation_.settings
     folder, identity, environment = baseline_identity(checkpoint, evaluation_)
     reuse = previous = None
     said = {}
     if identity is not None:
         reuse, previous, removed = reference.find_intact(identity, environment, spec.rescore)
-        said = {"removed": removed} if removed else {}
+        said = {"baseline_key": reference.baseline_key(identity)} | ({"removed": removed} if removed else {})
     if reuse is not None:
         result, facts = _reuse(reuse)
         return result, facts, said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}

@@ -62,12 +62,13 @@ def arrays_file(outcome: VariantResult) -> str | None:
 
 def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
                  results: list[VariantResult], started: datetime, where: dict[str, dict],
-                 diagnoses: dict[str, dict] | None = None) -> dict:
+                 diagnoses: dict[str, dict] | None = None, scheduled: bool = False) -> dict:
     """An audit's record: everything it computed but the per-token arrays (``token_arrays``).
 
     ``started`` is when the audit began; ``created`` (now) is when it ended. ``where``: by variant, where in the
     text it loses (``tasks.audit.where.where_of``), for the variants it was found for. ``diagnoses``: by variant,
-    the diagnosis the audit asked for (``diagnose``), or its ``problem``.
+    the diagnosis the audit asked for (``diagnose``), or its ``problem``. ``scheduled``: Prefect's schedule started
+    it (``ppl-audit compare`` says what moved from one scheduled run to the next).
     """
     created = datetime.now(timezone.utc)
     verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
@@ -97,6 +98,7 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
     stream = scored.stream
     return {
         "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.isoformat(), "created": created.isoformat(),
+        "scheduled": scheduled,
         "config": config.model_dump(mode="json"), "config_path": str(config_path),
         "config_text": Path(config_path).read_text() if Path(config_path).is_file() else "",
         "corpus": {"source": config.corpus.source, "location": corpus_location(config.corpus.source),

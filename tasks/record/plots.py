@@ -2,7 +2,7 @@
 
 First the chart a reviewer needs: ΔPPL % per variant with its paired 95% interval against the variant's own
 gate limit; then PPL per model on a zero-based axis, size against quality (ΔPPL and KL against bits per
-weight, the front drawn), ΔNLL per window and per-token KL divergence. Each variant's
+weight and MiB, the front drawn), ΔNLL per window and per-token KL divergence. Each variant's
 own run has where in the text it loses (``where_chart``).
 
 Figures are ``matplotlib.figure.Figure`` objects made without pyplot, so no backend is chosen for the whole
@@ -13,6 +13,8 @@ takes them, ``png`` renders one.
 from __future__ import annotations
 
 import io
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -107,43 +109,79 @@ def delta_ppl_chart(record: dict) -> Figure:
     axis.axvline(0, color="black", linewidth=1)
     axis.set_xlim(low, high)
     axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
-    return _titled(figure, f"{record['name']}: ΔPPL % per variant · {record['verdict']['status'].upper()}", handles)
+    return titled(figure, f"{record['name']}: ΔPPL % per variant · {record['verdict']['status'].upper()}", handles)
 
 
 def size_quality_chart(record: dict) -> Figure:
     """What each variant costs against what it loses: ΔPPL % (whiskers: its paired 95% interval) and mean KL
-    against bits per weight, a point per variant coloured by its verdict and named with its MiB in memory; a
-    dominated variant hollow, the front (``tasks.record.dominance``) joined by a line. Returns the figure."""
+    against bits per weight and against MiB in memory, a point per variant coloured by its verdict; a dominated
+    variant hollow, the front (``tasks.record.dominance``) joined by a line. Returns the figure."""
     variants = _costed(record)
-    figure = Figure(figsize=(WIDTH, 5.2), dpi=DPI, layout="constrained")
-    axes = figure.subplots(1, 2)
-    for axis, key, label in ((axes[0], "delta_ppl_pct", "ΔPPL % against the baseline (paired 95% interval)"),
-                             (axes[1], "kld_mean", "mean KL(baseline ‖ variant), nats per token")):
-        shown = [v for v in variants if measured(v["row"].get(key))]
-        front = sorted((v for v in shown if not v["row"].get("dominated_by")),
-                       key=lambda v: v["row"]["bits_per_weight"])
-        if len(front) > 1:
-            axis.plot([v["row"]["bits_per_weight"] for v in front], [v["row"][key] for v in front], color="#757575",
+    points = [SizePoint(v["name"], v["row"]["bits_per_weight"], v["row"]["weight_mib"],
+                        *(tuple(v["row"].get(key + end, math.nan) for end in ("", "_low", "_high"))
+                          for key in ("delta_ppl_pct", "kld_mean")),
+                        COLOURS[verdict_of(v)], bool(v["row"].get("dominated_by"))) for v in variants]
+    return titled(size_quality_figure(points), f"{record['name']}: size against quality · "
+                   f"{record['verdict']['status'].upper()}", _verdict_handles(variants) + FRONT_HANDLES)
+
+
+@dataclass
+class SizePoint:
+    """A variant on a size-against-quality chart: its costs, its ΔPPL % and mean KL each with its interval."""
+
+    label: str
+    bpw: float
+    mib: float
+    delta: tuple[float, float, float]  # estimate, low, high
+    kld: tuple[float, float, float]
+    colour: str
+    dominated: bool
+    past: bool = False  # of an earlier audit: drawn grey, behind
+
+
+PAST_COLOUR = "#bdbdbd"
+FRONT_COLOUR = "#757575"
+FRONT_HANDLES = [Line2D([], [], color=FRONT_COLOUR, linewidth=1.2, label="front: none smaller is better"),
+                 Line2D([], [], color="black", marker="o", markerfacecolor="white", linestyle="none", markersize=9,
+                        label="dominated: more bits, worse beyond noise")]
+SIZES = (("bpw", "bits per weight of the quantized layers (scales and zeros included)"),
+         ("mib", "MiB of weights in memory after load"))
+QUALITIES = (("delta", "ΔPPL % against the baseline (95% interval)"), ("kld", "mean KL(baseline ‖ variant), nats/token"))
+
+
+def size_quality_figure(points: list[SizePoint]) -> Figure:
+    """ΔPPL % and mean KL (rows) against bits per weight and MiB (columns), untitled: a point per ``SizePoint``
+    with its interval, dominated ones hollow, past ones (``points`` holds them first) grey and behind, the front of
+    the undominated joined on the bits-per-weight side (what dominance is decided on)."""
+    figure = Figure(figsize=(WIDTH, 8.6), dpi=DPI, layout="constrained")
+    for axis, (size, size_label), (quality, quality_label) in zip(
+            figure.subplots(2, 2).flat, [s for q in QUALITIES for s in SIZES], [q for q in QUALITIES for _ in SIZES]):
+        shown, taken = [], set()
+        for point in reversed(points):  # newest first: a past point where a newer one stands is not drawn again
+            at = (repr(getattr(point, size)), repr(getattr(point, quality)[0]))
+            if measured(getattr(point, size)) and measured(getattr(point, quality)[0]) and not (point.past and at in taken):
+                shown.insert(0, point)
+                taken.add(at)
+        front = sorted((p for p in shown if not p.dominated), key=lambda p: getattr(p, size))
+        if len(front) > 1 and size == "bpw":  # dominance is decided on bits per weight
+            axis.plot([getattr(p, size) for p in front], [getattr(p, quality)[0] for p in front], color=FRONT_COLOUR,
                       linewidth=1.2, zorder=1)
-        for entry in shown:
-            row, colour = entry["row"], COLOURS[verdict_of(entry)]
-            x, y = row["bits_per_weight"], row[key]
-            low, high = row.get(f"{key}_low", y), row.get(f"{key}_high", y)
-            axis.errorbar(x, y, yerr=[[y - low], [high - y]], fmt="o", markersize=9, capsize=5, color=colour,
-                          markerfacecolor="white" if row.get("dominated_by") else colour, markeredgewidth=2, zorder=3)
-            axis.annotate(f"{entry['name']} ({row['weight_mib']:.0f} MiB)", (x, y), textcoords="offset points",
-                          xytext=(7, 5), fontsize=SMALL, annotation_clip=False)
+        for point in shown:
+            x, (y, low, high) = getattr(point, size), getattr(point, quality)
+            colour = PAST_COLOUR if point.past else point.colour
+            whiskers = [[y - low], [high - y]] if measured(low) else None
+            axis.errorbar(x, y, yerr=whiskers, fmt="o", markersize=6 if point.past else 9, capsize=4, color=colour,
+                          markerfacecolor="white" if point.dominated else colour, markeredgewidth=2,
+                          zorder=2 if point.past else 3)
+            axis.annotate(point.label, (x, y), textcoords="offset points", xytext=(7, 5), annotation_clip=False,
+                          fontsize=SMALL - 1 if point.past else SMALL, color="#757575" if point.past else "black")
         axis.axhline(0, color="black", linewidth=0.8)
-        axis.set_xlabel("bits per weight of the quantized layers (scales and zeros included)", fontsize=TEXT)
-        axis.set_ylabel(label, fontsize=TEXT)
+        axis.set_xlabel(size_label, fontsize=SMALL)
+        axis.set_ylabel(quality_label, fontsize=SMALL)
         axis.grid(color="#e0e0e0", zorder=0)
         axis.tick_params(labelsize=SMALL)
         axis.margins(x=0.25, y=0.15)
-    handles = _verdict_handles(variants) + [
-        Line2D([], [], color="#757575", linewidth=1.2, label="front: no smaller variant is better beyond noise"),
-        Line2D([], [], color="black", marker="o", markerfacecolor="white", linestyle="none", markersize=9,
-               label="dominated (larger and worse than another)")]
-    return _titled(figure, f"{record['name']}: size against quality · {record['verdict']['status'].upper()}", handles)
+    return figure
 
 
 def _costed(record: dict) -> list[dict]:
@@ -204,7 +242,7 @@ def ppl_chart(record: dict) -> Figure:
         handles.append(Line2D([], [], color=COLOURS["baseline"], linestyle="--", label="baseline PPL"))
     axis.set_xlim(0, 1.1 * top or 1)  # zero-based: a bar's length is its perplexity
     axis.set_xlabel("perplexity (whiskers: ± 1 standard error)", fontsize=TEXT)
-    return _titled(figure, f"{record['name']}: perplexity per model", handles)
+    return titled(figure, f"{record['name']}: perplexity per model", handles)
 
 
 def delta_nll_per_window(record: dict, folder: Path) -> Figure:
@@ -223,7 +261,7 @@ def delta_nll_per_window(record: dict, folder: Path) -> Figure:
     axis.set_xlabel("window", fontsize=TEXT)
     axis.set_ylabel("ΔNLL against the baseline (nats/token)", fontsize=TEXT)
     axis.tick_params(labelsize=TEXT)
-    return _titled(figure, f"{record['name']}: change per window against the baseline",
+    return titled(figure, f"{record['name']}: change per window against the baseline",
                    axis.get_legend_handles_labels()[0])
 
 
@@ -246,7 +284,7 @@ def kld_histogram(record: dict, folder: Path) -> Figure:
     axis.set_xlabel("KL(baseline ‖ variant) per token (nats)", fontsize=TEXT)
     axis.set_ylabel("tokens", fontsize=TEXT)
     axis.tick_params(labelsize=TEXT)
-    return _titled(figure, f"{record['name']}: per-token KL divergence", axis.get_legend_handles_labels()[0])
+    return titled(figure, f"{record['name']}: per-token KL divergence", axis.get_legend_handles_labels()[0])
 
 
 def _rows_figure(entries: list[dict]) -> tuple[Figure, Axes]:
@@ -268,7 +306,7 @@ def _note(axis, y: int, text: str, verdict: str) -> None:
               color="#424242" if verdict == "error" else "black", zorder=5, parse_math=False)  # a path's "$" is text
 
 
-def _titled(figure: Figure, title: str, handles: list) -> Figure:
+def titled(figure: Figure, title: str, handles: list) -> Figure:
     """Figure title above, legend below, both outside the plot (which stays clear); returns the figure."""
     figure.suptitle(title, fontsize=TITLE)
     if handles:
@@ -327,7 +365,7 @@ def where_chart(entry: dict) -> Figure:
             axis.set_xlabel(title, fontsize=SMALL)
     handles = [Patch(color=colour, label=f"{entry['name']} ({verdict_of(entry)}): mean over the bin's tokens"),
                Line2D([], [], color="black", linewidth=1.6, label=where["interval"])]
-    return _titled(figure, f"{entry['name']}: where in the text it loses against the baseline", handles)
+    return titled(figure, f"{entry['name']}: where in the text it loses against the baseline", handles)
 
 
 def position_label(row: dict) -> str:

@@ -14,9 +14,8 @@ from tasks.config import EvaluationConfig
 from tasks.core.places import home, tracking_uri
 from tasks.data.registry import is_registered, tag_version
 from tasks.record.spool import read_record
+from tasks.record.tags import AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMINATED_BY, REFERENCE, SCHEDULED
 
-AUDIT_ID = "ppl_audit.audit_id"
-COMPLETE = "ppl_audit.complete"
 EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
@@ -230,12 +229,13 @@ def _glance_metrics(record: dict, timestamp: int) -> list:
 
 
 def _baseline_tags(record: dict) -> dict[str, str]:
-    """How the audit had its baseline: ``ppl_audit.baseline`` scored or reused, the reference's key, and
-    for a rescore with a reference before it, ``ppl_audit.drift`` (``environment drift`` or ``none``)
+    """How the audit had its baseline: ``ppl_audit.baseline`` scored or reused, the reference's key, the baseline's
+    key (``tasks.record.history``), whether Prefect's schedule started it, and for a rescore with a reference before it, ``ppl_audit.drift`` (``environment drift`` or ``none``)
     and the drift's line."""
     said = next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"), {})
-    tags = {"ppl_audit.baseline": said.get("baseline"), "ppl_audit.reference": said.get("key"),
-            "ppl_audit.reference_problem": said.get("problem")}
+    tags = {"ppl_audit.baseline": said.get("baseline"), REFERENCE: said.get("key"),
+            "ppl_audit.reference_problem": said.get("problem"), BASELINE_KEY: said.get("baseline_key"),
+            SCHEDULED: "true" if record.get("scheduled") else None}
     if said.get("drift"):
         from tasks.record.verdict import drift_text
 
@@ -313,8 +313,9 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
             "mlflow.runColor": plots.COLOURS[status],  # the UI's dot and lines for the run: the charts' colours
             "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
             **{f"absent.{figure}": why for figure, why in _absent(entry).items()}}).info.run_id
+        own = [RunTag(DOMINATED_BY, entry["row"]["dominated_by"])] if entry["row"].get("dominated_by") else []
         _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),
-                     [RunTag("ppl_audit.status", entry["status"])])
+                     [RunTag("ppl_audit.status", entry["status"]), *own])
         _log_dataset(client, child, dataset)
         if entry.get("arrays"):
             client.log_artifact(child, str(folder / entry["arrays"]), "nll")
@@ -326,9 +327,36 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
         if is_registered(entry["spec"]["path"]):
             tag_version(client, entry["spec"]["path"], status, ((entry["verdict"] or {}).get("reason") or entry["reason"]),
                         child, parent)
+    _log_history(client, experiment_id, parent, record)
     client.set_tag(parent, COMPLETE, "true")
     client.set_terminated(parent, "FINISHED", end_time=timestamp)
     return parent
+
+
+def _baseline_key(record: dict) -> str | None:
+    return next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"),
+                {}).get("baseline_key")
+
+
+def _log_history(client, experiment_id: str, parent: str, record: dict) -> None:
+    """Set this audit beside the earlier audits of its baseline: the size-against-quality chart of all of them
+    (``history.png``), and on each variant whose ΔPPL moved since the previous scheduled run, a ``changed`` tag
+    (on the parent too, with a line under the description's table)."""
+    from tasks.record.history import audited, history_chart
+
+    key = _baseline_key(record)
+    if key is None:
+        return
+    rows = audited(client, experiment_id, key, also=parent)
+    if len({row.parent_run_id for row in rows}) > 1:
+        client.log_figure(parent, history_chart(rows, key), "history.png")
+    changed = [row for row in rows if row.parent_run_id == parent and row.changed]
+    for row in changed:
+        client.set_tag(row.run_id, CHANGED, row.changed)
+    if changed:
+        said = "; ".join(f"{row.name} {row.changed}" for row in changed)
+        client.set_tag(parent, CHANGED, said[:5000])
+        client.set_tag(parent, "mlflow.note.content", f"{description(record)}\n\n{said}")
 
 
 def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:

@@ -205,12 +205,18 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
         else:
             cells[2] = "—"
         body.append((cells, said))
+    return fixed_width(columns, body, "verdict")
+
+
+def fixed_width(columns: list[tuple[str, str]], body: list[tuple[list[str], str]], last: str) -> str:
+    """A table whose ``columns`` (title, alignment and least width, e.g. ``">9"``) are each as wide as their widest
+    cell and one more, and whose last column, ``last``, is free text."""
     widths = [max([int(spec[1:])] + [len(cells[i]) + 1 for cells, _ in body]) for i, (_, spec) in enumerate(columns)]
 
     def line(cells: list[str], said: str) -> str:
         return "".join(f"{cell:{spec[0]}{width}}" for cell, (_, spec), width in zip(cells, columns, widths)) + f"  {said}"
 
-    header = line([name for name, _ in columns], "verdict").rstrip()
+    header = line([name for name, _ in columns], last).rstrip()
     return "\n".join([header, "-" * len(header)] + [line(cells, said) for cells, said in body])
 
 

@@ -1,0 +1,214 @@
+"""Every audit of one baseline, read back from MLflow: the rows ``ppl-audit compare`` prints and charts, which of them
+another beats, and which moved since the previous scheduled run of the same variant.
+
+Audits are comparable when their baseline scored the same tokens the same way: the same model files, tokenizer,
+token stream, window, stride, BOS and dtype (``tasks.audit.reference.baseline_key``; the reference's own key adds the
+library versions, which change with every upgrade while the audits stay comparable). Each audit's parent run carries
+that key as a tag.
+
+Dominance across audits: within one audit a variant's dominator is the audit's own, decided on the paired
+per-token differences (``tasks.record.dominance``). Two variants of different audits were scored in different runs,
+so their difference is judged on their own intervals: worse beyond noise when the two 95% intervals (ΔPPL, and mean
+KL where both have it) do not overlap, a stricter test than the paired one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from tasks.core.errors import InputError
+from tasks.record.tags import BASELINE_KEY, COMPLETE, DOMINATED_BY, REFERENCE, SCHEDULED
+from tasks.record.plots import COLOURS, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured, size_quality_figure, titled
+
+NAN = math.nan
+
+
+@dataclass
+class Audited:
+    """One variant of one audit, as its MLflow runs hold it."""
+
+    name: str
+    method: str
+    audit: str  # the audit's name (its config's)
+    run_id: str
+    parent_run_id: str
+    started: datetime
+    scheduled: bool
+    verdict: str
+    delta_ppl_pct: float
+    delta_ppl_pct_low: float
+    delta_ppl_pct_high: float
+    kld_mean: float
+    kld_mean_low: float
+    kld_mean_high: float
+    bpw: float
+    mib: float
+    own_dominator: str | None  # within its own audit (paired)
+    dominated_by: str | None = None
+    changed: str | None = None
+    past: bool = False  # not of the newest audit
+    link: str | None = field(default=None, repr=False)
+
+    def json(self) -> dict:
+        """The row as JSON values: NaN is null, the date ISO 8601."""
+        values = asdict(self) | {"started": self.started.isoformat()}
+        values.pop("own_dominator")
+        return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                for key, value in values.items()}
+
+
+def _all_runs(client, experiment_id: str, where: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=where, max_results=1000, page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _audits(client, experiment_id: str, key: str, also: str | None) -> list:
+    """The parent runs of the complete audits (and of the one ``also`` names) whose baseline has ``key``: a baseline
+    key or a reference key. Each names the other on the runs that have both, so the search follows them: a baseline
+    key finds the references made of it (one per environment), and through them the audits from before baseline keys
+    were tagged; all of one baseline, as a reference's key digests the baseline key's facts and more."""
+    found, keys, searched = {}, {key}, set()
+    while keys - searched:
+        named = (keys - searched).pop()
+        searched.add(named)
+        for tag in (BASELINE_KEY, REFERENCE):
+            for run in _all_runs(client, experiment_id, f"tags.`ppl_audit.kind` = 'audit' and tags.`{tag}` = '{named}'"):
+                found[run.info.run_id] = run
+                keys |= {run.data.tags[tag] for tag in (BASELINE_KEY, REFERENCE) if tag in run.data.tags}
+    return [run for run in found.values() if run.data.tags.get(COMPLETE) == "true" or run.info.run_id == also]
+
+
+def _figure(run, key: str) -> float:
+    return float(run.data.metrics.get(key, NAN))
+
+
+def _row(child, parent) -> Audited:
+    metrics, tags = child.data.metrics, child.data.tags
+    return Audited(
+        name=tags.get("ppl_audit.variant", child.info.run_name), method=child.data.params.get("method", "?"),
+        audit=parent.data.tags.get("ppl_audit.audit", "?"), run_id=child.info.run_id, parent_run_id=parent.info.run_id,
+        started=datetime.fromtimestamp(parent.info.start_time / 1000, timezone.utc),
+        scheduled=parent.data.tags.get(SCHEDULED) == "true", verdict=tags.get("audit.verdict", "?"),
+        **{key: _figure(child, key) for key in ("delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean",
+                                                 "kld_mean_low", "kld_mean_high")},
+        bpw=_figure(child, "bits_per_weight"),
+        mib=metrics["weight_memory_bytes"] / 2**20 if "weight_memory_bytes" in metrics else NAN,
+        own_dominator=tags.get(DOMINATED_BY))
+
+
+def audited(client, experiment_id: str, key: str, also: str | None = None) -> list[Audited]:
+    """Every variant of every complete audit of the baseline ``key`` in the experiment, newest first, its
+    dominator and any change since the previous scheduled run marked; ``[]`` when no audit has that key.
+
+    Args:
+        also: the parent run id of an audit being logged (not complete yet), to include.
+    """
+    rows = []
+    for parent in _audits(client, experiment_id, key, also):
+        children = _all_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and "
+                                                    "tags.`ppl_audit.kind` = 'variant'")
+        rows += [_row(child, parent) for child in children]
+    rows.sort(key=lambda row: (row.started, row.name), reverse=True)
+    newest = rows[0].parent_run_id if rows else None
+    for row in rows:
+        row.past = row.parent_run_id != newest
+    mark_dominated(rows)
+    mark_changes(rows)
+    return rows
+
+
+def _worse_beyond_intervals(a: Audited, b: Audited) -> bool:
+    """Whether ``a``'s intervals lie wholly above ``b``'s: ΔPPL, and mean KL where both have it."""
+    pairs = [("delta_ppl_pct_low", "delta_ppl_pct_high")]
+    if measured(a.kld_mean_low) and measured(b.kld_mean_high):
+        pairs.append(("kld_mean_low", "kld_mean_high"))
+    return all(getattr(a, low) > getattr(b, high) for low, high in pairs)  # False for a NaN bound
+
+
+def mark_dominated(rows: list[Audited]) -> None:
+    """Set each row's ``dominated_by``: its own audit's dominator, else the smallest of the variants of other audits
+    that are no larger and better beyond both intervals (never the same name: that is a change, ``mark_changes``)."""
+    costed = [row for row in rows if measured(row.bpw)]
+    for a in costed:
+        if a.own_dominator:
+            a.dominated_by = a.own_dominator
+            continue
+        better = [b for b in costed if b.parent_run_id != a.parent_run_id and b.name != a.name and b.bpw <= a.bpw
+                  and _worse_beyond_intervals(a, b)]
+        if better:
+            best = min(better, key=lambda b: (b.bpw, -b.started.timestamp()))
+            a.dominated_by = f"{best.name} ({best.started:%Y-%m-%d %H:%M})"
+
+
+def mark_changes(rows: list[Audited]) -> None:
+    """A scheduled run's variant whose ΔPPL now lies beyond its interval from the previous scheduled run's: its
+    ``changed`` says ``changed since <date>: +0.24% → +0.61%`` (``rows`` newest first)."""
+    for i, row in enumerate(rows):
+        if not row.scheduled or not measured(row.delta_ppl_pct_low):
+            continue
+        before = next((old for old in rows[i + 1:] if old.scheduled and old.name == row.name
+                       and old.started < row.started and measured(old.delta_ppl_pct)), None)
+        if before is not None and not row.delta_ppl_pct_low <= before.delta_ppl_pct <= row.delta_ppl_pct_high:
+            row.changed = (f"changed since {before.started:%Y-%m-%d}: {before.delta_ppl_pct:+.2f}% → "
+                           f"{row.delta_ppl_pct:+.2f}%")
+
+
+def experiment_of(client, name: str, uri: str) -> str:
+    """The experiment's id; one line naming what to do when the store has no such experiment."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        names = sorted(e.name for e in client.search_experiments(max_results=50) if e.name != "Default")
+        there = f"it has {', '.join(names)}" if names else "it has none yet: audit first"
+        raise InputError(f"no experiment '{name}' in {uri} ({there}); name one with --experiment")
+    return found.experiment_id
+
+
+def _interval(value: float, low: float, high: float, form: str) -> str:
+    text = format(value, form) if measured(value) else "—"
+    return text + (f" [{low:{form}}, {high:{form}}]" if measured(low) else "")
+
+
+def format_history(rows: list[Audited]) -> str:
+    """The console table: a row per variant of each audit, newest first; the last column says its verdict, what
+    dominates it and what changed, and names its run (a link on a tracking server)."""
+    from tasks.record.verdict import fixed_width
+
+    columns = [("variant", "<16"), ("method", "<10"), ("audit", "<12"), ("date", "<17"), ("bpw", ">7"), ("MiB", ">7"),
+               ("ΔPPL % [95% CI]", ">24"), ("KLD", ">9")]
+    body = []
+    for row in rows:
+        said = row.verdict.upper() + "".join(f"; {note}" for note in (
+            row.dominated_by and f"dominated by {row.dominated_by}", row.changed) if note)
+        body.append(([row.name, row.method, row.audit, f"{row.started:%Y-%m-%d %H:%M}",
+                      format(row.bpw, ".2f") if measured(row.bpw) else "—",
+                      format(row.mib, ".0f") if measured(row.mib) else "—",
+                      _interval(row.delta_ppl_pct, row.delta_ppl_pct_low, row.delta_ppl_pct_high, "+z.2f"),
+                      format(row.kld_mean, "z.4f") if measured(row.kld_mean) else "—"],
+                     f"{said}  {row.link or row.run_id}"))
+    return fixed_width(columns, body, "verdict, run")
+
+
+def history_chart(rows: list[Audited], key: str) -> Figure:
+    """Size against quality of every audited variant of the baseline: the newest audit's in their verdicts' colours,
+    earlier audits' grey and labelled with their date (not drawn again where a newer point stands); dominated ones
+    hollow, the front of all joined."""
+    points = [SizePoint(f"{row.name} {row.started:%m-%d}" if row.past else row.name, row.bpw, row.mib,
+                        (row.delta_ppl_pct, row.delta_ppl_pct_low, row.delta_ppl_pct_high),
+                        (row.kld_mean, row.kld_mean_low, row.kld_mean_high), COLOURS.get(row.verdict, COLOURS["error"]),
+                        row.dominated_by is not None, row.past) for row in reversed(rows)]
+    handles = [Patch(color=COLOURS[v], label=f"{v} (newest audit)") for v in COLOURS
+               if any(row.verdict == v and not row.past for row in rows)]
+    handles += [Patch(color=PAST_COLOUR, label="earlier audits")] if any(row.past for row in rows) else []
+    audits = len({row.parent_run_id for row in rows})
+    return titled(size_quality_figure(points), f"baseline {key}: {len(rows)} variant runs in {audits} audit(s), "
+                   f"newest {rows[0].started:%Y-%m-%d %H:%M} UTC", handles + FRONT_HANDLES)
