@@ -66,6 +66,26 @@ class CalibrationConfig(Strict):
 DEFAULT_CALIBRATION = CalibrationConfig()  # what `quantize` and a variant without calibration settings use
 
 
+class KVCache(Strict):
+    """The key/value cache a variant is scored with (``tasks.engine.kv_cache``): ``dtype`` ``int8`` (llama.cpp's
+    q8_0), ``int4`` (q4_0), ``fp8_e4m3``/``fp8_e5m2`` (vLLM's fp8 caches) or a float type; ``group_size``: the
+    int8/int4 blocks along each head's vector, which it must divide."""
+
+    dtype: Literal["int8", "int4", "fp8_e4m3", "fp8_e5m2", "float32", "bfloat16", "float16"]
+    group_size: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _blocks_are_int_only(self) -> "KVCache":
+        if self.dtype not in ("int8", "int4") and "group_size" in self.model_fields_set:
+            raise ValueError(f"group_size applies to int8 and int4 caches, not {self.dtype} (stored value by value)")
+        return self
+
+    def format(self):
+        from tasks.engine.kv_cache import KVCacheFormat
+
+        return KVCacheFormat(self.dtype, self.group_size)
+
+
 def check_name(name: str | None) -> None:
     """Refuse a variant name given outside a config (``quantize --name``, ``notify --name``) that no audit could use."""
     if name is not None and not re.match(NAME, name):
@@ -103,6 +123,7 @@ class VariantSpec(Strict):
     device_map: Literal["auto"] | dict[str, int | str] | None = None
     max_memory: dict[int | str, int | str] | None = None
     diagnose: bool = Field(False, description="after the verdict, find where it loses (ppl-audit diagnose)")
+    kv_cache: KVCache | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -172,6 +193,13 @@ class BaselineSpec(VariantSpec):
     """
 
     rescore: Rescore = "auto"
+
+    @model_validator(mode="after")
+    def _the_baseline_keeps_its_cache(self) -> "BaselineSpec":
+        if self.kv_cache is not None:
+            raise ValueError("kv_cache is a variant's: to measure the cache alone, add a variant of the baseline's own "
+                             "weights with it (a variant without path or method)")
+        return self
 
 
 def one_line(error: ValidationError, where: str) -> str:

@@ -9,11 +9,12 @@ from tasks.audit.checkpoints import calibration_for, prepare
 from tasks.audit.cluster import check_local_cluster, check_reachable, check_workers
 from tasks.audit.reference import find_intact
 from tasks.audit.scoring import baseline_identity
-from tasks.config import AuditConfig
+from tasks.config import AuditConfig, VariantSpec
 from tasks.core.errors import InputError
 from tasks.core.places import references_dir, tracking_uri
 from tasks.data.corpus import corpus_text, tokenizer_digest
 from tasks.data.evaluation import evaluation
+from tasks.engine.kv_cache import head_dim
 from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window, plan
@@ -43,19 +44,22 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             resolve_device(spec.device)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
-    _check_window(config, load_config(config.baseline.path, registry), "the baseline")  # a path error names the path
+    baseline_config = load_config(config.baseline.path, registry)  # a path error names the path
+    _check_window(config, baseline_config, "the baseline")
     check_checkpoint(config.baseline.path, registry)
     # what the workers of an existing cluster must see: the baseline's files (a variant quantized at load
     # reads them) and its stored references (a variant's KL), and each variant's own files
     local = {"the baseline": resolve_model_path(config.baseline.path, registry), "baseline references": references_dir()}
     baseline_tokenizer = None
     for spec in config.variants if variants else []:
-        method = spec.method
+        method, model_config = spec.method, baseline_config
         if spec.path is not None:
             source = local[spec.name] = locate(spec, registry)
             check_checkpoint(source, registry)
+            model_config = None  # a Hub id: not read here
             if Path(source).exists():  # its own positions bound the window too, and its tokens must be the baseline's
-                _check_window(config, load_config(source), spec.name)
+                model_config = load_config(source)
+                _check_window(config, model_config, spec.name)
                 baseline_tokenizer = baseline_tokenizer or tokenizer_digest(load_tokenizer(local["the baseline"]))
                 check_same_tokenizer(spec.name, baseline_tokenizer, tokenizer_digest(load_tokenizer(source)))
             if method in ("auto", "hqq"):  # hqq: a saved HQQ checkpoint is refused as auto refuses it
@@ -67,10 +71,20 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             require(method, resolve_device(spec.device).type)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
+        if spec.kv_cache is not None and model_config is not None:
+            _check_kv_cache(spec, model_config)
     if config.runner.address:
         local["baseline references"].mkdir(parents=True, exist_ok=True)
         check_workers(config.runner, {whose: str(path) for whose, path in local.items()
                                       if Path(path).exists()})  # a Hub id: each worker fetches it
+
+
+def _check_kv_cache(spec: VariantSpec, model_config) -> None:
+    """An int8/int4 cache's blocks lie within one head's vector: its group size divides the head dimension."""
+    width = head_dim(model_config.get_text_config())
+    if spec.kv_cache.dtype in ("int8", "int4") and width % spec.kv_cache.group_size:
+        raise InputError(f"{spec.name}: kv_cache.group_size {spec.kv_cache.group_size} does not divide the model's "
+                         f"head dimension {width}; use a divisor of it (llama.cpp's blocks are 32)")
 
 
 def _check_window(config: AuditConfig, model_config, whose: str) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from tasks.core import console
 from tasks.core.errors import DamagedReference, NumericalError
-from tasks.engine import divergence
+from tasks.engine import divergence, kv_cache
 from tasks.engine.memory import PeakMemory
 from tasks.engine.model_facts import input_device, max_positions
 from tasks.engine.stream import TokenStream
@@ -318,7 +318,7 @@ def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row
     device = input_device(model)
     hidden = model.base_model(input_ids=_to_device(input_ids, device),
                               attention_mask=None if mask is None else _to_device(mask, device),
-                              use_cache=False).last_hidden_state
+                              past_key_values=kv_cache.for_forward(model), use_cache=False).last_hidden_state
     # a model split over devices ends on its last module's device
     return hidden[_to_device(row_index, hidden.device), _to_device(columns, hidden.device)]
 

@@ -19,6 +19,7 @@ import torch
 from tasks.config import VariantSpec
 from tasks.core.errors import InputError
 from tasks.core.versions import versions
+from tasks.engine import kv_cache
 from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
 from tasks.models.loading import WEIGHT_SUFFIXES, load_model
@@ -49,6 +50,10 @@ class VariantFacts:
     # whole model as loaded. NaN in a baseline reference stored before they were measured.
     bits_per_weight: float = math.nan
     model_bits_per_weight: float = math.nan
+    # the key/value cache it was scored with (tasks.engine.kv_cache), "" for the model's own precision, and what a
+    # token's keys and values take in it across all layers
+    kv_cache: str = ""
+    kv_bytes_per_token: float = math.nan
 
     def summary(self) -> dict:
         return asdict(self)
@@ -127,6 +132,9 @@ def load_variant(spec: VariantSpec, source: str):
     forget_with(model, split)
     ready(spec, model)
     load_seconds = time.perf_counter() - started
+    form = spec.kv_cache.format() if spec.kv_cache is not None else None
+    if form is not None:
+        kv_cache.attach(model, form)
     linear, kernels = layer_census(model)
     quantized, backend = len(kernels), ",".join(sorted(set(kernels.values()))) or "torch.nn.Linear"
     if spec.method not in ("baseline", "gguf") and quantized == 0:  # a GGUF file is dequantized as it loads
@@ -140,6 +148,8 @@ def load_variant(spec: VariantSpec, source: str):
         or whole, model_bits_per_weight=whole, quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
         quantization=describe(spec, source, model), kernels=kernels,
+        kv_cache=form.describe() if form is not None else "", kv_bytes_per_token=kv_cache.bytes_per_token(
+            model.config.get_text_config(), form.bits() if form is not None else torch.finfo(model.dtype).bits),
     )
     return model, facts
 

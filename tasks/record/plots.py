@@ -120,8 +120,10 @@ def size_quality_chart(record: dict) -> Figure:
     points = [SizePoint(v["name"], v["row"]["bits_per_weight"], v["row"]["weight_mib"],
                         *(tuple(v["row"].get(key + end, math.nan) for end in ("", "_low", "_high"))
                           for key in ("delta_ppl_pct", "kld_mean")),
-                        COLOURS[verdict_of(v)], bool(v["row"].get("dominated_by"))) for v in variants]
-    return titled(size_quality_figure(points), f"{record['name']}: size against quality · "
+                        COLOURS[verdict_of(v)], bool(v["row"].get("dominated_by")),
+                        kv=v["row"].get("kv_bytes_per_token", math.nan)) for v in variants]
+    sizes = SIZES + (KV_SIZE,) * any(v["row"].get("kv_cache") for v in variants)  # where a variant sets a cache
+    return titled(size_quality_figure(points, sizes), f"{record['name']}: size against quality · "
                    f"{record['verdict']['status'].upper()}", _verdict_handles(variants) + FRONT_HANDLES)
 
 
@@ -137,6 +139,7 @@ class SizePoint:
     colour: str
     dominated: bool
     past: bool = False  # of an earlier audit: drawn grey, behind
+    kv: float = math.nan  # bytes a token's keys and values take in its cache
 
 
 PAST_COLOUR = "#bdbdbd"
@@ -146,16 +149,17 @@ FRONT_HANDLES = [Line2D([], [], color=FRONT_COLOUR, linewidth=1.2, label="front:
                         label="dominated: more bits, worse beyond noise")]
 SIZES = (("bpw", "bits per weight of the quantized layers (scales and zeros included)"),
          ("mib", "MiB of weights in memory after load"))
+KV_SIZE = ("kv", "bytes of keys and values per token (KV cache)")
 QUALITIES = (("delta", "ΔPPL % against the baseline (95% interval)"), ("kld", "mean KL(baseline ‖ variant), nats/token"))
 
 
-def size_quality_figure(points: list[SizePoint]) -> Figure:
+def size_quality_figure(points: list[SizePoint], sizes: tuple = SIZES) -> Figure:
     """ΔPPL % and mean KL (rows) against bits per weight and MiB (columns), untitled: a point per ``SizePoint``
     with its interval, dominated ones hollow, past ones (``points`` holds them first) grey and behind, the front of
-    the undominated joined on the bits-per-weight side (what dominance is decided on)."""
-    figure = Figure(figsize=(WIDTH, 8.6), dpi=DPI, layout="constrained")
+    the undominated joined on the bits-per-weight side (what dominance is decided on). ``sizes``: the columns."""
+    figure = Figure(figsize=(WIDTH * len(sizes) / 2, 8.6), dpi=DPI, layout="constrained")
     for axis, (size, size_label), (quality, quality_label) in zip(
-            figure.subplots(2, 2).flat, [s for q in QUALITIES for s in SIZES], [q for q in QUALITIES for _ in SIZES]):
+            figure.subplots(2, len(sizes)).flat, [s for q in QUALITIES for s in sizes], [q for q in QUALITIES for _ in sizes]):
         shown, taken = [], set()
         for point in reversed(points):  # newest first: a past point where a newer one stands is not drawn again
             at = (repr(getattr(point, size)), repr(getattr(point, quality)[0]))

@@ -20,8 +20,9 @@ EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view a
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
            "tokens_per_second", "wall_seconds", "peak_memory_bytes")
 FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "bits_per_weight", "model_bits_per_weight",
-                "quantized_layers")
+                "quantized_layers", "kv_bytes_per_token")
 COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib",
+                       "kv_saving_pct",
                        "windows", "scored_fraction")  # the windows the paired intervals rest on; how much was scored
 
 
@@ -141,7 +142,7 @@ def _variant_params(record: dict, entry: dict) -> dict:
               "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
-              "worker": facts.get("worker"),
+              "worker": facts.get("worker"), "kv_cache": facts.get("kv_cache") or None,
               "shards": sum("failed" not in row for row in entry.get("shards", [])) or None,
               "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
               "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),

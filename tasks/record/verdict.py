@@ -27,6 +27,12 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
     if outcome.ok:
         r, facts = outcome.result, outcome.facts
         row["method"] = facts.quantization.get("label", outcome.method)  # "gguf Q4_K_M", not a float model
+        if facts.kv_cache:  # the cache it was scored with: "baseline kv:int8"
+            row["method"] += f" kv:{facts.kv_cache.split()[0]}"
+            row["kv_cache"] = facts.kv_cache
+        row.update(kv_bytes_per_token=facts.kv_bytes_per_token)
+        if baseline.ok and outcome is not baseline:
+            row["kv_saving_pct"] = 100 * (1 - facts.kv_bytes_per_token / baseline.facts.kv_bytes_per_token)
         row.update(ppl=r.ppl, ppl_stderr=r.ppl_stderr, mean_nll=r.mean_nll, bits_per_byte=r.bits_per_byte,
                    n_tokens=r.n_tokens, tokens_per_second=r.tokens_per_second,
                    weight_mib=facts.weight_memory_bytes / 2**20, bits_per_weight=facts.bits_per_weight,
@@ -190,6 +196,8 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             said += f"; no KLD: {row['divergence_absent']}"  # a blank column says why
         if row.get("dominated_by"):
             said += f"; dominated by {row['dominated_by']}"
+        if row.get("kv_cache"):
+            said += f"; {kv_cache_text(row)}"
         cells = [row["variant"], row["method"]] + [""] * (len(columns) - 2)
         if row["status"] == "ok":
             delta = f"{row['delta_ppl_pct']:+z.2f}" if "delta_ppl_pct" in row else ""
@@ -206,6 +214,13 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             cells[2] = "—"
         body.append((cells, said))
     return fixed_width(columns, body, "verdict")
+
+
+def kv_cache_text(row: dict) -> str:
+    """What a variant's key/value cache costs: per token, and against the baseline's."""
+    text = f"KV cache {row['kv_cache']}: {row['kv_bytes_per_token']:.0f} B/token"
+    return text + (f", {row['kv_saving_pct']:.0f}% less than the baseline's" if math.isfinite(row.get("kv_saving_pct",
+                                                                                                    math.nan)) else "")
 
 
 def fixed_width(columns: list[tuple[str, str]], body: list[tuple[list[str], str]], last: str) -> str:
