@@ -69,10 +69,12 @@ DEFAULT_CALIBRATION = CalibrationConfig()  # what `quantize` and a variant witho
 class KVCache(Strict):
     """The key/value cache a variant is scored with (``tasks.engine.kv_cache``): ``dtype`` ``int8`` (llama.cpp's
     q8_0), ``int4`` (q4_0), ``fp8_e4m3``/``fp8_e5m2`` (vLLM's fp8 caches) or a float type; ``group_size``: the
-    int8/int4 blocks along each head's vector, which it must divide."""
+    int8/int4 blocks along each head's vector, which it must divide; ``residual``: each query's newest tokens kept as
+    computed (0: none, as llama.cpp; transformers' QuantizedCache keeps 128)."""
 
     dtype: Literal["int8", "int4", "fp8_e4m3", "fp8_e5m2", "float32", "bfloat16", "float16"]
     group_size: int = Field(32, ge=1)
+    residual: int = Field(0, ge=0, description="each query's newest tokens kept unquantized (transformers: 128)")
 
     @model_validator(mode="after")
     def _blocks_are_int_only(self) -> "KVCache":
@@ -83,7 +85,7 @@ class KVCache(Strict):
     def format(self):
         from tasks.engine.kv_cache import KVCacheFormat
 
-        return KVCacheFormat(self.dtype, self.group_size)
+        return KVCacheFormat(self.dtype, self.group_size, self.residual)
 
 
 def check_name(name: str | None) -> None:

@@ -29,7 +29,8 @@ def audited_row(name: str, bpw: float, delta: tuple[float, float, float], kld: t
     return Audited(name=name, method="gptq", audit="nightly", run_id=uuid.uuid4().hex, parent_run_id=audit_run,
                    started=datetime(2026, 11, 25, tzinfo=timezone.utc) - timedelta(days=days_ago), scheduled=scheduled,
                    verdict="pass", delta_ppl_pct=delta[0], delta_ppl_pct_low=delta[1], delta_ppl_pct_high=delta[2],
-                   kld_mean=kld[0], kld_mean_low=kld[1], kld_mean_high=kld[2], bpw=bpw, mib=100 * bpw, own_dominator=None)
+                   kld_mean=kld[0], kld_mean_low=kld[1], kld_mean_high=kld[2], bpw=bpw, mib=100 * bpw, kv_bytes_per_token=math.nan,
+                   own_dominator=None)
 
 
 def test_across_audits_a_variant_is_dominated_only_beyond_both_intervals():

@@ -3,6 +3,7 @@ the front."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,14 +17,16 @@ rng = np.random.default_rng(0)
 HARD = rng.standard_normal(WINDOWS * TOKENS) + np.repeat(rng.standard_normal(WINDOWS), TOKENS)  # shared by all
 
 
-def variant(name: str, bits: float, nll_shift: float, kl: float, seed: int, scored_windows=None) -> VariantResult:
+def variant(name: str, bits: float, nll_shift: float, kl: float, seed: int, scored_windows=None,
+            cache: float = math.nan) -> VariantResult:
     """A variant's per-token NLL (the text's difficulty, which every model shares, its shift and its own noise) and
     KL, on the same 40 windows of 50 tokens."""
     own = np.random.default_rng(seed)
     result = SimpleNamespace(token_nll=HARD + nll_shift + own.normal(0, 0.05, HARD.size),
                              extra={"kl": np.abs(kl + own.normal(0, 0.01, HARD.size))},
                              window_tokens=np.full(WINDOWS, TOKENS), scored_windows=scored_windows)
-    return VariantResult(name, "gptq", "ok", result=result, facts=SimpleNamespace(bits_per_weight=bits))
+    return VariantResult(name, "gptq", "ok", result=result,
+                         facts=SimpleNamespace(bits_per_weight=bits, kv_bytes_per_token=cache))
 
 
 def test_a_larger_and_clearly_worse_variant_is_dominated_by_the_smallest_better_one():
@@ -32,6 +35,15 @@ def test_a_larger_and_clearly_worse_variant_is_dominated_by_the_smallest_better_
     tiny = variant("tiny", 3.0, 0.15, 0.15, 4)  # the worst of all, but the smallest: a choice of its own
     found = dominated_by([worse, small, close, tiny])
     assert found == {"worse": "small", "small": None, "close": None, "tiny": None}
+
+
+def test_a_smaller_key_value_cache_is_a_cost_of_its_own():
+    """The same weights with an int8 and an fp8 cache: fp8 is worse beyond noise, but its cache is smaller."""
+    int8, fp8 = variant("kv-int8", 32, 0.02, 0.02, 2, cache=12240), variant("kv-fp8", 32, 0.10, 0.10, 1, cache=11520)
+    assert worse_beyond_noise(fp8, int8)
+    assert dominated_by([int8, fp8]) == {"kv-int8": None, "kv-fp8": None}
+    bigger = variant("kv-f16", 32, 0.10, 0.10, 1, cache=23040)
+    assert dominated_by([int8, bigger]) == {"kv-int8": None, "kv-f16": "kv-int8"}
 
 
 def test_overlapping_intervals_are_no_dominance():

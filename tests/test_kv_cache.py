@@ -12,7 +12,7 @@ from helpers import write_config
 
 from flows.audit import audit, summary_of
 from flows.cli import main
-from tasks.engine.kv_cache import KVCacheFormat, cache
+from tasks.engine.kv_cache import KVCacheFormat, cache, residual_mask
 from tasks.engine.perplexity import perplexity
 from tasks.models.variants import load_variant
 
@@ -115,6 +115,41 @@ def test_an_attention_layer_attends_to_the_cache_s_keys_and_values_as_one_built_
     assert (found - unquantized).abs().max() > 1e-4
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("residual", [1, 5])
+def test_with_a_residual_each_query_sees_its_newest_keys_as_computed_and_older_ones_quantized(trained_model_dir,
+                                                                                               residual):
+    """transformers' QuantizedCache layout, against attention built by hand from both copies of keys and values."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = AutoModelForCausalLM.from_pretrained(trained_model_dir, dtype=torch.float64)
+    form, layer, n = KVCacheFormat("int4", 16, residual), model.model.layers[0].self_attn, 20
+    x = torch.randn(2, n, model.config.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    cos, sin = model.model.rotary_emb(x, torch.arange(n).unsqueeze(0))
+    found, _ = layer(x, position_embeddings=(cos, sin), past_key_values=cache(form),
+                     attention_mask=residual_mask(None, n, residual, 2, torch.float64, torch.device("cpu")))
+
+    heads, kv_heads, width = model.config.num_attention_heads, model.config.num_key_value_heads, layer.head_dim
+    q = layer.q_proj(x).view(2, n, heads, width).transpose(1, 2)
+    k = layer.k_proj(x).view(2, n, kv_heads, width).transpose(1, 2)
+    v = layer.v_proj(x).view(2, n, kv_heads, width).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    copies = {"computed": (k, v), "stored": (torch.from_numpy(q4_0(k.numpy(), 16)).double(),
+                                             torch.from_numpy(q4_0(v.numpy(), 16)).double())}
+    behind = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    scores, values = {}, {}
+    for name, (keys, vals) in copies.items():
+        keys, vals = keys.repeat_interleave(heads // kv_heads, 1), vals.repeat_interleave(heads // kv_heads, 1)
+        scores[name], values[name] = q @ keys.transpose(-1, -2) / math.sqrt(width), vals
+    recent = (behind >= 0) & (behind < residual)
+    combined = torch.where(recent, scores["computed"], scores["stored"]).masked_fill(behind < 0, -torch.inf)
+    weights = torch.softmax(combined, dim=-1)
+    by_hand = (weights * recent) @ values["computed"] + (weights * (behind >= residual)) @ values["stored"]
+    by_hand = layer.o_proj(by_hand.transpose(1, 2).reshape(2, n, heads * width))
+    torch.testing.assert_close(found, by_hand, rtol=1e-9, atol=1e-9)
+
+
 def test_a_cache_that_stores_exactly_changes_nothing_and_batching_changes_nothing(trained_model_dir, tokenizer, text):
     from tasks.config import VariantSpec
     from tasks.data.corpus import tokenize
@@ -128,10 +163,19 @@ def test_a_cache_that_stores_exactly_changes_nothing_and_batching_changes_nothin
     four, four_facts = load_variant(VariantSpec(name="int4", kv_cache={"dtype": "int4"}), str(trained_model_dir))
     once, batched = perplexity(four, stream, 64, 32, 1), perplexity(four, stream, 64, 32, 7)
     assert once.nll_sum == batched.nll_sum and once.nll_sum != a.nll_sum
+    all_quantized = once.nll_sum
     assert four_facts.kv_bytes_per_token == 2 * 2 * 2 * 32 * (4 + 16 / 32) / 8
     assert four_facts.kv_cache == "int4 g32 (llama.cpp q4_0)"
+    # a residual as long as the window keeps every key as computed; a shorter one, padded batches and all, is its own
+    whole, _ = load_variant(VariantSpec(name="kept", kv_cache={"dtype": "int4", "residual": 64}), str(trained_model_dir))
+    assert perplexity(whole, stream, 64, 32, 3).nll_sum == a.nll_sum
+    some, _ = load_variant(VariantSpec(name="some", kv_cache={"dtype": "int4", "residual": 8}), str(trained_model_dir))
+    once, batched = perplexity(some, stream, 64, 32, 1), perplexity(some, stream, 64, 32, 7)
+    assert once.nll_sum == pytest.approx(batched.nll_sum, rel=1e-12)
+    assert once.nll_sum not in (a.nll_sum, all_quantized)
 
 
+@pytest.mark.slow  # a whole audit of three cached variants
 def test_an_audit_reports_each_cache_its_cost_and_its_paired_loss(tmp_path, cache_dir, trained_model_dir, corpus_path):
     config = write_config(tmp_path / "kv.yaml", trained_model_dir, corpus_path,
                           [{"name": "kv8", "kv_cache": {"dtype": "int8"}}, {"name": "kv4", "kv_cache": {"dtype": "int4"}},

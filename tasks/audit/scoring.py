@@ -8,6 +8,7 @@ so the others carry on.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -25,6 +26,7 @@ from tasks.core.errors import InputError, NumericalError, TransientError, Worker
 from tasks.core.places import references_dir
 from tasks.data.corpus import tokenizer_digest
 from tasks.data.evaluation import Evaluation
+from tasks.engine import kv_cache
 from tasks.engine.batching import auto_batch_size
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import Part, PerplexityResult, combine, score_part, scored_targets
@@ -32,7 +34,7 @@ from tasks.engine.sequential import window_order
 from tasks.engine.windows import plan
 from tasks.models.placement import devices, is_split, main_device, run_on
 from tasks.models.quantize import check_disjoint, read_manifest
-from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
+from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_dtype
 from tasks.models.variants import VariantFacts, check_same_tokenizer, load_variant
 from tasks.record.results import VariantResult
 
@@ -110,9 +112,13 @@ def _loaded(spec: VariantSpec, source: str, evaluation_: Evaluation):
     return model, facts
 
 
-def _reuse(found: reference.Reference) -> tuple[PerplexityResult, VariantFacts]:
+def _reuse(found: reference.Reference, source: str) -> tuple[PerplexityResult, VariantFacts]:
     found.touch()
-    return found.result(), VariantFacts(**found.manifest["facts"])
+    facts = VariantFacts(**found.manifest["facts"])
+    if math.isnan(facts.kv_bytes_per_token):  # a reference stored before caches were measured: its model says
+        facts.kv_bytes_per_token = kv_cache.bytes_per_token(load_config(source).get_text_config(),
+                                                            torch.finfo(getattr(torch, facts.dtype)).bits)
+    return found.result(), facts
 
 
 def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[Path | None, dict | None, dict]:
@@ -141,7 +147,7 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
         reuse, previous, removed = reference.find_intact(identity, environment, spec.rescore)
         said = {"baseline_key": reference.baseline_key(identity)} | ({"removed": removed} if removed else {})
     if reuse is not None:
-        result, facts = _reuse(reuse)
+        result, facts = _reuse(reuse, checkpoint.source)
         return result, facts, said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
     model, facts = _loaded(spec, checkpoint.source, evaluation_)
     with ExitStack() as stack:

@@ -12,10 +12,14 @@ The layouts are the runtimes' own:
 - ``float32``, ``bfloat16``, ``float16``: a cache kept in that float type (in the model's own, it changes nothing).
 
 Keys are quantized after the rotary embedding, as they are stored. A window is scored in one forward pass, so what
-the runtimes do token by token is done for all of a window's tokens at once, as llama.cpp does it: the current
-token's own key and value are quantized too (transformers' ``QuantizedCache`` keeps its most recent 128 to 256 tokens
-in full precision instead; that is not offered). Each token's blocks are its own, so a token's quantized key does not
-depend on what else is in the window: contexts are scored as without it.
+the runtimes do token by token is done for all of a window's tokens at once. With ``residual: 0`` (llama.cpp) every
+query attends to quantized keys and values, its own token's included. With ``residual: R`` each query's R most recent
+tokens (its own included) stay as computed, as transformers' ``QuantizedCache`` keeps its residual buffer (R = 128
+there; it quantizes the buffer when it holds 2R, so there a query sees between R and 2R recent tokens unquantized:
+R is the runtime's least). That is done without a second attention implementation: the cache gives back the window's
+keys and values twice, quantized then as computed, and a mask lets query i see key j in the first copy when
+``i - j >= R`` and in the second when ``0 <= i - j < R``. Each token's blocks are its own, so a token's quantized key
+does not depend on what else is in the window: contexts are scored as without a cache setting.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ RUNTIME = {"int8": "llama.cpp q8_0", "int4": "llama.cpp q4_0", "fp8_e4m3": "vLLM
 
 @dataclass(frozen=True)
 class KVCacheFormat:
-    """How a cache stores keys and values: ``dtype`` (a key of ``RUNTIME``) and ``group_size`` (int8/int4 blocks
-    along the head vector)."""
+    """How a cache stores keys and values: ``dtype`` (a key of ``RUNTIME``), ``group_size`` (int8/int4 blocks
+    along the head vector) and ``residual`` (each query's most recent tokens kept as computed)."""
 
     dtype: str
     group_size: int = 32
+    residual: int = 0
 
     def bits(self) -> float:
         """Bits a cached number takes, its block's scale included."""
@@ -48,7 +53,8 @@ class KVCacheFormat:
 
     def describe(self) -> str:
         blocks = f" g{self.group_size}" if self.dtype in INTS else ""
-        return f"{self.dtype}{blocks} ({RUNTIME[self.dtype]})"
+        kept = f", newest {self.residual} kept" if self.residual else ""
+        return f"{self.dtype}{blocks} ({RUNTIME[self.dtype]}{kept})"
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., head_dim]`` as the cache gives it back, in ``x``'s dtype."""
@@ -92,18 +98,46 @@ def cache(form: KVCacheFormat):
         keys and values as the format stores them."""
 
         def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+            if form.residual:  # both copies: the mask picks one for each query and key (residual_mask)
+                return (torch.cat([form.round_trip(keys), keys], dim=-2),
+                        torch.cat([form.round_trip(values), values], dim=-2))
             return form.round_trip(keys), form.round_trip(values)
 
     return Cache(layer_class_to_replicate=Layer)
 
 
+def residual_mask(padding: torch.Tensor | None, length: int, residual: int, batch: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """The additive ``[batch, 1, length, 2·length]`` mask over the two copies ``cache`` gives back with a residual:
+    query i sees key j quantized when ``i - j >= residual``, as computed when ``0 <= i - j < residual``; a padded key
+    (``padding`` 0) never, but every query sees its own key (a padded row must not be all masked)."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    behind = i - j
+    seen = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device) if padding is None else \
+        padding.to(device=device, dtype=torch.bool)[:, None, None, :]
+    old = (behind >= residual) & seen
+    recent = ((behind >= 0) & (behind < residual) & seen) | (behind == 0)
+    allowed = torch.cat([old.expand(batch, 1, length, length), recent.expand(batch, 1, length, length)], dim=-1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
-def attach(model, form: KVCacheFormat) -> None:
-    """Score ``model`` with its keys and values stored in ``form`` (``tasks.engine.perplexity.hidden_states``)."""
+
+
+def attach(model, form: KVCacheFormat | None) -> None:
+    """Score ``model`` with its keys and values stored in ``form`` (``tasks.engine.perplexity.hidden_states``); None:
+    as computed."""
     model.ppl_audit_kv_cache = form
 
 
-def for_forward(model):
-    """The ``past_key_values`` for one forward pass of ``model``: a quantized cache where one is attached, else None."""
+def forward_arguments(model, input_ids: torch.Tensor, padding: torch.Tensor | None, device: torch.device) -> dict:
+    """What one forward pass of ``model`` over ``input_ids`` ``[batch, length]`` takes besides them: its
+    ``attention_mask`` (``padding``, or the residual's own mask) and, where a cache format is attached, the quantized
+    cache as ``past_key_values``."""
     form = getattr(model, "ppl_audit_kv_cache", None)
-    return None if form is None else cache(form)
+    if form is None:
+        return {"attention_mask": padding}
+    if not form.residual:
+        return {"attention_mask": padding, "past_key_values": cache(form)}
+    batch, length = input_ids.shape
+    return {"attention_mask": residual_mask(padding, length, form.residual, batch, model.dtype, device),
+            "past_key_values": cache(form)}

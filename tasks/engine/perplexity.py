@@ -316,9 +316,9 @@ def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
 
 def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
     device = input_device(model)
-    hidden = model.base_model(input_ids=_to_device(input_ids, device),
-                              attention_mask=None if mask is None else _to_device(mask, device),
-                              past_key_values=kv_cache.for_forward(model), use_cache=False).last_hidden_state
+    padding = None if mask is None else _to_device(mask, device)
+    hidden = model.base_model(input_ids=_to_device(input_ids, device), use_cache=False,
+                              **kv_cache.forward_arguments(model, input_ids, padding, device)).last_hidden_state
     # a model split over devices ends on its last module's device
     return hidden[_to_device(row_index, hidden.device), _to_device(columns, hidden.device)]
 

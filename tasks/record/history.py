@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from tasks.core.errors import InputError
+from tasks.record.dominance import no_larger
 from tasks.record.tags import BASELINE_KEY, COMPLETE, DOMINATED_BY, REFERENCE, SCHEDULED
 from tasks.record.plots import COLOURS, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured, size_quality_figure, titled
 
@@ -48,6 +49,7 @@ class Audited:
     kld_mean_high: float
     bpw: float
     mib: float
+    kv_bytes_per_token: float
     own_dominator: str | None  # within its own audit (paired)
     dominated_by: str | None = None
     changed: str | None = None
@@ -101,7 +103,7 @@ def _row(child, parent) -> Audited:
         scheduled=parent.data.tags.get(SCHEDULED) == "true", verdict=tags.get("audit.verdict", "?"),
         **{key: _figure(child, key) for key in ("delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean",
                                                  "kld_mean_low", "kld_mean_high")},
-        bpw=_figure(child, "bits_per_weight"),
+        bpw=_figure(child, "bits_per_weight"), kv_bytes_per_token=_figure(child, "kv_bytes_per_token"),
         mib=metrics["weight_memory_bytes"] / 2**20 if "weight_memory_bytes" in metrics else NAN,
         own_dominator=tags.get(DOMINATED_BY))
 
@@ -143,8 +145,8 @@ def mark_dominated(rows: list[Audited]) -> None:
         if a.own_dominator:
             a.dominated_by = a.own_dominator
             continue
-        better = [b for b in costed if b.parent_run_id != a.parent_run_id and b.name != a.name and b.bpw <= a.bpw
-                  and _worse_beyond_intervals(a, b)]
+        better = [b for b in costed if b.parent_run_id != a.parent_run_id and b.name != a.name
+                  and no_larger(b.bpw, a.bpw, b.kv_bytes_per_token, a.kv_bytes_per_token) and _worse_beyond_intervals(a, b)]
         if better:
             best = min(better, key=lambda b: (b.bpw, -b.started.timestamp()))
             a.dominated_by = f"{best.name} ({best.started:%Y-%m-%d %H:%M})"
