@@ -76,7 +76,8 @@ def _scheduled() -> bool:
 
 def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantResult]) -> dict:
     """Comparison rows, per-variant verdicts and the audit's verdict, as plain data."""
-    rows = [comparison_row(baseline, baseline)] + [comparison_row(v, baseline) for v in variants]
+    window = config.evaluation.window
+    rows = [comparison_row(baseline, baseline, window)] + [comparison_row(v, baseline, window) for v in variants]
     verdicts = [judge(row, config.thresholds) for row in rows[1:]]
     dominated = dominated_by(variants)
     for row in rows[1:]:

@@ -36,7 +36,7 @@ def test_one_window_scored_anyway_is_judged_an_error_not_a_pass(tiny_model_dir, 
     scored = evaluation(corpus_path.read_text(), lineup.tokenizer, parse(EvaluationConfig, ONE_CHUNK, "test"))
     base = scoring.score_variant(lineup.baseline, lineup, scored)
     variant = scoring.score_variant(lineup.variants[0], lineup, scored, baseline_outcome=base)
-    rows = [comparison_row(base, base), comparison_row(variant, base)]
+    rows = [comparison_row(base, base, 64), comparison_row(variant, base, 64)]
     verdict = judge(rows[1], Thresholds(**GATE))
     assert rows[1]["windows"] == 1 and verdict.status == "error"
     assert verdict.reason.count("cannot be judged") == 3 and "rests on 1 window(s)" in verdict.reason

@@ -169,7 +169,10 @@ def test_a_cache_that_stores_exactly_changes_nothing_and_batching_changes_nothin
     # a residual as long as the window keeps every key as computed; a shorter one, padded batches and all, is its own
     whole, _ = load_variant(VariantSpec(name="kept", kv_cache={"dtype": "int4", "residual": 64}), str(trained_model_dir))
     assert perplexity(whole, stream, 64, 32, 3).nll_sum == a.nll_sum
-    some, _ = load_variant(VariantSpec(name="some", kv_cache={"dtype": "int4", "residual": 8}), str(trained_model_dir))
+    some, some_facts = load_variant(VariantSpec(name="some", kv_cache={"dtype": "int4", "residual": 8}),
+                                    str(trained_model_dir), window=64)
+    # over the audit's window of 64, its 8 newest tokens take the model's float32, the other 56 int4's 144 bytes
+    assert some_facts.kv_bytes_per_token == (56 * 144 + 8 * 1024) / 64
     once, batched = perplexity(some, stream, 64, 32, 1), perplexity(some, stream, 64, 32, 7)
     assert once.nll_sum == pytest.approx(batched.nll_sum, rel=1e-12)
     assert once.nll_sum not in (a.nll_sum, all_quantized)
@@ -191,7 +194,8 @@ def test_an_audit_reports_each_cache_its_cost_and_its_paired_loss(tmp_path, cach
         row = rows[name]
         assert row["delta_ppl_pct_low"] <= row["delta_ppl_pct"] <= row["delta_ppl_pct_high"] and row["kld_mean"] > 0
     assert rows["kv4"]["kld_mean"] > rows["kv8"]["kld_mean"]
-    assert "KV cache int8 g32 (llama.cpp q8_0): 272 B/token, 73% less than the baseline's" in summary["table"]
+    said = "KV cache int8 g32 (llama.cpp q8_0): 272 B/token, 0.02 MiB a window, 73% less than the baseline's"
+    assert said in summary["table"] and rows["kv8"]["kv_window_mib"] == 272 * 64 / 2**20
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -229,6 +233,16 @@ def test_a_bad_cache_setting_is_one_line_and_exit_2_before_anything_loads(capsys
     assert main(["run", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
+
+
+def test_a_diagnosis_of_a_cached_variant_is_refused_with_what_to_do(tmp_path, trained_model_dir, corpus_path):
+    from tasks.audit.diagnose import narrowed
+    from tasks.config import load_audit_config
+    from tasks.core.errors import InputError
+
+    config = write_config(tmp_path / "kv.yaml", trained_model_dir, corpus_path, [{"name": "kv8", "kv_cache": {"dtype": "int8"}}])
+    with pytest.raises(InputError, match="scored with a quantized key/value cache, which a diagnosis of its layers"):
+        narrowed(load_audit_config(str(config), []), "kv8")
 
 
 def test_the_baseline_s_own_cache_is_refused_with_what_to_do(capsys, tmp_path, trained_model_dir, corpus_path):

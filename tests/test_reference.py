@@ -285,9 +285,9 @@ def test_a_reference_that_cannot_be_written_loses_the_kl_not_the_scores(tiny_mod
         baseline.reference["problem"]
     variant = scoring.score_variant(lineup.variants[0], lineup, scored, baseline_outcome=baseline)
     assert variant.ok and "kl" not in variant.result.extra
-    verdict = judge(comparison_row(variant, baseline), Thresholds(max_kld_mean=0.1))
+    verdict = judge(comparison_row(variant, baseline, 64), Thresholds(max_kld_mean=0.1))
     assert verdict.status == "error" and "could not write the baseline reference" in verdict.reason
-    rows = [comparison_row(baseline, baseline), comparison_row(variant, baseline)]
+    rows = [comparison_row(baseline, baseline, 64), comparison_row(variant, baseline, 64)]
     ungated = judge(rows[1], Thresholds())
     assert rows[1]["divergence_absent"] == baseline.reference["problem"]
     table = format_table(rows, {"int8": ungated}).splitlines()

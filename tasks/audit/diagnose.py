@@ -45,6 +45,9 @@ def narrowed(config: AuditConfig, variant: str) -> AuditConfig:
     if spec is None:
         raise InputError(f"audit {config.name} has no variant '{variant}'; give one of "
                          f"{', '.join(v.name for v in config.variants)}")
+    if spec.kv_cache is not None:  # the layers are compared with their own inputs, through no cache
+        raise InputError(f"variant '{variant}' is scored with a quantized key/value cache, which a diagnosis of its "
+                         "layers does not model; diagnose the variant without kv_cache, or compare caches in an audit")
     return config.model_copy(update={"variants": [spec]})
 
 

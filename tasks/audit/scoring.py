@@ -106,7 +106,7 @@ def check_parity(spec: VariantSpec, source: str, model, facts: VariantFacts, eva
 
 def _loaded(spec: VariantSpec, source: str, evaluation_: Evaluation):
     """``load_variant``, and a model split over several devices checked against one device first."""
-    model, facts = load_variant(spec, source)
+    model, facts = load_variant(spec, source, evaluation_.settings.window)
     if is_split(model):
         facts.parity = check_parity(spec, source, model, facts, evaluation_)
     return model, facts

@@ -82,6 +82,17 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def window_bytes_per_token(form: KVCacheFormat | None, config, model_bits: int, window: int | None) -> float:
+    """Bytes a token's keys and values take, on average over a cache of ``window`` tokens (None: a long one) in
+    ``form``, its residual's newest tokens in the model's precision (``model_bits``); in the model's own without a
+    format."""
+    if form is None:
+        return bytes_per_token(config, model_bits)
+    kept = 0 if window is None else min(form.residual, window)
+    stored = bytes_per_token(config, form.bits())
+    return stored if not kept else ((window - kept) * stored + kept * bytes_per_token(config, model_bits)) / window
+
+
 def bytes_per_token(config, bits: float) -> float:
     """Bytes one token's keys and values take in every layer of a model of transformers ``config``, at ``bits``
     per number."""

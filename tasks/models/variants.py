@@ -51,7 +51,8 @@ class VariantFacts:
     bits_per_weight: float = math.nan
     model_bits_per_weight: float = math.nan
     # the key/value cache it was scored with (tasks.engine.kv_cache), "" for the model's own precision, and what a
-    # token's keys and values take in it across all layers
+    # token's keys and values take in it across all layers (on average over the audit's window, where a residual
+    # keeps the newest ones in the model's precision)
     kv_cache: str = ""
     kv_bytes_per_token: float = math.nan
 
@@ -109,8 +110,9 @@ def size_on_disk(path: str) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
 
 
-def load_variant(spec: VariantSpec, source: str):
+def load_variant(spec: VariantSpec, source: str, window: int | None = None):
     """Load ``spec`` from ``source`` (its own path, a quantized folder, or the baseline to quantize at load).
+    ``window``: the audit's, over which a key/value cache with a residual is costed (``kv_bytes_per_token``).
 
     Returns:
         ``(model, VariantFacts)``.
@@ -148,8 +150,8 @@ def load_variant(spec: VariantSpec, source: str):
         or whole, model_bits_per_weight=whole, quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
         quantization=describe(spec, source, model), kernels=kernels,
-        kv_cache=form.describe() if form is not None else "", kv_bytes_per_token=kv_cache.bytes_per_token(
-            model.config.get_text_config(), form.bits() if form is not None else torch.finfo(model.dtype).bits),
+        kv_cache=form.describe() if form is not None else "", kv_bytes_per_token=kv_cache.window_bytes_per_token(
+            form, model.config.get_text_config(), torch.finfo(model.dtype).bits, window),
     )
     return model, facts
 

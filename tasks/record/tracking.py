@@ -22,7 +22,7 @@ METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bi
 FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "bits_per_weight", "model_bits_per_weight",
                 "quantized_layers", "kv_bytes_per_token")
 COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib",
-                       "kv_saving_pct",
+                       "kv_saving_pct", "kv_window_mib",
                        "windows", "scored_fraction")  # the windows the paired intervals rest on; how much was scored
 
 

@@ -21,8 +21,9 @@ class Verdict:
     reason: str
 
 
-def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
-    """One row of the comparison table: the variant's figures and its change against the baseline."""
+def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int) -> dict:
+    """One row of the comparison table: the variant's figures and its change against the baseline (``window``: the
+    audit's, which its key/value cache holds)."""
     row = {"variant": outcome.name, "method": outcome.method, "status": outcome.status, "reason": outcome.reason}
     if outcome.ok:
         r, facts = outcome.result, outcome.facts
@@ -30,7 +31,7 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult) -> dict:
         if facts.kv_cache:  # the cache it was scored with: "baseline kv:int8"
             row["method"] += f" kv:{facts.kv_cache.split()[0]}"
             row["kv_cache"] = facts.kv_cache
-        row.update(kv_bytes_per_token=facts.kv_bytes_per_token)
+        row.update(kv_bytes_per_token=facts.kv_bytes_per_token, kv_window_mib=facts.kv_bytes_per_token * window / 2**20)
         if baseline.ok and outcome is not baseline:
             row["kv_saving_pct"] = 100 * (1 - facts.kv_bytes_per_token / baseline.facts.kv_bytes_per_token)
         row.update(ppl=r.ppl, ppl_stderr=r.ppl_stderr, mean_nll=r.mean_nll, bits_per_byte=r.bits_per_byte,
@@ -218,7 +219,7 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
 
 def kv_cache_text(row: dict) -> str:
     """What a variant's key/value cache costs: per token, and against the baseline's."""
-    text = f"KV cache {row['kv_cache']}: {row['kv_bytes_per_token']:.0f} B/token"
+    text = f"KV cache {row['kv_cache']}: {row['kv_bytes_per_token']:.0f} B/token, {row['kv_window_mib']:.2f} MiB a window"
     return text + (f", {row['kv_saving_pct']:.0f}% less than the baseline's" if math.isfinite(row.get("kv_saving_pct",
                                                                                                     math.nan)) else "")
 
