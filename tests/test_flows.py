@@ -80,11 +80,11 @@ def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corp
     real = tasks.audit.scoring.load_variant
     calls = []
 
-    def flaky(spec, source):  # the remote store drops the first connection
+    def flaky(spec, source, window=None):  # the remote store drops the first connection
         calls.append(spec.name)
         if spec.name == "int8" and calls.count("int8") == 1:
             raise TransientError("connection reset by the model store")
-        return real(spec, source)
+        return real(spec, source, window)
 
     monkeypatch.setattr(tasks.audit.scoring, "load_variant", flaky)
     config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}])

@@ -56,6 +56,7 @@ def test_the_embedded_gguf_file_scores_as_the_model_dequantized_from_it(embedded
     assert outcome.result.extra["kl"].max() < 1e-6  # the same distribution at every token
 
 
+@pytest.mark.slow  # the embedded model's GGUF file, loaded twice
 def test_a_gguf_file_loads_as_transformers_loads_it_to_the_bit():
     """Our GGUF loader (the file parsed once, gguf-py's name map made once) against transformers' own: the same
     tensors under the same names, the tied head still tied."""

@@ -84,9 +84,9 @@ def references(tmp_path, monkeypatch) -> Path:
 def test_a_reused_baseline_is_bit_identical_and_its_model_is_not_loaded(tiny_model_dir, text, references, monkeypatch):
     real, loads = scoring.load_variant, []
 
-    def counted(spec, source):
+    def counted(spec, source, window=None):
         loads.append(spec.name)
-        return real(spec, source)
+        return real(spec, source, window)
 
     monkeypatch.setattr(scoring, "load_variant", counted)
     scored = score_baseline(tiny_model_dir, text)

@@ -40,7 +40,8 @@ def renamed(source: Path, target: Path) -> Path:
     return rewritten(source, target, lambda tensors: {f"foo.{name}": t for name, t in tensors.items()})
 
 
-@pytest.mark.parametrize("kind,expected", [("folder", RENAMED), ("gguf", NO_TENSORS)])
+@pytest.mark.parametrize("kind,expected", [("folder", RENAMED),
+                                           pytest.param("gguf", NO_TENSORS, marks=pytest.mark.slow)])  # 94 MiB rewritten
 def test_ppl_refuses_a_checkpoint_whose_tensors_do_not_fill_its_model(cli, tmp_path, tiny_model_dir, corpus_path,
                                                                        kind, expected):
     if kind == "folder":
