@@ -331,7 +331,7 @@ def test_an_audit_stopped_while_its_server_starts_ends_at_once(command, long_con
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_ppl_stopped_while_scoring_ends_at_once(command, tiny_model_dir, tmp_path, signum):
     corpus = tmp_path / "long.txt"
-    corpus.write_text(make_text(60000))
+    corpus.write_text(make_text(400000))  # ~570k tokens: scoring lasts well past the signal (25k tok/s when idle)
     ppl = command("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--window", "64",
                   "--method", "torchao-int8")
     wait_for(lambda: "int8" in ppl.log.read_text() or list((ppl.home / "logs").glob("*ppl*")), 120, "scoring")
