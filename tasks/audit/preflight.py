@@ -14,7 +14,7 @@ from tasks.core.errors import InputError
 from tasks.core.places import references_dir, tracking_uri
 from tasks.data.corpus import corpus_text, tokenizer_digest
 from tasks.data.evaluation import evaluation
-from tasks.engine.kv_cache import head_dim
+from tasks.engine.kv_cache import INTS, head_dim
 from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window, plan
@@ -82,7 +82,7 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
 def _check_kv_cache(spec: VariantSpec, model_config) -> None:
     """An int8/int4 cache's blocks lie within one head's vector: its group size divides the head dimension."""
     width = head_dim(model_config.get_text_config())
-    if spec.kv_cache.dtype in ("int8", "int4") and width % spec.kv_cache.group_size:
+    if spec.kv_cache.dtype in INTS and width % spec.kv_cache.group_size:
         raise InputError(f"{spec.name}: kv_cache.group_size {spec.kv_cache.group_size} does not divide the model's "
                          f"head dimension {width}; use a divisor of it (llama.cpp's blocks are 32)")
 

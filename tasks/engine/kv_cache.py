@@ -133,7 +133,6 @@ def residual_mask(padding: torch.Tensor | None, length: int, residual: int, batc
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-
 def attach(model, form: KVCacheFormat | None) -> None:
     """Score ``model`` with its keys and values stored in ``form`` (``tasks.engine.perplexity.hidden_states``); None:
     as computed."""

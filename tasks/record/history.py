@@ -175,14 +175,10 @@ def experiment_of(client, name: str, uri: str) -> str:
     return found.experiment_id
 
 
-def _interval(value: float, low: float, high: float, form: str) -> str:
-    text = format(value, form) if measured(value) else "—"
-    return text + (f" [{low:{form}}, {high:{form}}]" if measured(low) else "")
-
-
 def format_history(rows: list[Audited]) -> str:
     """The console table: a row per variant of each audit, newest first; the last column says its verdict, what
     dominates it and what changed, and names its run (a link on a tracking server)."""
+    from tasks.record.report import delta_text, figure_text
     from tasks.record.verdict import fixed_width
 
     columns = [("variant", "<16"), ("method", "<10"), ("audit", "<12"), ("date", "<17"), ("bpw", ">7"), ("MiB", ">7"),
@@ -191,11 +187,10 @@ def format_history(rows: list[Audited]) -> str:
     for row in rows:
         said = row.verdict.upper() + "".join(f"; {note}" for note in (
             row.dominated_by and f"dominated by {row.dominated_by}", row.changed) if note)
+        figures = vars(row)  # named as a comparison row's: the audit table's own formatting
         body.append(([row.name, row.method, row.audit, f"{row.started:%Y-%m-%d %H:%M}",
-                      format(row.bpw, ".2f") if measured(row.bpw) else "—",
-                      format(row.mib, ".0f") if measured(row.mib) else "—",
-                      _interval(row.delta_ppl_pct, row.delta_ppl_pct_low, row.delta_ppl_pct_high, "+z.2f"),
-                      format(row.kld_mean, "z.4f") if measured(row.kld_mean) else "—"],
+                      figure_text(figures, "bpw", ".2f"), figure_text(figures, "mib", ".0f"), delta_text(figures),
+                      figure_text(figures, "kld_mean", "z.4f")],
                      f"{said}  {row.link or row.run_id}"))
     return fixed_width(columns, body, "verdict, run")
 
