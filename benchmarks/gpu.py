@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,11 +23,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA = "needs a CUDA GPU"
-# method -> the kit's checkpoint it loads (None: the float model, quantized at load where the method says so)
-METHODS = {"baseline": None, "gptq": "gptq", "awq": "awq", "compressed-tensors": "w4a16", "hqq": None,
-           "bnb-int8": None, "bnb-nf4": None}
+# variant (NAME=METHOD[:KERNEL], benchmarks/quantized.py) -> the kit's checkpoint it loads (None: the float model,
+# quantized at load where the method says so). gptqmodel's own choice of kernel first, then others it has for
+# the same checkpoint; bitsandbytes is not carried (its CUDA wheel is 60 MB; it ran on an H100 before).
+METHODS = {"baseline": None, "gptq": "gptq", "gptq-triton=gptq:triton": "gptq", "gptq-torch=gptq:torch": "gptq",
+           "awq": "awq", "awq-triton=awq:gemm_triton": "awq", "awq-torch=awq:torch_awq": "awq",
+           "ct-w4a16=compressed-tensors": "w4a16", "ct-w8a8=compressed-tensors": "w8a8",
+           "ct-fp8=compressed-tensors": "fp8_dynamic", "fp8": "fp8", "hqq": None}
+CUDA_ONLY = ("fp8", "gptq-triton=gptq:triton", "awq-triton=awq:gemm_triton")  # no CPU kernel
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.02)  # widths the Marlin/AWQ tiles (64, 128) divide
+
+
+def block_fp8(source: Path, target: Path, block: int = 128) -> None:
+    """A transformers fine-grained FP8 checkpoint of a float model (DeepSeek-V3's layout, which transformers
+    loads): each decoder Linear's weight in float8_e4m3fn by ``block`` x ``block`` tiles, with the tile's
+    ``weight_scale_inv`` (amax / 448) that multiplies it back; made by hand, since transformers quantizes to FP8
+    only on a GPU."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(source / "model.safetensors")
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("_proj.weight"):
+            rows, cols = w.shape[0] // block, w.shape[1] // block
+            tiles = w.float().reshape(rows, block, cols, block)
+            scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+            out[name] = (tiles / scale[:, None, :, None]).reshape(w.shape).to(torch.float8_e4m3fn)
+            out[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        else:
+            out[name] = w
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(out, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / extra, target / extra)
 
 
 def make_models(folder: Path) -> None:
@@ -47,7 +84,9 @@ def make_models(folder: Path) -> None:
     calibration = draw_calibration(stream.ids, 32, 128, 0, "make_text(8000, seed=4)", stream.text_digest)
     for method in ("gptq", "awq"):
         quantize(str(folder / "float"), method, 4, 64, True, calibration, folder / method)
-    make_compressed(folder / "float", folder / "w4a16", "W4A16")
+    for scheme in ("W4A16", "W8A8", "FP8_DYNAMIC"):
+        make_compressed(folder / "float", folder / scheme.lower(), scheme)
+    block_fp8(folder / "float", folder / "fp8")
 
 
 def _cuda() -> bool:
@@ -69,75 +108,174 @@ def environment() -> dict:
     return found
 
 
-def _script(arguments: list[str], timeout: float) -> dict:
-    """Run one of the sibling benchmarks; its last stdout line is JSON."""
+class Schedule:
+    """Every part in turn against one deadline: a device session is short, so a part gets what is left (at most
+    its own limit), and ``gpu.json``/``gpu.md`` are written after each, so a run stopped halfway keeps what it
+    measured."""
+
+    def __init__(self, out: Path, found: dict, budget: float):
+        self.out, self.found, self.deadline = out, found, time.monotonic() + budget
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def part(self, key: str, arguments: list[str] | None, limit: float, reason: str = "") -> None:
+        """Run a sibling script (its last stdout line is JSON), or record ``reason`` where ``arguments`` is None."""
+        if arguments is None:
+            self.found[key] = {"skipped": reason}
+        elif self.left() < 20:
+            self.found[key] = {"skipped": "out of time"}
+        else:
+            self.found[key] = _script(key, arguments, min(limit, self.left() - 5), self.out)
+        part = self.found[key]
+        print(f"{key}: {part.get('skipped') or part.get('failed') or 'done'} ({part.get('seconds', 0):.0f} s)",
+              flush=True)
+        (self.out / "gpu.json").write_text(json.dumps(self.found, indent=1))
+        (self.out / "gpu.md").write_text(report(self.found))
+
+
+def _script(key: str, arguments: list[str], timeout: float, out: Path) -> dict:
+    """Run ``arguments`` with this Python, its output kept in ``out/KEY.log``; the last stdout line is JSON."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    try:
+        done = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as stopped:
+        _log(out, key, _text(stopped.stdout) + _text(stopped.stderr))
+        return {"failed": f"stopped after {timeout:.0f} s", "seconds": time.monotonic() - started,
+                "printed": _text(stopped.stdout)[-3000:]}
+    _log(out, key, done.stdout + done.stderr)
+    seconds = time.monotonic() - started
     if done.returncode:
-        return {"failed": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}",
-                "seconds": time.monotonic() - started}
-    return {"rows": json.loads(done.stdout.strip().splitlines()[-1]), "seconds": time.monotonic() - started}
+        return {"failed": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-3:]}", "seconds": seconds}
+    last = done.stdout.strip().splitlines()[-1]
+    try:
+        return {"rows": json.loads(last), "seconds": seconds}
+    except json.JSONDecodeError:  # pytest: its summary line
+        return {"summary": last, "seconds": seconds}
 
 
-def cuda_tests() -> dict:
-    done = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider", "-o",
-                           "addopts="], capture_output=True, text=True, timeout=900, cwd=ROOT)
-    return {"summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:],
-            "exit": done.returncode}
+def _log(out: Path, key: str, text: str) -> None:
+    """Every part's output in one file: a device run brings back only a few files."""
+    with (out / "logs.txt").open("a") as log:
+        log.write(f"\n===== {key} =====\n{text}")
 
 
-def quantized(kit: Path, device: str, max_tokens: int) -> dict:
-    paths = [f"--path={method}={kit / 'models' / folder}" for method, folder in METHODS.items() if folder]
-    return _script(["benchmarks/quantized.py", "--model", str(kit / "models" / "float"), "--corpus",
-                    str(kit / "models" / "corpus.txt"), "--methods", *METHODS, *paths, "--device", device,
-                    "--window", "256", "--stride", "128", "--max-tokens", str(max_tokens), "--batch-size", "8"],
-                   timeout=900)
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
 
 
-def peers() -> dict:
-    return _script(["benchmarks/peers.py", "--model", "llama-1b", "--window", "2048", "--stride", "1024", "--windows",
-                    "48", "--batch-sizes", "8", "16", "--repeats", "2", "--device", "cuda"], timeout=900)
+def quantized_arguments(kit: Path, device: str, max_tokens: int) -> list[str]:
+    methods = [m for m in METHODS if device == "cuda" or m not in CUDA_ONLY]
+    paths = [f"--path={m.partition('=')[0]}={kit / 'models' / METHODS[m]}" for m in methods if METHODS[m]]
+    return ["benchmarks/quantized.py", "--model", str(kit / "models" / "float"), "--corpus",
+            str(kit / "models" / "corpus.txt"), "--methods", *methods, *paths, "--device", device,
+            "--window", "256", "--stride", "128", "--max-tokens", str(max_tokens), "--batch-size", "8"]
+
+
+def body_arguments(model: str, window: int, windows: int, batch: int, bodies: list[str], peers: bool) -> list[str]:
+    return ["benchmarks/body.py", "--model", model, "--window", str(window), "--stride", str(window // 2),
+            "--windows", str(windows), "--batch-size", str(batch), "--bodies", *bodies] + (["--peers"] if peers else [])
+
+
+def formats(kit: Path, device: str) -> list[str]:
+    """``NAME=CHECKPOINT[:KERNEL]`` of the kit's checkpoints, for a synthesized model of a larger shape (on CUDA
+    gptqmodel's own kernel choice and Triton's; making and loading each takes seconds at 1B)."""
+    chosen = [m for m in METHODS if METHODS[m] and (device == "cuda" or m not in CUDA_ONLY)
+              and not (device == "cuda" and m.partition(":")[2] in ("torch", "torch_awq", "gemm_triton"))
+              and "w8a8" not in m]
+    return [f"{m.partition('=')[0]}={kit / 'models' / METHODS[m]}"
+            + (f":{m.partition(':')[2]}" if ":" in m else "") for m in chosen]
+
+
+def prebuild_marlin(out: Path) -> subprocess.Popen:
+    """gptqmodel builds its Marlin kernels with nvcc at first use (about two minutes): start that now, on half the
+    cores, so that it overlaps the parts before the quantized models (whose load then finds it built)."""
+    script = "import torch; from gptqmodel.utils.marlin import prewarm_marlin_extension as p; print(p(torch.bfloat16))"
+    log = (out / "marlin-build.txt").open("w")
+    return subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=os.environ | {"MAX_JOBS": "8"})
 
 
 def report(found: dict) -> str:
     lines = [f"# GPU run, {found['date']}", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in found["environment"].items()]
-    lines += ["", f"CUDA tests: {found['cuda_tests'].get('summary', found['cuda_tests'].get('skipped'))}", ""]
-    for device in ("cuda", "cpu"):
-        part = found["quantized"][device]
-        lines.append(f"## Kit models on {device}")
-        if "rows" not in part:
-            lines += [f"{part.get('skipped') or part.get('failed')}", ""]
+    for key, part in found.items():
+        if key in ("date", "environment", "kit") or not isinstance(part, dict):
             continue
-        base = part["rows"][0]["ppl"]
-        lines += ["", "| method | PPL | vs baseline | tok/s | kernel |", "|---|---|---|---|---|"]
-        lines += [f"| {r['method']} | {r['ppl']:.5f} | {100 * (r['ppl'] / base - 1):+.2f}% | "
-                  f"{r['tokens_per_second']:.0f} | {r['backend']} |" for r in part["rows"]] + [""]
-    lines += ["## Peer benchmark, 1B shape", "", json.dumps(found["peers"].get("rows", found["peers"]))[:4000], ""]
-    return "\n".join(lines)
+        lines += ["", f"## {key}", ""]
+        if "rows" not in part:
+            lines.append(str(part.get("summary") or part.get("skipped") or part.get("failed")))
+        elif key.startswith("quantized"):
+            rows = part["rows"]
+            base = rows[0].get("ppl", float("nan"))
+            lines += ["| variant | PPL | vs baseline | tok/s | kernel |", "|---|---|---|---|---|"]
+            lines += [f"| {r['method']} | failed: {r['error']} | | | |" if "error" in r else
+                      f"| {r['method']} | {r['ppl']:.5f} | {100 * (r['ppl'] / base - 1):+.2f}% | "
+                      f"{r['tokens_per_second']:.0f} | {r['backend']} |" for r in rows]
+        else:
+            figures = part["rows"]
+            lines += [f"{figures['model']}, L={figures['window']} S={figures['stride']}, batch {figures['batch_size']}, "
+                      f"{figures['scored_tokens']} scored tokens", "",
+                      "| body | tok/s | MFU | peak MiB | first batch s | mean NLL vs first |", "|---|---|---|---|---|---|"]
+            for body, r in figures["bodies"].items():
+                if "error" in r:
+                    lines.append(f"| {body} | failed: {r['error']} | | | | |")
+                    continue
+                mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+                lines.append(f"| {body} | {r['tokens_per_second']:.0f} | {mfu} | {r['peak_bytes'] / 2**20:.0f} | "
+                             f"{r['first_batch_seconds']:.1f} | {r['mean_nll_rel_diff']:.1e} |")
+            for peer in ("hf_loop", "bare_forwards"):
+                if peer in figures:
+                    lines.append(f"| {peer} | {figures[peer]['tokens_per_second']:.0f} | | "
+                                 f"{figures[peer]['peak_bytes'] / 2**20:.0f} | | |")
+            if figures.get("formats"):
+                lines += ["", "| synthesized checkpoint | tok/s | MFU | peak MiB | weights MiB | kernel |",
+                          "|---|---|---|---|---|---|"]
+                for name, r in figures["formats"].items():
+                    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+                    lines.append(f"| {name} | failed: {r['error']} | | | | |" if "error" in r else
+                                 f"| {name} | {r['tokens_per_second']:.0f} | {mfu} | {r['peak_bytes'] / 2**20:.0f} | "
+                                 f"{r['weight_bytes'] / 2**20:.0f} | {r['kernel']} |")
+    return "\n".join(lines) + "\n"
 
 
-def run(kit: Path, out: Path, dry_run: bool) -> dict:
-    """Every part; a CUDA part without CUDA is skipped with its reason. Returns what ``gpu.json`` holds."""
+def run(kit: Path, out: Path, dry_run: bool, budget: float) -> dict:
+    """Every part, most wanted first, within ``budget`` seconds; a CUDA part without CUDA is skipped with its
+    reason (the dry run on CPU runs the rest small). Returns what ``gpu.json`` holds."""
     cuda = _cuda()
     if not cuda and not dry_run:
         raise SystemExit(f"benchmarks/gpu.py: error: {NO_CUDA} (no CUDA device visible); use --dry-run on CPU")
     found = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": environment(),
              "kit": sorted(p.name for p in (kit / "wheels").glob("*.whl"))}
-    found["cuda_tests"] = cuda_tests()  # without CUDA each says why it is skipped
-    # on CPU the dry run scores a short stream: what is checked is that every method loads and scores
-    found["quantized"] = {"cuda": quantized(kit, "cuda", 16384) if cuda else {"skipped": NO_CUDA},
-                          "cpu": quantized(kit, "cpu", 16384 if cuda else 1024)}
-    found["peers"] = peers() if cuda else {"skipped": NO_CUDA}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(found, indent=1))
-    (out / "gpu.md").write_text(report(found))
-    for part in ("cuda_tests", "peers"):
-        print(f"{part}: {found[part].get('skipped') or found[part].get('summary') or 'done'}")
-    for device, part in found["quantized"].items():
-        said = part.get("skipped") or part.get("failed") or f"{len(part['rows'])} methods scored"
-        print(f"kit models on {device}: {said}")
+    plan = Schedule(out, found, budget)
+    marlin = prebuild_marlin(out) if cuda else None
+    if cuda:
+        plan.part("body_1b", body_arguments("llama-1b", 2048, 48, 8, ["eager", "compile", "liger", "liger+compile"],
+                                            True), 200)
+    else:  # what runs on CPU: eager against compiled, and the synthesized formats, small
+        plan.part("body_tiny", body_arguments("tiny", 256, 8, 4, ["eager", "compile"], True) + [
+            "--device", "cpu", "--formats", *formats(kit, "cpu")], 180)
+    if marlin is not None:
+        try:
+            marlin.wait(timeout=max(1.0, min(90.0, plan.left() - 250)))
+        except subprocess.TimeoutExpired:
+            pass  # the quantized part's own load waits on gptqmodel's build lock
+    plan.part("quantized_cuda", quantized_arguments(kit, "cuda", 16384) if cuda else None, 150, NO_CUDA)
+    plan.part("quantized_cpu", None if cuda else quantized_arguments(kit, "cpu", 1024), 300,
+              "measured on the CPU machine: benchmarks/gpu.py run --dry-run")
+    plan.part("body_8b", body_arguments("llama-8b", 2048, 16, 4, ["eager", "compile", "liger"], True) if cuda else None,
+              180, NO_CUDA)
+    plan.part("cuda_tests", ["-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts="], 150)
+    plan.part("quantized_1b", body_arguments("llama-1b", 2048, 48, 8, [], False) + ["--formats", *formats(kit, "cuda")]
+              if cuda else None, 120, NO_CUDA)
+    for key, window, windows, batch in (("long_8k", 8192, 4, 2), ("long_32k", 32768, 2, 1)):
+        plan.part(key, body_arguments("llama-1b", window, windows, batch, ["eager"], False) if cuda else None, 60, NO_CUDA)
+    if marlin is not None and marlin.poll() is None:
+        marlin.kill()
+    print(report(found))
     return found
+
 
 
 def main() -> None:
@@ -149,11 +287,12 @@ def main() -> None:
     go.add_argument("--kit", type=Path, default=ROOT / ".kit")
     go.add_argument("--out", type=Path, required=True)
     go.add_argument("--dry-run", action="store_true", help="on a machine without CUDA: run what runs, skip the rest")
+    go.add_argument("--budget", type=float, default=480, help="seconds for every part together (default 480)")
     args = parser.parse_args()
     if args.action == "models":
         make_models(args.folder)
     else:
-        run(args.kit, args.out, args.dry_run)
+        run(args.kit, args.out, args.dry_run, args.budget)
 
 
 if __name__ == "__main__":

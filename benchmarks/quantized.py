@@ -1,10 +1,13 @@
 """Quantized variants through ppl-audit's own loading and engine: perplexity, scored tokens/s, weight memory.
 
   .venv/bin/python benchmarks/quantized.py --model MODEL [--methods baseline bnb-int8 bnb-nf4] [--device cuda]
+  ... --methods baseline gptq gptq-triton=gptq:triton --path gptq=Q --path gptq-triton=Q
 
 Each method loads the way an audit loads it (``tasks.models.variants.load_variant``: bitsandbytes quantizes the
 baseline at load; ``gptq``/``awq`` need ``--path`` to a checkpoint made by gptqmodel) and scores the same
-stream with a sliding window. Run it on CPU and on a GPU with the same model: the two PPLs of a method
+stream with a sliding window. ``NAME=METHOD[:KERNEL]`` names a variant of a method (with gptqmodel's kernel for
+a gptq/awq checkpoint); ``--path`` is given by name. A method that fails to load or score gets its error in its
+row, and the others go on. Run it on CPU and on a GPU with the same model: the two PPLs of a method
 should differ by no more than the baseline's own CPU/GPU difference (float32 against bf16 rounding).
 ``--model llama-1b`` saves a Llama-3.2-1B-shaped model with random weights to a temporary folder first
 (speed only: its perplexity means nothing). The last line is the rows as JSON.
@@ -30,9 +33,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded", help="a model folder, embedded, or llama-1b")
     parser.add_argument("--corpus", default="embedded")
-    parser.add_argument("--methods", nargs="+", default=["baseline", "bnb-int8", "bnb-nf4"])
-    parser.add_argument("--path", action="append", default=[], metavar="METHOD=FOLDER",
-                        help="a pre-quantized checkpoint for a method (gptq=..., awq=...)")
+    parser.add_argument("--methods", nargs="+", default=["baseline", "bnb-int8", "bnb-nf4"],
+                        metavar="METHOD | NAME=METHOD[:KERNEL]")
+    parser.add_argument("--path", action="append", default=[], metavar="NAME=FOLDER",
+                        help="a pre-quantized checkpoint for a method or named variant (gptq=..., awq=...)")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=8192)
@@ -56,28 +60,39 @@ def main() -> None:
     stream = tokenize(corpus_text(CorpusConfig(source=args.corpus)), tokenizer, bos="none", max_tokens=args.max_tokens)
 
     rows = []
-    for method in args.methods:
-        spec = VariantSpec(name=method, method=method, path=paths.get(method), device=str(device),
-                           dtype=str(dtype).removeprefix("torch."))
-        model, facts = load_variant(spec, spec.path or model_dir)
-        perplexity(model, stream, args.window, args.stride, args.batch_size)  # warm-up: kernels, autotuning
-        result = perplexity(model, stream, args.window, args.stride, args.batch_size)
-        rows.append({"method": method, "ppl": result.ppl, "tokens_per_second": result.tokens_per_second,
+    for entry in args.methods:
+        name, _, how = entry.partition("=")
+        method, _, kernel = (how or name).partition(":")
+        spec = VariantSpec(name=name, method=method, path=paths.get(name), device=str(device),
+                           dtype=str(dtype).removeprefix("torch."), kernel=kernel or None)
+        try:
+            model, facts = load_variant(spec, spec.path or model_dir)
+            perplexity(model, stream, args.window, args.stride, args.batch_size)  # warm-up: kernels, autotuning
+            result = perplexity(model, stream, args.window, args.stride, args.batch_size)
+        except Exception as error:  # one method's failure is a finding, not the end of the others
+            rows.append({"method": name, "error": f"{type(error).__name__}: {str(error)[:300]}"})
+            print(f"{name}: {rows[-1]['error']}", flush=True)
+            continue
+        rows.append({"method": name, "ppl": result.ppl, "tokens_per_second": result.tokens_per_second,
                      "weight_bytes": facts.weight_memory_bytes, "peak_bytes": result.peak_memory_bytes,
                      "backend": facts.backend, "device": result.device, "dtype": result.dtype,
-                     "versions": facts.versions})
+                     "bits_per_weight": facts.bits_per_weight, "versions": facts.versions})
+        print(f"{name}: PPL {result.ppl:.5f}, {result.tokens_per_second:.0f} tok/s, {facts.backend}", flush=True)
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\n{model_dir} on {device} ({machine}), {str(dtype).removeprefix('torch.')}, {result.n_tokens} scored "
-          f"tokens, L={args.window} S={args.stride}, batch {args.batch_size}")
-    print(f"{'method':<12}{'PPL':>12}{'vs baseline':>13}{'tok/s':>10}{'weights MiB':>13}  kernel")
-    base = rows[0]["ppl"]
+    print(f"\n{model_dir} on {device} ({machine}), {str(dtype).removeprefix('torch.')}, {stream.ids.numel()} tokens, "
+          f"L={args.window} S={args.stride}, batch {args.batch_size}")
+    print(f"{'method':<16}{'PPL':>12}{'vs baseline':>13}{'tok/s':>10}{'weights MiB':>13}  kernel")
+    base = rows[0].get("ppl", float("nan"))
     for r in rows:
-        print(f"{r['method']:<12}{r['ppl']:>12.5f}{100 * (r['ppl'] / base - 1):>12.2f}%{r['tokens_per_second']:>10.0f}"
+        if "error" in r:
+            print(f"{r['method']:<16}  failed: {r['error']}")
+            continue
+        print(f"{r['method']:<16}{r['ppl']:>12.5f}{100 * (r['ppl'] / base - 1):>12.2f}%{r['tokens_per_second']:>10.0f}"
               f"{r['weight_bytes'] / 2**20:>13.1f}  {r['backend']}")
     print(json.dumps(rows))
 

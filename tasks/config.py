@@ -126,6 +126,8 @@ class VariantSpec(Strict):
     max_memory: dict[int | str, int | str] | None = None
     diagnose: bool = Field(False, description="after the verdict, find where it loses (ppl-audit diagnose)")
     kv_cache: KVCache | None = None
+    kernel: str | None = Field(None, min_length=1, description="gptq/awq: the gptqmodel kernel that runs it (marlin, "
+                               "triton, torch, exllama_v2, gemm, ...) instead of the one gptqmodel picks")
 
     @model_validator(mode="before")
     @classmethod
@@ -157,6 +159,10 @@ class VariantSpec(Strict):
                              "or its folder as path and the file's name as gguf_file")
         if self.method in ("auto", "gguf", "compressed-tensors", "fp8") and self.path is None:
             raise ValueError(f"method {self.method} loads a checkpoint: give its path")
+        if self.kernel is not None and self.method not in ("gptq", "awq", "auto"):
+            raise ValueError(f"kernel picks gptqmodel's kernel for a gptq or awq checkpoint, not for method {self.method}")
+        if self.kernel is not None and self.path is None:
+            raise ValueError("kernel applies to a gptq or awq checkpoint that is loaded: give its path")
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("max_memory bounds what device_map places on each device: give device_map too")
         if self.device_map is not None and self.device != "auto":

@@ -24,7 +24,7 @@ from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
 from tasks.models.loading import WEIGHT_SUFFIXES, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
-from tasks.models.resolve import resolve_device, resolve_dtype
+from tasks.models.resolve import load_config, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -60,8 +60,15 @@ class VariantFacts:
         return asdict(self)
 
 
-def quantization_config(method: str, dtype: torch.dtype):
-    """The transformers quantization config for methods quantized at load, else None."""
+def quantization_config(method: str, dtype: torch.dtype, kernel: str | None = None, source: str | None = None):
+    """The transformers quantization config for methods quantized at load, or the loading settings that pick
+    ``kernel`` for a gptq/awq checkpoint at ``source``; else None."""
+    if kernel is not None:
+        from transformers import AwqConfig, GPTQConfig
+
+        # transformers takes only the loading settings (the backend) from it; bits must still be the checkpoint's
+        bits = load_config(source).quantization_config["bits"]
+        return (GPTQConfig if method == "gptq" else AwqConfig)(bits=bits, backend=kernel)
     if method in ("bnb-int8", "bnb-nf4"):
         from transformers import BitsAndBytesConfig
 
@@ -86,8 +93,9 @@ def layer_census(model) -> tuple[int, dict[str, str]]:
     for layer, module in model.named_modules():
         name = type(module).__name__
         weight = getattr(module, "weight", None)
-        is_linear = (isinstance(module, torch.nn.Linear) or "QuantLinear" in name or name.startswith("TorchAten")
-                     or name == "HQQLinear")
+        # gptqmodel's kernels (MarlinLinear, TritonV2Linear, AwqTorchLinear, ...) share its BaseQuantLinear
+        is_linear = (isinstance(module, torch.nn.Linear) or name == "HQQLinear"
+                     or any(base.__name__ == "BaseQuantLinear" for base in type(module).__mro__))
         if not is_linear:
             continue
         linear += 1
@@ -124,7 +132,7 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
         raise InputError(f"variant '{spec.name}': a saved NF4 checkpoint reloads corrupted on CPU; "
                          "drop path to quantize the baseline at load")
     extra = {}
-    config = quantization_config(spec.method, dtype)
+    config = quantization_config(spec.method, dtype, spec.kernel, source)
     if config is not None:
         extra["quantization_config"] = config
     check_ties(spec, source)

@@ -182,3 +182,23 @@ def test_a_quantized_kv_cache_on_cuda_rounds_as_on_the_cpu_and_scores_near_it(bf
         attach(bf16_model, None)
         bf16_model.to(CUDA, torch.bfloat16)
     assert on_gpu.device.startswith("cuda") and on_gpu.mean_nll == pytest.approx(on_cpu.mean_nll, rel=1e-2)
+
+
+@pytest.mark.parametrize("body", ["compile", "liger", "liger+compile"])
+def test_a_faster_body_scores_as_the_eager_one_within_bf16_noise(tokenizer, text, body):
+    """Compiled layers and liger's fused kernels change the order of bf16 roundings, nothing else: the corpus NLL
+    stays within bf16 noise of the eager body's on the same weights (a fresh model each: liger patches in place)."""
+    from tasks.engine.body import speed_up
+
+    shape = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.1)
+    stream = tokenize(text, tokenizer, bos="stream", max_tokens=4000)
+    eager = perplexity(cuda_llama(**shape), stream, window=256, stride=128, batch_size=8)
+    model = cuda_llama(**shape)
+    speed_up(model, body)
+    fast = perplexity(model, stream, window=256, stride=128, batch_size=8)
+    assert fast.n_tokens == eager.n_tokens
+    assert fast.mean_nll == pytest.approx(eager.mean_nll, rel=2e-3, abs=0)
+    token_gap = abs(torch.from_numpy(fast.token_nll) - torch.from_numpy(eager.token_nll))
+    assert float(token_gap.mean()) < 0.02
+    torch._dynamo.reset()
