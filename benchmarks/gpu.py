@@ -26,10 +26,12 @@ NO_CUDA = "needs a CUDA GPU"
 # variant (NAME=METHOD[:KERNEL], benchmarks/quantized.py) -> the kit's checkpoint it loads (None: the float model,
 # quantized at load where the method says so). gptqmodel's own choice of kernel first, then others it has for
 # the same checkpoint; bitsandbytes is not carried (its CUDA wheel is 60 MB; it ran on an H100 before).
-METHODS = {"baseline": None, "gptq": "gptq", "gptq-triton=gptq:triton": "gptq", "gptq-torch=gptq:torch": "gptq",
-           "awq": "awq", "awq-triton=awq:gemm_triton": "awq", "awq-torch=awq:torch_awq": "awq",
+# The kernels that need no build come first: on an H200 gptqmodel's own choice for AWQ built Marlin for two
+# minutes, and for GPTQ (Machete) downloaded CUTLASS, which fails offline (docs/gpu.md).
+METHODS = {"baseline": None, "gptq-triton=gptq:triton": "gptq", "gptq-torch=gptq:torch": "gptq",
+           "awq-torch=awq:torch_awq": "awq", "awq-triton=awq:gemm_triton": "awq",
            "ct-w4a16=compressed-tensors": "w4a16", "ct-w8a8=compressed-tensors": "w8a8",
-           "ct-fp8=compressed-tensors": "fp8_dynamic", "fp8": "fp8", "hqq": None}
+           "ct-fp8=compressed-tensors": "fp8_dynamic", "fp8": "fp8", "hqq": None, "gptq": "gptq", "awq": "awq"}
 CUDA_ONLY = ("fp8", "gptq-triton=gptq:triton", "awq-triton=awq:gemm_triton")  # no CPU kernel
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.02)  # widths the Marlin/AWQ tiles (64, 128) divide
@@ -189,9 +191,10 @@ def formats(kit: Path, device: str) -> list[str]:
 
 
 def prebuild_marlin(out: Path) -> subprocess.Popen:
-    """gptqmodel builds its Marlin kernels with nvcc at first use (about two minutes): start that now, on half the
-    cores, so that it overlaps the parts before the quantized models (whose load then finds it built)."""
-    script = "import torch; from gptqmodel.utils.marlin import prewarm_marlin_extension as p; print(p(torch.bfloat16))"
+    """gptqmodel builds its Marlin kernels with nvcc at first use (two minutes each for bf16 and fp16 on an H200):
+    start that now, on half the cores, so that it overlaps the parts before the quantized models."""
+    script = ("import torch; from gptqmodel.utils.marlin import prewarm_marlin_extension as p; "
+              "print(p(torch.bfloat16), p(torch.float16))")  # AWQ's Marlin runs in fp16
     log = (out / "marlin-build.txt").open("w")
     return subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env=os.environ | {"MAX_JOBS": "8"})
@@ -256,11 +259,6 @@ def run(kit: Path, out: Path, dry_run: bool, budget: float) -> dict:
     else:  # what runs on CPU: eager against compiled, and the synthesized formats, small
         plan.part("body_tiny", body_arguments("tiny", 256, 8, 4, ["eager", "compile"], True) + [
             "--device", "cpu", "--formats", *formats(kit, "cpu")], 180)
-    if marlin is not None:
-        try:
-            marlin.wait(timeout=max(1.0, min(90.0, plan.left() - 250)))
-        except subprocess.TimeoutExpired:
-            pass  # the quantized part's own load waits on gptqmodel's build lock
     plan.part("quantized_cuda", quantized_arguments(kit, "cuda", 16384) if cuda else None, 150, NO_CUDA)
     plan.part("quantized_cpu", None if cuda else quantized_arguments(kit, "cpu", 1024), 300,
               "measured on the CPU machine: benchmarks/gpu.py run --dry-run")

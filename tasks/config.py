@@ -246,6 +246,9 @@ class EvaluationConfig(Strict):
     divergence: bool = Field(True, description="KL, top-1 and Δp from the baseline reference (YAML on/off)")
     sequential: bool = Field(False, description="stop each variant once its verdict is settled (YAML on/off)")
     order_seed: int = Field(0, ge=0, description="the seed of a sequential run's window order")
+    body: Literal["eager", "compile", "liger", "liger+compile"] = Field(
+        "eager", description="the decoder layers as transformers runs them, compiled, with liger-kernel's fused "
+        "ops (CUDA), or both: the same numbers to bf16 noise, faster on a GPU (tasks.engine.body, docs/gpu.md)")
 
     @model_validator(mode="before")
     @classmethod

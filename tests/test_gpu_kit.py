@@ -20,8 +20,10 @@ def test_the_kit_builds_and_its_dry_run_scores_every_method_and_says_what_it_ski
                            text=True, timeout=1200)
     assert built.returncode == 0, built.stderr[-3000:]
     wheels = {path.name.split("-")[0].lower() for path in (kit / "wheels").glob("*.whl")}
-    assert {"pydantic", "pydantic_core", "gguf", "compressed_tensors", "gptqmodel", "hqq", "pypcre", "liger_kernel"} <= wheels
+    assert {"pydantic", "pydantic_core", "gguf", "compressed_tensors", "gptqmodel", "hqq", "pypcre", "liger_kernel",
+            "transformers", "optimum", "termcolor"} <= wheels
     assert all("cp312" in path.name or "py3-none" in path.name for path in (kit / "wheels").glob("*.whl"))
+    assert (kit / "lib" / "libpcre2-8.so.0").is_file()
     size = sum(path.stat().st_size for path in kit.rglob("*") if path.is_file())
     assert size < 60 * 2**20  # a device run carries at most 64 MiB with the working tree
 
@@ -29,12 +31,18 @@ def test_the_kit_builds_and_its_dry_run_scores_every_method_and_says_what_it_ski
     done = subprocess.run([sys.executable, "benchmarks/gpu.py", "run", "--kit", str(kit), "--out", str(out), "--dry-run"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "peers: needs a CUDA GPU" in done.stdout and "kit models on cuda: needs a CUDA GPU" in done.stdout
+    for part in ("quantized_cuda", "body_8b", "quantized_1b", "long_8k", "long_32k"):
+        assert f"{part}: needs a CUDA GPU" in done.stdout, part
     found = json.loads((out / "gpu.json").read_text())
-    assert found["cuda_tests"]["exit"] == 0 and "skipped" in found["cuda_tests"]["summary"]
-    rows = {row["method"]: row for row in found["quantized"]["cpu"]["rows"]}
-    assert list(rows) == ["baseline", "gptq", "awq", "compressed-tensors", "hqq", "bnb-int8", "bnb-nf4"]
-    for method, row in rows.items():  # 4-bit weights of a trained model: near the baseline, each through its kernel
+    assert "skipped" in found["cuda_tests"]["summary"] and "failed" not in found["cuda_tests"]["summary"]
+    rows = {row["method"]: row for row in found["quantized_cpu"]["rows"]}
+    assert list(rows) == ["baseline", "gptq-torch", "awq-torch", "ct-w4a16", "ct-w8a8", "ct-fp8", "hqq", "gptq", "awq"]
+    for method, row in rows.items():  # quantized weights of a trained model: near the baseline, each through its kernel
         assert abs(row["ppl"] / rows["baseline"]["ppl"] - 1) < 0.05, (method, row["ppl"])
-    assert rows["gptq"]["backend"] != rows["baseline"]["backend"] == "torch.nn.Linear"
-    assert "## Kit models on cpu" in (out / "gpu.md").read_text()
+    assert rows["gptq"]["backend"] != rows["gptq-torch"]["backend"] == "TorchLinear"
+    assert rows["awq-torch"]["backend"] == "AwqTorchLinear" and rows["baseline"]["backend"] == "torch.nn.Linear"
+    body = found["body_tiny"]["rows"]  # eager against compiled, and a synthesized checkpoint of each format
+    assert body["bodies"]["compile"]["mean_nll_rel_diff"] < 1e-6
+    assert set(body["formats"]) == {"gptq", "gptq-torch", "awq", "awq-torch", "ct-w4a16", "ct-fp8"}
+    assert all("error" not in row for row in body["formats"].values()), body["formats"]
+    assert "## quantized_cpu" in (out / "gpu.md").read_text()

@@ -41,9 +41,14 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         check_local_cluster(config.runner)
     for spec in [config.baseline, *config.variants]:
         try:
-            resolve_device(spec.device)
+            device = resolve_device(spec.device)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
+        if "liger" in config.evaluation.body and device.type != "cuda":
+            raise InputError(f"evaluation.body {config.evaluation.body}: liger-kernel's fused ops run on CUDA, and "
+                             f"{spec.name} runs on {device.type}; use compile (or eager) there")
+    if "liger" in config.evaluation.body and importlib.util.find_spec("liger_kernel") is None:
+        raise InputError(f"evaluation.body {config.evaluation.body} needs liger-kernel: pip install liger-kernel")
     baseline_config = load_config(config.baseline.path, registry)  # a path error names the path
     _check_window(config, baseline_config, "the baseline")
     check_checkpoint(config.baseline.path, registry)

@@ -28,6 +28,7 @@ from tasks.data.corpus import tokenizer_digest
 from tasks.data.evaluation import Evaluation
 from tasks.engine import kv_cache
 from tasks.engine.batching import auto_batch_size
+from tasks.engine.body import speed_up
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import Part, PerplexityResult, combine, score_part, scored_targets
 from tasks.engine.sequential import window_order
@@ -109,6 +110,8 @@ def _loaded(spec: VariantSpec, source: str, evaluation_: Evaluation):
     model, facts = load_variant(spec, source, evaluation_.settings.window)
     if is_split(model):
         facts.parity = check_parity(spec, source, model, facts, evaluation_)
+    speed_up(model, evaluation_.settings.body)
+    facts.body = evaluation_.settings.body
     return model, facts
 
 

@@ -55,6 +55,7 @@ class VariantFacts:
     # keeps the newest ones in the model's precision)
     kv_cache: str = ""
     kv_bytes_per_token: float = math.nan
+    body: str = "eager"  # how its decoder layers ran (tasks.engine.body): eager, compile, liger, liger+compile
 
     def summary(self) -> dict:
         return asdict(self)

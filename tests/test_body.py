@@ -1,0 +1,52 @@
+"""The engine's faster bodies (tasks.engine.body) on CPU: a compiled body scores what the eager one scores, and
+a body the machine cannot run is refused in one line before anything loads. Their speed is a GPU's matter
+(benchmarks/body.py; tests/gpu holds the bf16 agreement there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import write_config
+
+from flows.cli import main
+from tasks.engine.body import speed_up
+from tasks.engine.perplexity import perplexity
+from tasks.models.loading import load_model
+
+
+@pytest.mark.slow
+def test_compiled_layers_score_as_the_eager_ones_to_float32_rounding(tiny_model_dir, tokenizer, text):
+    from tasks.data.corpus import tokenize
+
+    stream = tokenize(text, tokenizer, bos="stream", max_tokens=1200)
+    eager = perplexity(load_model(str(tiny_model_dir), torch.float32, torch.device("cpu")), stream, 64, 32, 4)
+    model = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"))
+    speed_up(model, "compile")
+    try:
+        compiled = perplexity(model, stream, 64, 32, 4)
+    finally:
+        torch._dynamo.reset()
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" and layer._compiled_call_impl is not None
+               for layer in model.model.layers)
+    assert compiled.n_tokens == eager.n_tokens
+    # each token to float32 rounding (a few ulps of NLLs near 14), the corpus figure to 1e-6
+    assert (abs(compiled.token_nll.astype("float64") - eager.token_nll) / abs(eager.token_nll).clip(1)).max() < 1e-5
+    assert compiled.mean_nll == pytest.approx(eager.mean_nll, rel=1e-6, abs=0)
+
+
+def test_an_unknown_body_is_refused():
+    with pytest.raises(ValueError, match="body 'fused' is not one of eager, compile, liger, liger"):
+        speed_up(torch.nn.Module(), "fused")
+
+
+@pytest.mark.parametrize("body, says", [
+    ("liger", "evaluation.body liger: liger-kernel's fused ops run on CUDA, and baseline runs on cpu; use compile"),
+    ("fused", "evaluation.body: Input should be 'eager', 'compile', 'liger' or 'liger+compile'"),
+])
+def test_a_body_this_machine_cannot_run_is_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, corpus_path, body, says):
+    config = write_config(tmp_path / "body.yaml", tiny_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}],
+                          name="tiny")
+    config.write_text(config.read_text().replace("evaluation:\n", f"evaluation:\n  body: {body}\n", 1))
+    assert main(["run", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
