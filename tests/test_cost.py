@@ -119,3 +119,8 @@ def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, tmp
     want = bits_of(linear_shapes(trained_model_dir),
                    lambda i, o: 4 * i * o + 16 * (i // 32) * o + 4 * (i // 32) * o + index * i)
     assert facts.bits_per_weight == pytest.approx(want, rel=1e-12)
+    # another of gptqmodel's kernels for the same checkpoint (`kernel:`): every layer runs it, at the same cost
+    kernel, runs = {"gptq": ("torch", "TorchLinear"), "awq": ("torch_awq", "AwqTorchLinear")}[method]
+    _, chosen = load_variant(VariantSpec(name=method, method=method, path=str(out), kernel=kernel), str(out))
+    assert set(chosen.kernels.values()) == {runs} and len(chosen.kernels) == len(facts.kernels) > 0
+    assert chosen.bits_per_weight == facts.bits_per_weight

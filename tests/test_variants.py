@@ -160,6 +160,8 @@ def test_failing_variants_do_not_stop_the_others(audit, tokenizer, tmp_path):
     ({"name": "x", "method": "gptq", "group_size": 0}, "group_size 0 is not one gptq kernels support"),
     ({"name": "x", "method": "gptq", "calibration": {"samples": 0}}, "calibration.samples"),
     ({"name": "x", "methd": "gptq"}, "methd: unknown key"),
+    ({"name": "x", "method": "bnb-int8", "kernel": "triton"}, "kernel picks gptqmodel's kernel for a gptq or awq"),
+    ({"name": "x", "method": "gptq", "kernel": "triton"}, "kernel applies to a gptq or awq checkpoint that is loaded"),
 ])
 def test_bad_variant_spec_gets_one_line_naming_the_key(bad, expected):
     with pytest.raises(InputError, match=expected) as error:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -139,7 +140,10 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
     check_ties(spec, source)
     split = split_arguments(spec)
     started = time.perf_counter()
-    model = load_model(source, dtype, device, **extra, **split)
+    with warnings.catch_warnings():
+        if spec.kernel is not None:  # transformers warns that it takes only the backend from this config: the point
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = load_model(source, dtype, device, **extra, **split)
     forget_with(model, split)
     ready(spec, model)
     load_seconds = time.perf_counter() - started
