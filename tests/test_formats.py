@@ -410,16 +410,18 @@ def test_a_gguf_file_is_parsed_once_for_its_config_tokenizer_and_facts_until_it_
 
     import gguf
 
+    from tasks.models import gguf_file
     from tasks.models.gguf import gguf_facts
     from tasks.models.resolve import load_config, load_tokenizer
 
     path = tmp_path / "copy.gguf"
     shutil.copy(embedded_gguf(), path)
-    parses = []
-    parse = gguf.GGUFReader.__init__
+    parses = []  # gguf-py's parses (the tokenizer's) and ours (the header's: config, facts)
+    parse, header = gguf.GGUFReader.__init__, gguf_file._Cursor.__init__
     monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *args, **kw: parses.append(1) or parse(self, *args, **kw))
+    monkeypatch.setattr(gguf_file._Cursor, "__init__", lambda self, *args: parses.append(2) or header(self, *args))
     first = [load_config(str(path)), load_tokenizer(str(path)), gguf_facts(path)]
-    assert parses, "the counter counts nothing"
+    assert set(parses) == {1, 2}, "the counters count nothing"
     once = len(parses)
     again = [load_config(str(path)), load_tokenizer(str(path)), gguf_facts(path)]
     assert len(parses) == once, "parsed again"

@@ -42,7 +42,7 @@ from tasks.core.places import references_dir
 from tasks.core.versions import versions
 from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
 from tasks.engine.stream import TokenStream
-from tasks.models.gguf import gguf_reader
+from tasks.models.gguf_file import read_header, tensor_data
 from tasks.models.quantize import model_digest
 from tasks.models.resolve import DTYPES
 
@@ -150,11 +150,12 @@ def _gguf_head(path: Path) -> tuple[str, torch.Tensor, None] | None:
     ``output.weight``, or the token embeddings a tied head shares."""
     import gguf
 
-    tensors = {tensor.name: tensor for tensor in gguf_reader(path).tensors}
+    header = read_header(path)
+    tensors = {tensor.name: tensor for tensor in header.tensors}
     name = next((name for name in ("output.weight", "token_embd.weight") if name in tensors), None)
     if name is None:
         return None
-    values = gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)
+    values = gguf.quants.dequantize(tensor_data(header, tensors[name]), tensors[name].tensor_type)
     return name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), None
 
 

@@ -17,7 +17,7 @@ import torch
 
 from tasks.config import QUANTIZED_AT_LOAD, VariantSpec
 from tasks.engine.layers import decoder_layers
-from tasks.models.gguf import gguf_reader
+from tasks.models.gguf_file import read_header
 
 # bytes per element of the dtypes a safetensors header names
 SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
@@ -93,7 +93,7 @@ def decoder_layer_bytes(model, spec: VariantSpec, source: str) -> list[int]:
         return [weight_bytes(layer) for layer in decoder_layers(model)]
     sizes = Counter()
     if source.endswith(".gguf"):
-        for tensor in gguf_reader(Path(source)).tensors:
+        for tensor in read_header(Path(source)).tensors:
             if tensor.name.startswith("blk."):  # llama.cpp names a decoder layer's tensors blk.<layer>.<tensor>
                 sizes[int(tensor.name.split(".")[1])] += int(tensor.n_bytes)
         return [sizes[i] for i in range(count)]
@@ -110,7 +110,7 @@ def quantized_bits(model, spec: VariantSpec, source: str, quantized: list[str]) 
     """Effective bits per weight of the quantized layers (``quantized``: their names in ``model``); a GGUF
     file's from its tensor types (every tensor in quantized blocks); None where nothing is quantized."""
     if source.endswith(".gguf") and Path(source).is_file():
-        blocks = [t for t in gguf_reader(Path(source)).tensors if t.tensor_type.name not in GGUF_FLOATS]
+        blocks = [t for t in read_header(Path(source)).tensors if t.tensor_type.name not in GGUF_FLOATS]
         weights = sum(int(t.n_elements) for t in blocks)
         return 8 * sum(int(t.n_bytes) for t in blocks) / weights if weights else None
     if not quantized:

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import functools
-import struct
+import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tasks.core.errors import InputError, one_line
-from tasks.core.files import once_per_file_state
+from tasks.models.gguf_blocks import DEQUANTIZE
+from tasks.models.gguf_file import TensorInfo, read_header, tensor_data
 from tasks.models.resolve import load_config
+
+
+# values dequantized at once: enough that numpy or torch, not the interpreter, takes the time, few enough that a
+# slice's temporaries stay in the processor's caches (1M: Q4_K 222 MB/s of file, Q4_0 ~400 on 2 cores)
+SLICE_VALUES = 1 << 20
 
 
 def check_gguf(path: Path) -> None:
     """Refuse a ``.gguf`` path that is not a GGUF file, or one without a tensor its architecture needs (a
     vocabulary-only file holds none), before its folder is handed to transformers: it would build the whole
     model and score the weights the file lacks at random."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
     try:
         with path.open("rb") as file:
             magic = file.read(4)
@@ -29,13 +34,14 @@ def check_gguf(path: Path) -> None:
     if magic != b"GGUF":
         raise InputError(f"{path} is not a GGUF file (it does not start with GGUF); give a llama.cpp .gguf file")
     try:
-        metadata, names = read_gguf_metadata(str(path))  # the tensor table only: no tensor data is read
-    except (ValueError, struct.error, MemoryError, OverflowError) as error:  # cut short, or absurd lengths
-        raise InputError(f"cannot read {path}: {one_line(error)}; give a whole llama.cpp .gguf file") from None
+        header = read_header(path)  # the tensor table only: no tensor data is read
+    except (ValueError, OSError, MemoryError, OverflowError) as error:  # cut short, absurd lengths
+        raise InputError(f"cannot read {path}: {one_line(error)}") from None
+    names = [tensor.name for tensor in header.tensors]
     if not names:
         raise InputError(f"{path} holds no tensors, only metadata (a vocabulary file?); give the .gguf file "
                          "with the model's weights")
-    architecture = metadata["general.architecture"]
+    architecture = str(header.field("general.architecture"))
     missing = sorted(_gguf_needs(path, architecture) - set(names))
     if missing:
         raise InputError(f"{path} lacks {len(missing)} tensor(s) its {architecture} model needs "
@@ -102,31 +108,60 @@ def gguf_state_dict(path: Path, model: torch.nn.Module, dtype: torch.dtype) -> d
     """The tensors of the GGUF file ``path``, dequantized to ``dtype`` and named as the keys of ``model`` (a
     skeleton of the model its config describes, on the meta device is enough).
 
-    What transformers' GGUF loader does, from the file parsed once per process (it parses the file again for
-    every load, ~3.5 s for SmolLM2) and with gguf-py's name map made once (it makes it again per submodule,
-    ~5 s): a 94 MiB file loaded in ~2 s instead of ~9."""
-    from gguf import dequantize
-
-    reader = gguf_reader(path)
-    architecture = str(reader.get_field("general.architecture").contents())
+    What transformers' GGUF loader does, from the header read once per process (``tasks.models.gguf_file``) and
+    gguf-py's name map made once, each tensor dequantized on every core and turned to ``dtype`` as soon as it is
+    done: the same tensors to the bit (tests/test_formats.py, tests/test_gguf_file.py), at the speeds in
+    docs/benchmarks.md#loading-a-gguf-file."""
+    header = read_header(path)
+    architecture = str(header.field("general.architecture"))
     processor = _processor(architecture, model.config)
     names = _gguf_names(model, processor, _name_map(architecture, model.config.num_hidden_layers), "")
     parsed: dict[str, dict] = {"tensors": {}}  # where a processor puts what it splits or stacks itself
-    for tensor in reader.tensors:
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        found = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
-                                  parsed_parameters=parsed)
-        if found.name in names:
-            parsed["tensors"][names[found.name]] = torch.from_numpy(np.array(found.weights)).to(dtype)
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        for tensor in header.tensors:
+            found = processor.process(weights=_dequantized(header, tensor, pool), name=tensor.name,
+                                      tensor_key_mapping=names, parsed_parameters=parsed)
+            if found.name in names:
+                weights = np.asarray(found.weights)  # a float tensor stored as it is: a read-only view of the file
+                weights = weights if weights.flags.writeable else weights.copy()
+                parsed["tensors"][names[found.name]] = torch.from_numpy(weights).to(dtype)
     return parsed["tensors"]
 
-@once_per_file_state(maxsize=4)
-def gguf_reader(path: Path):
-    """gguf-py's reader of ``path`` (its tensors memory-mapped), made once per state of the file: it parses every
-    metadata field, the whole vocabulary too, which takes seconds."""
-    from gguf import GGUFReader
 
-    return GGUFReader(path)
+def _dequantized(header, tensor: TensorInfo, pool: ThreadPoolExecutor) -> np.ndarray:
+    """One tensor dequantized to float32 as gguf-py dequantizes it, to the bit, in slices across ``pool``: the most
+    shipped types in torch (``tasks.models.gguf_blocks``), the others with gguf-py's own per-type
+    ``dequantize_blocks``. gguf-py's ``dequantize`` works through a tensor 16 rows at a time, and the interpreter's
+    overhead on those small slices took most of the time (docs/benchmarks.md#loading-a-gguf-file)."""
+    from gguf import GGML_QUANT_SIZES, dequantize
+    from gguf.quants import _type_traits, quant_shape_from_byte_shape  # gguf-py's per-type dequantizers
+
+    data = tensor_data(header, tensor)
+    quant = _type_traits.get(tensor.tensor_type)
+    if quant is None:  # stored as floats or integers
+        return dequantize(data, tensor.tensor_type)
+    block, size = GGML_QUANT_SIZES[tensor.tensor_type]
+    blocks = data.reshape(-1, size)
+    # torch's allocator, not numpy's: numpy asks the kernel for huge pages on large arrays, and on this project's
+    # machine writing 5 GiB of them took 5.5-11.9 s against 1.9-2.0 s (2026-11-26)
+    out = torch.empty(len(blocks), block).numpy()
+    step = max(1, SLICE_VALUES // block)
+    fast = DEQUANTIZE.get(tensor.tensor_type.name)
+    if fast is not None:
+        with warnings.catch_warnings():  # the file's memory map is read-only; nothing writes to it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            source, target = torch.from_numpy(blocks), torch.from_numpy(out)
+
+        def one(start: int) -> None:
+            target[start : start + step] = fast(source[start : start + step])
+    else:
+        quant.init_grid()  # the IQ types' lookup grids
+
+        def one(start: int) -> None:
+            out[start : start + step] = quant.dequantize_blocks(blocks[start : start + step])
+
+    list(pool.map(one, range(0, len(blocks), step)))
+    return out.reshape(quant_shape_from_byte_shape(data.shape, tensor.tensor_type))
 
 
 def gguf_facts(path: Path) -> dict:
@@ -134,13 +169,13 @@ def gguf_facts(path: Path) -> dict:
     each type, and bits per weight over all its tensors (how llama.cpp reports a file's size)."""
     from gguf import LlamaFileType
 
-    reader = gguf_reader(path)
-    types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
-    stored = sum(int(tensor.n_bytes) for tensor in reader.tensors)
-    weights = sum(int(tensor.n_elements) for tensor in reader.tensors)
-    field = reader.get_field("general.file_type")
+    header = read_header(path)
+    types = Counter(tensor.tensor_type.name for tensor in header.tensors)
+    stored = sum(tensor.n_bytes for tensor in header.tensors)
+    weights = sum(tensor.n_elements for tensor in header.tensors)
+    field = header.field("general.file_type")
     if field is not None:
-        file_type = LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")
+        file_type = LlamaFileType(int(field)).name.removeprefix("MOSTLY_")
     else:  # older files: the type most of the weights have
         file_type = max((n, name) for name, n in types.items() if name not in ("F32", "F16"))[1]
     return {"file_type": file_type, "tensor_types": dict(types.most_common()),

@@ -117,6 +117,18 @@ def _parsed_once(auto, source: str, gguf_file: str | None = None):
 
 @once_per_file_state(maxsize=16)
 def _from_gguf(file: Path, auto):
+    from transformers import AutoConfig
+
+    if auto is AutoConfig:  # from the header alone where it can be (tasks.models.gguf_file): no vocabulary parsed
+        from transformers import CONFIG_MAPPING
+
+        from tasks.models.gguf_file import config_dict, read_header
+
+        found = config_dict(read_header(file))
+        if found is not None:
+            config = CONFIG_MAPPING[found["model_type"]].from_dict(found)
+            config._name_or_path = str(file.parent)  # as from_pretrained names it
+            return config
     return auto.from_pretrained(str(file.parent), gguf_file=file.name)
 
 
