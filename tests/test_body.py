@@ -50,3 +50,30 @@ def test_a_body_this_machine_cannot_run_is_one_line_and_exit_2(capsys, tmp_path,
     assert main(["run", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow  # a whole audit, its layers compiled
+def test_an_audit_with_compiled_layers_gives_the_eager_audit_s_figures_and_records_its_body(tmp_path, monkeypatch,
+                                                                                            trained_model_dir, corpus_path):
+    from mlflow import MlflowClient
+
+    from flows.audit import audit, summary_of
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
+    rows = {}
+    for body in ("eager", "compile"):
+        config = write_config(tmp_path / f"{body}.yaml", trained_model_dir, corpus_path,
+                              [{"name": "int8", "method": "torchao-int8"}], name=body,
+                              tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": body})
+        config.write_text(config.read_text().replace("evaluation:\n", f"evaluation:\n  body: {body}\n  divergence: off\n", 1))
+        rows[body] = {row["variant"]: row for row in summary_of(audit(config=str(config), return_state=True))["rows"]}
+        torch._dynamo.reset()
+    # float32 on CPU: the compiled variant's figure is the eager one's to float32 rounding
+    assert rows["compile"]["int8"]["ppl"] == pytest.approx(rows["eager"]["int8"]["ppl"], rel=1e-6, abs=0)
+    assert rows["compile"]["int8"]["ppl"] != rows["eager"]["int8"]["ppl"]  # it did run another way
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("compile").experiment_id],
+                              "tags.`ppl_audit.kind` = 'variant'")
+    assert [run.data.params["body"] for run in runs] == ["compile"]
+    # the baseline's reference, stored by the eager audit, is reused: its figures are the body's to rounding
+    assert rows["compile"]["baseline"]["baseline"] == "reused"

@@ -142,7 +142,7 @@ def _variant_params(record: dict, entry: dict) -> dict:
               "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
-              "worker": facts.get("worker"), "kv_cache": facts.get("kv_cache") or None,
+              "worker": facts.get("worker"), "kv_cache": facts.get("kv_cache") or None, "body": facts.get("body"),
               "shards": sum("failed" not in row for row in entry.get("shards", [])) or None,
               "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
               "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),
