@@ -34,25 +34,7 @@ def test_compiled_layers_score_as_the_eager_ones_to_float32_rounding(tiny_model_
     assert compiled.mean_nll == pytest.approx(eager.mean_nll, rel=1e-6, abs=0)
 
 
-def test_an_unknown_body_is_refused():
-    with pytest.raises(ValueError, match="body 'fused' is not one of eager, compile, liger, liger"):
-        speed_up(torch.nn.Module(), "fused")
-
-
-@pytest.mark.parametrize("body, says", [
-    ("liger", "evaluation.body liger: liger-kernel's fused ops run on CUDA, and baseline runs on cpu; use compile"),
-    ("fused", "evaluation.body: Input should be 'eager', 'compile', 'liger' or 'liger+compile'"),
-])
-def test_a_body_this_machine_cannot_run_is_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, corpus_path, body, says):
-    config = write_config(tmp_path / "body.yaml", tiny_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}],
-                          name="tiny")
-    config.write_text(config.read_text().replace("evaluation:\n", f"evaluation:\n  body: {body}\n", 1))
-    assert main(["run", str(config)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
-
-
-@pytest.mark.slow  # a whole audit, its layers compiled
+@pytest.mark.slow  # a whole audit, its layers compiled (before the CLI tests: their consoles close with capsys)
 def test_an_audit_with_compiled_layers_gives_the_eager_audit_s_figures_and_records_its_body(tmp_path, monkeypatch,
                                                                                             trained_model_dir, corpus_path):
     from mlflow import MlflowClient
@@ -77,3 +59,21 @@ def test_an_audit_with_compiled_layers_gives_the_eager_audit_s_figures_and_recor
     assert [run.data.params["body"] for run in runs] == ["compile"]
     # the baseline's reference, stored by the eager audit, is reused: its figures are the body's to rounding
     assert rows["compile"]["baseline"]["baseline"] == "reused"
+
+
+def test_an_unknown_body_is_refused():
+    with pytest.raises(ValueError, match="body 'fused' is not one of eager, compile, liger, liger"):
+        speed_up(torch.nn.Module(), "fused")
+
+
+@pytest.mark.parametrize("body, says", [
+    ("liger", "evaluation.body liger: liger-kernel's fused ops run on CUDA, and baseline runs on cpu; use compile"),
+    ("fused", "evaluation.body: Input should be 'eager', 'compile', 'liger' or 'liger+compile'"),
+])
+def test_a_body_this_machine_cannot_run_is_one_line_and_exit_2(capsys, tmp_path, tiny_model_dir, corpus_path, body, says):
+    config = write_config(tmp_path / "body.yaml", tiny_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}],
+                          name="tiny")
+    config.write_text(config.read_text().replace("evaluation:\n", f"evaluation:\n  body: {body}\n", 1))
+    assert main(["run", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
