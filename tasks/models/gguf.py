@@ -18,7 +18,7 @@ from tasks.models.resolve import load_config
 
 
 # values dequantized at once: enough that numpy or torch, not the interpreter, takes the time, few enough that a
-# slice's temporaries stay in the processor's caches (1M: Q4_K 222 MB/s of file, Q4_0 ~400 on 2 cores)
+# slice's temporaries stay in the processor's caches (1M: Q4_K 2.2 times as fast as 16M on 2 cores, 2026-11-26)
 SLICE_VALUES = 1 << 20
 
 
