@@ -18,7 +18,8 @@ from tasks.models.resolve import load_config
 
 
 # values dequantized at once: enough that numpy or torch, not the interpreter, takes the time, few enough that a
-# slice's temporaries stay in the processor's caches (Q4_K on 2 cores, 2026-11-26: 222 MB/s of file in slices of 1M values, 149 in slices of 16M)
+# slice's temporaries stay in the processor's caches (Q4_K on 2 cores, 2026-11-26: 222 MB/s of file in slices of
+# 1M values, 149 in slices of 16M)
 SLICE_VALUES = 1 << 20
 
 
