@@ -61,6 +61,26 @@ def test_an_audit_with_compiled_layers_gives_the_eager_audit_s_figures_and_recor
     assert rows["compile"]["baseline"]["baseline"] == "reused"
 
 
+@pytest.mark.slow  # compiles
+@pytest.mark.parametrize("residual", [0, 16])
+def test_a_quantized_cache_rounds_in_a_compiled_body_as_in_the_eager_one(tiny_model_dir, tokenizer, text, residual):
+    """The cache's round trip stays eager inside compiled layers: llama.cpp's rounding, not inductor's."""
+    from tasks.config import VariantSpec
+    from tasks.data.corpus import tokenize
+    from tasks.models.variants import load_variant
+
+    stream = tokenize(text, tokenizer, bos="stream", max_tokens=1200)
+    spec = VariantSpec(name="kv", device="cpu", kv_cache={"dtype": "int8", "group_size": 16, "residual": residual})
+    eager = perplexity(load_variant(spec, str(tiny_model_dir), 64)[0], stream, 64, 32, 4)
+    model, _ = load_variant(spec, str(tiny_model_dir), 64)
+    speed_up(model, "compile")
+    try:
+        compiled = perplexity(model, stream, 64, 32, 4)
+    finally:
+        torch._dynamo.reset()
+    assert compiled.mean_nll == pytest.approx(eager.mean_nll, rel=1e-6, abs=0)
+
+
 def test_an_unknown_body_is_refused():
     with pytest.raises(ValueError, match="body 'fused' is not one of eager, compile, liger, liger"):
         speed_up(torch.nn.Module(), "fused")
