@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from peers import bare_forwards, hf_documentation_loop, llama_shaped, model_flops, peak_tflops, random_llama, sync
+from peers import (bare_forwards, hf_documentation_loop, llama_shaped, model_flops, peak_tflops, random_llama, run_once,
+                   sync)
 from tasks.engine.body import BODIES, speed_up
-from tasks.engine.memory import PeakMemory
 from tasks.engine.perplexity import perplexity
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import plan
@@ -137,16 +137,9 @@ def quantized_row(shape: str, like: Path, kernel: str | None, stream: TokenStrea
 
 
 def timed(device: torch.device, work, repeats: int):
-    """The result of ``work()``, its best seconds over ``repeats`` and the peak memory."""
-    best = float("inf")
-    with PeakMemory(device) as memory:
-        for _ in range(repeats):
-            sync(device)
-            started = time.perf_counter()
-            out = work()
-            sync(device)
-            best = min(best, time.perf_counter() - started)
-    return out, best, memory.peak_bytes
+    """The result of ``work()``, its best seconds over ``repeats`` runs and the highest peak memory of them."""
+    runs = [run_once(device, work) for _ in range(repeats)]
+    return runs[-1][0], min(seconds for _, seconds, _ in runs), max(peak for _, _, peak in runs)
 
 
 def main() -> None:

@@ -33,6 +33,11 @@ METHODS = {"baseline": None, "gptq-triton=gptq:triton": "gptq", "gptq-torch=gptq
            "ct-w4a16=compressed-tensors": "w4a16", "ct-w8a8=compressed-tensors": "w8a8",
            "ct-fp8=compressed-tensors": "fp8_dynamic", "fp8": "fp8", "hqq": None, "gptq": "gptq", "awq": "awq"}
 CUDA_ONLY = ("fp8", "gptq-triton=gptq:triton", "awq-triton=awq:gemm_triton")  # no CPU kernel
+SYNTHESIZED = {  # the METHODS a part at a larger shape makes and times, by device
+    "cuda": ("gptq-triton=gptq:triton", "ct-w4a16=compressed-tensors", "ct-fp8=compressed-tensors", "fp8", "gptq",
+             "awq"),
+    "cpu": ("gptq-torch=gptq:torch", "awq-torch=awq:torch_awq", "ct-w4a16=compressed-tensors",
+            "ct-fp8=compressed-tensors", "gptq", "awq")}
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.02)  # widths the Marlin/AWQ tiles (64, 128) divide
 
@@ -181,13 +186,10 @@ def body_arguments(model: str, window: int, windows: int, batch: int, bodies: li
 
 
 def formats(kit: Path, device: str) -> list[str]:
-    """``NAME=CHECKPOINT[:KERNEL]`` of the kit's checkpoints, for a synthesized model of a larger shape (on CUDA
-    gptqmodel's own kernel choice and Triton's; making and loading each takes seconds at 1B)."""
-    chosen = [m for m in METHODS if METHODS[m] and (device == "cuda" or m not in CUDA_ONLY)
-              and not (device == "cuda" and m.partition(":")[2] in ("torch", "torch_awq", "gemm_triton"))
-              and "w8a8" not in m]
-    return [f"{m.partition('=')[0]}={kit / 'models' / METHODS[m]}"
-            + (f":{m.partition(':')[2]}" if ":" in m else "") for m in chosen]
+    """``NAME=CHECKPOINT[:KERNEL]`` of the kit's checkpoints, for a synthesized model of a larger shape (making and
+    loading each takes seconds at 1B): gptqmodel's own kernel choices and, on CUDA, Triton's, on CPU its Torch ones."""
+    return [f"{m.partition('=')[0]}={kit / 'models' / METHODS[m]}" + (f":{m.partition(':')[2]}" if ":" in m else "")
+            for m in SYNTHESIZED[device]]
 
 
 def prebuild_marlin(out: Path) -> subprocess.Popen:

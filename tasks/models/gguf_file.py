@@ -3,7 +3,7 @@
 gguf-py's reader (and transformers' GGUF loader, built on it) turns every metadata value into numpy views, the
 vocabulary's strings one by one, and transformers decodes each again: ~5 s for SmolLM2's 49k tokens on this
 project's machine, before a tensor is read. Here the header is read with ``struct`` from a memory map: a
-vocabulary is kept as its count and where it lies, and numbers as one array each. What it gives (the config,
+vocabulary is kept as its count, and numbers as one array each. What it gives (the config,
 tensor names, types and where their data lies) is checked against gguf-py and transformers in tests/test_gguf_file.py.
 Spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
@@ -28,10 +28,9 @@ LONG_ARRAY = 1024  # string arrays longer than this (a vocabulary, merges) are k
 
 @dataclass(frozen=True)
 class Strings:
-    """A long array of strings, not decoded: how many, and where the first one starts."""
+    """A long array of strings, skipped, not decoded: how many."""
 
     count: int
-    offset: int
 
 
 @dataclass(frozen=True)
@@ -88,9 +87,8 @@ class _Cursor:
             item, count = self.unpack("<I"), self.unpack("<Q")
             if item == STRING:
                 if count > LONG_ARRAY:
-                    found = Strings(count, self.offset)
                     self.skip_strings(count)
-                    return found
+                    return Strings(count)
                 return [self.string() for _ in range(count)]
             if item == ARRAY:
                 return [self.value(ARRAY) for _ in range(count)]
@@ -110,12 +108,11 @@ def read_header(path: Path) -> Header:
     with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         if mapped[:4] != b"GGUF":
             raise ValueError("it does not start with GGUF: give a llama.cpp .gguf file")
-        cursor = _Cursor(mapped, 4)
         version = struct.unpack_from("<I", mapped, 4)[0] if len(mapped) >= 8 else None
         if version not in (2, 3):
             raise ValueError(f"its GGUF version {version} is not 2 or 3: give a file a current llama.cpp wrote")
+        cursor = _Cursor(mapped, 8)
         try:
-            cursor.offset = 8
             n_tensors, n_fields = cursor.unpack("<Q"), cursor.unpack("<Q")
             if (n_tensors + n_fields) * 8 > len(mapped):  # each takes at least 8 bytes: a damaged count
                 raise _damaged(f"{n_tensors} tensors and {n_fields} fields do not fit in {len(mapped)} bytes")
