@@ -46,8 +46,10 @@ def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoin
         return [found[tuple(layers)] for layers in sets]
 
     try:
-        seen = examine_variant(checkpoint, lineup, scored, windows)
-        with runner or nullcontext():
+        with runner or nullcontext():  # on a cluster, this process loads no model: a worker examines both
+            seen = examine_variant(checkpoint, lineup, scored, windows) if runner is None else runner.submit(
+                examine_variant, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
+                                  "windows": windows}).result()
             alone, curve = search(seen, evaluate, settings.restore)
     finally:
         forget_models()

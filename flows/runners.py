@@ -15,15 +15,15 @@ from dataclasses import replace
 from prefect import get_run_logger
 
 from tasks.audit.checkpoints import Lineup
-from tasks.audit.scoring import merge_shards
+from tasks.audit.scoring import look_up, merge_shards
 from tasks.config import AuditConfig
-from tasks.core.errors import one_line
+from tasks.core.errors import InputError, one_line
 from tasks.core.places import cache_dir
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import shard_bounds
 from tasks.engine.windows import plan
 from tasks.record.results import VariantResult
-from tasks.steps import make, score
+from tasks.steps import join_baseline_reference, look_up_baseline, make, score
 
 RETRY_POLL_SECONDS = 2  # how often a retry held to other workers checks that one of them is still there
 
@@ -72,7 +72,7 @@ def _placement(config: AuditConfig):
 
 
 def _raised(error: BaseException) -> str:
-    return f"{type(error).__name__}: {one_line(error)}"
+    return one_line(error) if isinstance(error, InputError) else f"{type(error).__name__}: {one_line(error)}"
 
 
 def _made(checkpoint, value):
@@ -138,10 +138,7 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
     through a subflow: a subflow's parameters (the corpus text among them) are stored with its run, and
     Prefect refuses more than 512 KB of them.
     """
-    settings = scored.settings
-    batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
-    bounds = shard_bounds(len(plan(scored.stream, settings.window, settings.stride, settings.mode)),
-                          config.runner.shards, batch)
+    bounds = _bounds(config, scored)
 
     def shard(checkpoint, windows):
         return runner.submit(score, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
@@ -157,19 +154,73 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
             submitted[v] = [shard(ready[v], windows) for windows in bounds]
         outcomes = [[_outcome(c, _settled(f)) for f in submitted[v]]
                     for v, c in enumerate(lineup.variants)]
-        again = {}
-        for v, shards in enumerate(outcomes):
-            for n, failed in enumerate(shards):
-                if failed.retry_elsewhere:
-                    others = _elsewhere(runner, config, failed)
-                    with _held_to(others):  # none left: fail now, not hold it to nobody (Dask reads [] as anyone)
-                        again[v, n] = (shard(ready[v], bounds[n]) if others != [] else None), others
+        _tried_again(runner, config, lineup.variants, outcomes, lambda v, n: shard(ready[v], bounds[n]))
+    return [merge_shards(shards, scored) for shards in outcomes]
+
+
+def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[list[VariantResult]], resubmit) -> None:
+    """Each failed shard of ``outcomes`` (per model of ``checkpoints``, per shard) that another worker may not fail (``retry_elsewhere``)
+    submitted once more (``resubmit(model, shard)`` in the context that holds it to the other workers), and its
+    outcome replaced by the new try's, which keeps the failed try's rows."""
+    again = {}
+    for v, shards in enumerate(outcomes):
+        for n, failed in enumerate(shards):
+            if failed.retry_elsewhere:
+                others = _elsewhere(runner, config, failed)
+                with _held_to(others):  # none left: fail now, not hold it to nobody (Dask reads [] as anyone)
+                    again[v, n] = (resubmit(v, n) if others != [] else None), others
     for (v, n), (future, others) in again.items():
         failed = outcomes[v][n]
         outcomes[v][n] = (_nobody_left(failed) if future is None else
-                          _outcome(lineup.variants[v], _settled_on(runner, future, others, failed)))
+                          _outcome(checkpoints[v], _settled_on(runner, future, others, failed)))
         outcomes[v][n].shards[:0] = [row | {"failed": failed.reason} for row in failed.shards]
-    return [merge_shards(shards, scored) for shards in outcomes]
+
+
+def score_baseline(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> VariantResult:
+    """The baseline on the cluster, as the variants are. Its stored reference is looked up here (its files digested,
+    the references read: no model loaded), or by a worker where this process cannot see the model's files; when
+    none is reused, ``runner.shards`` tasks score slices of its windows, each writing its slice of the reference, a
+    failed one tried again elsewhere; their parts are merged here (exactly, as a variant's), and a worker joins the
+    slices into the reference and puts it in place."""
+    baseline = lineup.baseline
+    if baseline.problem:
+        return VariantResult(baseline.name, baseline.spec.method, "failed", baseline.problem)
+    try:
+        found = look_up(baseline, scored)
+    except Exception as error:  # noqa: BLE001 -- a damaged reference under rescore: never, say: the baseline fails
+        return _outcome(baseline, error)
+    if found.key is None and found.reused is None:  # a worker may see the files this process does not
+        found = _settled(runner.submit(look_up_baseline, {"checkpoint": baseline, "evaluation_": scored}))
+        if isinstance(found, BaseException):
+            return _outcome(baseline, found)
+    if found.reused is not None:
+        result, facts = found.reused
+        return VariantResult(baseline.name, baseline.spec.method, "ok", result=result, facts=facts,
+                             manifest=baseline.manifest, reference=found.said)
+
+    def shard(windows):
+        return runner.submit(score, {"checkpoint": baseline, "lineup": lineup, "evaluation_": scored,
+                                     "windows": windows, "lookup": found})
+
+    with _placement(config):
+        bounds = _bounds(config, scored)
+        outcomes = [[_outcome(baseline, _settled(future)) for future in map(shard, bounds)]]
+        _tried_again(runner, config, [baseline], outcomes, lambda v, n: shard(bounds[n]))
+    merged = merge_shards(outcomes[0], scored)
+    said = _settled(runner.submit(join_baseline_reference, {"lookup": found, "baseline": merged,
+                                                             "shards": outcomes[0], "evaluation_": scored}))
+    if isinstance(said, BaseException):
+        said = found.scored(merged.result) | {"problem": f"its reference was not joined: {_raised(said)}"}
+    merged.reference = said if merged.ok else {}
+    return merged
+
+
+def _bounds(config: AuditConfig, scored: Evaluation) -> list[tuple[int, int]]:
+    """The windows of each of a model's ``runner.shards`` shards (aligned to the batch size)."""
+    settings = scored.settings
+    batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
+    return shard_bounds(len(plan(scored.stream, settings.window, settings.stride, settings.mode)),
+                        config.runner.shards, batch)
 
 
 def _workers_report_here():
@@ -266,19 +317,21 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
 
 
 def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
-    """Score the baseline, then every variant against it; a variant whose task failed becomes a failed result."""
-    baseline = _outcome(lineup.baseline, score(lineup.baseline, lineup, scored, return_state=True)
-                        .result(raise_on_failure=False))
+    """Score the baseline, then every variant against it, here or on the cluster's workers; a model whose task
+    failed becomes a failed result."""
     runner = task_runner(config)
     if runner is None:
+        baseline = _outcome(lineup.baseline, score(lineup.baseline, lineup, scored, return_state=True)
+                            .result(raise_on_failure=False))
         variants = [_outcome(checkpoint, score(checkpoint, lineup, scored, baseline, return_state=True)
                              .result(raise_on_failure=False)) for checkpoint in lineup.variants]
     else:
         with runner, _workers_report_here():
+            baseline = score_baseline(runner, config, lineup, scored)
             sampled = scored.settings.sequential and config.runner.shards > 1
             variants = (score_sampled if sampled else score_concurrently)(runner, config, lineup, scored, baseline)
         logger = get_run_logger()
-        for outcome in variants:
+        for outcome in [baseline, *variants]:
             logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")
     return baseline, variants
 

@@ -14,7 +14,7 @@ from prefect.states import Failed
 
 from tasks.audit.checkpoints import Checkpoint, Lineup, prepare
 from tasks.audit.diagnose import Examination, Restored, examine, restore
-from tasks.audit.scoring import make_variant, score_variant
+from tasks.audit.scoring import Lookup, join_reference, look_up, make_variant, score_variant
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.core.errors import TransientError
 from tasks.core.places import spool_dir, synced_dir
@@ -72,14 +72,29 @@ def _score_name() -> str:
       retry_condition_fn=_transient)
 def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
           baseline_outcome: VariantResult | None = None, windows: tuple[int, int] | None = None,
-          sample: list[int] | None = None) -> VariantResult:
+          sample: list[int] | None = None, lookup: Lookup | None = None) -> VariantResult:
     """Load (or make) one model and score it, or only its ``windows`` (a shard) or ``sample`` (a piece of a
     sequential run); a failure is a failed result, not a failed task.
 
-    Variants get the baseline's outcome, to measure their divergence from it.
+    Variants get the baseline's outcome, to measure their divergence from it; a baseline's shard gets what its
+    ``look_up_baseline`` found, and writes its slice of the reference.
     """
     return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True,
-                         baseline_outcome=baseline_outcome, windows=windows, sample=sample)
+                         baseline_outcome=baseline_outcome, windows=windows, sample=sample, lookup=lookup)
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
+def look_up_baseline(checkpoint: Checkpoint, evaluation_: Evaluation) -> Lookup:
+    """On a worker, which sees the model's files and the references: the baseline's stored reference, or the key
+    its shards write one under (a Hub model's snapshot is looked for, retried when the network blips)."""
+    return look_up(checkpoint, evaluation_)
+
+
+@task(cache_policy=NO_CACHE, task_run_name="join-reference-{lookup.key}")
+def join_baseline_reference(lookup: Lookup, baseline: VariantResult, shards: list[VariantResult],
+                            evaluation_: Evaluation) -> dict:
+    """On a worker: the baseline reference joined from its shards' slices and put in place (what the record says)."""
+    return join_reference(lookup, baseline, shards, evaluation_)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name="make-{checkpoint.name}",

@@ -9,7 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,13 +87,14 @@ def test_an_audit_on_an_existing_dask_cluster_scores_as_sequential_and_names_eac
     with dask_cluster(2) as (address, workers):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
                               runner={"kind": "dask", "address": address})
-        state = audit(config=str(config), return_state=True)
+        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     on_cluster = state.result()
     assert [r["ppl"] for r in on_cluster["rows"]] == [r["ppl"] for r in sequential["rows"]]  # to the last bit
     ran_on = {outcome.name: outcome.facts.worker for outcome in on_cluster["results"]}
-    assert ran_on["int8"] in workers and ran_on["copy"] in workers  # the variants ran on the cluster's workers
-    assert ran_on["baseline"] not in workers  # the baseline is scored by the flow itself
+    assert set(ran_on.values()) <= set(workers)  # every model, the baseline too, ran on the cluster's workers
+    baseline = on_cluster["results"][0]
+    assert baseline.reference["baseline"] == "scored" and baseline.shards[0]["worker"] == ran_on["baseline"]
 
 
 def prefect_servers_under(address: str) -> list:
@@ -166,20 +168,39 @@ def test_an_address_that_cannot_be_a_scheduler_is_one_line(runner, says):
     assert parse(Runner, {"kind": "ray", "address": "auto"}, "runner").address == "auto"
 
 
-def test_sharded_variants_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_path, trained_model_dir,
-                                                                              corpus_path, noisy_model_dir):
-    """Each variant scored as 3 slices of its windows over 2 workers: every per-token array (NLL, KL both ways,
-    top-1) and every figure equals the unsharded audit's exactly, and each shard names the worker it ran on."""
+def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_path, trained_model_dir,
+                                                                            corpus_path, noisy_model_dir):
+    """Every model, the baseline too (scored again), as 3 slices of its windows over 2 workers: every per-token array
+    (NLL, KL both ways, top-1) and every figure equals the unsharded audit's exactly, each shard names the worker it
+    ran on, and the reference joined from the baseline's slices holds the bytes of the one written whole."""
+    from tasks.audit import reference
+    from tasks.core.places import references_dir
+
     variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "noisy", "path": str(noisy_model_dir)}]
     whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
                   return_state=True).result()
+    written = Path(whole["results"][0].reference["path"])
+    data = (reference.HIDDEN, reference.SCORES, reference.HEAD)  # the manifest says when; `used` is touched on reuse
+    files = {name: (written / name).read_bytes() for name in data if (written / name).exists()}
+    manifest = reference.Reference.open(written).manifest
     with dask_cluster(2) as (address, workers):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
                               runner={"kind": "dask", "address": address, "shards": 3})
-        state = audit(config=str(config), return_state=True)
+        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     sharded = state.result()
-    timing = {"tokens_per_second", "load_seconds", "weight_mib", "baseline"}  # how long, and reused or not
+    baseline = sharded["results"][0]
+    assert [row["windows"] for row in baseline.shards] == [[0, 16], [16, 32], [32, 46]]
+    assert {row["worker"] for row in baseline.shards} <= set(workers)
+    assert baseline.reference["path"] == str(written) and baseline.reference["drift"]["max_abs_delta_nll"] == 0
+    joined = reference.Reference.open(written)
+    assert {name: (written / name).read_bytes() for name in data if (written / name).exists()} == files
+    made = ("created", "facts", "result", "size_bytes", "digest")  # when, where and how long: not what
+    assert {k: v for k, v in joined.manifest.items() if k not in made} == \
+        {k: v for k, v in manifest.items() if k not in made}
+    assert joined.verify() is None
+    assert not any((references_dir() / ".slices").iterdir())  # the slices are gone once joined
+    timing = {"tokens_per_second", "load_seconds", "weight_mib", "baseline", "drift", "drift_from"}  # how long, how made
     assert [{k: v for k, v in row.items() if k not in timing} for row in sharded["rows"]] == \
         [{k: v for k, v in row.items() if k not in timing} for row in whole["rows"]]
     for one, split in zip(whole["results"][1:], sharded["results"][1:]):
@@ -227,7 +248,6 @@ def kill_a_worker_mid_shard(address: str, name: str, killed: list) -> None:
     """Once a shard of ``name`` has been running for a second (its Prefect task run Running, the scheduler
     processing it on a worker), kill that worker's process with SIGKILL; its address goes into ``killed``."""
     import signal
-    import time
 
     from distributed import Client
     from prefect.client.orchestration import get_client
@@ -248,25 +268,65 @@ def kill_a_worker_mid_shard(address: str, name: str, killed: list) -> None:
         killed.append(busy[0])
 
 
-def test_a_worker_killed_mid_shard_costs_a_retry_not_the_audit(tmp_path):
-    """SmolLM2 in two shards on two workers; one worker's process is killed while its shard runs: the shard runs
-    again on a worker that lives, and the audit's figures are the unsharded audit's to the last bit."""
+def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path):
+    """SmolLM2 and its int8 variant, each in two shards on three workers, the baseline scored again; one worker's
+    process is killed while a baseline shard runs, another's while an int8 shard runs: each shard runs again on a
+    worker that lives, the audit's figures are the unsharded audit's to the last bit, and the reference joined
+    from the baseline's slices holds the hidden states of the one written whole."""
     import threading
 
+    from tasks.audit.reference import HIDDEN
+
     whole = audit(config=str(embedded_int8(tmp_path / "s.yaml")), return_state=True).result()
+    hidden = (Path(whole["results"][0].reference["path"]) / HIDDEN).read_bytes()
     killed: list[str] = []
-    with dask_cluster(2) as (address, workers):
+
+    def kill_one_each(address: str) -> None:
+        for name in ("baseline", "int8"):
+            kill_a_worker_mid_shard(address, name, killed)
+
+    with dask_cluster(3) as (address, workers):
         config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
-        killer = threading.Thread(target=kill_a_worker_mid_shard, args=(address, "int8", killed))
+        killer = threading.Thread(target=kill_one_each, args=(address,))
         killer.start()
-        state = audit(config=str(config), return_state=True)
+        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
         killer.join()
     assert state.is_completed(), state.message
-    assert killed and killed[0] in workers
-    outcome = state.result()["results"][1]
-    assert killed[0] not in {row["worker"] for row in outcome.shards}  # its shard ran again on a live worker
-    assert np.array_equal(outcome.result.token_nll, whole["results"][1].result.token_nll)
-    assert outcome.result.nll_sum == whole["results"][1].result.nll_sum
+    assert len(set(killed)) == 2 and set(killed) <= set(workers)
+    for outcome, alone, dead in zip(state.result()["results"], whole["results"], killed):
+        assert dead not in {row["worker"] for row in outcome.shards}  # its shard ran again on a live worker
+        assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
+        assert outcome.result.nll_sum == alone.result.nll_sum
+    baseline = state.result()["results"][0]
+    assert (Path(baseline.reference["path"]) / HIDDEN).read_bytes() == hidden
+
+
+def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path):
+    """`ppl-audit run` of SmolLM2 (540 MB of float32 weights) and its int8 variant, the baseline scored again: on a
+    one-worker cluster the flow's process peaks at least 400 MB below the same audit run here, which loads them."""
+    def peak_mib(config: Path) -> float:
+        """The largest high-water mark (VmHWM) of the command's processes, read until it exits: their rusage would
+        start from this test process's, which Linux carries over a fork and an exec."""
+        process = subprocess.Popen([str(Path(sys.executable).with_name("ppl-audit")), "run", str(config),
+                                    "--set", "baseline.rescore=always"], env=worker_environment(),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import psutil
+
+        peak, parent = 0, psutil.Process(process.pid)
+        while process.poll() is None:
+            with suppress(OSError, psutil.Error):  # the command runs in a child of its own (flows.lifetime)
+                for each in [parent, *parent.children(recursive=True)]:
+                    for kib in re.findall(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{each.pid}/status").read_text()):
+                        peak = max(peak, int(kib))  # none in an exited process's status
+            time.sleep(0.05)
+        assert process.returncode == 0
+        return peak / 1024
+
+    here = peak_mib(embedded_int8(tmp_path / "s.yaml"))
+    with dask_cluster(1) as (address, _):
+        flow = peak_mib(embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address}))
+    print(f"peak resident memory of the flow's process: {here:.0f} MiB scoring here, {flow:.0f} MiB on a cluster")
+    assert flow < here - 400, (flow, here)
 
 
 def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, trained_model_dir, corpus_path):
@@ -380,15 +440,17 @@ def test_an_audit_on_a_ray_cluster_in_shards_scores_as_sequential(tmp_path, trai
                   return_state=True).result()
     config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, variants,
                           runner={"kind": "ray", "address": ray_address, "shards": 2})
-    state = audit(config=str(config), return_state=True)
+    state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
-    outcome, alone = state.result()["results"][1], whole["results"][1]
-    assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
-    assert np.array_equal(outcome.result.extra["kl"], alone.result.extra["kl"])
-    assert outcome.result.nll_sum == alone.result.nll_sum
-    assert [row["windows"] for row in outcome.shards] == [[0, 24], [24, 46]]
-    assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
-    assert os.getpid() not in {int(re.search(r"pid (\d+)", row["worker"]).group(1)) for row in outcome.shards}
+    for outcome, alone in zip(state.result()["results"], whole["results"]):  # the baseline scored again, in shards
+        assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
+        assert outcome.result.nll_sum == alone.result.nll_sum
+        assert [row["windows"] for row in outcome.shards] == [[0, 24], [24, 46]]
+        assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
+        assert os.getpid() not in {int(re.search(r"pid (\d+)", row["worker"]).group(1)) for row in outcome.shards}
+    baseline, variant = state.result()["results"]
+    assert np.array_equal(variant.result.extra["kl"], whole["results"][1].result.extra["kl"])
+    assert baseline.reference["drift"]["max_abs_delta_nll"] == 0 and "problem" not in baseline.reference
 
 
 def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_path, trained_model_dir, corpus_path,

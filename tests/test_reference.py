@@ -4,6 +4,7 @@ whole-or-nothing writes, concurrent builds, drift, and the `ppl-audit reference`
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -295,3 +296,47 @@ def test_a_reference_that_cannot_be_written_loses_the_kl_not_the_scores(tiny_mod
     assert format_stats(rows) == ("### int8 against baseline: no KL divergence statistics: "
                                   f"{baseline.reference['problem']}")
 
+
+
+def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice_makes_none(tiny_model_dir, text,
+                                                                                            references):
+    """The baseline as a cluster scores it (``tasks.audit.scoring``: shards that each write a slice, then joined):
+    the same per-token NLL and a reference of the same bytes as scored whole; a slice damaged or lost after it was
+    written makes no reference (the figures stand, the record says why), and the slices are removed either way."""
+    from tasks.engine.perplexity import shard_bounds
+    from tasks.engine.windows import plan
+
+    whole = score_baseline(tiny_model_dir, text)
+    folder = Path(whole.reference["path"])
+    files = {f.name: f.read_bytes() for f in folder.iterdir() if f.name != reference.MANIFEST}
+    lineup, scored = audit_parts(tiny_model_dir, text, rescore="always")
+    bounds = shard_bounds(len(plan(scored.stream, 64, 32)), 3, 4)
+
+    def in_slices(damage=None):
+        lookup = scoring.look_up(lineup.baseline, scored)
+        shards = [scoring.score_variant(lineup.baseline, lineup, scored, windows=w, lookup=lookup) for w in bounds]
+        if damage is not None:
+            damage(Path(shards[1].reference["slice"]))
+        merged = scoring.merge_shards(shards, scored)
+        said = scoring.join_reference(lookup, merged, shards, scored)
+        assert not scoring.slices_dir(lookup).exists()
+        return merged, said
+
+    merged, said = in_slices()
+    assert len(bounds) == 3 and np.array_equal(merged.result.token_nll, whole.result.token_nll)
+    assert said["path"] == str(folder) and said["drift"]["max_abs_delta_nll"] == 0
+    assert {f.name: f.read_bytes() for f in folder.iterdir() if f.name != reference.MANIFEST} == files
+
+    def flip_a_byte(piece: Path) -> None:
+        with open(piece / reference.HIDDEN, "r+b") as file:
+            file.seek(7)
+            byte = file.read(1)
+            file.seek(7)
+            file.write(bytes([byte[0] ^ 1]))
+
+    for damage, says in ((flip_a_byte, "does not hold what was written"), (shutil.rmtree, "is missing, damaged")):
+        if folder.exists():  # none to compare the slices' with, nor to keep in place of a bad join
+            reference.remove(reference.Reference.open(folder))
+        merged, said = in_slices(damage)
+        assert merged.ok and np.array_equal(merged.result.token_nll, whole.result.token_nll)
+        assert says in said["problem"] and "path" not in said and not folder.exists(), said

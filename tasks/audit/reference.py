@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import time
+import zipfile
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,8 @@ from tasks.models.resolve import DTYPES
 
 FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
 MANIFEST, HIDDEN, SCORES, HEAD = "manifest.json", "hidden.bin", "scores.npz", "head.safetensors"
+SLICE = "slice.json"  # what a slice of a reference holds, beside its hidden states (``Writer.seal``)
+SLICES_KEPT_SECONDS = 86_400  # an audit's slices are joined within a day, or it stopped: ``prune`` removes them
 USED = "used"  # touched on each reuse: pruning goes by it
 STORED_AS = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.int16, torch.float16: np.int16}
 # Beyond float noise, per dtype: (largest |ΔNLL| of one token, |Δ mean NLL|) between two scorings of the
@@ -348,6 +351,29 @@ class Reference:
                         f"baseline reference {self.key}")
 
 
+def save_scores(path: Path, **arrays: np.ndarray) -> None:
+    """``np.savez`` with no time in it: the same arrays make the same bytes, so that a reference written in slices
+    on a cluster's workers equals, byte for byte, the one written whole (``np.savez`` stamps each member)."""
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, array in arrays.items():
+            with archive.open(zipfile.ZipInfo(f"{name}.npy"), "w", force_zip64=True) as file:
+                np.lib.format.write_array(file, np.asanyarray(array), allow_pickle=False)
+
+
+def head_entry(source: Path, head: torch.nn.Module, staging: Path) -> dict:
+    """The manifest's ``head`` of the scored model's LM head (but its soft-cap): read back from the checkpoint by name
+    when that gives the same tensor, else stored as ``head.safetensors`` in ``staging``."""
+    tensors = [t.detach() for t in _head_tensors(head)]
+    found = read_head(source)
+    read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \
+        == tensor_digest(*tensors)
+    if not read_back:
+        from safetensors.torch import save_file
+
+        save_file(dict(zip(("weight", "bias"), (t.cpu().contiguous() for t in tensors))), staging / HEAD)
+    return {"name": found[0] if found else "", "digest": tensor_digest(*tensors), "stored": not read_back}
+
+
 class Writer:
     """Collects a reference in a scratch folder while the baseline is scored (``keep_hidden``), then
     ``publish`` puts it in place. A failure to write (a full disk) stops the writing, not the scoring.
@@ -356,10 +382,12 @@ class Writer:
         staging: an empty folder of its own, on the references' file system.
         targets: ``[n_scored]`` the scored tokens' ids, in the token arrays' order: kept beside their NLL, so
             that ``Reference.verify`` can check the head and hidden states against it with no corpus at hand.
+        offset: the first scored token it holds: a slice of the reference (``seal``) holds the tokens
+            ``offset … offset + len(targets)`` of the stream's (their ids ``targets``).
     """
 
-    def __init__(self, staging: Path, targets: torch.Tensor):
-        self.staging, self.targets, self.n_scored = staging, targets, len(targets)
+    def __init__(self, staging: Path, targets: torch.Tensor, offset: int = 0):
+        self.staging, self.targets, self.n_scored, self.offset = staging, targets, len(targets), offset
         self.hidden: np.memmap | None = None
         self.dtype: torch.dtype | None = None
         self.problem = ""
@@ -376,54 +404,103 @@ class Writer:
                     os.posix_fallocate(file.fileno(), 0, math.prod(shape) * hidden.element_size())
                 self.hidden = np.memmap(self.staging / HIDDEN, dtype=STORED_AS[hidden.dtype], mode="r+", shape=shape)
             rows = hidden.view(torch.int16) if hidden.dtype in (torch.bfloat16, torch.float16) else hidden
-            self.hidden[slots.numpy()] = rows.numpy()
+            self.hidden[(slots - self.offset).numpy()] = rows.numpy()
         except OSError as error:
             self.problem = f"could not write the baseline reference in {self.staging.parent}: {error}"
+
+    def _closed(self) -> tuple[list[int], str]:
+        """The hidden states' shape and dtype, written out."""
+        if self.problem:
+            raise OSError(self.problem)
+        self.hidden.flush()
+        shape = list(self.hidden.shape)
+        self.hidden = None
+        return shape, str(self.dtype).removeprefix("torch.")
 
     def publish(self, key: str, manifest: dict, result: PerplexityResult, head: torch.nn.Module,
                 replace: bool) -> Reference:
         """Finish the files and rename the folder to ``references/<key>``.
 
         Args:
-            manifest: identity, environment, facts, ...; the result, head and sizes are added here.
-            head: the scored model's LM head: read back from its checkpoint by name when that gives the
-                same tensor, else stored beside the hidden states.
+            manifest: identity, environment, facts, source, softcap; the result, head and sizes are added here.
+            head: the scored model's LM head (``head_entry``).
             replace: put this one in place of an existing reference of the same key (a rescore);
                 otherwise an existing one (built meanwhile by another audit) is kept and returned.
         """
-        if self.problem:
-            raise OSError(self.problem)
-        self.hidden.flush()
-        shape = list(self.hidden.shape)
-        self.hidden = None
-        np.savez(self.staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
-                 window_tokens=result.window_tokens, targets=self.targets.numpy().astype(np.int32))
-        tensors = [t.detach() for t in _head_tensors(head)]
-        found = read_head(Path(manifest["source"]))
-        read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \
-            == tensor_digest(*tensors)
-        if not read_back:
-            from safetensors.torch import save_file
+        shape, dtype = self._closed()
+        entry = head_entry(Path(manifest["source"]), head, self.staging)
+        return _finish(self.staging, key, manifest, result, self.targets, {"shape": shape, "dtype": dtype}, entry, replace)
 
-            save_file(dict(zip(("weight", "bias"), (t.cpu().contiguous() for t in tensors))), self.staging / HEAD)
-        softcap = manifest.pop("softcap")
-        manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(),
-                     "hidden": {"shape": shape, "dtype": str(self.dtype).removeprefix("torch.")},
-                     "head": {"name": found[0] if found else "", "digest": tensor_digest(*tensors),
-                              "softcap": softcap, "stored": not read_back}}
-        manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)} for f in self.staging.iterdir()}
-        manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
-        manifest["digest"] = manifest_digest(manifest)
-        write_atomically(self.staging / MANIFEST, json.dumps(manifest, indent=1))
-        final = references_dir() / key
-        if final.exists() and (replace or _manifest(final) is None):  # a rescore, or one too damaged to open
-            _discard(final)
-        try:
-            os.rename(self.staging, final)
-        except OSError:
-            if not final.is_dir():  # else another audit put the same reference in place first: use it
-                raise
-        return Reference.open(final)
+    def seal(self, head_of: dict | None, out: Path) -> Path:
+        """Finish a slice: its hidden states and what it holds (``SLICE``; ``head_of``: the first slice's
+        ``head_entry`` and soft-cap) beside them, put at ``out`` in one rename. Returns ``out``."""
+        shape, dtype = self._closed()
+        about = {"rows": [self.offset, self.offset + self.n_scored], "hidden": {"shape": shape, "dtype": dtype},
+                 "sha256": file_digest(self.staging / HIDDEN), "head": head_of}
+        write_atomically(self.staging / SLICE, json.dumps(about))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self.staging, out)
+        return out
+
+
+def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, targets: torch.Tensor, hidden: dict,
+            head: dict, replace: bool) -> Reference:
+    """Write the scores and the manifest beside ``staging``'s hidden states (and head), and rename it into place."""
+    save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
+                window_tokens=result.window_tokens, targets=targets.numpy().astype(np.int32))
+    manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(), "hidden": hidden,
+                 "head": head | {"softcap": manifest.pop("softcap")}}
+    manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)} for f in sorted(staging.iterdir())}
+    manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
+    manifest["digest"] = manifest_digest(manifest)
+    write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
+    final = references_dir() / key
+    if final.exists() and (replace or _manifest(final) is None):  # a rescore, or one too damaged to open
+        _discard(final)
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if not final.is_dir():  # else another audit put the same reference in place first: use it
+            raise
+    return Reference.open(final)
+
+
+def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result: PerplexityResult,
+             targets: torch.Tensor, replace: bool) -> Reference:
+    """A reference from the slices the baseline's shards wrote (``Writer.seal``), as ``Writer.publish`` puts one in
+    place: their hidden states joined in order, each slice checked as it is read (rows that follow on, its
+    size and sha256), so that a damaged or missing slice makes no reference (``DamagedReference``).
+
+    Args:
+        slices: the shards' slice folders, in window order; the first holds the head's entry.
+        staging: an empty folder of its own, on the references' file system.
+        manifest, result, replace: as ``Writer.publish``'s; ``targets``: every scored token's id.
+    """
+    abouts = [read_json(folder / SLICE, "baseline reference slice") for folder in slices]
+    rows, width, dtype = 0, None, None
+    with open(staging / HIDDEN, "wb") as out:
+        for folder, about in zip(slices, abouts):
+            (first, stop), (n, across) = (about["rows"], about["hidden"]["shape"]) if about else ((None, 0), (0, 0))
+            if first != rows or n != stop - first or width not in (None, across) or dtype not in (None, about["hidden"]["dtype"]):
+                raise DamagedReference(f"the baseline reference's slice {folder.name} is missing, damaged or out of "
+                                       f"place (its rows should start at {rows})")
+            width, dtype = across, about["hidden"]["dtype"]
+            digest, start = hashlib.sha256(), out.tell()
+            with open(folder / HIDDEN, "rb") as part:
+                while block := part.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+            if digest.hexdigest() != about["sha256"] or out.tell() - start != n * across * \
+                    np.dtype(STORED_AS[DTYPES[dtype]]).itemsize:
+                raise DamagedReference(f"the baseline reference's slice {folder.name} does not hold what was written")
+            rows = stop
+    if rows != len(targets) or not abouts[0]["head"]:
+        raise DamagedReference(f"the baseline reference's slices hold {rows} of its {len(targets)} tokens")
+    head = dict(abouts[0]["head"])
+    manifest["softcap"] = head.pop("softcap")
+    if head["stored"]:
+        shutil.copyfile(slices[0] / HEAD, staging / HEAD)
+    return _finish(staging, key, manifest, result, targets, {"shape": [rows, width], "dtype": dtype}, head, replace)
 
 
 def building() -> AbstractContextManager[Path]:
@@ -540,9 +617,14 @@ def remove(reference: Reference) -> None:
 
 def prune(older_than_seconds: float | None = None, max_bytes: int | None = None) -> list[Reference]:
     """Remove references unused for longer than ``older_than_seconds``, then the least recently used until
-    the rest take at most ``max_bytes``; and scratch folders of builds whose process died. Returns the removed."""
+    the rest take at most ``max_bytes``; and scratch folders of builds whose process died, and the slices of
+    audits that stopped before joining them (untouched for ``SLICES_KEPT_SECONDS``). Returns the removed."""
     with building():  # clears dead builds' folders
         pass
+    slices = references_dir() / ".slices"
+    for folder in slices.iterdir() if slices.is_dir() else []:
+        if time.time() - folder.stat().st_mtime > SLICES_KEPT_SECONDS:
+            shutil.rmtree(folder, ignore_errors=True)
     kept = sorted(stored(), key=lambda r: r.last_used)
     removed = []
     if older_than_seconds is not None:

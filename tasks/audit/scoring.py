@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import gc
 import math
+import shutil
 import time
+import uuid
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ from tasks.audit.checkpoints import Checkpoint, Lineup, quantized_checkpoint
 from tasks.audit.cluster import worker
 from tasks.audit.sequential import Watch
 from tasks.config import Gate, VariantSpec
-from tasks.core.errors import InputError, NumericalError, TransientError, WorkerError, one_line
+from tasks.core.errors import DamagedReference, InputError, NumericalError, TransientError, WorkerError, one_line
 from tasks.core.places import references_dir
 from tasks.data.corpus import tokenizer_digest
 from tasks.data.evaluation import Evaluation
@@ -135,6 +137,69 @@ def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[
     return folder, identity, reference.environment(device)
 
 
+@dataclass
+class Lookup:
+    """What the stored references say of an audit's baseline before it is loaded: its result and facts when one is
+    ``reused``; else the ``key`` its reference is written under (None: none can be, ``problem`` says why), the
+    ``manifest`` it starts from, the reference a rescore is compared with (``previous``), and, for the record,
+    ``said`` (``baseline_key``, damaged references ``removed``)."""
+
+    said: dict
+    reused: tuple[PerplexityResult, VariantFacts] | None = None
+    key: str | None = None
+    manifest: dict = field(default_factory=dict)
+    previous: reference.Reference | None = None
+    problem: str = ""
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # its slices' folder: this audit's own
+
+    def writer(self, stack: ExitStack, targets, offset: int = 0) -> reference.Writer | None:
+        """A ``Writer`` in a scratch folder that ``stack`` removes; None, and ``problem`` set, where none can be."""
+        if self.key is None:
+            return None
+        try:
+            writer = reference.Writer(stack.enter_context(reference.building()) / self.key, targets, offset)
+            writer.staging.mkdir()
+            return writer
+        except OSError as error:  # the reference is lost, not the baseline's score
+            self.problem = f"could not write the baseline reference in {references_dir()}: {error}"
+            return None
+
+    def scored(self, result: PerplexityResult) -> dict:
+        """What the record says of a baseline scored to ``result`` before its reference is put in place."""
+        said = self.said | {"baseline": "scored", "key": None}
+        if self.previous is not None:
+            said["drift"] = reference.drift(self.previous, result, self.manifest["environment"])
+        return said | ({"problem": self.problem} if self.problem else {})
+
+    def publish(self, write, said: dict) -> dict:
+        """``said`` with the reference ``write()`` puts in place, or the problem that kept it from being written. A
+        rescore in this environment takes the old one's place; a race with another audit keeps theirs."""
+        if self.problem:
+            return said
+        try:
+            stored = write(self.previous is not None and self.previous.key == self.key)
+            return said | {"key": stored.key, "path": str(stored.folder)}
+        except (OSError, DamagedReference) as error:  # a Writer's own problem (no errno) already says what it is
+            problem = str(error) if getattr(error, "errno", 0) is None else f"could not write the baseline reference: {error}"
+            return said | {"problem": problem}
+
+
+def look_up(checkpoint: Checkpoint, evaluation_: Evaluation) -> Lookup:
+    """The baseline's ``Lookup``: its reference found (checked; a damaged one removed) or the key to write one under."""
+    folder, identity, environment = baseline_identity(checkpoint, evaluation_)
+    if identity is None:
+        return Lookup({}, problem=f"{checkpoint.source} is not on this machine: nothing identifies it well enough to "
+                                  "keep a reference")
+    reuse, previous, removed = reference.find_intact(identity, environment, checkpoint.spec.rescore)
+    said = {"baseline_key": reference.baseline_key(identity)} | ({"removed": removed} if removed else {})
+    if reuse is not None:
+        result, facts = _reuse(reuse, checkpoint.source)
+        facts.worker = worker()
+        return Lookup(said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}, reused=(result, facts))
+    return Lookup(said, key=reference.key_of(identity, environment), previous=previous,
+                  manifest={"identity": identity, "environment": environment, "source": str(folder)})
+
+
 def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: bool
                     ) -> tuple[PerplexityResult, VariantFacts, dict]:
     """The baseline's result, from its stored reference or scored (writing one), and what happened, for
@@ -142,46 +207,75 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
     (a rescore against the reference stored before), ``problem`` (why there is no reference), ``removed``
     (damaged references found and removed, ``reference.find_intact``), ``baseline_key`` (which audits compare with
     this one, ``reference.baseline_key``)."""
-    spec, settings = checkpoint.spec, evaluation_.settings
-    folder, identity, environment = baseline_identity(checkpoint, evaluation_)
-    reuse = previous = None
-    said = {}
-    if identity is not None:
-        reuse, previous, removed = reference.find_intact(identity, environment, spec.rescore)
-        said = {"baseline_key": reference.baseline_key(identity)} | ({"removed": removed} if removed else {})
-    if reuse is not None:
-        result, facts = _reuse(reuse, checkpoint.source)
-        return result, facts, said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}
-    model, facts = _loaded(spec, checkpoint.source, evaluation_)
+    settings = evaluation_.settings
+    found = look_up(checkpoint, evaluation_)
+    if found.reused is not None:
+        return *found.reused, found.said
+    model, facts = _loaded(checkpoint.spec, checkpoint.source, evaluation_)
     with ExitStack() as stack:
-        writer, key = None, None
-        problem = f"{checkpoint.source} is not on this machine: nothing identifies it well enough to keep a reference"
-        if identity is not None:
-            key = reference.key_of(identity, environment)
-            try:
-                writer = reference.Writer(stack.enter_context(reference.building()) / key,
-                                          scored_targets(evaluation_.stream, settings.window, settings.stride,
-                                                         settings.mode))
-                writer.staging.mkdir()
-            except OSError as error:  # the reference is lost, not the baseline's score
-                writer = None
-                problem = f"could not write the baseline reference in {references_dir()}: {error}"
-        result = perplexity_with_backoff(model, evaluation_, spec.name, progress, keep_hidden=writer)
-        said |= {"baseline": "scored", "key": None}
-        if previous is not None:
-            said["drift"] = reference.drift(previous, result, environment)
-        if writer is None:
-            return result, facts, said | {"problem": problem}
-        try:
-            manifest = {"identity": identity, "environment": environment, "facts": facts.summary(),
-                        "source": str(folder), "softcap": getattr(model.config, "final_logit_softcapping", None)}
-            # a rescore in this environment takes the old one's place; a race with another audit keeps theirs
-            replace = previous is not None and previous.key == key
-            stored = writer.publish(key, manifest, result, model.get_output_embeddings(), replace)
-            said |= {"key": stored.key, "path": str(stored.folder)}
-        except OSError as error:
-            said["problem"] = writer.problem or f"could not write the baseline reference: {error}"
+        writer = found.writer(stack, scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode))
+        result = perplexity_with_backoff(model, evaluation_, checkpoint.spec.name, progress, keep_hidden=writer)
+        manifest = found.manifest | {"facts": facts.summary(), "softcap": softcap(model)}
+        said = found.publish(lambda replace: writer.publish(found.key, manifest, result, model.get_output_embeddings(),
+                                                            replace), found.scored(result))
     return result, facts, said
+
+
+def softcap(model) -> float | None:
+    """The soft-cap its LM head's logits pass through (Gemma 2's), None for most models."""
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+def slices_dir(lookup: Lookup) -> Path:
+    """Where an audit's baseline shards put their slices of its reference (``reference.Writer.seal``)."""
+    return references_dir() / ".slices" / f"{lookup.key}-{lookup.token}"
+
+
+def _baseline_slice(checkpoint: Checkpoint, evaluation_: Evaluation, lookup: Lookup, windows: tuple[int, int],
+                    progress: bool) -> tuple[Part, VariantFacts, dict]:
+    """A shard of the baseline: its windows scored and their slice of the reference written (``slice``: its folder),
+    or the problem that kept it from being written."""
+    settings = evaluation_.settings
+    model, facts = _loaded(checkpoint.spec, checkpoint.source, evaluation_)
+    targets = scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode)
+    counts = [w.n_scored for w in plan(evaluation_.stream, settings.window, settings.stride, settings.mode)]
+    first, stop = sum(counts[:windows[0]]), sum(counts[:windows[1]])
+    with ExitStack() as stack:
+        writer = lookup.writer(stack, targets[first:stop], first)
+        part = score_with_backoff(model, evaluation_, checkpoint.spec.name, progress, windows, keep_hidden=writer)
+        if writer is None:
+            return part, facts, {"problem": lookup.problem} if lookup.problem else {}
+        try:
+            head = None if windows[0] else reference.head_entry(
+                Path(lookup.manifest["source"]), model.get_output_embeddings(), writer.staging) | {"softcap": softcap(model)}
+            out = slices_dir(lookup) / f"windows-{windows[0]}-{windows[1] - 1}-{uuid.uuid4().hex[:8]}"
+            return part, facts, {"slice": str(writer.seal(head, out))}
+        except OSError as error:
+            return part, facts, {"problem": writer.problem or f"could not write the baseline reference: {error}"}
+
+
+def join_reference(lookup: Lookup, baseline: VariantResult, shards: list[VariantResult], evaluation_: Evaluation) -> dict:
+    """What the record says of a baseline scored in ``shards`` (merged into ``baseline``): its reference joined from
+    their slices and put in place whole (``reference.assemble``), or the problem that kept it from being; the
+    audit's slices removed either way."""
+    settings = evaluation_.settings
+    try:
+        if not baseline.ok:
+            return {}
+        said = lookup.scored(baseline.result)
+        problem = next((s.reference["problem"] for s in shards if "problem" in s.reference), None)
+        if problem or lookup.problem:
+            return said | {"problem": problem or lookup.problem}
+        targets = scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode)
+        manifest = lookup.manifest | {"facts": baseline.facts.summary()}
+        with reference.building() as scratch:
+            staging = scratch / lookup.key
+            staging.mkdir()
+            return lookup.publish(lambda replace: reference.assemble(
+                [Path(s.reference["slice"]) for s in shards], staging, lookup.key, manifest, baseline.result, targets,
+                replace), said)
+    finally:
+        shutil.rmtree(slices_dir(lookup), ignore_errors=True)
 
 
 @contextmanager
@@ -228,7 +322,8 @@ def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation
 
 def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
                   progress: bool = False, baseline_outcome: VariantResult | None = None,
-                  windows: tuple[int, int] | None = None, sample: list[int] | None = None) -> VariantResult:
+                  windows: tuple[int, int] | None = None, sample: list[int] | None = None,
+                  lookup: Lookup | None = None) -> VariantResult:
     """Score one model on the audit's stream; failures become a failed result, never an exception.
 
     The baseline is read from its stored reference when one matches (``tasks.audit.reference``), else scored
@@ -244,9 +339,10 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
             as its ``part`` (no ``result``), for ``merge_shards``.
         sample: a piece of a sequential run on a cluster: only these windows of the plan, in this order, as
             a ``part``; without it, a sequential run stops itself once its verdict is settled.
+        lookup: a baseline's shard (``windows``): what its ``look_up`` found, which names the slice of its
+            reference that the shard writes (its ``reference``: ``slice`` or ``problem``; ``join_reference``).
     """
-    spec, settings = checkpoint.spec, evaluation_.settings
-    model = None
+    spec = checkpoint.spec
     outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
     if windows is not None:
         outcome.shards = [{"windows": list(windows), "worker": worker()}]
@@ -256,57 +352,68 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
         with failing_alone(outcome):
             if checkpoint.problem:
                 raise InputError(checkpoint.problem)
-            if checkpoint.role == "baseline":
-                outcome.manifest = checkpoint.manifest
+            outcome.manifest, part = checkpoint.manifest, None
+            if checkpoint.role == "baseline" and windows is None:
                 outcome.result, outcome.facts, outcome.reference = _score_baseline(checkpoint, evaluation_, progress)
-                outcome.facts.worker = worker()
-                outcome.status = "ok"
-                return outcome
-            checkpoint = made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
-            outcome.manifest = checkpoint.manifest
-            if outcome.manifest:
-                check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
-            check_same_tokenizer(spec.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
-            model, outcome.facts = _loaded(spec, checkpoint.source, evaluation_)
-            outcome.facts.worker = worker()
-            if checkpoint.detected:
-                outcome.facts.quantization["detected"] = checkpoint.detected
-            against = None
-            baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
-            if settings.divergence and baseline_said.get("path"):
-                stored = reference.Reference.open(Path(baseline_said["path"]))
-                if stored is None:
-                    raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
-                                      "worker must see $PPL_AUDIT_REFERENCES at the same path")
-                against = stored.baseline(lineup.baseline.source, input_device(model))
-                outcome.divergence = {"reference": baseline_said["key"],
-                                      "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
-            elif settings.divergence:
-                outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
-            watch, sequence = None, {}
-            n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
-            if sample is not None:
-                rest = np.setdiff1d(np.arange(n_windows), sample)
-                sequence = {"order": np.concatenate([np.asarray(sample, np.int64), rest]), "stop_at": len(sample)}
-            elif settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
-                watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result.window_nll, settings.order_seed)
-                sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
-            part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against, **sequence)
-            if windows is None and sample is None:
-                outcome.result = combined([part], evaluation_, spec.name)
-                if watch:
-                    outcome.sequential = watch.said(outcome.result)
+            elif checkpoint.role == "baseline":
+                part, outcome.facts, outcome.reference = _baseline_slice(checkpoint, evaluation_, lookup, windows,
+                                                                         progress)
             else:
+                part = _scored_variant(outcome, checkpoint, lineup, evaluation_, corpus_text_of, progress,
+                                       baseline_outcome, windows, sample)
+            outcome.facts.worker = worker()
+            if windows is not None or sample is not None:
                 outcome.part = part
                 outcome.shards[0] |= {"tokens": int(part.scores.window_tokens.sum()), "seconds": part.wall_seconds}
             outcome.status = "ok"
-    finally:
-        del model
+    finally:  # the model, loaded in a function of its own, is gone: its memory is handed back now
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         outcome.ended = time.time()
     return outcome
+
+
+def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
+                    corpus_text_of, progress: bool, baseline_outcome: VariantResult | None,
+                    windows: tuple[int, int] | None, sample: list[int] | None) -> Part:
+    """``score_variant`` of a variant: made, checked, loaded and scored, its facts and divergence in ``outcome``, and
+    its ``result`` too when it scored every window it was to; returns what it scored."""
+    spec, settings = checkpoint.spec, evaluation_.settings
+    checkpoint = made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
+    outcome.manifest = checkpoint.manifest
+    if outcome.manifest:
+        check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
+    check_same_tokenizer(spec.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
+    model, outcome.facts = _loaded(spec, checkpoint.source, evaluation_)
+    if checkpoint.detected:
+        outcome.facts.quantization["detected"] = checkpoint.detected
+    against = None
+    baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
+    if settings.divergence and baseline_said.get("path"):
+        stored = reference.Reference.open(Path(baseline_said["path"]))
+        if stored is None:
+            raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
+                              "worker must see $PPL_AUDIT_REFERENCES at the same path")
+        against = stored.baseline(lineup.baseline.source, input_device(model))
+        outcome.divergence = {"reference": baseline_said["key"],
+                              "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
+    elif settings.divergence:
+        outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
+    watch, sequence = None, {}
+    n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
+    if sample is not None:
+        rest = np.setdiff1d(np.arange(n_windows), sample)
+        sequence = {"order": np.concatenate([np.asarray(sample, np.int64), rest]), "stop_at": len(sample)}
+    elif settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
+        watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result.window_nll, settings.order_seed)
+        sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
+    part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against, **sequence)
+    if windows is None and sample is None:
+        outcome.result = combined([part], evaluation_, spec.name)
+        if watch:
+            outcome.sequential = watch.said(outcome.result)
+    return part
 
 
 def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> VariantResult:
