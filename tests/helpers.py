@@ -184,15 +184,17 @@ def perturbed(model_dir: Path, dtype: torch.dtype = torch.float64, scale: float 
 
 
 def rewrite_gguf(source: Path, target: Path, quant_type: str | None = None, tokens: dict[int, str] | None = None,
-                 leave_out: tuple[str, ...] = ()) -> Path:
+                 leave_out: tuple[str, ...] = (), architecture: str | None = None) -> Path:
     """A copy of a GGUF file with every quantized tensor re-quantized to ``quant_type`` (gguf-py's own
     quantizer, from the dequantized values) and tokens ``{id: new text}`` renamed; float tensors as they are.
     ``tokens`` values that are ids take that token's text (a swap keeps every merge valid). Tensors whose names
-    start with one of ``leave_out`` are not copied (``""``: none is, a metadata-only file)."""
+    start with one of ``leave_out`` are not copied (``""``: none is, a metadata-only file). ``architecture``: the
+    copy says it is one of these, its keys renamed to match."""
     import gguf
 
     reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(target, arch=reader.get_field("general.architecture").contents())
+    was = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(target, arch=architecture or was)
     qtype = gguf.GGMLQuantizationType[quant_type] if quant_type else None
     for field in reader.fields.values():
         if field.name == "general.architecture" or field.name.startswith("GGUF."):
@@ -204,7 +206,9 @@ def rewrite_gguf(source: Path, target: Path, quant_type: str | None = None, toke
             value = [value[tokens[i]] if isinstance(tokens.get(i), int) else tokens.get(i, text)
                      for i, text in enumerate(value)]
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+        name = f"{architecture}.{field.name.removeprefix(was + '.')}" if architecture and field.name.startswith(was + ".") \
+            else field.name
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
         if tensor.name.startswith(leave_out):
             continue

@@ -416,12 +416,15 @@ def test_a_gguf_file_is_parsed_once_for_its_config_tokenizer_and_facts_until_it_
 
     path = tmp_path / "copy.gguf"
     shutil.copy(embedded_gguf(), path)
-    parses = []  # gguf-py's parses (the tokenizer's) and ours (the header's: config, facts)
-    parse, header = gguf.GGUFReader.__init__, gguf_file._Cursor.__init__
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *args, **kw: parses.append(1) or parse(self, *args, **kw))
+    from transformers.integrations.gguf import reader
+
+    parses = []  # the tokenizer's (transformers' metadata reader), ours (the header's: config, facts), gguf-py's
+    metadata, header, parse = reader.read_gguf_metadata, gguf_file._Cursor.__init__, gguf.GGUFReader.__init__
+    monkeypatch.setattr(reader, "read_gguf_metadata", lambda *args: parses.append(1) or metadata(*args))
     monkeypatch.setattr(gguf_file._Cursor, "__init__", lambda self, *args: parses.append(2) or header(self, *args))
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *args, **kw: parses.append(3) or parse(self, *args, **kw))
     first = [load_config(str(path)), load_tokenizer(str(path)), gguf_facts(path)]
-    assert set(parses) == {1, 2}, "the counters count nothing"
+    assert set(parses) == {1, 2}, "the counters count nothing, or gguf-py's reader parsed every string"
     once = len(parses)
     again = [load_config(str(path)), load_tokenizer(str(path)), gguf_facts(path)]
     assert len(parses) == once, "parsed again"

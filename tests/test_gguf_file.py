@@ -47,6 +47,32 @@ def test_the_config_from_the_header_is_transformers_own():
     assert config_dict(read_header(path))["vocab_size"] == theirs["vocab_size"] == 49152
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_the_tokenizer_of_a_gguf_file_is_autotokenizer_s_without_parsing_the_vocabulary_twice(tmp_path, monkeypatch,
+                                                                                             architecture):
+    """``load_tokenizer`` of a GGUF file: the class and the tokenizer ``AutoTokenizer`` gives (SmolLM2's file, and
+    the same file calling itself qwen2, whose tokenizer class is Qwen2's own), without the pass of gguf-py's reader
+    over every string that ``AutoTokenizer`` makes to build a config (2.7 s for this file)."""
+    import gguf
+    from helpers import rewrite_gguf
+    from transformers import AutoTokenizer
+
+    from tasks.models.resolve import load_tokenizer
+
+    path = Path(embedded_gguf())
+    if architecture != "llama":
+        path = rewrite_gguf(path, tmp_path / "renamed.gguf", architecture=architecture)
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf, "GGUFReader", None)  # any use of it raises
+        ours = load_tokenizer(str(path))
+    assert type(ours) is type(theirs) and (type(ours).__name__ == "TokenizersBackend") == (architecture == "llama")
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert ours.init_kwargs == theirs.init_kwargs and ours.special_tokens_map == theirs.special_tokens_map
+    text = Path(__file__).read_text()
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+
+
 @pytest.mark.parametrize("kind", sorted(DEQUANTIZE))
 def test_each_block_format_dequantizes_as_gguf_py_does_to_the_bit(kind):
     import gguf
