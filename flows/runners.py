@@ -128,10 +128,20 @@ def _settled_on(runner, future, workers: list[str] | None, failed: VariantResult
     return _settled(future)
 
 
-def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult
-                       ) -> list[VariantResult]:
+def submit_makes(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> dict:
+    """A ``make`` task for each variant quantized here, by its place in the lineup: submitted before the baseline is
+    scored, they quantize on the workers it leaves free (its shards need the GPUs a variant asks for, and so do
+    they)."""
+    with _placement(config):
+        return {v: runner.submit(make, {"checkpoint": c, "lineup": lineup, "evaluation_": scored})
+                for v, c in enumerate(lineup.variants) if c.source is None and not c.problem}
+
+
+def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult,
+                       making: dict) -> list[VariantResult]:
     """Every variant at once on a started Dask or Ray task runner, as ``runner.shards`` tasks over contiguous
-    slices of its windows (one by default), merged exactly; a variant made here is quantized once first.
+    slices of its windows (one by default), merged exactly; a variant made here is quantized once first
+    (``making``: ``submit_makes``'s).
 
     A task that failed in a way another worker may not (out of memory, a crash, a file missing there) is tried
     once more, elsewhere; the variant fails only when it fails again. Tasks go to the runner itself, not
@@ -145,8 +155,6 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
                                      "baseline_outcome": baseline, "windows": windows})
 
     with _placement(config):
-        making = {v: runner.submit(make, {"checkpoint": c, "lineup": lineup, "evaluation_": scored})
-                  for v, c in enumerate(lineup.variants) if len(bounds) > 1 and c.source is None and not c.problem}
         ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
         submitted = {v: [shard(c, windows) for windows in bounds] for v, c in ready.items()}
         for v, future in making.items():  # each variant's shards start once it is made
@@ -250,8 +258,8 @@ def _cancel(future) -> None:
         ray.cancel(wrapped)
 
 
-def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult
-                  ) -> list[VariantResult]:
+def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult,
+                  making: dict) -> list[VariantResult]:
     """A sequential audit on a cluster: each variant's windows, in its seeded random order, cut into
     ``PIECES_PER_SHARD × shards`` pieces, at most ``shards`` of them running at once; after each piece returns, the
     variant's ``Watch`` judges every window returned so far, and once its verdict is settled no piece of it is
@@ -271,8 +279,6 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
     batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
     pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),
                                                          PIECES_PER_SHARD * config.runner.shards) if len(piece)]
-    making = {v: runner.submit(make, {"checkpoint": c, "lineup": lineup, "evaluation_": scored})
-              for v, c in enumerate(lineup.variants) if c.source is None and not c.problem}
     variants = [_made(c, _settled(making[v])) if v in making else c for v, c in enumerate(lineup.variants)]
     watches = [Watch(c.gate or Gate(), baseline.result.window_nll, settings.order_seed) if baseline.ok else None
                for c in variants]
@@ -327,9 +333,11 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
                              .result(raise_on_failure=False)) for checkpoint in lineup.variants]
     else:
         with runner, _workers_report_here():
+            making = submit_makes(runner, config, lineup, scored)
             baseline = score_baseline(runner, config, lineup, scored)
             sampled = scored.settings.sequential and config.runner.shards > 1
-            variants = (score_sampled if sampled else score_concurrently)(runner, config, lineup, scored, baseline)
+            variants = (score_sampled if sampled else score_concurrently)(runner, config, lineup, scored, baseline,
+                                                                          making)
         logger = get_run_logger()
         for outcome in [baseline, *variants]:
             logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")

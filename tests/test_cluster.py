@@ -486,8 +486,9 @@ def test_gpus_no_worker_offers_are_one_line_before_anything_loads(cli, tmp_path,
 
 
 def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_model_dir, corpus_path, monkeypatch):
-    """A gptq variant the audit makes: one task quantizes it, three shards score the checkpoint it made; the
-    figures equal a sequential audit of that checkpoint to the last bit."""
+    """A gptq variant the audit makes: one task quantizes it, started before the baseline's shards end (on the
+    worker they leave free), three shards score the checkpoint it made; the figures equal a sequential audit of that
+    checkpoint to the last bit."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
@@ -497,16 +498,17 @@ def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_mo
     with dask_cluster(2) as (address, workers):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants, name="made-here",
                               runner={"kind": "dask", "address": address, "shards": 3})
-        state = audit(config=str(config), return_state=True)
+        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     sharded = state.result()["results"][1]
     assert len(list((tmp_path / "cache" / "quantized").iterdir())) == 1
     with get_client(sync_client=True) as api:
-        def runs(like: str) -> int:
-            return len([run for run in api.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(
-                like_=like))) if run.flow_run_id == state.state_details.flow_run_id])
+        def runs(like: str) -> list:
+            return [run for run in api.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(
+                like_=like))) if run.flow_run_id == state.state_details.flow_run_id]
 
-        assert (runs("make-gptq"), runs("score-gptq-windows")) == (1, 3)
+        assert (len(runs("make-gptq")), len(runs("score-gptq-windows"))) == (1, 3)
+        assert runs("make-gptq")[0].start_time < max(run.end_time for run in runs("score-baseline-windows"))
     assert {row["worker"] for row in sharded.shards} <= set(workers)
     alone = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
                   return_state=True).result()["results"][1]
