@@ -167,8 +167,8 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
 
 
 def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[list[VariantResult]], resubmit) -> None:
-    """Each failed shard of ``outcomes`` (per model of ``checkpoints``, per shard) that another worker may not fail (``retry_elsewhere``)
-    submitted once more (``resubmit(model, shard)`` in the context that holds it to the other workers), and its
+    """Each failed shard of ``outcomes`` (per model of ``checkpoints``, per shard) that another worker may not fail
+    (``retry_elsewhere``) submitted once more (``resubmit(model, shard)`` in the context that holds it to the other workers), and its
     outcome replaced by the new try's, which keeps the failed try's rows."""
     again = {}
     for v, shards in enumerate(outcomes):
@@ -212,14 +212,16 @@ def score_baseline(runner, config: AuditConfig, lineup: Lineup, scored: Evaluati
 
     with _placement(config):
         bounds = _bounds(config, scored)
-        outcomes = [[_outcome(baseline, _settled(future)) for future in map(shard, bounds)]]
+        futures = [shard(windows) for windows in bounds]  # all submitted before any is waited for
+        outcomes = [[_outcome(baseline, _settled(future)) for future in futures]]
         _tried_again(runner, config, [baseline], outcomes, lambda v, n: shard(bounds[n]))
     merged = merge_shards(outcomes[0], scored)
     said = _settled(runner.submit(join_baseline_reference, {"lookup": found, "baseline": merged,
                                                              "shards": outcomes[0], "evaluation_": scored}))
-    if isinstance(said, BaseException):
-        said = found.scored(merged.result) | {"problem": f"its reference was not joined: {_raised(said)}"}
-    merged.reference = said if merged.ok else {}
+    if isinstance(said, BaseException):  # a failed baseline has no reference to speak of (join_reference's {})
+        said = found.scored(merged.result) | {"problem": f"its reference was not joined: {_raised(said)}"} \
+            if merged.ok else {}
+    merged.reference = said
     return merged
 
 

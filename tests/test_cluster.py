@@ -173,6 +173,9 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     """Every model, the baseline too (scored again), as 3 slices of its windows over 2 workers: every per-token array
     (NLL, KL both ways, top-1) and every figure equals the unsharded audit's exactly, each shard names the worker it
     ran on, and the reference joined from the baseline's slices holds the bytes of the one written whole."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
     from tasks.audit import reference
     from tasks.core.places import references_dir
 
@@ -192,6 +195,11 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     baseline = sharded["results"][0]
     assert [row["windows"] for row in baseline.shards] == [[0, 16], [16, 32], [32, 46]]
     assert {row["worker"] for row in baseline.shards} <= set(workers)
+    with get_client(sync_client=True) as api:  # the shards ran at once, one on each worker, not one after another
+        runs = sorted((run for run in api.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(
+            like_="score-baseline-windows"))) if run.flow_run_id == state.state_details.flow_run_id),
+            key=lambda run: run.start_time)
+        assert len(runs) == 3 and runs[1].start_time < runs[0].end_time
     assert baseline.reference["path"] == str(written) and baseline.reference["drift"]["max_abs_delta_nll"] == 0
     joined = reference.Reference.open(written)
     assert {name: (written / name).read_bytes() for name in data if (written / name).exists()} == files
