@@ -444,13 +444,15 @@ class Writer:
 
 
 def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, targets: torch.Tensor, hidden: dict,
-            head: dict, replace: bool) -> Reference:
-    """Write the scores and the manifest beside ``staging``'s hidden states (and head), and rename it into place."""
+            head: dict, replace: bool, known: dict[str, str] | None = None) -> Reference:
+    """Write the scores and the manifest beside ``staging``'s hidden states (and head), and rename it into place.
+    ``known``: the sha256 of files already hashed as they were written (not read again)."""
     save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
                 window_tokens=result.window_tokens, targets=targets.numpy().astype(np.int32))
     manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(), "hidden": hidden,
                  "head": head | {"softcap": manifest.pop("softcap")}}
-    manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)} for f in sorted(staging.iterdir())}
+    manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": (known or {}).get(f.name) or file_digest(f)}
+                         for f in sorted(staging.iterdir())}
     manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
     manifest["digest"] = manifest_digest(manifest)
     write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
@@ -477,7 +479,7 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
         manifest, result, replace: as ``Writer.publish``'s; ``targets``: every scored token's id.
     """
     abouts = [read_json(folder / SLICE, "baseline reference slice") for folder in slices]
-    rows, width, dtype = 0, None, None
+    rows, width, dtype, joined = 0, None, None, hashlib.sha256()
     with open(staging / HIDDEN, "wb") as out:
         for folder, about in zip(slices, abouts):
             (first, stop), (n, across) = (about["rows"], about["hidden"]["shape"]) if about else ((None, 0), (0, 0))
@@ -489,6 +491,7 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
             with open(folder / HIDDEN, "rb") as part:
                 while block := part.read(1 << 24):
                     digest.update(block)
+                    joined.update(block)
                     out.write(block)
             if digest.hexdigest() != about["sha256"] or out.tell() - start != n * across * \
                     np.dtype(STORED_AS[DTYPES[dtype]]).itemsize:
@@ -500,7 +503,8 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
     manifest["softcap"] = head.pop("softcap")
     if head["stored"]:
         shutil.copyfile(slices[0] / HEAD, staging / HEAD)
-    return _finish(staging, key, manifest, result, targets, {"shape": [rows, width], "dtype": dtype}, head, replace)
+    return _finish(staging, key, manifest, result, targets, {"shape": [rows, width], "dtype": dtype}, head, replace,
+                   {HIDDEN: joined.hexdigest()})
 
 
 def building() -> AbstractContextManager[Path]:
