@@ -15,7 +15,7 @@ from dataclasses import replace
 from prefect import get_run_logger
 
 from tasks.audit.checkpoints import Lineup
-from tasks.audit.scoring import look_up, merge_shards
+from tasks.audit.scoring import Lookup, look_up, merge_shards
 from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
 from tasks.core.places import cache_dir
@@ -137,33 +137,89 @@ def submit_makes(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation
                 for v, c in enumerate(lineup.variants) if c.source is None and not c.problem}
 
 
-def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult,
-                       making: dict) -> list[VariantResult]:
-    """Every variant at once on a started Dask or Ray task runner, as ``runner.shards`` tasks over contiguous
-    slices of its windows (one by default), merged exactly; a variant made here is quantized once first
-    (``making``: ``submit_makes``'s).
+def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, making: dict
+                       ) -> tuple[VariantResult, list[VariantResult]]:
+    """The baseline and every variant at once on a started Dask or Ray task runner, each as ``runner.shards`` tasks
+    over contiguous slices of its windows (one by default), merged exactly; a variant made here is quantized once
+    first (``making``: ``submit_makes``'s).
+
+    The baseline's stored reference is reused (``_baseline_found``), or the baseline is scored in shards beside the
+    variants, each shard writing its slice of the reference: a variant's shard starts as soon as the slices it reads
+    are written (its own windows' and the first, which names the LM head), or at once where it reads none
+    (``evaluation.divergence`` off); the slices are joined into the reference once every shard is done. A variant's
+    shard whose baseline shard failed waits for that one's retry; should the baseline fail, its variants are scored
+    without divergence, as they are anywhere else.
 
     A task that failed in a way another worker may not (out of memory, a crash, a file missing there) is tried
-    once more, elsewhere; the variant fails only when it fails again. Tasks go to the runner itself, not
+    once more, elsewhere; the model fails only when it fails again. Tasks go to the runner itself, not
     through a subflow: a subflow's parameters (the corpus text among them) are stored with its run, and
     Prefect refuses more than 512 KB of them.
     """
-    bounds = _bounds(config, scored)
+    from prefect.futures import as_completed
 
-    def shard(checkpoint, windows):
-        return runner.submit(score, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
-                                     "baseline_outcome": baseline, "windows": windows})
+    bounds, baseline = _bounds(config, scored), lineup.baseline
+    found, done = _baseline_found(runner, lineup, scored)
+    reading = done is None and scored.settings.divergence
+
+    def reads(n: int, shards: list) -> dict:
+        """What a variant's shard ``n`` is given of the baseline (``shards``: the outcomes of the baseline's)."""
+        if done is not None:
+            return {"baseline_outcome": done}
+        return {"baseline_slices": [shards[m] for m in dict.fromkeys((0, n))]} if reading else {}
+
+    ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
+    submitted, given = {}, {}  # by (variant, shard): its task, and what it was given of the baseline
+
+    def shard(v: int, n: int, parameters: dict):
+        given[v, n] = parameters
+        return runner.submit(score, {"checkpoint": ready[v], "lineup": lineup, "evaluation_": scored,
+                                     "windows": bounds[n], **parameters})
 
     with _placement(config):
-        ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
-        submitted = {v: [shard(c, windows) for windows in bounds] for v, c in ready.items()}
-        for v, future in making.items():  # each variant's shards start once it is made
-            ready[v] = _made(lineup.variants[v], _settled(future))
-            submitted[v] = [shard(ready[v], windows) for windows in bounds]
-        outcomes = [[_outcome(c, _settled(f)) for f in submitted[v]]
+        first = [] if done is not None else [_baseline_shard(runner, lineup, scored, found, w) for w in bounds]
+        tried = [None] * len(first)  # the outcomes of the baseline's shards' first tries
+
+        def submit_ready() -> None:
+            for v in ready:
+                for n in range(len(bounds)):
+                    written = not reading or all(tried[m] is not None and tried[m].ok for m in (0, n))
+                    if written and (v, n) not in submitted:
+                        submitted[v, n] = shard(v, n, reads(n, tried))
+
+        submit_ready()
+        waiting = {future: ("baseline", n) for n, future in enumerate(first)} | \
+                  {future: ("make", v) for v, future in making.items()}
+        while waiting:  # each variant's shards start once it is made and the baseline's slices they read are in
+            future = next(as_completed(list(waiting)))
+            kind, i = waiting.pop(future)
+            if kind == "baseline":
+                tried[i] = _outcome(baseline, _settled(future))
+            else:
+                ready[i] = _made(lineup.variants[i], _settled(future))
+            submit_ready()
+        if done is None:
+            shards = [tried]
+            _tried_again(runner, config, [baseline], shards,
+                         lambda _, n: _baseline_shard(runner, lineup, scored, found, bounds[n]))
+            merged = merge_shards(shards[0], scored)
+            for v, n in [(v, n) for v in ready for n in range(len(bounds)) if (v, n) not in submitted]:
+                submitted[v, n] = shard(v, n, reads(n, shards[0]) if merged.ok else {"baseline_outcome": merged})
+        outcomes = [[_outcome(c, _settled(submitted[v, n])) for n in range(len(bounds))]
                     for v, c in enumerate(lineup.variants)]
-        _tried_again(runner, config, lineup.variants, outcomes, lambda v, n: shard(ready[v], bounds[n]))
-    return [merge_shards(shards, scored) for shards in outcomes]
+        _tried_again(runner, config, lineup.variants, outcomes, lambda v, n: shard(v, n, given[v, n]))
+    if done is None:
+        if not merged.ok:  # shards measured against the slices that were written would hold a part of its divergence
+            for v, n in [key for key, parameters in given.items() if "baseline_slices" in parameters]:
+                _without_divergence(outcomes[v][n])
+        done = _joined(runner, found, merged, shards[0], scored)
+    return done, [merge_shards(shards, scored) for shards in outcomes]
+
+
+def _without_divergence(outcome: VariantResult) -> None:
+    """A variant's shard as if it had been scored against a baseline that failed: no divergence."""
+    if outcome.part is not None:
+        outcome.part = replace(outcome.part, scores=replace(outcome.part.scores, extra={}))
+    outcome.divergence = {"absent": "the baseline was not scored"}
 
 
 def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[list[VariantResult]], resubmit) -> None:
@@ -184,45 +240,60 @@ def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[
         outcomes[v][n].shards[:0] = [row | {"failed": failed.reason} for row in failed.shards]
 
 
-def score_baseline(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> VariantResult:
-    """The baseline on the cluster, as the variants are. Its stored reference is looked up here (its files digested,
-    the references read: no model loaded), or by a worker where this process cannot see the model's files; when
-    none is reused, ``runner.shards`` tasks score slices of its windows, each writing its slice of the reference, a
-    failed one tried again elsewhere; their parts are merged here (exactly, as a variant's), and a worker joins the
-    slices into the reference and puts it in place."""
+def _baseline_found(runner, lineup: Lineup, scored: Evaluation) -> tuple[Lookup | None, VariantResult | None]:
+    """What the stored references say of the baseline, looked up here (its files digested, the references read: no
+    model loaded), or by a worker where this process cannot see the model's files: its ``Lookup``, and its outcome
+    where that is already settled (reused from its reference, or failed)."""
     baseline = lineup.baseline
     if baseline.problem:
-        return VariantResult(baseline.name, baseline.spec.method, "failed", baseline.problem)
+        return None, VariantResult(baseline.name, baseline.spec.method, "failed", baseline.problem)
     try:
         found = look_up(baseline, scored)
     except Exception as error:  # noqa: BLE001 -- a damaged reference under rescore: never, say: the baseline fails
-        return _outcome(baseline, error)
+        return None, _outcome(baseline, error)
     if found.key is None and found.reused is None:  # a worker may see the files this process does not
         found = _settled(runner.submit(look_up_baseline, {"checkpoint": baseline, "evaluation_": scored}))
         if isinstance(found, BaseException):
-            return _outcome(baseline, found)
+            return None, _outcome(baseline, found)
     if found.reused is not None:
         result, facts = found.reused
-        return VariantResult(baseline.name, baseline.spec.method, "ok", result=result, facts=facts,
-                             manifest=baseline.manifest, reference=found.said)
+        return found, VariantResult(baseline.name, baseline.spec.method, "ok", result=result, facts=facts,
+                                    manifest=baseline.manifest, reference=found.said)
+    return found, None
 
-    def shard(windows):
-        return runner.submit(score, {"checkpoint": baseline, "lineup": lineup, "evaluation_": scored,
-                                     "windows": windows, "lookup": found})
 
-    with _placement(config):
-        bounds = _bounds(config, scored)
-        futures = [shard(windows) for windows in bounds]  # all submitted before any is waited for
-        outcomes = [[_outcome(baseline, _settled(future)) for future in futures]]
-        _tried_again(runner, config, [baseline], outcomes, lambda v, n: shard(bounds[n]))
-    merged = merge_shards(outcomes[0], scored)
-    said = _settled(runner.submit(join_baseline_reference, {"lookup": found, "baseline": merged,
-                                                             "shards": outcomes[0], "evaluation_": scored}))
+def _baseline_shard(runner, lineup: Lineup, scored: Evaluation, found: Lookup, windows: tuple[int, int]):
+    """A task scoring the baseline's ``windows`` and writing their slice of its reference."""
+    return runner.submit(score, {"checkpoint": lineup.baseline, "lineup": lineup, "evaluation_": scored,
+                                 "windows": windows, "lookup": found})
+
+
+def _joined(runner, found: Lookup, merged: VariantResult, shards: list[VariantResult], scored: Evaluation
+            ) -> VariantResult:
+    """The baseline merged from its ``shards``, with the reference a worker joined from their slices (or why not)."""
+    said = _settled(runner.submit(join_baseline_reference, {"lookup": found, "baseline": merged, "shards": shards,
+                                                             "evaluation_": scored}))
     if isinstance(said, BaseException):  # a failed baseline has no reference to speak of (join_reference's {})
         said = found.scored(merged.result) | {"problem": f"its reference was not joined: {_raised(said)}"} \
             if merged.ok else {}
     merged.reference = said
     return merged
+
+
+def score_baseline(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> VariantResult:
+    """The baseline alone on the cluster, for variants that need all of it before they start (a sequential run
+    judges each piece against its windows): reused (``_baseline_found``), or scored in ``runner.shards`` tasks, each
+    writing its slice of the reference, a failed one tried again elsewhere, merged here and joined by a worker."""
+    found, done = _baseline_found(runner, lineup, scored)
+    if done is not None:
+        return done
+    bounds = _bounds(config, scored)
+    with _placement(config):
+        futures = [_baseline_shard(runner, lineup, scored, found, windows) for windows in bounds]  # all submitted first
+        outcomes = [[_outcome(lineup.baseline, _settled(future)) for future in futures]]
+        _tried_again(runner, config, [lineup.baseline], outcomes,
+                     lambda _, n: _baseline_shard(runner, lineup, scored, found, bounds[n]))
+    return _joined(runner, found, merge_shards(outcomes[0], scored), outcomes[0], scored)
 
 
 def _bounds(config: AuditConfig, scored: Evaluation) -> list[tuple[int, int]]:
@@ -336,10 +407,11 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
     else:
         with runner, _workers_report_here():
             making = submit_makes(runner, config, lineup, scored)
-            baseline = score_baseline(runner, config, lineup, scored)
-            sampled = scored.settings.sequential and config.runner.shards > 1
-            variants = (score_sampled if sampled else score_concurrently)(runner, config, lineup, scored, baseline,
-                                                                          making)
+            if scored.settings.sequential and config.runner.shards > 1:
+                baseline = score_baseline(runner, config, lineup, scored)
+                variants = score_sampled(runner, config, lineup, scored, baseline, making)
+            else:
+                baseline, variants = score_concurrently(runner, config, lineup, scored, making)
         logger = get_run_logger()
         for outcome in [baseline, *variants]:
             logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")

@@ -72,15 +72,18 @@ def _score_name() -> str:
       retry_condition_fn=_transient)
 def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
           baseline_outcome: VariantResult | None = None, windows: tuple[int, int] | None = None,
-          sample: list[int] | None = None, lookup: Lookup | None = None) -> VariantResult:
+          sample: list[int] | None = None, lookup: Lookup | None = None,
+          baseline_slices: list[VariantResult] | None = None) -> VariantResult:
     """Load (or make) one model and score it, or only its ``windows`` (a shard) or ``sample`` (a piece of a
     sequential run); a failure is a failed result, not a failed task.
 
-    Variants get the baseline's outcome, to measure their divergence from it; a baseline's shard gets what its
-    ``look_up_baseline`` found, and writes its slice of the reference.
+    Variants get the baseline's outcome, to measure their divergence from it, or, while it is scored in shards
+    beside them, the outcomes of the baseline's shards whose slices of its reference they read; a baseline's shard
+    gets what its ``look_up_baseline`` found, and writes its slice of the reference.
     """
     return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True,
-                         baseline_outcome=baseline_outcome, windows=windows, sample=sample, lookup=lookup)
+                         baseline_outcome=baseline_outcome, windows=windows, sample=sample, lookup=lookup,
+                         baseline_slices=baseline_slices)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)

@@ -340,3 +340,37 @@ def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice
         merged, said = in_slices(damage)
         assert merged.ok and np.array_equal(merged.result.token_nll, whole.result.token_nll)
         assert says in said["problem"] and "path" not in said and not folder.exists(), said
+
+
+def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and_refuses_a_damaged_one(
+        tiny_model_dir, text, references):
+    """A variant's shard on a cluster starts before the baseline's slices are joined: against its own windows' slice
+    (and the first's LM head) it measures every per-token divergence the joined reference gives, bit for bit; a
+    slice whose bytes changed after it was written is refused, not read."""
+    from tasks.core.errors import DamagedReference
+    from tasks.engine.perplexity import score_part, shard_bounds
+    from tasks.engine.windows import plan
+
+    lineup, scored = audit_parts(tiny_model_dir, text, rescore="always")
+    bounds = shard_bounds(len(plan(scored.stream, 64, 32)), 3, 4)
+    lookup = scoring.look_up(lineup.baseline, scored)
+    shards = [scoring.score_variant(lineup.baseline, lineup, scored, windows=w, lookup=lookup) for w in bounds]
+    slices = [Path(shard.reference["slice"]) for shard in shards]
+    variant = perturbed(tiny_model_dir, torch.float32)
+    against = {n: reference.slice_baseline(list(dict.fromkeys([slices[0], slices[n]])),
+                                           shards[n].part.scores.token_nll, str(tiny_model_dir), CPU)
+               for n in range(len(bounds))}
+    from_slices = [score_part(variant, scored.stream, 64, 32, 4, w, reference=against[n]) for n, w in enumerate(bounds)]
+    said = scoring.join_reference(lookup, scoring.merge_shards(shards, scored), shards, scored)
+    joined = reference.Reference.open(Path(said["path"])).baseline(str(tiny_model_dir), CPU)
+    for w, part in zip(bounds, from_slices):
+        whole = score_part(variant, scored.stream, 64, 32, 4, w, reference=joined)
+        assert part.scores.extra.keys() == whole.scores.extra.keys() and "kl" in whole.scores.extra
+        for key in whole.scores.extra:
+            assert torch.equal(part.scores.extra[key], whole.scores.extra[key]), key
+    shards = [scoring.score_variant(lineup.baseline, lineup, scored, windows=w, lookup=lookup) for w in bounds]
+    damaged = Path(shards[1].reference["slice"]) / reference.HIDDEN
+    damaged.write_bytes(damaged.read_bytes()[:-1] + bytes([damaged.read_bytes()[-1] ^ 1]))
+    with pytest.raises(DamagedReference, match="does not hold what was written"):
+        reference.slice_baseline([Path(shards[0].reference["slice"]), damaged.parent],
+                                 shards[1].part.scores.token_nll, str(tiny_model_dir), CPU)

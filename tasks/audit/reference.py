@@ -300,23 +300,8 @@ class Reference:
     def head(self, source: str, device: torch.device) -> torch.nn.Linear:
         """The baseline's LM head, stored beside the reference or read from ``source`` (its folder or Hub id),
         checked against the digest it was made with, on ``device`` in the reference's dtype."""
-        about = self.manifest["head"]
-        if about["stored"]:
-            from safetensors.torch import load_file
-
-            stored = load_file(self.folder / HEAD)
-            weight, bias = stored["weight"], stored.get("bias")
-        else:
-            found = read_head(model_files(source) or Path(source))
-            if found is None:
-                raise InputError(f"the baseline's LM head ({about['name']}) is no longer in {source}; rebuild its "
-                                 f"reference: ppl-audit reference rm {self.key}")
-            _, weight, bias = found
-        weight, bias = (None if t is None else t.to(device=device, dtype=self.dtype) for t in (weight, bias))
-        if tensor_digest(*(t for t in (weight, bias) if t is not None)) != about["digest"]:
-            raise InputError(f"the baseline's LM head in {source} is not the one reference {self.key} was made with; "
-                             f"rebuild it: ppl-audit reference rm {self.key}")
-        return _linear(weight, bias)
+        return _head(self.manifest["head"], self.folder / HEAD, source, device, self.dtype,
+                     f"rebuild its reference: ppl-audit reference rm {self.key}")
 
     def _hidden(self) -> np.memmap:
         """``hidden.bin`` mapped, after its size is checked: a short file must not be mapped (a SIGBUS or a
@@ -349,6 +334,65 @@ class Reference:
 
         return Baseline(head, self.manifest["head"]["softcap"], states, stored_nll, self.tolerance,
                         f"baseline reference {self.key}")
+
+
+def _head(about: dict, stored: Path, source: str, device: torch.device, dtype: torch.dtype, rebuild: str
+          ) -> torch.nn.Linear:
+    """The LM head a reference's (or its first slice's) ``head`` entry names: ``stored`` beside it, or read from
+    ``source`` by name; checked against its digest, on ``device`` in ``dtype``. ``rebuild``: what to do when it
+    is gone or changed."""
+    if about["stored"]:
+        from safetensors.torch import load_file
+
+        tensors = load_file(stored)
+        weight, bias = tensors["weight"], tensors.get("bias")
+    else:
+        found = read_head(model_files(source) or Path(source))
+        if found is None:
+            raise InputError(f"the baseline's LM head ({about['name']}) is no longer in {source}; {rebuild}")
+        _, weight, bias = found
+    weight, bias = (None if t is None else t.to(device=device, dtype=dtype) for t in (weight, bias))
+    if tensor_digest(*(t for t in (weight, bias) if t is not None)) != about["digest"]:
+        raise InputError(f"the baseline's LM head in {source} is not the one its reference was made with; {rebuild}")
+    return _linear(weight, bias)
+
+
+def _slice_about(folder: Path) -> dict:
+    about = read_json(folder / SLICE, "baseline reference slice")
+    if not about:
+        raise DamagedReference(f"the baseline reference's slice {folder.name} is missing or damaged")
+    return about
+
+
+def slice_baseline(slices: list[Path], nll: torch.Tensor, source: str, device: torch.device) -> Baseline:
+    """The baseline as a variant's shard meets it before its reference is joined: the LM head named in the first
+    slice (``slices[0]``), the hidden states of the shard's own slice (``slices[-1]``, which its baseline shard
+    wrote over the same windows), checked as they are read, as ``assemble`` checks them (size, sha256), and every
+    batch against ``nll``, the NLL that baseline shard gave those tokens (``Baseline.nll``).
+
+    Args:
+        source: the baseline's folder or Hub id (its head is read from there unless the slice stores it).
+    """
+    first, own = _slice_about(slices[0]), _slice_about(slices[-1])
+    (start, stop), shape = own["rows"], tuple(own["hidden"]["shape"])
+    dtype = DTYPES[own["hidden"]["dtype"]]
+    path, stored_as = slices[-1] / HIDDEN, np.dtype(STORED_AS[dtype])
+    if shape[0] != stop - start or shape[0] != len(nll) or not path.is_file() \
+            or path.stat().st_size != math.prod(shape) * stored_as.itemsize or file_digest(path) != own["sha256"]:
+        raise DamagedReference(f"the baseline reference's slice {slices[-1].name} does not hold what was written")
+    about = dict(first["head"])
+    softcap = about.pop("softcap")
+    head = _head(about, slices[0] / HEAD, source, device, dtype, "score the baseline again")
+    hidden = np.memmap(path, dtype=stored_as, mode="r", shape=shape)
+
+    def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(hidden[(slots - start).numpy()])).view(dtype)
+
+    def stored_nll(slots: torch.Tensor) -> torch.Tensor:
+        return nll[slots - start]
+
+    return Baseline(head, softcap, states, stored_nll, DRIFT_TOLERANCE[own["hidden"]["dtype"]][0],
+                    f"the baseline reference's slice {slices[-1].name}")
 
 
 def save_scores(path: Path, **arrays: np.ndarray) -> None:

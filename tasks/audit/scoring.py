@@ -249,7 +249,7 @@ def _baseline_slice(checkpoint: Checkpoint, evaluation_: Evaluation, lookup: Loo
             head = None if windows[0] else reference.head_entry(
                 Path(lookup.manifest["source"]), model.get_output_embeddings(), writer.staging) | {"softcap": softcap(model)}
             out = slices_dir(lookup) / f"windows-{windows[0]}-{windows[1] - 1}-{uuid.uuid4().hex[:8]}"
-            return part, facts, {"slice": str(writer.seal(head, out))}
+            return part, facts, {"slice": str(writer.seal(head, out)), "key": lookup.key}
         except OSError as error:
             return part, facts, {"problem": writer.problem or f"could not write the baseline reference: {error}"}
 
@@ -323,7 +323,7 @@ def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation
 def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
                   progress: bool = False, baseline_outcome: VariantResult | None = None,
                   windows: tuple[int, int] | None = None, sample: list[int] | None = None,
-                  lookup: Lookup | None = None) -> VariantResult:
+                  lookup: Lookup | None = None, baseline_slices: list[VariantResult] | None = None) -> VariantResult:
     """Score one model on the audit's stream; failures become a failed result, never an exception.
 
     The baseline is read from its stored reference when one matches (``tasks.audit.reference``), else scored
@@ -341,6 +341,9 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
             a ``part``; without it, a sequential run stops itself once its verdict is settled.
         lookup: a baseline's shard (``windows``): what its ``look_up`` found, which names the slice of its
             reference that the shard writes (its ``reference``: ``slice`` or ``problem``; ``join_reference``).
+        baseline_slices: a variant's shard (``windows``) scored while the baseline's reference is still in slices:
+            the outcomes of the baseline's first shard (its LM head) and of the shard over the same windows, whose
+            slice it measures its divergence against (``reference.slice_baseline``), instead of ``baseline_outcome``.
     """
     spec = checkpoint.spec
     outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
@@ -360,7 +363,7 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
                                                                          progress)
             else:
                 part = _scored_variant(outcome, checkpoint, lineup, evaluation_, corpus_text_of, progress,
-                                       baseline_outcome, windows, sample)
+                                       baseline_outcome, windows, sample, baseline_slices)
             outcome.facts.worker = worker()
             if windows is not None or sample is not None:
                 outcome.part = part
@@ -376,7 +379,8 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
 
 def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
                     corpus_text_of, progress: bool, baseline_outcome: VariantResult | None,
-                    windows: tuple[int, int] | None, sample: list[int] | None) -> Part:
+                    windows: tuple[int, int] | None, sample: list[int] | None,
+                    baseline_slices: list[VariantResult] | None = None) -> Part:
     """``score_variant`` of a variant: made, checked, loaded and scored, its facts and divergence in ``outcome``, and
     its ``result`` too when it scored every window it was to; returns what it scored."""
     spec, settings = checkpoint.spec, evaluation_.settings
@@ -390,7 +394,9 @@ def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Line
         outcome.facts.quantization["detected"] = checkpoint.detected
     against = None
     baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
-    if settings.divergence and baseline_said.get("path"):
+    if settings.divergence and baseline_slices is not None:
+        against = _read_slices(outcome, baseline_slices, lineup.baseline.source, input_device(model))
+    elif settings.divergence and baseline_said.get("path"):
         stored = reference.Reference.open(Path(baseline_said["path"]))
         if stored is None:
             raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
@@ -414,6 +420,23 @@ def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Line
         if watch:
             outcome.sequential = watch.said(outcome.result)
     return part
+
+
+def _read_slices(outcome: VariantResult, shards: list[VariantResult], source: str, device: torch.device):
+    """The baseline a variant's shard measures its divergence against while its reference is in slices (the outcomes
+    of the baseline's ``shards`` that wrote them), its divergence recorded; None, and why, where they wrote none."""
+    said = [shard.reference for shard in shards]
+    problem = next((s["problem"] for s in said if "problem" in s), None)
+    if problem or not all("slice" in s for s in said):
+        outcome.divergence = {"absent": problem or "the baseline's shards wrote no reference"}
+        return None
+    folders = [Path(s["slice"]) for s in said]
+    if not all(folder.is_dir() for folder in folders):
+        raise WorkerError(f"the baseline reference's slices in {folders[0].parent} are not on {worker()}; every "
+                          "worker must see $PPL_AUDIT_REFERENCES at the same path")
+    against = reference.slice_baseline(folders, shards[-1].part.scores.token_nll, source, device)
+    outcome.divergence = {"reference": said[0]["key"], "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
+    return against
 
 
 def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> VariantResult:
