@@ -47,26 +47,52 @@ def text() -> str:
 
 
 @pytest.fixture(scope="session")
-def cli():
-    """Run ``ppl-audit`` as users do, in a subprocess: returns (exit code, stdout, stderr)."""
+def cli(prefect_harness):
+    """Run ``ppl-audit`` as users do, in a subprocess: returns (exit code, stdout, stderr). Its audits report to the
+    session's Prefect server, as a user's do with PREFECT_API_URL set (without it each command starts a temporary
+    server of its own: ~10 s); ``own_server``: as a user's without it."""
     import subprocess
 
-    def run(*args: str, timeout: float = 600):
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+
+    def run(*args: str, timeout: float = 600, own_server: bool = False):
+        env = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}  # as a test set it
         done = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env=env if own_server else env | {"PREFECT_API_URL": url})
         return done.returncode, done.stdout, done.stderr
 
     return run
 
 
-@pytest.fixture(scope="session")
-def trained_model_dir(tmp_path_factory, tokenizer) -> Path:
-    """A 128-wide, 2-layer Llama trained briefly: widths that GPTQ/AWQ group sizes 32/64 divide."""
-    folder = tmp_path_factory.mktemp("trained-llama")
-    model = build_llama(folder, tokenizer, hidden_size=128, intermediate_size=256, initializer_range=0.02)
-    train_briefly(model, tokenizer)
-    model.save_pretrained(folder)
+def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """The folder ``build(folder)`` makes, made once per test session whatever the number of xdist workers: the first
+    to ask builds it, under a lock, the others wait and use it (each would build the same bytes: the builds are
+    seeded). Read-only to tests, like any session fixture."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent  # the session's folder, which its workers share
+    folder = root / name
+    with FileLock(f"{folder}.lock"):
+        if not folder.is_dir():
+            scratch = root / f".{name}-{worker_id}"
+            build(scratch)
+            scratch.rename(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def trained_model_dir(tmp_path_factory, tokenizer, worker_id) -> Path:
+    """A 128-wide, 2-layer Llama trained briefly: widths that GPTQ/AWQ group sizes 32/64 divide. Training it takes
+    ~35 s: once a session."""
+    def build(folder: Path) -> None:
+        model = build_llama(folder, tokenizer, hidden_size=128, intermediate_size=256, initializer_range=0.02)
+        train_briefly(model, tokenizer)
+        model.save_pretrained(folder)
+
+    return built_once(tmp_path_factory, worker_id, "trained-llama", build)
 
 
 @pytest.fixture(scope="session")

@@ -626,7 +626,7 @@ def test_workers_that_cannot_reach_prefects_api_are_one_line_before_anything_loa
     with dask_cluster(2, network=network) as (address, workers):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
                               [{"name": "int8", "method": "torchao-int8"}], runner={"kind": "dask", "address": address})
-        code, out, err = cli("run", str(config))
+        code, out, err = cli("run", str(config), own_server=True)
     assert code == 2 and "Traceback" not in err
     assert re.fullmatch(rf"ppl-audit: error: runner\.address: worker ({'|'.join(map(re.escape, workers))}) cannot "
                         r"reach this machine's 127\.0\.0\.1 \(Connection refused\): without PREFECT_API_URL the "

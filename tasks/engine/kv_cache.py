@@ -24,6 +24,7 @@ does not depend on what else is in the window: contexts are scored as without a 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,6 @@ class KVCacheFormat:
         kept = f", newest {self.residual} kept" if self.residual else ""
         return f"{self.dtype}{blocks} ({RUNTIME[self.dtype]}{kept})"
 
-    # eager even in a compiled body (evaluation.body): compiled, an int8 cache moved a tiny model's corpus NLL by
-    # 5.5e-6 (4.5e-5 with a residual) from the eager body's, against 1e-8 (6e-7) with this left eager
-    @torch.compiler.disable
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., head_dim]`` as the cache gives it back, in ``x``'s dtype."""
         if self.dtype in FLOATS:
@@ -103,9 +101,20 @@ def bytes_per_token(config, bits: float) -> float:
     return 2 * config.num_hidden_layers * kv_heads * head_dim(config) * bits / 8
 
 
+@functools.cache
+def _eager(form: KVCacheFormat):
+    """``form.round_trip``, eager even in a compiled body (evaluation.body): compiled, an int8 cache moved a tiny model's
+    corpus NLL by 5.5e-6 (4.5e-5 with a residual) from the eager body's, against 1e-8 (6e-7) left eager. Wrapped
+    here, when a cache is used, not where it is defined: ``torch.compiler.disable`` imports TorchDynamo (0.9 s of
+    every process that imports the engine)."""
+    return torch.compiler.disable(form.round_trip)
+
+
 def cache(form: KVCacheFormat):
     """A transformers ``Cache`` for one forward pass of a window: pass it as ``past_key_values``."""
     from transformers.cache_utils import Cache, DynamicLayer
+
+    round_trip = _eager(form)
 
     class Layer(DynamicLayer):
         """One attention layer's cache: holds nothing (a window is attended at once) and gives back the window's
@@ -113,9 +122,8 @@ def cache(form: KVCacheFormat):
 
         def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
             if form.residual:  # both copies: the mask picks one for each query and key (residual_mask)
-                return (torch.cat([form.round_trip(keys), keys], dim=-2),
-                        torch.cat([form.round_trip(values), values], dim=-2))
-            return form.round_trip(keys), form.round_trip(values)
+                return torch.cat([round_trip(keys), keys], dim=-2), torch.cat([round_trip(values), values], dim=-2)
+            return round_trip(keys), round_trip(values)
 
     return Cache(layer_class_to_replicate=Layer)
 
