@@ -112,19 +112,27 @@ def _read(heard: int) -> bool:
     return False
 
 
+SWEEPS = 3  # a process that a descendant starts while it is being stopped is found by the next sweep
+
+
 def stop_descendants(grace: float = GRACE_S) -> None:
-    """SIGTERM every descendant, then SIGKILL those still running ``grace`` seconds later."""
+    """SIGTERM every descendant, then SIGKILL those still running ``grace`` seconds later; again while any is left:
+    one started meanwhile (a server's worker, spawned as the server went down) was not among those found, and
+    outlived the command (seen once in the suite: ``ui`` killed with ``kill -9``, a multiprocessing child left)."""
     import psutil
 
-    found = psutil.Process().children(recursive=True)
-    for process in found:
-        with suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(found, timeout=grace)
-    for process in alive:
-        with suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(alive, timeout=grace)
+    for _ in range(SWEEPS):
+        found = psutil.Process().children(recursive=True)
+        if not found:
+            return
+        for process in found:
+            with suppress(psutil.NoSuchProcess):
+                process.terminate()
+        _, alive = psutil.wait_procs(found, timeout=grace)
+        for process in alive:
+            with suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(alive, timeout=grace)
 
 
 def _supervise(child: int, watched: set[signal.Signals], killed: Callable[[signal.Signals], str]) -> NoReturn:
