@@ -199,6 +199,16 @@ def prefect_server(started: Command) -> int:
     return port_of(server)
 
 
+def served_api(started: Command) -> int:
+    """The port on which the command's temporary Prefect server listens. Not ``prefect_server``'s first answer:
+    a server whose random port was taken meanwhile exits with 3, and Prefect starts another on another port."""
+    def answering() -> int | None:
+        server = descendant(started.process, "uvicorn", "prefect.server.api.server:create_app")
+        return port_of(server) if server and listening(port_of(server)) else None
+
+    return wait_for(answering, 120, "the served API")
+
+
 def test_the_console_script_is_the_supervised_entry():
     assert 'ppl-audit = "flows.cli:entry"' in (ROOT / "pyproject.toml").read_text()
     script = Path(sys.executable).parent / "ppl-audit"
@@ -234,7 +244,7 @@ def test_serve_stops_promptly_with_its_flow_run_and_every_server(command, config
     ours); without PREFECT_API_URL the flow run's process starts a temporary server of its own: that one
     was left running."""
     serve = command("serve", str(config))
-    port = prefect_server(serve)
+    port = served_api(serve)
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}/api", timeout=10)
     deployment = wait_for(lambda: next((d for d in api.post("/deployments/filter", json={}).json()
                                         if d["name"] == "tiny"), None), 120, "the audit deployment")
@@ -382,8 +392,7 @@ def test_quantize_stopped_while_quantizing_ends_at_once(command, deep_model_dir,
 
 def test_serve_and_ui_stopped_by_their_group_end_at_once(command, config, tmp_path):
     serve = command("serve", str(config))
-    port = prefect_server(serve)
-    wait_for(lambda: listening(port), 120, "the served API")
+    port = served_api(serve)
     serve.signal_group(signal.SIGTERM)
     assert serve.ended_within(STOP_S) == 128 + signal.SIGTERM
     the_line(serve, signal.SIGTERM)
