@@ -198,12 +198,9 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
                 ready[i] = _made(lineup.variants[i], _settled(future))
             submit_ready()
         if done is None:
-            shards = [tried]
-            _tried_again(runner, config, [baseline], shards,
-                         lambda _, n: _baseline_shard(runner, lineup, scored, found, bounds[n]))
-            merged = merge_shards(shards[0], scored)
+            tried, merged = _baseline_retried(runner, config, lineup, scored, found, tried)
             for v, n in [(v, n) for v in ready for n in range(len(bounds)) if (v, n) not in submitted]:
-                submitted[v, n] = shard(v, n, reads(n, shards[0]) if merged.ok else {"baseline_outcome": merged})
+                submitted[v, n] = shard(v, n, reads(n, tried) if merged.ok else {"baseline_outcome": merged})
         outcomes = [[_outcome(c, _settled(submitted[v, n])) for n in range(len(bounds))]
                     for v, c in enumerate(lineup.variants)]
         _tried_again(runner, config, lineup.variants, outcomes, lambda v, n: shard(v, n, given[v, n]))
@@ -211,7 +208,7 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
         if not merged.ok:  # shards measured against the slices that were written would hold a part of its divergence
             for v, n in [key for key, parameters in given.items() if "baseline_slices" in parameters]:
                 _without_divergence(outcomes[v][n])
-        done = _joined(runner, found, merged, shards[0], scored)
+        done = _joined(runner, found, merged, tried, scored)
     return done, [merge_shards(shards, scored) for shards in outcomes]
 
 
@@ -268,6 +265,16 @@ def _baseline_shard(runner, lineup: Lineup, scored: Evaluation, found: Lookup, w
                                  "windows": windows, "lookup": found})
 
 
+def _baseline_retried(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, found: Lookup,
+                      tried: list[VariantResult]) -> tuple[list[VariantResult], VariantResult]:
+    """The baseline's shards once each of ``tried`` (their first tries' outcomes) that failed where another worker
+    may not has been tried again elsewhere, and the baseline merged from them."""
+    bounds, outcomes = _bounds(config, scored), [list(tried)]
+    _tried_again(runner, config, [lineup.baseline], outcomes,
+                 lambda _, n: _baseline_shard(runner, lineup, scored, found, bounds[n]))
+    return outcomes[0], merge_shards(outcomes[0], scored)
+
+
 def _joined(runner, found: Lookup, merged: VariantResult, shards: list[VariantResult], scored: Evaluation
             ) -> VariantResult:
     """The baseline merged from its ``shards``, with the reference a worker joined from their slices (or why not)."""
@@ -287,13 +294,11 @@ def score_baseline(runner, config: AuditConfig, lineup: Lineup, scored: Evaluati
     found, done = _baseline_found(runner, lineup, scored)
     if done is not None:
         return done
-    bounds = _bounds(config, scored)
     with _placement(config):
-        futures = [_baseline_shard(runner, lineup, scored, found, windows) for windows in bounds]  # all submitted first
-        outcomes = [[_outcome(lineup.baseline, _settled(future)) for future in futures]]
-        _tried_again(runner, config, [lineup.baseline], outcomes,
-                     lambda _, n: _baseline_shard(runner, lineup, scored, found, bounds[n]))
-    return _joined(runner, found, merge_shards(outcomes[0], scored), outcomes[0], scored)
+        futures = [_baseline_shard(runner, lineup, scored, found, windows) for windows in _bounds(config, scored)]
+        tried, merged = _baseline_retried(runner, config, lineup, scored, found,  # all were submitted first
+                                          [_outcome(lineup.baseline, _settled(future)) for future in futures])
+    return _joined(runner, found, merged, tried, scored)
 
 
 def _bounds(config: AuditConfig, scored: Evaluation) -> list[tuple[int, int]]:

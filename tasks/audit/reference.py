@@ -364,6 +364,15 @@ def _slice_about(folder: Path) -> dict:
     return about
 
 
+def _slice_bytes(about: dict) -> int:
+    """The size of the hidden states a slice's entry says it holds."""
+    return math.prod(about["hidden"]["shape"]) * np.dtype(STORED_AS[DTYPES[about["hidden"]["dtype"]]]).itemsize
+
+
+def _not_as_written(folder: Path) -> DamagedReference:
+    return DamagedReference(f"the baseline reference's slice {folder.name} does not hold what was written")
+
+
 def slice_baseline(slices: list[Path], nll: torch.Tensor, source: str, device: torch.device) -> Baseline:
     """The baseline as a variant's shard meets it before its reference is joined: the LM head named in the first
     slice (``slices[0]``), the hidden states of the shard's own slice (``slices[-1]``, which its baseline shard
@@ -378,8 +387,8 @@ def slice_baseline(slices: list[Path], nll: torch.Tensor, source: str, device: t
     dtype = DTYPES[own["hidden"]["dtype"]]
     path, stored_as = slices[-1] / HIDDEN, np.dtype(STORED_AS[dtype])
     if shape[0] != stop - start or shape[0] != len(nll) or not path.is_file() \
-            or path.stat().st_size != math.prod(shape) * stored_as.itemsize or file_digest(path) != own["sha256"]:
-        raise DamagedReference(f"the baseline reference's slice {slices[-1].name} does not hold what was written")
+            or path.stat().st_size != _slice_bytes(own) or file_digest(path) != own["sha256"]:
+        raise _not_as_written(slices[-1])
     about = dict(first["head"])
     softcap = about.pop("softcap")
     head = _head(about, slices[0] / HEAD, source, device, dtype, "score the baseline again")
@@ -537,9 +546,8 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
                     digest.update(block)
                     joined.update(block)
                     out.write(block)
-            if digest.hexdigest() != about["sha256"] or out.tell() - start != n * across * \
-                    np.dtype(STORED_AS[DTYPES[dtype]]).itemsize:
-                raise DamagedReference(f"the baseline reference's slice {folder.name} does not hold what was written")
+            if digest.hexdigest() != about["sha256"] or out.tell() - start != _slice_bytes(about):
+                raise _not_as_written(folder)
             rows = stop
     if rows != len(targets) or not abouts[0]["head"]:
         raise DamagedReference(f"the baseline reference's slices hold {rows} of its {len(targets)} tokens")
