@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
 from tasks.audit.checkpoints import Checkpoint, Lineup, prepare
+from tasks.audit.cluster import let_go
 from tasks.audit.diagnose import Examination, Restored, examine, restore
 from tasks.audit.scoring import Lookup, join_reference, look_up, make_variant, score_variant
 from tasks.config import AuditConfig, CorpusConfig
@@ -20,6 +21,7 @@ from tasks.core.errors import TransientError
 from tasks.core.places import spool_dir, synced_dir
 from tasks.data.corpus import cached_tokenize, corpus_text
 from tasks.data.evaluation import Evaluation, evaluation
+from tasks.engine.abandon import asking
 from tasks.engine.windows import Window
 from tasks.models.quantize import draw_calibration, quantize
 from tasks.models.resolve import load_tokenizer
@@ -81,9 +83,10 @@ def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
     beside them, the outcomes of the baseline's shards whose slices of its reference they read; a baseline's shard
     gets what its ``look_up_baseline`` found, and writes its slice of the reference.
     """
-    return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True,
-                         baseline_outcome=baseline_outcome, windows=windows, sample=sample, lookup=lookup,
-                         baseline_slices=baseline_slices)
+    with asking(let_go):  # on a cluster, stops between batches once the audit no longer waits for it
+        return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True,
+                             baseline_outcome=baseline_outcome, windows=windows, sample=sample, lookup=lookup,
+                             baseline_slices=baseline_slices)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
@@ -150,7 +153,8 @@ def track(folder: Path) -> str:
 @task(cache_policy=NO_CACHE, task_run_name="examine-{checkpoint.name}")
 def examine_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window]) -> Examination:
     """Both models on a diagnosis's sample: per-layer errors and per-token losses."""
-    return examine(checkpoint, lineup, evaluation_, windows)
+    with asking(let_go):
+        return examine(checkpoint, lineup, evaluation_, windows)
 
 
 def _restore_name() -> str:
@@ -165,7 +169,8 @@ def _restore_name() -> str:
 def restore_layers(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window],
                    sets: list[tuple[int, ...]]) -> list[Restored]:
     """The variant with each set of the baseline's decoder layers in ``sets`` in place, scored on the sample."""
-    return restore(checkpoint, lineup, evaluation_, windows, sets, progress=True)
+    with asking(let_go):
+        return restore(checkpoint, lineup, evaluation_, windows, sets, progress=True)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,

@@ -344,6 +344,38 @@ def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path):
     assert flow < here - 400, (flow, here)
 
 
+def test_a_stopped_audit_s_shard_stops_on_its_worker_within_a_batch(tmp_path):
+    """Ctrl-C of `ppl-audit run` while its one shard scores on a worker: the command ends (as anywhere) and the
+    worker, which Dask cannot make stop a task it runs, stops scoring after its current batch instead of running
+    the shard (some 100 batches of SmolLM2) to its end for nobody; it stays in the cluster, free."""
+    import signal
+
+    from distributed import Client
+
+    def scoring(dask_worker) -> list[str]:
+        """The tasks the worker's threads run: those it still executes, and those let go but running on."""
+        return [str(task.key) for task in dask_worker.state.tasks.values() if task.state in ("executing", "cancelled")]
+
+    config = embedded_int8(tmp_path / "d.yaml", evaluation={"window": 256, "stride": 128, "batch_size": 2,
+                                                            "max_tokens": 24000})
+    with dask_cluster(1) as (address, workers), Client(address, timeout=60, set_as_default=False) as client:
+        config.write_text(config.read_text() + yaml.safe_dump({"runner": {"kind": "dask", "address": address}}))
+        command = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--set",
+                                    "baseline.rescore=always"], env=worker_environment(), start_new_session=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: client.run(scoring)[workers[0]], 300, "the baseline's shard on the worker", every=0.5)
+        time.sleep(8)  # well into the shard: the model loaded, batches scored
+        os.killpg(command.pid, signal.SIGINT)
+        said = command.communicate(timeout=30)[0]
+        ended = time.monotonic()
+        assert command.returncode == 128 + signal.SIGINT, said[-2000:]
+        wait_for(lambda: not client.run(scoring)[workers[0]], 60, "the worker to stop scoring", every=0.2)
+        stopped_after = time.monotonic() - ended
+        assert list(client.scheduler_info()["workers"]) == workers  # the same worker, not one started again
+    print(f"the worker stopped scoring {stopped_after:.1f} s after the command ended")
+    assert stopped_after < 10
+
+
 def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, trained_model_dir, corpus_path):
     """One worker sees its own, empty references folder (an unsynced mount): the shards it takes cannot read the
     baseline reference, fail, and run again on the other worker; the audit's figures are still exact."""

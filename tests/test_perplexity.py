@@ -155,3 +155,23 @@ def test_models_load_with_sdpa_attention(tiny_model, tokenizer, text, monkeypatc
     layers, heads = tiny_model.config.num_hidden_layers, tiny_model.config.num_attention_heads
     assert len(calls) == layers, f"scaled_dot_product_attention ran {len(calls)} times in a {layers}-layer model"
     assert all(shape[:3] == (3, heads, 64) for shape in calls), calls  # [batch, heads, positions, head dim]
+
+
+def test_a_run_nobody_waits_for_stops_after_the_batch_in_progress(tiny_model64, tokenizer, text):
+    """What a cluster's task does once its audit stopped (tasks.audit.cluster.let_go): the engine asks between
+    batches, and stops at the first answer; outside ``asking`` it never stops."""
+    from tasks.core.errors import Abandoned
+    from tasks.engine.abandon import asking
+
+    stream = tokenize(text, tokenizer, max_tokens=1500)
+    windows = plan_windows(len(stream.ids), 64, 24, stream.first_scored)
+    asked = []
+
+    def why() -> str | None:
+        asked.append(True)
+        return "nobody waits" if len(asked) == 3 else None
+
+    with asking(why), pytest.raises(Abandoned, match="nobody waits"):
+        score_windows(tiny_model64, stream.ids, windows, batch_size=4)
+    assert len(asked) == 3 < len(windows) / 4
+    assert len(score_windows(tiny_model64, stream.ids, windows, batch_size=4).window_nll) == len(windows)

@@ -151,6 +151,25 @@ def check_workers(runner: Runner, paths: dict[str, str]) -> None:
                          f"offers that many GPUs (the most is {most:g}); start workers with {resource} or lower it")
 
 
+def let_go() -> str | None:
+    """Why the task running here is no longer wanted: on a Dask worker, once the scheduler let it go (the audit that
+    submitted it stopped waiting, or gave it to another worker); None while it is wanted, and off a Dask worker
+    (Ray stops a task whose driver has gone by itself)."""
+    if "distributed" not in sys.modules:
+        return None
+    from distributed import get_worker
+    from distributed.worker import thread_state
+
+    try:
+        state, key = get_worker().state, thread_state.key
+    except (ValueError, AttributeError):  # not in a Dask worker's task thread
+        return None
+    task = state.tasks.get(key)
+    if task is None or task.state == "cancelled":
+        return f"stopped on {get_worker().address}: the audit that asked for it no longer waits for it"
+    return None
+
+
 def worker() -> str:
     """Where this code runs: the Dask worker's address, the Ray node and process, else this host and process."""
     if "distributed" in sys.modules:  # only a Dask worker's process has imported it (0.4 s to import here)

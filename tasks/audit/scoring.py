@@ -24,7 +24,8 @@ from tasks.audit.checkpoints import Checkpoint, Lineup, quantized_checkpoint
 from tasks.audit.cluster import worker
 from tasks.audit.sequential import Watch
 from tasks.config import Gate, VariantSpec
-from tasks.core.errors import DamagedReference, InputError, NumericalError, TransientError, WorkerError, one_line
+from tasks.core.errors import (Abandoned, DamagedReference, InputError, NumericalError, TransientError, WorkerError,
+                               one_line)
 from tasks.core.places import references_dir
 from tasks.data.corpus import tokenizer_digest
 from tasks.data.evaluation import Evaluation
@@ -290,7 +291,7 @@ def failing_alone(outcome: VariantResult):
         outcome.retry_elsewhere = True
     except TransientError:
         raise
-    except (InputError, NumericalError) as error:
+    except (InputError, NumericalError, Abandoned) as error:
         outcome.reason = one_line(error)
     except WorkerError as error:
         outcome.reason = one_line(error)

@@ -18,6 +18,10 @@ class WorkerError(RuntimeError):
     """A worker that lacks what another has (a file every worker should see): a shard is tried elsewhere."""
 
 
+class Abandoned(RuntimeError):
+    """A run nobody waits for any more (the audit that submitted it stopped): it stops, and is not tried again."""
+
+
 class TransientError(RuntimeError):
     """A failure worth retrying: network or remote storage. Prefect tasks retry on it, nothing else."""
 

@@ -22,7 +22,7 @@ import torch
 
 from tasks.core import console
 from tasks.core.errors import DamagedReference, NumericalError
-from tasks.engine import divergence, kv_cache
+from tasks.engine import abandon, divergence, kv_cache
 from tasks.engine.memory import PeakMemory
 from tasks.engine.model_facts import input_device, max_positions
 from tasks.engine.stream import TokenStream
@@ -404,6 +404,7 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
             if pending is not None:
                 store(*pending)
             pending = (batch, slots, *_to_host(stats, hidden.device))
+            abandon.check()
             if until is not None:  # judged on this batch before the next is queued: none is scored for nothing
                 store(*pending)
                 pending = None
