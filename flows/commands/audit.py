@@ -38,10 +38,10 @@ def checked_config(path: str, overrides: list[str]):
 
 
 def run(args: argparse.Namespace) -> int:
-    from flows.audit import audit, summary_json, summary_of
-
     overrides = args.set + (["evaluation.sequential=true"] if args.sequential else [])
     checked_config(args.config, overrides)
+    from flows.audit import audit, summary_json, summary_of  # Prefect and the flow: not for a config refused above
+
     state = audit(config=args.config, overrides=overrides, return_state=True)
     summary = summary_of(state)
     if summary is None:
