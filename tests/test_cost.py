@@ -105,9 +105,16 @@ def test_gguf_blocks_cost_their_type_s_bits(tmp_path):
 
 @pytest.mark.slow  # quantizes
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, tmp_path, monkeypatch, method):
+def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, corpus_path, tmp_path, monkeypatch,
+                                                          method):
     """GPTQ 4-bit, group 32: int32 words of eight 4-bit values, an fp16 scale and a packed 4-bit zero per group and
-    output, and GPTQ's int32 group index per input; AWQ the same without the group index."""
+    output, and GPTQ's int32 group index per input; AWQ the same without the group index. A ``kernel:`` that is
+    none of gptqmodel's for the method is refused before anything loads."""
+    from helpers import write_config
+
+    from tasks.audit.preflight import preflight
+    from tasks.config import load_audit_config
+    from tasks.core.errors import InputError
     from tasks.models.quantize import draw_calibration, quantize
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
@@ -124,3 +131,9 @@ def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, tmp
     _, chosen = load_variant(VariantSpec(name=method, method=method, path=str(out), kernel=kernel), str(out))
     assert set(chosen.kernels.values()) == {runs} and len(chosen.kernels) == len(facts.kernels) > 0
     assert chosen.bits_per_weight == facts.bits_per_weight
+    for wrong in ("nonsense", {"gptq": "awq_torch", "awq": "gptq_marlin"}[method]):
+        config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path,
+                              [{"name": "v", "method": method, "path": str(out), "kernel": wrong}])
+        with pytest.raises(InputError, match=rf"^v: kernel '{wrong}' is not one of gptqmodel's kernels for {method}: "
+                                             r"use one of .*\btorch\b.*, or leave kernel out"):
+            preflight(load_audit_config(str(config)))

@@ -18,7 +18,7 @@ from tasks.engine.kv_cache import INTS, head_dim
 from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window, plan
-from tasks.models.formats import check_compressed, detect, locate, require
+from tasks.models.formats import check_compressed, check_kernel, detect, locate, require
 from tasks.models.loading import check_checkpoint
 from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_model_path
 from tasks.models.variants import check_same_tokenizer
@@ -74,6 +74,8 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
                 check_compressed(source)
         try:
             require(method, resolve_device(spec.device).type)
+            if spec.kernel is not None and method in ("gptq", "awq"):
+                check_kernel(method, spec.kernel)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
         if spec.kv_cache is not None and model_config is not None:

@@ -77,6 +77,22 @@ def require(method: str, device_type: str) -> None:
         raise InputError(f"method {method} needs the package {pip.split('==')[0]}: pip install '{pip}'{extra}") from None
 
 
+def check_kernel(method: str, kernel: str) -> None:
+    """Refuse a ``kernel:`` that names none of gptqmodel's kernels for ``method`` (gptq or awq), before anything
+    loads: gptqmodel would refuse it only once the checkpoint loads, after the baseline is scored."""
+    from gptqmodel.utils.backend import BACKEND, normalize_backend
+
+    other = {"gptq": "awq_", "awq": "gptq_"}[method]
+    try:
+        backend = normalize_backend(kernel, quant_method=method)
+    except ValueError:
+        backend = None
+    if backend is None or backend.value.startswith(other):
+        names = sorted(b.value.removeprefix(f"{method}_") for b in BACKEND if b.value.startswith(f"{method}_"))
+        raise InputError(f"kernel {kernel!r} is not one of gptqmodel's kernels for {method}: use one of "
+                         f"{', '.join(names)}, or leave kernel out for the one gptqmodel picks")
+
+
 def distributions(method: str) -> tuple[str, ...]:
     """The packages whose versions a model loaded with ``method`` depends on (recorded in its facts)."""
     found = (PACKAGES[method][1].split("==")[0],) if method in PACKAGES else ()
