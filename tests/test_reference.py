@@ -3,6 +3,7 @@ whole-or-nothing writes, concurrent builds, drift, and the `ppl-audit reference`
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -316,7 +317,7 @@ def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice
         lookup = scoring.look_up(lineup.baseline, scored)
         shards = [scoring.score_variant(lineup.baseline, lineup, scored, windows=w, lookup=lookup) for w in bounds]
         if damage is not None:
-            damage(Path(shards[1].reference["slice"]))
+            damage([Path(shard.reference["slice"]) for shard in shards])
         merged = scoring.merge_shards(shards, scored)
         said = scoring.join_reference(lookup, merged, shards, scored)
         assert not scoring.slices_dir(lookup).exists()
@@ -327,14 +328,20 @@ def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice
     assert said["path"] == str(folder) and said["drift"]["max_abs_delta_nll"] == 0
     assert {f.name: f.read_bytes() for f in folder.iterdir() if f.name != reference.MANIFEST} == files
 
-    def flip_a_byte(piece: Path) -> None:
-        with open(piece / reference.HIDDEN, "r+b") as file:
+    def flip_a_byte(pieces: list[Path]) -> None:
+        with open(pieces[1] / reference.HIDDEN, "r+b") as file:
             file.seek(7)
             byte = file.read(1)
             file.seek(7)
             file.write(bytes([byte[0] ^ 1]))
 
-    for damage, says in ((flip_a_byte, "does not hold what was written"), (shutil.rmtree, "is missing, damaged")):
+    def forget_the_head(pieces: list[Path]) -> None:
+        about = json.loads((pieces[0] / reference.SLICE).read_text())
+        (pieces[0] / reference.SLICE).write_text(json.dumps(about | {"head": None}))
+
+    for damage, says in ((flip_a_byte, "does not hold what was written"),
+                         (lambda pieces: shutil.rmtree(pieces[1]), "is missing, damaged"),
+                         (forget_the_head, "does not name its LM head")):
         if folder.exists():  # none to compare the slices' with, nor to keep in place of a bad join
             reference.remove(reference.Reference.open(folder))
         merged, said = in_slices(damage)

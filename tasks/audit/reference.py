@@ -549,8 +549,10 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
             if digest.hexdigest() != about["sha256"] or out.tell() - start != _slice_bytes(about):
                 raise _not_as_written(folder)
             rows = stop
-    if rows != len(targets) or not abouts[0]["head"]:
+    if rows != len(targets):
         raise DamagedReference(f"the baseline reference's slices hold {rows} of its {len(targets)} tokens")
+    if not abouts[0]["head"]:
+        raise DamagedReference(f"the baseline reference's first slice {slices[0].name} does not name its LM head")
     head = dict(abouts[0]["head"])
     manifest["softcap"] = head.pop("softcap")
     if head["stored"]:
