@@ -356,6 +356,9 @@ def test_a_stopped_audit_s_shard_stops_on_its_worker_within_a_batch(tmp_path):
 
     from distributed import Client
 
+    from tasks.audit.reference import HIDDEN
+    from tasks.core.places import references_dir
+
     def scoring(dask_worker) -> list[str]:
         """The tasks the worker's threads run: those it still executes, and those let go but running on."""
         return [str(task.key) for task in dask_worker.state.tasks.values() if task.state in ("executing", "cancelled")]
@@ -367,8 +370,10 @@ def test_a_stopped_audit_s_shard_stops_on_its_worker_within_a_batch(tmp_path):
         command = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--set",
                                     "baseline.rescore=always"], env=worker_environment(), start_new_session=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_for(lambda: client.run(scoring)[workers[0]], 300, "the baseline's shard on the worker", every=0.5)
-        time.sleep(8)  # well into the shard: the model loaded, batches scored
+        # scoring, not loading the model (seconds on a busy machine): its hidden states are being written
+        wait_for(lambda: any(path.stat().st_size for path in (references_dir() / ".building").rglob(HIDDEN)), 300,
+                 "the baseline's shard scoring on the worker", every=0.2)
+        assert client.run(scoring)[workers[0]]
         os.killpg(command.pid, signal.SIGINT)
         said = command.communicate(timeout=30)[0]
         ended = time.monotonic()
