@@ -6,14 +6,16 @@ schedules and events); ``prefect.yaml`` declares the same for work pools (``pref
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from prefect import serve
 from prefect.events import DeploymentEventTrigger
+from prefect.runner import Runner
 from prefect.schedules import Cron
 
 from flows.audit import audit
@@ -54,7 +56,22 @@ def serve_config(config_path: str, say: Callable[[str], None]) -> None:
     when = f"cron {config.schedule.cron} ({config.schedule.timezone}) and " if config.schedule.cron else ""
     say(f"serving {config.name}: the audit on {when}every {EVENT} event; {config.name}-quantize on request")
     threading.Thread(target=watch, args=([d.name for d in served], say), daemon=True).start()
-    serve(*served, print_starting_message=False)
+    runner = _Runner(pause_on_shutdown=True)
+    for deployment in served:
+        runner.add_deployment(deployment)
+    # not prefect.serve, which returns as if nothing happened when stopped by Ctrl-C; a stop ends as every command's
+    asyncio.run(runner.start())
+
+
+class _Runner(Runner):
+    """Prefect's runner, which on SIGTERM pauses the deployments and exits, with status 143 (a stopped command's,
+    which the CLI reports in one line) instead of 0: a process manager is told it was stopped, not that it ended."""
+
+    def handle_sigterm(self, *args) -> None:
+        try:
+            super().handle_sigterm(*args)
+        except SystemExit:
+            raise SystemExit(128 + signal.SIGTERM) from None
 
 
 def watch(names: list[str], say: Callable[[str], None], every: float = 2.0) -> None:

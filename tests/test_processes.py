@@ -88,13 +88,16 @@ class Command:
             not reach the tests.
     """
 
-    def __init__(self, tmp_path: Path, *args: str, prefix: tuple[str, ...] = (), terminal: bool = False):
+    def __init__(self, tmp_path: Path, *args: str, prefix: tuple[str, ...] = (), terminal: bool = False,
+                 api: str | None = None):
         self.home = tmp_path / "home"
         env = {name: value for name, value in os.environ.items()
                if name not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}  # Prefect's local mode, the local store
         env.update(PREFECT_HOME=str(tmp_path / "prefect"), PPL_AUDIT_HOME=str(self.home),
                    PPL_AUDIT_CACHE=str(tmp_path / "cache"), PPL_AUDIT_REFERENCES=str(tmp_path / "cache" / "references"),
                    PREFECT_RUNNER_POLL_FREQUENCY="1")  # `serve` starts a new flow run within 1 s, not 10
+        if api is not None:  # a Prefect server of the user's: PREFECT_API_URL set
+            env["PREFECT_API_URL"] = api
         self.log = tmp_path / "command.log"
         self.terminal = None
         with open(self.log, "w") as log:
@@ -144,18 +147,19 @@ class Command:
         self.signalled_at = time.monotonic()
         (self.process.children()[0] if to_child else self.process).send_signal(signum)
 
-    def assert_all_gone(self, port: int) -> int | None:
+    def assert_all_gone(self, port: int | None) -> int | None:
         """Within STOPPED_WITHIN_S: each recorded descendant and anything else started with this home has
-        ended, and nothing listens on the port. The exit code of the process the user started."""
+        ended, and nothing listens on the port (of a server it started). The exit code of the process the user
+        started."""
         def gone() -> bool:
-            return not alive(self.recorded) and not started_by(self.home) and not listening(port)
+            return not alive(self.recorded) and not started_by(self.home) and not (port and listening(port))
 
         deadline = time.monotonic() + STOPPED_WITHIN_S
         while time.monotonic() < deadline and not gone():
             time.sleep(0.2)
         left = sorted({f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in alive(self.recorded + started_by(self.home))})
         assert not left, f"still running {STOPPED_WITHIN_S} s after the signal:\n" + "\n".join(left)
-        assert not listening(port), f"port {port} still listens"
+        assert not (port and listening(port)), f"port {port} still listens"
         return self.process.poll()
 
     def stop(self) -> None:
@@ -404,6 +408,31 @@ def test_serve_and_ui_stopped_by_their_group_end_at_once(command, config, tmp_pa
     assert ui.ended_within(STOP_S) == 128 + signal.SIGINT
     the_line(ui, signal.SIGINT)
     ui.assert_all_gone(ui_port)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_serve_on_the_user_s_prefect_server_stopped_says_so_and_exits_128_plus_the_signal(
+        command, tmp_path, tiny_model_dir, corpus_path, prefect_harness, signum):
+    """``serve`` as the README runs it, PREFECT_API_URL set: stopped, it pauses its deployments (Prefect's runner)
+    and ends like every command, 128+signal and one line. Before, Prefect's runner turned SIGTERM into exit 0 and
+    swallowed Ctrl-C: a stopped serve looked to its process manager as if it had ended by itself, and said
+    nothing. (Under a temporary server the supervisor's line came only because that server's shutdown was slow.)"""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    name = f"stopped-{signum.name.lower()}"
+    config = write_config(tmp_path / "audit.yaml", tiny_model_dir, corpus_path,
+                          [{"name": "copy", "path": str(tiny_model_dir)}], name=name)
+    serve = command("serve", str(config), api=PREFECT_API_URL.value())
+    with get_client(sync_client=True) as api:  # its runner has registered the deployment, then starts serving
+        waiting(lambda: api.read_deployment_by_name(f"ppl-audit/{name}"), 120, "the served deployment", every=0.2,
+                tolerate=(ObjectNotFound,))
+    time.sleep(1)
+    serve.signal_group(signum)
+    assert serve.ended_within(STOP_S) == 128 + signum, serve.log.read_text()[-3000:]
+    the_line(serve, signum)
+    serve.assert_all_gone(None)
 
 
 def supervised_then_stopped(tmp_path, main: str, within: float, signum: signal.Signals = signal.SIGTERM
