@@ -25,6 +25,7 @@ from tasks.config import (
     check_name,
 )
 from tasks.core.errors import InputError
+from tasks.models.quantize import check_destination
 from tasks.steps import quantize_model
 
 
@@ -40,6 +41,7 @@ def check_request(method: str, out: str, name: str | None, group_size: int) -> P
     folder = Path(out)
     if folder.exists() and any(folder.iterdir()):
         raise InputError(f"output folder {folder} is not empty; give a new folder")
+    check_destination(folder)
     return folder
 
 

@@ -286,6 +286,18 @@ def test_quantize_refuses_a_group_size_its_kernels_do_not_support(tmp_path, trai
     assert "group_size 256 is not one awq kernels support" in capsys.readouterr().err
 
 
+def test_quantize_refuses_an_output_folder_nothing_can_be_made_beside(tmp_path, trained_model_dir, corpus_path,
+                                                                       capsys):
+    """Under a file (as on a read-only or special file system): one line before the model loads, no traceback.
+    Before, quantize crashed on the folder it makes the checkpoint in (exit 1, `FileNotFoundError`)."""
+    (tmp_path / "a-file").write_text("")
+    assert main(["quantize", "--model", str(trained_model_dir), "--method", "gptq", "--calibration",
+                 str(corpus_path), "--out", str(tmp_path / "a-file" / "gptq")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"ppl-audit: error: output folder {tmp_path}/a-file/gptq: nothing can be written in "
+                   f"{tmp_path}/a-file (Not a directory); give a folder you can write\n"), err
+
+
 def test_kernel_group_sizes_are_those_gptqmodel_supports():
     from gptqmodel.nn_modules.qlinear.torch import TorchLinear
     from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import random
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -256,7 +257,7 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
     started = time.perf_counter()
     # ours, so that a killed run's offloaded layers are removed next time (gptqmodel's own go to /tmp for good);
     # the checkpoint is made beside `out` (one rename away) and appears there whole, with its manifest, or not at all
-    partials = out.parent / f".{out.name}.partial"
+    partials = _partials(out)
     try:
         with scratch(cache_dir() / "scratch") as staging, scratch(partials) as partial:
             made = partial / "checkpoint"
@@ -285,6 +286,26 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
         with suppress(OSError):  # left empty, also by a failed or stopped run, unless another is making one there
             partials.rmdir()
     return manifest
+
+
+def _partials(out: Path) -> Path:
+    """Where a checkpoint for ``out`` is made, beside it: one rename away from its place."""
+    return out.parent / f".{out.name}.partial"
+
+
+def check_destination(out: Path) -> None:
+    """Refuse an output folder beside which no checkpoint can be made (``_partials``), before the model loads and
+    calibration runs: a read-only or special file system, a parent that is a file, no permission."""
+    partials = _partials(out)
+    try:
+        partials.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(dir=partials)).rmdir()
+    except OSError as error:
+        raise InputError(f"output folder {out}: nothing can be written in {out.parent} "
+                         f"({error.strerror or error}); give a folder you can write") from None
+    finally:
+        with suppress(OSError):  # left empty, unless another run is making a checkpoint there
+            partials.rmdir()
 
 
 def read_manifest(path: str) -> dict | None:
