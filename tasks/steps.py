@@ -107,7 +107,8 @@ def join_baseline_reference(lookup: Lookup, baseline: VariantResult, shards: lis
       retry_condition_fn=_transient)
 def make(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Checkpoint:
     """Quantize a gptq/awq variant made here, once, before its shards load it (a failure is its ``problem``)."""
-    return make_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True)
+    with asking(let_go):
+        return make_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True)
 
 
 @task(cache_policy=NO_CACHE)

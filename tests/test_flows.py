@@ -330,3 +330,29 @@ def test_dask_cluster_listens_on_loopback_only():
         processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
         listening = {c.laddr.ip for p in processes for c in p.net_connections() if c.status == psutil.CONN_LISTEN}
         assert listening == {"127.0.0.1"}, listening
+
+
+@pytest.mark.slow  # quantizes
+def test_quantizing_that_nobody_waits_for_stops_at_the_next_layer_and_leaves_nothing(trained_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """A cluster's `make` task whose audit stopped (tasks.audit.cluster.let_go): gptqmodel's layer loop asks on
+    every layer's forward pass, stops at the first answer, and neither a checkpoint nor its parts are left."""
+    import torch
+
+    from tasks.core.errors import Abandoned
+    from tasks.engine.abandon import asking
+    from tasks.models.quantize import draw_calibration, quantize
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
+    asked = []
+
+    def why() -> str | None:
+        asked.append(True)
+        return "nobody waits" if len(asked) == 2 else None
+
+    with asking(why), pytest.raises(Abandoned, match="nobody waits"):
+        quantize(str(trained_model_dir), "gptq", 4, 32, True,
+                 draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), tmp_path / "out")
+    assert len(asked) == 2
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+    assert not any((tmp_path / "cache" / "scratch").iterdir())

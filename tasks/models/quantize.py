@@ -25,6 +25,7 @@ from tasks.core.errors import InputError
 from tasks.core.files import file_digest, publish, read_json, scratch, write_atomically
 from tasks.core.places import cache_dir
 from tasks.core.versions import versions
+from tasks.engine import abandon
 from tasks.models.loading import WEIGHT_SUFFIXES
 from tasks.models.resolve import load_tokenizer, resolve_model_path
 
@@ -151,12 +152,14 @@ def _with_pad(source: str, tokenizer, staging: Path) -> str:
 @contextmanager
 def _layer_progress(quantizer, label: str, enabled: bool) -> Iterator[None]:
     """A progress bar over the decoder layers gptqmodel quantizes, one after the other: a layer's first
-    forward pass means those before it are done."""
+    forward pass means those before it are done. Each pass also asks whether the result is still wanted
+    (``abandon``): a cluster's task whose audit stopped ends there, not hours later."""
     from gptqmodel.utils.model import get_layers_with_prefixes
 
     layers = get_layers_with_prefixes(quantizer.model, quantizer.extract_layers_node())[0]
     with console.bar(len(layers), label, "layer", enabled) as bar:
         def started(index: int) -> None:
+            abandon.check()
             bar.update(max(0, index - bar.n))
 
         hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: started(i)) for i, layer in enumerate(layers)]
