@@ -198,7 +198,7 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
                 ready[i] = _made(lineup.variants[i], _settled(future))
             submit_ready()
         if done is None:
-            tried, merged = _baseline_retried(runner, config, lineup, scored, found, tried)
+            tried, merged = _baseline_retried(runner, config, lineup, scored, found, bounds, tried)
             for v, n in [(v, n) for v in ready for n in range(len(bounds)) if (v, n) not in submitted]:
                 submitted[v, n] = shard(v, n, reads(n, tried) if merged.ok else {"baseline_outcome": merged})
         outcomes = [[_outcome(c, _settled(submitted[v, n])) for n in range(len(bounds))]
@@ -266,10 +266,11 @@ def _baseline_shard(runner, lineup: Lineup, scored: Evaluation, found: Lookup, w
 
 
 def _baseline_retried(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, found: Lookup,
-                      tried: list[VariantResult]) -> tuple[list[VariantResult], VariantResult]:
-    """The baseline's shards once each of ``tried`` (their first tries' outcomes) that failed where another worker
-    may not has been tried again elsewhere, and the baseline merged from them."""
-    bounds, outcomes = _bounds(config, scored), [list(tried)]
+                      bounds: list[tuple[int, int]], tried: list[VariantResult]
+                      ) -> tuple[list[VariantResult], VariantResult]:
+    """The baseline's shards (over ``bounds``) once each of ``tried`` (their first tries' outcomes) that failed where
+    another worker may not has been tried again elsewhere, and the baseline merged from them."""
+    outcomes = [list(tried)]
     _tried_again(runner, config, [lineup.baseline], outcomes,
                  lambda _, n: _baseline_shard(runner, lineup, scored, found, bounds[n]))
     return outcomes[0], merge_shards(outcomes[0], scored)
@@ -294,9 +295,10 @@ def score_baseline(runner, config: AuditConfig, lineup: Lineup, scored: Evaluati
     found, done = _baseline_found(runner, lineup, scored)
     if done is not None:
         return done
+    bounds = _bounds(config, scored)
     with _placement(config):
-        futures = [_baseline_shard(runner, lineup, scored, found, windows) for windows in _bounds(config, scored)]
-        tried, merged = _baseline_retried(runner, config, lineup, scored, found,  # all were submitted first
+        futures = [_baseline_shard(runner, lineup, scored, found, windows) for windows in bounds]  # all submitted first
+        tried, merged = _baseline_retried(runner, config, lineup, scored, found, bounds,
                                           [_outcome(lineup.baseline, _settled(future)) for future in futures])
     return _joined(runner, found, merged, tried, scored)
 

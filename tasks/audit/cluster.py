@@ -161,12 +161,12 @@ def let_go() -> str | None:
     from distributed.worker import thread_state
 
     try:
-        state, key = get_worker().state, thread_state.key
+        here, key = get_worker(), thread_state.key
     except (ValueError, AttributeError):  # not in a Dask worker's task thread
         return None
-    task = state.tasks.get(key)
+    task = here.state.tasks.get(key)
     if task is None or task.state == "cancelled":
-        return f"stopped on {get_worker().address}: the audit that asked for it no longer waits for it"
+        return f"stopped on {here.address}: the audit that asked for it no longer waits for it"
     return None
 
 
