@@ -1,7 +1,7 @@
 """Whatever ``ppl-audit`` starts ends with it, however it is stopped (Linux; elsewhere ``run`` calls ``main``).
 
 Prefect's local mode starts a temporary API server (uvicorn, ~220 MB) and stops it from an ``atexit``
-handler; ``ppl-audit ui`` starts ``mlflow server``, which starts uvicorn workers and a job runner. A
+handler; ``ppl-audit ui`` starts ``mlflow server``, which starts a uvicorn worker and a job runner. A
 SIGTERM (whose default action skips ``atexit``) or a ``kill -9`` left all of them running and listening.
 
 So the command runs in a forked child, and the process the user started becomes a thin supervisor:

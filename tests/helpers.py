@@ -312,7 +312,7 @@ class MlflowServer:
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         self.process = subprocess.Popen(
             [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend-store-uri", f"sqlite:///{self.folder / 'server.db'}",
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.folder / 'server.db'}",
              "--artifacts-destination", str(self.folder / "artifacts")],
             env=env, stdout=open(self.folder / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120

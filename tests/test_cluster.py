@@ -79,15 +79,23 @@ def dask_cluster(workers: int, hide: Path | None = None, network: Network | None
             process.wait(timeout=60)
 
 
+@pytest.fixture(scope="module")
+def two_workers(prefect_harness):
+    """A scheduler and two workers, kept for the module's tests that need no cluster of their own: each start
+    costs some 20 CPU-seconds (every worker process imports torch, transformers and Prefect)."""
+    with dask_cluster(2) as started:
+        yield started
+
+
 def test_an_audit_on_an_existing_dask_cluster_scores_as_sequential_and_names_each_worker(
-        tmp_path, trained_model_dir, corpus_path):
+        tmp_path, trained_model_dir, corpus_path, two_workers):
     variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "copy", "path": str(trained_model_dir)}]
     sequential = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
                        return_state=True).result()
-    with dask_cluster(2) as (address, workers):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
-                              runner={"kind": "dask", "address": address})
-        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
+    address, workers = two_workers
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
+                          runner={"kind": "dask", "address": address})
+    state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     on_cluster = state.result()
     assert [r["ppl"] for r in on_cluster["rows"]] == [r["ppl"] for r in sequential["rows"]]  # to the last bit
@@ -169,7 +177,7 @@ def test_an_address_that_cannot_be_a_scheduler_is_one_line(runner, says):
 
 
 def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_path, trained_model_dir,
-                                                                            corpus_path, noisy_model_dir):
+                                                                            corpus_path, noisy_model_dir, two_workers):
     """Every model, the baseline too (scored again), as 3 slices of its windows over 2 workers: every per-token array
     (NLL, KL both ways, top-1) and every figure equals the unsharded audit's exactly, each shard names the worker it
     ran on, and the reference joined from the baseline's slices holds the bytes of the one written whole."""
@@ -186,10 +194,10 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     data = (reference.HIDDEN, reference.SCORES, reference.HEAD)  # the manifest says when; `used` is touched on reuse
     files = {name: (written / name).read_bytes() for name in data if (written / name).exists()}
     manifest = reference.Reference.open(written).manifest
-    with dask_cluster(2) as (address, workers):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
-                              runner={"kind": "dask", "address": address, "shards": 3})
-        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
+    address, workers = two_workers
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
+                          runner={"kind": "dask", "address": address, "shards": 3})
+    state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     sharded = state.result()
     baseline = sharded["results"][0]
@@ -231,7 +239,7 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
 
 
 def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_a_borderline_one_to_the_end(
-        tmp_path, trained_model_dir, corpus_path, noisy_model_dir):
+        tmp_path, trained_model_dir, corpus_path, noisy_model_dir, two_workers):
     """`evaluation.sequential` with shards: each variant's windows in random pieces over 2 workers, judged as each
     piece returns; a clear variant stops early, a borderline one scores every window and is judged as without it."""
     variants = [{"name": "clear", "path": str(noisy_model_dir)}, {"name": "borderline", "path": str(noisy_model_dir)}]
@@ -240,10 +248,10 @@ def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_
     fixed = whole["rows"][1]
     thresholds = {"max_ppl_increase_pct": 1000, "per_variant": {
         "borderline": {"max_ppl_increase_pct": (fixed["delta_ppl_pct"] + fixed["delta_ppl_pct_high"]) / 2}}}
-    with dask_cluster(2) as (address, workers):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants, thresholds=thresholds,
-                              runner={"kind": "dask", "address": address, "shards": 2})
-        state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
+    address, workers = two_workers
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants, thresholds=thresholds,
+                          runner={"kind": "dask", "address": address, "shards": 2})
+    state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
     summary = summary_of(state)
     rows, verdicts = {r["variant"]: r for r in summary["rows"]}, {v.name: v for v in summary["verdicts"]}
     clear, borderline = summary["results"][1], summary["results"][2]
@@ -320,9 +328,9 @@ def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path):
     assert (Path(baseline.reference["path"]) / HIDDEN).read_bytes() == hidden
 
 
-def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path):
+def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path, two_workers):
     """`ppl-audit run` of SmolLM2 (540 MB of float32 weights) and its int8 variant, the baseline scored again: on a
-    one-worker cluster the flow's process peaks at least 400 MB below the same audit run here, which loads them."""
+    cluster the flow's process peaks at least 400 MB below the same audit run here, which loads them."""
     def peak_mib(config: Path) -> float:
         """The largest high-water mark (VmHWM) of the command's processes, read until it exits: their rusage would
         start from this test process's, which Linux carries over a fork and an exec."""
@@ -342,8 +350,7 @@ def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path):
         return peak / 1024
 
     here = peak_mib(embedded_int8(tmp_path / "s.yaml"))
-    with dask_cluster(1) as (address, _):
-        flow = peak_mib(embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address}))
+    flow = peak_mib(embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": two_workers[0]}))
     print(f"peak resident memory of the flow's process: {here:.0f} MiB scoring here, {flow:.0f} MiB on a cluster")
     assert flow < here - 400, (flow, here)
 
@@ -524,7 +531,7 @@ def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_pat
 
 
 def test_gpus_no_worker_offers_are_one_line_before_anything_loads(cli, tmp_path, trained_model_dir, corpus_path,
-                                                                  ray_address):
+                                                                  ray_address, two_workers):
     """Tasks that ask for a GPU no worker has would wait forever: refused up front, on Ray and on Dask."""
     config = write_config(tmp_path / "g.yaml", trained_model_dir, corpus_path,
                           [{"name": "int8", "method": "torchao-int8"}])
@@ -533,9 +540,9 @@ def test_gpus_no_worker_offers_are_one_line_before_anything_loads(cli, tmp_path,
     assert code == 2 and err.strip().splitlines() == [
         f"ppl-audit: error: runner.gpus_per_variant is 1 but no worker of {ray_address} offers that many GPUs "
         "(the most is 0); start workers with --num-gpus N or lower it"], err
-    with dask_cluster(1) as (address, _):
-        code, out, err = cli("run", str(config), "--set", "runner.kind=dask", "--set", f"runner.address={address}",
-                             "--set", "runner.gpus_per_variant=0.5")
+    address = two_workers[0]
+    code, out, err = cli("run", str(config), "--set", "runner.kind=dask", "--set", f"runner.address={address}",
+                         "--set", "runner.gpus_per_variant=0.5")
     assert code == 2 and err.strip().splitlines() == [
         f"ppl-audit: error: runner.gpus_per_variant is 0.5 but no worker of {address} offers that many GPUs "
         "(the most is 0); start workers with --resources GPU=N or lower it"], err
@@ -664,14 +671,22 @@ def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(caplog, tmp_pat
     assert all(amount > 100_000 for amount in crossed), crossed  # the stream (and more) went down each cable
 
 
+@pytest.fixture(scope="module")
+def hosts(network, prefect_harness):
+    """A worker on each of the network's two hosts, configured with the harness's Prefect API, on this machine's
+    127.0.0.1: an address they cannot reach."""
+    with dask_cluster(2, network=network) as started:
+        yield started
+
+
 def test_workers_that_cannot_reach_prefects_api_are_one_line_before_anything_loads(cli, tmp_path, trained_model_dir,
-                                                                                   corpus_path, network):
+                                                                                   corpus_path, hosts):
     """Each task reports to Prefect's API from its worker. Without PREFECT_API_URL the audit would start its
     temporary server on this machine's 127.0.0.1, which workers on other hosts cannot reach."""
-    with dask_cluster(2, network=network) as (address, workers):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
-                              [{"name": "int8", "method": "torchao-int8"}], runner={"kind": "dask", "address": address})
-        code, out, err = cli("run", str(config), own_server=True)
+    address, workers = hosts
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
+                          [{"name": "int8", "method": "torchao-int8"}], runner={"kind": "dask", "address": address})
+    code, out, err = cli("run", str(config), own_server=True)
     assert code == 2 and "Traceback" not in err
     assert re.fullmatch(rf"ppl-audit: error: runner\.address: worker ({'|'.join(map(re.escape, workers))}) cannot "
                         r"reach this machine's 127\.0\.0\.1 \(Connection refused\): without PREFECT_API_URL the "
@@ -681,16 +696,15 @@ def test_workers_that_cannot_reach_prefects_api_are_one_line_before_anything_loa
 
 
 def test_a_task_that_fails_before_prefect_records_it_fails_its_variant_not_the_audit(
-        monkeypatch, tmp_path, trained_model_dir, corpus_path, network):
+        monkeypatch, tmp_path, trained_model_dir, corpus_path, hosts):
     """The flow's Prefect API on this machine's 127.0.0.1 (the harness's), the workers on other hosts, and the
     check above skipped (as when the API stops answering after it): every shard fails on its worker before
     Prefect has a state for it; the audit ends with the baseline scored and the variant failed with the reason."""
     monkeypatch.setattr("tasks.audit.preflight.check_workers", lambda runner, paths: None)
     variants = [{"name": "int8", "method": "torchao-int8"}]
-    with dask_cluster(2, network=network) as (address, _):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
-                              runner={"kind": "dask", "address": address, "shards": 2})
-        state = audit(config=str(config), return_state=True)
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
+                          runner={"kind": "dask", "address": hosts[0], "shards": 2})
+    state = audit(config=str(config), return_state=True)
     assert state.is_failed()
     baseline, variant = summary_of(state)["results"]
     assert baseline.ok and baseline.result.ppl > 1

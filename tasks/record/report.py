@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 from datetime import datetime
 from html import escape
-from pathlib import Path
 
 from tasks.config import EvaluationConfig, Thresholds
 from tasks.record import plots
@@ -39,17 +38,17 @@ img { max-width: 100%; height: auto; border: 1px solid #eeeeee; margin: 6px 0 14
 """ + "".join(f".{verdict} {{ background: {colour}; }}\n" for verdict, colour in plots.COLOURS.items())
 
 
-def html_report(record: dict, folder: Path, diagnoses: dict[str, str] | None = None) -> str:
+def html_report(record: dict, pictures: dict[str, bytes], diagnoses: dict[str, str] | None = None) -> str:
     """The audit's report as one HTML document.
 
     Args:
         record: the audit's record (``tasks.record.contents.audit_record``).
-        folder: the record's folder, which holds the per-token Parquet files the charts read.
+        pictures: its charts as PNG (``tasks.record.plots.pictures``), drawn once for the report and the run.
         diagnoses: by variant, the address of its diagnosis's run in the MLflow UI, from the UI's root.
     Returns the HTML text.
     """
     title = f"ppl-audit {record['name']}: {record['verdict']['status'].upper()}"
-    body = [_verdict(record), _comparison(record), _diagnoses(record, diagnoses or {}), _charts(record, folder),
+    body = [_verdict(record), _comparison(record), _diagnoses(record, diagnoses or {}), _charts(pictures),
             _where(record), _settings(record), _lineage(record)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
@@ -91,10 +90,10 @@ def _comparison(record: dict) -> str:
             "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + "</table></div>")
 
 
-def _charts(record: dict, folder: Path) -> str:
-    """Every chart of ``tasks.record.plots.charts``, embedded as a base64 PNG."""
-    images = [f'<img alt="{escape(name)}" src="data:image/png;base64,{base64.b64encode(plots.png(figure)).decode()}">'
-              for name, figure in plots.charts(record, folder).items()]
+def _charts(pictures: dict[str, bytes]) -> str:
+    """Every chart, embedded as a base64 PNG."""
+    images = [f'<img alt="{escape(name)}" src="data:image/png;base64,{base64.b64encode(picture).decode()}">'
+              for name, picture in pictures.items()]
     return "<h2>Charts</h2>" + "".join(images)
 
 

@@ -7,6 +7,7 @@ Two processes never replay one record at once: they hold it first (``tasks.recor
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -298,13 +299,16 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
              for entry in record["variants"]]
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
-    for name, figure in plots.charts(record, folder).items():  # the ΔPPL chart first: what a reviewer needs
-        client.log_figure(parent, figure, name)
+    pictures = plots.pictures(record, folder)
+    with tempfile.TemporaryDirectory() as drawn:
+        for name, picture in pictures.items():  # the ΔPPL chart first: what a reviewer needs
+            (Path(drawn) / name).write_bytes(picture)
+        client.log_artifacts(parent, drawn)
     diagnosed = {entry["name"]: log_run(client, experiment_id, entry["diagnosis"],
                                         {"mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"]})
                  for entry in record["variants"] if "problem" not in entry.get("diagnosis", {"problem": None})}
     runs = {name: ui_link("", experiment_id, run) for name, run in diagnosed.items()}  # from the UI's own root
-    client.log_text(parent, html_report(record, folder, runs), "report.html")  # MLflow's artifact viewer shows it inline
+    client.log_text(parent, html_report(record, pictures, runs), "report.html")  # MLflow's artifact viewer shows it inline
     for entry in record["variants"]:
         status = plots.verdict_of(entry)
         child = client.create_run(experiment_id, start_time=_ms(entry["started"]) if entry.get("started") else started,
