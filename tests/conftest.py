@@ -16,6 +16,14 @@ from helpers import build_llama, build_tokenizer, make_text, train_briefly
 # came too late whenever another test had imported them first. Set before any test (or process it starts) runs.
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
+# The suite runs one xdist worker per core, and each starts processes of its own (commands, servers, workers). When
+# every one of them also split each tensor operation over all the cores, they fought for them (OpenMP's threads spin
+# while they wait): the quick tier took 5 min 4 s on 2 cores, 3 min 27 s with a thread each. So each worker, and all
+# it starts, gets its share of the cores, as Dask's nannies give theirs. Alone (-n0), a test keeps them all.
+THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+os.environ.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
+torch.set_num_threads(THREADS)
+
 
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
