@@ -66,7 +66,7 @@ def charts(record: dict, folder: Path) -> dict[str, Figure]:
 
 def pictures(record: dict, folder: Path) -> dict[str, bytes]:
     """Every chart of ``charts`` as PNG bytes, in the same order: drawn once for the audit's run and its report
-    (drawing them is most of the CPU that recording an audit takes)."""
+    (drawing them is about a third of the CPU that recording an audit takes)."""
     return {name: png(figure) for name, figure in charts(record, folder).items()}
 
 

@@ -301,7 +301,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
     pictures = plots.pictures(record, folder)
     with tempfile.TemporaryDirectory() as drawn:
-        for name, picture in pictures.items():  # the ΔPPL chart first: what a reviewer needs
+        for name, picture in pictures.items():  # their names sort in reading order: the ΔPPL chart first
             (Path(drawn) / name).write_bytes(picture)
         client.log_artifacts(parent, drawn)
     diagnosed = {entry["name"]: log_run(client, experiment_id, entry["diagnosis"],
