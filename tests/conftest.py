@@ -112,6 +112,24 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="session")
+def prefect_database(tmp_path_factory, worker_id) -> Path:
+    """An empty Prefect database at the installed Prefect's schema, made once a session. A test that starts a Prefect
+    server in a folder of its own (a command's temporary one, `serve`'s, the network's) puts a copy where it will look,
+    as a user's later commands find the first one's: making the schema (Prefect's 114 migrations) costs each new
+    server ~4 CPU-s, which tests of how processes stop and what they report never needed."""
+    import subprocess
+
+    def build(folder: Path) -> None:
+        folder.mkdir()
+        subprocess.run([str(Path(sys.executable).with_name("prefect")), "server", "database", "upgrade", "-y"],
+                       env={**os.environ, "PREFECT_HOME": str(folder),
+                            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{folder / 'prefect.db'}"},
+                       check=True, capture_output=True, timeout=300)
+
+    return built_once(tmp_path_factory, worker_id, "prefect-database", build) / "prefect.db"
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A quantization and token cache of the module's own (a module may override it with one per test)."""
@@ -150,6 +168,13 @@ def pytest_configure(config):
     from flows.cli import process_defaults
 
     process_defaults()
+    # Prefect's console log handler keeps the sys.stderr of when its logging is set up (at the first `from prefect
+    # import flow`). Set up by a test that captures with capsys, it kept that test's stream, closed after it: the
+    # worker's next flow failed with "I/O operation on closed file", then a RecursionError (test_diagnose.py alone,
+    # -n0). Set up here, it keeps pytest's own, as when any other test came first.
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,6 +5,7 @@ from a config and a seed, an audit YAML, and process-level waiting. A module of 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +110,13 @@ def dead_pid() -> int:
     process = subprocess.Popen(["true"])
     process.wait()
     return process.pid
+
+
+def place_prefect_database(database: Path, folder: Path) -> None:
+    """A copy of ``database`` (conftest's ``prefect_database``) as ``folder``/prefect.db, where Prefect looks for it
+    with PREFECT_HOME (or ppl-audit with its home) at ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(database, folder / "prefect.db")
 
 
 def free_port() -> int:

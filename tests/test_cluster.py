@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers import free_port, wait_for, write_config
+from helpers import free_port, place_prefect_database, wait_for, write_config
 
 from flows.audit import audit, summary_of
 from tasks.engine.sequential import minimum_windows
@@ -114,7 +114,8 @@ def prefect_servers_under(address: str) -> list:
             if "prefect.server.api.server:create_app" in p.cmdline()]
 
 
-def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, trained_model_dir, corpus_path):
+def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, trained_model_dir, corpus_path,
+                                                               prefect_database):
     """Without PREFECT_API_URL the audit starts a temporary server; its tasks on an existing cluster report there.
     Each worker used to start a temporary server of its own (~220 MB, read by nobody), which outlived it."""
     import sqlite3
@@ -122,6 +123,7 @@ def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, traine
     import psutil
 
     flow_home, worker_home, home = tmp_path / "flow-prefect", tmp_path / "worker-prefect", tmp_path / "home"
+    place_prefect_database(prefect_database, home / "prefect")  # as a user's earlier command left it
     plain = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     with dask_cluster(2, environment=plain | {"PREFECT_HOME": str(worker_home)}) as (address, _):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
@@ -616,11 +618,12 @@ def network():
 
 
 @pytest.fixture
-def prefect_on_the_network(tmp_path, network):
+def prefect_on_the_network(tmp_path, network, prefect_database):
     """A Prefect server listening on the network's gateway, as workers on other hosts need: its API URL."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     port = free_port()
+    place_prefect_database(prefect_database, tmp_path / "prefect")
     url = f"http://{network.gateway}:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": url}
     process = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host",

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import termios
@@ -24,7 +25,13 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers import build_llama, free_port, make_text, write_config
+from helpers import (
+    build_llama,
+    free_port,
+    make_text,
+    place_prefect_database,
+    write_config,
+)
 from helpers import wait_for as waiting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +89,7 @@ class Command:
     """``ppl-audit ARGS`` in the background, in a home of its own that marks every process it starts.
 
     Args:
+        database: a Prefect database to start from (``prefect_database``), copied into the home.
         prefix: what it runs under (``timeout 30``).
         terminal: in a session of its own whose controlling terminal is a pty (``ctrl_c`` types on it), as in a
             shell; else in a process group of its own (a process manager's way), so a signal to the group does
@@ -89,8 +97,10 @@ class Command:
     """
 
     def __init__(self, tmp_path: Path, *args: str, prefix: tuple[str, ...] = (), terminal: bool = False,
-                 api: str | None = None):
+                 api: str | None = None, database: Path | None = None):
         self.home = tmp_path / "home"
+        if database is not None:  # as a user's earlier command left it
+            place_prefect_database(database, self.home / "prefect")
         env = {name: value for name, value in os.environ.items()
                if name not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}  # Prefect's local mode, the local store
         env.update(PREFECT_HOME=str(tmp_path / "prefect"), PPL_AUDIT_HOME=str(self.home),
@@ -177,11 +187,11 @@ class Command:
 
 
 @pytest.fixture
-def command(tmp_path):
+def command(tmp_path, prefect_database):
     commands: list[Command] = []
 
     def start(*args: str, **how) -> Command:
-        commands.append(Command(tmp_path, *args, **how))
+        commands.append(Command(tmp_path, *args, database=prefect_database, **how))
         return commands[-1]
 
     yield start
@@ -317,7 +327,9 @@ def test_an_audit_stopped_while_scoring_ends_at_once_and_says_what_it_kept(comma
     run.assert_all_gone(port)
     assert not list((run.home / "spool").glob("*")), "no record of an audit that did not end"
     # Prefect's flow runs are kept in the audit's home, not in Prefect's (#30: ~/.prefect/prefect.db grew)
-    assert (run.home / "prefect" / "prefect.db").is_file() and not list(run.home.parent.glob("prefect/*.db"))
+    with sqlite3.connect(run.home / "prefect" / "prefect.db") as db:
+        assert db.execute("select count(*) from flow_run").fetchone() == (1,)
+    assert not list(run.home.parent.glob("prefect/*.db"))
 
 
 def test_an_audit_under_timeout_ends_when_it_fires(command, long_config):

@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
-from helpers import free_port, make_text, wait_for, write_config
+from helpers import free_port, make_text, place_prefect_database, wait_for, write_config
 
 from tasks.data.corpus import tokenize
 from tasks.models.quantize import draw_calibration, quantize
@@ -37,8 +37,9 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(tmp_path, prefect_database):
     port = free_port()
+    place_prefect_database(prefect_database, tmp_path / "prefect")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PPL_AUDIT_CACHE": str(tmp_path / "cache")}
     log = open(tmp_path / "server.log", "w")

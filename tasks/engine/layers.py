@@ -188,7 +188,7 @@ def layer_errors(baseline, variant, ids: torch.Tensor, windows: list[Window], pr
         errors.accumulated.tokens += tokens
         errors.embeddings.tokens += tokens
         stats = token_stats(head, base_final, targets.to(base_final.device), softcap,
-                            reference=BaselineBatch(base_head, base_final, base_softcap))
+                            reference=BaselineBatch(base_head, base_final, base_softcap), stream_tokens=len(ids))
         errors.head_kl_sum += float(stats["kl"].sum())
         errors.head_top1_sum += float(stats["top1"].double().sum())
         errors.tokens += tokens
@@ -291,7 +291,8 @@ def restored_scores(baseline, variant, sets: list[tuple[int, ...]], ids: torch.T
                 with restored(variant, baseline, found.layers), _replayed(variant, run.returned[: min(found.layers)]):
                     hidden = hidden_states(variant, input_ids, mask, row_index, columns)
                 stats = token_stats(head, hidden, targets.to(hidden.device), softcap,
-                                    reference=dataclasses.replace(reference, hidden=reference.hidden.to(hidden.device)))
+                                    reference=dataclasses.replace(reference, hidden=reference.hidden.to(hidden.device)),
+                                    stream_tokens=len(ids))
                 found.nll[slots] = stats["nll"].double().cpu()
                 found.kl[slots] = stats["kl"].double().cpu()
                 bar.update(len(batch))

@@ -84,17 +84,18 @@ def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, target: torch.T
                       "base_nll": -base.gather(-1, target).squeeze(-1)}
 
 
-# On CPU the divergence is compiled for a real model's vocabulary (32k to 256k tokens) and not for a test model's
-# (384): compiling costs ~3.5 CPU-s in every new process even from Inductor's cache on disk (TorchDynamo traces it
-# again), and saves 18 ns a logit on one core from a vocabulary of 2k up (6 against 24), 7 ns at 384. So it pays
-# from ~6k scored tokens at 32k, but only from half a million at 384 (2026-11-26). Decided by the vocabulary alone,
-# a model's figures are the same however its tokens are split into runs, shards or diagnoses.
-COMPILED_FROM_VOCABULARY = 8192
+# The divergence is compiled on CPU for a stream of at least this many logits (tokens x vocabulary): compiling costs
+# ~3.5 CPU-s in every new process even from Inductor's cache on disk (TorchDynamo traces it again), and saves 18 ns a
+# logit on one core from a vocabulary of 2k up (6 against 24; 7 at 384), 2026-11-26. The demo's 8k tokens at a 49k
+# vocabulary (4e8) are compiled; a test model's streams, and a few windows of SmolLM2, are measured eagerly. Decided
+# by the stream, not by the windows a process scores: its figures are the same bits sequential, in shards, stopped.
+COMPILE_FROM_LOGITS = 200_000_000
 
 
-def divergence_kernel(device_type: str, vocabulary: int):
-    """What measures a chunk's divergence: ``_divergence``, compiled where that pays (on CUDA always)."""
-    if device_type == "cpu" and vocabulary < COMPILED_FROM_VOCABULARY:
+def divergence_kernel(device_type: str, logits: int):
+    """What measures the divergence of a chunk of a stream of ``logits`` (tokens x vocabulary): ``_divergence``,
+    compiled where that pays (on CUDA always)."""
+    if device_type == "cpu" and logits < COMPILE_FROM_LOGITS:
         return _divergence
     return _compiled_divergence(device_type)
 
@@ -131,7 +132,8 @@ def head_chunk_bytes(device: torch.device) -> int:
 
 
 def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
-                chunk_bytes: int | None = None, reference: BaselineBatch | None = None) -> dict[str, torch.Tensor]:
+                chunk_bytes: int | None = None, reference: BaselineBatch | None = None,
+                stream_tokens: int | None = None) -> dict[str, torch.Tensor]:
     """Per-token NLL (and divergence from the baseline), running the LM head in chunks of rows.
 
     Args:
@@ -142,6 +144,8 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         chunk_bytes: bound on one chunk's float32 logits (default by device, ``HEAD_CHUNK_BYTES``); the
             full ``[T, V]`` is never built, for the variant nor for the baseline.
         reference: the baseline's head and its hidden states at the same ``T`` positions.
+        stream_tokens: the length of the stream these tokens are of, which decides how the divergence is measured
+            (``divergence_kernel``); default ``T``.
 
     Returns:
         ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``reference`` also ``kl``
@@ -151,6 +155,8 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     """
     rows = _chunk_rows(head, chunk_bytes or head_chunk_bytes(hidden.device))
     nll = _fused_nll if hidden.is_cuda else _nll
+    if reference is not None:
+        measure = divergence_kernel(hidden.device.type, (stream_tokens or hidden.shape[0]) * _vocabulary(head))
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, hidden.shape[0], rows):
         stop = start + rows
@@ -159,7 +165,6 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         parts = {"nll": nll(logits, target, softcap)}
         if reference is not None:
             base_logits = reference.head(reference.hidden[start:stop]).to(logits.device)
-            measure = divergence_kernel(logits.device.type, _vocabulary(head))
             parts |= measure(logits, base_logits, target, softcap, reference.softcap)
             reference.check(parts.pop("base_nll"), start)
         for key, value in parts.items():
@@ -417,7 +422,8 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
                 against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),
                                         reference.softcap, None if reference.nll is None else reference.nll(slots),
                                         reference.tolerance, reference.source)
-            stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against)
+            stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against,
+                                stream_tokens=len(ids))
             if keep_hidden is not None:
                 stats["hidden"] = hidden
             if pending is not None:
