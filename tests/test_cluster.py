@@ -296,7 +296,14 @@ def kill_a_worker_mid_shard(address: str, name: str, killed: list, unless: str |
         killed.append(busy[0])
 
 
-def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path):
+@pytest.fixture(scope="module")
+def smollm2_int8_here(tmp_path_factory, prefect_harness) -> dict:
+    """``embedded_int8``'s audit run here, once for the module's tests that need its figures or its baseline reference
+    (which stays in the worker's references folder): SmolLM2 and its int8 variant, loaded and scored."""
+    return audit(config=str(embedded_int8(tmp_path_factory.mktemp("smollm2") / "s.yaml")), return_state=True).result()
+
+
+def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_int8_here):
     """SmolLM2 and its int8 variant, each in two shards on three workers, the baseline scored again; one worker's
     process is killed while a baseline shard runs, another's while an int8 shard runs: each shard runs again on a
     worker that lives, the audit's figures are the unsharded audit's to the last bit, and the reference joined
@@ -305,7 +312,7 @@ def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path):
 
     from tasks.audit.reference import HIDDEN
 
-    whole = audit(config=str(embedded_int8(tmp_path / "s.yaml")), return_state=True).result()
+    whole = smollm2_int8_here
     hidden = (Path(whole["results"][0].reference["path"]) / HIDDEN).read_bytes()
     killed: list[str] = []
 
@@ -431,12 +438,12 @@ def embedded_int8(path: Path, **sections) -> Path:
     return path
 
 
+@pytest.mark.usefixtures("smollm2_int8_here")  # its baseline reference, which the worker cannot see
 def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path):
     """A retry elsewhere with nowhere else to go fails at once (Dask would read an empty list of workers as any
     worker, the one it failed on included)."""
     from tasks.core.places import references_dir
 
-    audit(config=str(embedded_int8(tmp_path / "s.yaml")))  # the baseline reference, which the worker cannot see
     with dask_cluster(1, hide=references_dir()) as (address, _):
         config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
         _, variant = summary_of(audit(config=str(config), return_state=True))["results"]
@@ -445,6 +452,7 @@ def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path
     assert all("failed" in row for row in variant.shards), variant.shards
 
 
+@pytest.mark.usefixtures("smollm2_int8_here")  # its baseline reference, which worker-1 cannot see
 def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tmp_path):
     """The shards that failed on the worker without references are held to the other worker for their second
     try; that worker is killed while one runs: Dask would keep them waiting for it forever, the audit fails the
@@ -467,7 +475,6 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
             os.kill(pids[workers[0]], signal.SIGKILL)
             killed.append(workers[0])
 
-    audit(config=str(embedded_int8(tmp_path / "s.yaml")))  # the baseline reference, which worker-1 cannot see
     killed: list[str] = []
     with dask_cluster(2, hide=references_dir()) as (address, workers):
         config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 4})
