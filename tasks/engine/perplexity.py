@@ -85,10 +85,10 @@ def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, target: torch.T
 
 
 # The divergence is compiled on CPU for a stream of at least this many logits (tokens x vocabulary): compiling costs
-# ~3.5 CPU-s in every new process even from Inductor's cache on disk (TorchDynamo traces it again), and saves 18 ns a
-# logit on one core from a vocabulary of 2k up (6 against 24; 7 at 384), 2026-11-26. The demo's 8k tokens at a 49k
-# vocabulary (4e8) are compiled; a test model's streams, and a few windows of SmolLM2, are measured eagerly. Decided
-# by the stream, not by the windows a process scores: its figures are the same bits sequential, in shards, stopped.
+# ~4 CPU-s in every new process even from Inductor's cache on disk (TorchDynamo traces it again, Inductor runs g++),
+# and saves 18 ns a logit on one core from a vocabulary of 2k up (6 against 24; 7 at 384), 2026-11-26. The demo's 8k
+# tokens at a 49k vocabulary (4e8) are compiled; a test model's streams, and a few windows of SmolLM2, are measured
+# eagerly. Decided by the stream, not by the windows a process scores: the same bits sequential, in shards, stopped.
 COMPILE_FROM_LOGITS = 200_000_000
 
 
