@@ -77,13 +77,7 @@ from tasks.engine.perplexity import (
     scored_targets,
 )
 from tasks.engine.stream import TokenStream
-from tasks.models.resolve import (
-    load_config,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-    resolve_model_path,
-)
+from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path
 from tasks.models.variants import load_variant
 
 STEPS = ("reference", "lockstep")  # run in processes of their own; the baseline's runs come first, in this one

@@ -25,13 +25,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers import (
-    build_llama,
-    free_port,
-    make_text,
-    place_prefect_database,
-    write_config,
-)
+from helpers import build_llama, free_port, make_text, place_prefect_database, write_config
 from helpers import wait_for as waiting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,11 +90,10 @@ class Command:
             not reach the tests.
     """
 
-    def __init__(self, tmp_path: Path, *args: str, prefix: tuple[str, ...] = (), terminal: bool = False,
-                 api: str | None = None, database: Path | None = None):
+    def __init__(self, tmp_path: Path, *args: str, database: Path, prefix: tuple[str, ...] = (), terminal: bool = False,
+                 api: str | None = None):
         self.home = tmp_path / "home"
-        if database is not None:  # as a user's earlier command left it
-            place_prefect_database(database, self.home / "prefect")
+        place_prefect_database(database, self.home / "prefect")  # as a user's earlier command left it
         env = {name: value for name, value in os.environ.items()
                if name not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}  # Prefect's local mode, the local store
         env.update(PREFECT_HOME=str(tmp_path / "prefect"), PPL_AUDIT_HOME=str(self.home),
