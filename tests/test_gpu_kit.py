@@ -37,8 +37,12 @@ def test_the_kit_builds_and_its_dry_run_scores_every_method_and_says_what_it_ski
     assert "skipped" in found["cuda_tests"]["summary"] and "failed" not in found["cuda_tests"]["summary"]
     rows = {row["method"]: row for row in found["quantized_cpu"]["rows"]}
     assert list(rows) == ["baseline", "gptq-torch", "awq-torch", "ct-w4a16", "ct-w8a8", "ct-fp8", "hqq", "gptq", "awq"]
-    for method, row in rows.items():  # quantized weights of a trained model: near the baseline, each through its kernel
-        assert abs(row["ppl"] / rows["baseline"]["ppl"] - 1) < 0.05, (method, row["ppl"])
+    # quantized weights of a trained model: near the baseline, each through its kernel. W8A8 quantizes every Linear's
+    # input too (int8 per token): the kit's model trained on an AMD EPYC lost 5.7% by it (an independent fake-quant of
+    # W8A8 in float gave the same 5.7%), within 5% on an Intel Xeon; a broken kernel is off by far more
+    allowed = {"ct-w8a8": 0.10}
+    for method, row in rows.items():
+        assert abs(row["ppl"] / rows["baseline"]["ppl"] - 1) < allowed.get(method, 0.05), (method, row["ppl"])
     assert rows["gptq"]["backend"] != rows["gptq-torch"]["backend"] == "TorchLinear"
     assert rows["awq-torch"]["backend"] == "AwqTorchLinear" and rows["baseline"]["backend"] == "torch.nn.Linear"
     body = found["body_tiny"]["rows"]  # eager against compiled, and a synthesized checkpoint of each format
