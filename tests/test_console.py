@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -95,6 +96,16 @@ def test_an_audit_draws_one_bar_per_stage_and_names_its_log(quiet_audit):
     assert log.parent == home / "logs" and log.name.endswith(f"-run-audit-{log.stem.rsplit('-', 1)[1]}.log")
     text = log.read_text()
     assert "Loading weights" in text and "prefect" in text.lower() and "gptq" in text.lower()
+
+
+def test_the_log_keeps_prefect_s_lines_after_gptqmodel_is_imported(quiet_audit):
+    """tokenicer (imported with gptqmodel) sets up the root logger as it is imported: the log of an audit that
+    quantized with GPTQ used to hold Python's bare ``INFO:prefect:`` lines, no times, no task names, and one line per
+    HTTP request to Prefect's server."""
+    text = named_log(quiet_audit[2].stderr).read_text()
+    finished = r"\d\d:\d\d:\d\d\.\d{3} \| INFO +\| Task run 'score-gptq' - Finished in state Completed"
+    assert re.search(finished, text), text[-3000:]
+    assert "INFO:httpx" not in text and "INFO:prefect" not in text
 
 
 def test_gptqmodel_keeps_its_layer_logs_with_the_checkpoint_not_in_the_users_folder(quiet_audit):
