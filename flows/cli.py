@@ -39,12 +39,6 @@ def process_defaults() -> None:
     # bitsandbytes warns on every int8 forward that it casts inputs; once is news, every call is noise
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    # tokenicer, which gptqmodel imports, calls logging.basicConfig(level=INFO) as it is imported: Prefect then found
-    # a root handler it took for the user's and left the root alone, so an audit's log lost Prefect's times and task
-    # names and gained a line per HTTP request. With a handler on the root basicConfig does nothing; Python's last
-    # resort does what Python does without one, and Prefect replaces it when it sets up its logging.
-    if not logging.root.handlers:
-        logging.root.addHandler(logging.lastResort)
 
 
 # which commands' library output goes to a log file: each says (LOGGED), `reference build` too. `serve`'s console is

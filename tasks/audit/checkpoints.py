@@ -21,7 +21,7 @@ from tasks.data.corpus import cached_tokenize, tokenizer_digest
 from tasks.data.evaluation import Evaluation
 from tasks.models.formats import detect, locate
 from tasks.models.quantize import Calibration, draw_calibration, model_digest, quantize, read_manifest
-from tasks.models.resolve import load_tokenizer, resolve_model_path
+from tasks.models.resolve import load_tokenizer, model_files, resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluat
     bits, group_size, sym = spec.quantization
     calibration = calibration_for(spec, lineup, evaluation_, corpus_text_of)
     baseline = lineup.baseline.source
-    key = json.dumps([model_digest(baseline), spec.method, bits, group_size, sym, calibration.digest])
+    key = json.dumps([model_digest(str(model_files(baseline, fetch=True))), spec.method, bits, group_size, sym,
+                      calibration.digest])
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if read_manifest(str(out)) is None:
         shutil.rmtree(out, ignore_errors=True)  # a folder without its manifest is not a checkpoint: made again

@@ -45,7 +45,7 @@ from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, t
 from tasks.engine.stream import TokenStream
 from tasks.models.gguf_file import read_header, tensor_data
 from tasks.models.quantize import model_digest
-from tasks.models.resolve import DTYPES
+from tasks.models.resolve import DTYPES, model_files
 
 FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
 MANIFEST, HIDDEN, SCORES, HEAD = "manifest.json", "hidden.bin", "scores.npz", "head.safetensors"
@@ -57,21 +57,6 @@ STORED_AS = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat1
 # same model on the same tokens. A batch size or kernel choice moves float32 tokens by ~1e-6 and 16-bit
 # ones by up to ~0.1 (the mean far less); a changed model computation moves the mean.
 DRIFT_TOLERANCE = {"float64": (1e-9, 1e-12), "float32": (1e-3, 1e-6), "bfloat16": (0.5, 1e-3), "float16": (0.25, 5e-4)}
-
-
-def model_files(source: str) -> Path | None:
-    """A model's local files: its folder or single-file checkpoint (``.gguf``), or a Hub id's snapshot in the
-    Hugging Face cache; None when the files are not on this machine (then nothing identifies it well enough
-    to reuse a reference)."""
-    if Path(source).is_dir() or (Path(source).is_file() and source.endswith(".gguf")):
-        return Path(source)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(source, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, OSError):
-        return None
 
 
 def stream_digest(stream: TokenStream) -> str:

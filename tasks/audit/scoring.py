@@ -38,7 +38,7 @@ from tasks.engine.sequential import window_order
 from tasks.engine.windows import plan
 from tasks.models.placement import devices, is_split, main_device, run_on
 from tasks.models.quantize import check_disjoint, read_manifest
-from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_dtype
+from tasks.models.resolve import load_config, load_tokenizer, model_files, resolve_device, resolve_dtype
 from tasks.models.variants import VariantFacts, check_same_tokenizer, load_variant
 from tasks.record.results import VariantResult
 
@@ -132,7 +132,7 @@ def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[
     for a model whose files are not on this machine."""
     device = resolve_device(checkpoint.spec.device)
     dtype = resolve_dtype(checkpoint.spec.dtype, device)
-    folder = reference.model_files(checkpoint.source)
+    folder = model_files(checkpoint.source)
     identity = None if folder is None else reference.identity(folder, checkpoint.tokenizer, evaluation_.stream,
                                                               evaluation_.settings, dtype)
     return folder, identity, reference.environment(device)

@@ -6,6 +6,8 @@ bits and groups of a GPTQ/AWQ checkpoint)."""
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -71,10 +73,35 @@ def require(method: str, device_type: str) -> None:
         return
     module, pip = PACKAGES[method]
     try:
-        importlib.import_module(module)
+        import_package(module)
     except ImportError:
         extra = " (all formats: pip install 'ppl-audit[formats]')" if method in FORMATS_EXTRA else ""
         raise InputError(f"method {method} needs the package {pip.split('==')[0]}: pip install '{pip}'{extra}") from None
+
+
+# What tokenicer (which gptqmodel imports) does to the process as it is imported: logging.basicConfig(level=INFO),
+# and HF_HOME with the Hub's, transformers' and remote code's caches pointed at /tmp/tokenicer_hf_home. The first
+# put a line per HTTP request to Prefect on a Dask worker's console and Python's bare lines in an audit's log; the
+# second sent every process started afterwards (local Dask workers) to an empty cache, where a Hub model was not.
+HF_CACHES = ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_MODULES_CACHE")
+
+
+def import_package(module: str) -> None:
+    """Import a quantization package, leaving the root logger and the Hugging Face caches as they were."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    caches = {name: os.environ.get(name) for name in HF_CACHES}
+    try:
+        importlib.import_module(module)
+    finally:
+        for handler in [handler for handler in root.handlers if handler not in handlers]:
+            root.removeHandler(handler)
+        root.setLevel(level)
+        for name, value in caches.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_kernel(method: str, kernel: str) -> None:

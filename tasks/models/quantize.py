@@ -26,8 +26,9 @@ from tasks.core.files import file_digest, publish, read_json, scratch, write_ato
 from tasks.core.places import cache_dir
 from tasks.core.versions import versions
 from tasks.engine import abandon
+from tasks.models.formats import import_package
 from tasks.models.loading import WEIGHT_SUFFIXES
-from tasks.models.resolve import load_tokenizer, resolve_model_path
+from tasks.models.resolve import load_tokenizer, model_files, resolve_model_path
 
 MANIFEST = "ppl-audit.json"
 
@@ -123,8 +124,7 @@ def _prepare_gptqmodel() -> None:
     # gptqmodel's model-loader pool wants 2 workers; its default on a 2-core machine gives it 1.
     if (os.cpu_count() or 1) < 4:
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
-    # Importing gptqmodel would otherwise move the Hugging Face cache to /tmp for the whole process.
-    os.environ.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+    import_package("gptqmodel")
 
 
 def _with_pad(source: str, tokenizer, staging: Path) -> str:
@@ -254,7 +254,7 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
     _prepare_gptqmodel()
     from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
 
-    source = resolve_model_path(model)
+    source = str(model_files(resolve_model_path(model), fetch=True))  # gptqmodel and the digest read its files
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(source)
     started = time.perf_counter()

@@ -68,6 +68,30 @@ def resolve_model_path(name: str, registry: str | None = None) -> str:
     return name
 
 
+# what quantizing a Hub model reads: its config, tokenizer and safetensors weights, not a repo's other formats
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def model_files(source: str, fetch: bool = False) -> Path | None:
+    """A model's local files: its folder or single-file checkpoint (``.gguf``), or a Hub id's snapshot in the
+    Hugging Face cache; None when they are not on this machine (then nothing identifies it well enough to reuse
+    a reference). ``fetch``: download a Hub model's files into the cache when they are not there yet (what
+    quantizing it on the spot needs), and say in one line why when that cannot be done."""
+    if Path(source).is_dir() or (Path(source).is_file() and source.endswith(".gguf")):
+        return Path(source)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(source, local_files_only=not fetch, allow_patterns=HUB_FILES if fetch else None))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as error:
+        if not fetch:
+            return None
+        if is_network_error(error):
+            raise TransientError(f"cannot reach the model store for {source}: {one_line(error)}") from error
+        raise InputError(f"cannot fetch the files of {source}: {one_line(error)}") from None
+
+
 def from_pretrained_args(source: str) -> tuple[str, dict]:
     """``(folder or Hub id, keyword arguments)`` that transformers' ``from_pretrained`` takes for ``source``:
     a ``.gguf`` file is its folder and ``gguf_file`` (transformers dequantizes it as it loads)."""
