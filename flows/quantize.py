@@ -25,14 +25,15 @@ from tasks.config import (
     check_name,
 )
 from tasks.core.errors import InputError
-from tasks.models.quantize import check_destination
+from tasks.models.quantize import check_destination, check_quantizable
 from tasks.steps import quantize_model
 
 
-def check_request(method: str, out: str, name: str | None, group_size: int) -> Path:
+def check_request(model: str, method: str, out: str, name: str | None, group_size: int) -> Path:
     """The checkpoint's folder (new or empty), or one line saying which argument to change."""
     if method not in QUANTIZED_BY_US:
         raise InputError(f"method {method} cannot be quantized here; use gptq or awq")
+    check_quantizable(model)
     try:
         check_group_size(method, group_size)
     except ValueError as error:
@@ -66,7 +67,7 @@ def quantize_flow(model: str, method: str, out: str, calibration: str, bits: int
                 served.check_path(what, path)
         except Refused as error:  # an answer for whoever asked, not a crash of the serving process
             return failed(f"refused: {error}")
-    folder = check_request(method, out, name, group_size)
+    folder = check_request(model, method, out, name, group_size)
     manifest = quantize_model(model, method, bits, group_size, sym, CorpusConfig(source=calibration, column=column),
                               samples, seq_len, seed, holdout_tokens, out, name)
     emit_event(**announcement(folder, {"method": method, "bits": bits, "group_size": group_size, "baseline": model,

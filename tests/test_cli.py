@@ -113,6 +113,23 @@ def test_quantize_refuses_a_name_no_audit_could_use(capsys, tmp_path, tiny_model
     assert "name 'my variant' may hold only letters, digits" in err
 
 
+@pytest.mark.parametrize("command", ["run", "quantize", "ppl"])
+def test_gptq_and_awq_are_not_made_from_a_gguf_file(capsys, tmp_path, corpus_file, command):
+    """gptqmodel failed on one after the baseline was scored, and swapped the gguf module under transformers for its
+    own: every GGUF model the process loaded afterwards (an hqq variant of the same baseline) failed too."""
+    from tasks.data.embedded import embedded_gguf
+
+    gguf = str(embedded_gguf())
+    variants = [{"name": "g", "method": "gptq"}, {"name": "h", "method": "hqq"}]
+    argv = {"run": ["run", str(write_config(tmp_path / "a.yaml", Path(gguf), corpus_file, variants))],
+            "quantize": ["quantize", "--model", gguf, "--method", "awq", "--calibration", str(corpus_file), "--out",
+                         str(tmp_path / "out")],
+            "ppl": ["ppl", "--model", gguf, "--method", "gptq", "--corpus", str(corpus_file)]}[command]
+    assert one_line_error(capsys, *argv).endswith(
+        f"{gguf} is a GGUF file; gptq and awq are made from a Hugging Face checkpoint (a folder with config.json, or a "
+        "Hub id): give that model, or a gptq/awq checkpoint's path")
+
+
 @pytest.mark.slow  # a CLI process each
 @pytest.mark.parametrize("text", ["我们今天去公园散步，天气很好。" * 120, "\0" * 5000], ids=["chinese", "nul-bytes"])
 def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir, tmp_path, text):

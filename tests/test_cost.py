@@ -79,6 +79,21 @@ def test_hqq_costs_its_packed_values_and_float_scales_and_zeros(trained_model_di
     assert facts.bits_per_weight == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.slow  # loads SmolLM2 from its GGUF file
+def test_hqq_made_from_a_gguf_baseline_costs_hqq_s_bits_not_the_file_s():
+    """A variant quantized as it loads from a GGUF baseline's dequantized weights: its bits are HQQ's layout, not
+    the GGUF file's blocks, which the baseline's are (before 2026-11-26 both showed the file's 5.74)."""
+    from tasks.data.embedded import embedded_gguf, ensure_embedded_model
+
+    _, facts = load_variant(VariantSpec(name="hqq", method="hqq", bits=4, group_size=64), str(embedded_gguf()))
+    want = bits_of(linear_shapes(ensure_embedded_model()), lambda i, o: 4 * i * o + 2 * 32 * i * o / 64)
+    assert facts.bits_per_weight == pytest.approx(want, rel=1e-12)
+    file = str(embedded_gguf())
+    as_baseline = quantized_bits(None, VariantSpec(name="baseline"), file, [])
+    as_gguf = quantized_bits(None, VariantSpec(name="g", method="gguf", path=file), file, [])
+    assert as_baseline == as_gguf and 5 < as_gguf < 8.5  # Q4_1 blocks (5 bits) and one Q8_0 tensor (8.5)
+
+
 def test_gguf_blocks_cost_their_type_s_bits(tmp_path):
     """Q4_0 (an f16 scale and 32 4-bit values: 18 bytes a block of 32), Q4_1 (and an f16 minimum: 20), Q8_0 (an
     f16 scale and 32 int8: 34); a float tensor (a norm) is not a quantized layer."""

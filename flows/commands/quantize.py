@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from tasks.data.corpus import corpus_text
 
     # checked here too, so that bad input ends before Prefect starts
-    out = check_request(args.method, args.out, args.name, args.group_size)
+    out = check_request(args.model, args.method, args.out, args.name, args.group_size)
     corpus_text(CorpusConfig(source=args.calibration, column=args.text_column))
     manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
                              bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,

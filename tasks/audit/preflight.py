@@ -20,6 +20,7 @@ from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window, plan
 from tasks.models.formats import check_compressed, check_kernel, detect, locate, require
 from tasks.models.loading import check_checkpoint
+from tasks.models.quantize import check_quantizable
 from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_model_path
 from tasks.models.variants import check_same_tokenizer
 from tasks.record.verdict import GATES
@@ -74,6 +75,8 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
                 check_compressed(source)
         try:
             require(method, resolve_device(spec.device).type)
+            if spec.quantize_here:
+                check_quantizable(local["the baseline"])
             if spec.kernel is not None and method in ("gptq", "awq"):
                 check_kernel(method, spec.kernel)
         except InputError as error:

@@ -296,6 +296,16 @@ def _partials(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def check_quantizable(model: str) -> None:
+    """Refuse a GGUF file as the model gptq or awq is made from, in one line before anything loads: gptqmodel
+    quantizes a Hugging Face checkpoint; given a GGUF file it fails after the baseline is scored, and swaps the
+    ``gguf`` module under transformers for its own, so that every GGUF model loaded in that process afterwards
+    fails too."""
+    if resolve_model_path(model).endswith(".gguf"):
+        raise InputError(f"{model} is a GGUF file; gptq and awq are made from a Hugging Face checkpoint (a folder "
+                         "with config.json, or a Hub id): give that model, or a gptq/awq checkpoint's path")
+
+
 def check_destination(out: Path) -> None:
     """Refuse an output folder beside which no checkpoint can be made (``_partials``), before the model loads and
     calibration runs: a read-only or special file system, a parent that is a file, no permission."""
