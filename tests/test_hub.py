@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import write_config
+from helpers import json_line, write_config
 
 from tasks.models.formats import HF_CACHES
 
@@ -74,3 +74,21 @@ def test_a_hub_model_is_quantized_on_the_spot_and_audited_on_local_dask_workers(
     assert models["gptq"]["verdict"] in ("pass", "fail"), models
     [checkpoint] = (cache / "quantized").iterdir()
     assert json.loads((checkpoint / "ppl-audit.json").read_text())["source_model"] == HUB_ID
+
+
+@pytest.mark.slow  # a CLI process
+def test_ppl_of_a_hub_model_read_offline_is_its_folder_s_with_the_size_of_its_files(capsys, tmp_path, hub_home,
+                                                                                   trained_model_dir, corpus_path):
+    """The same figures as the folder it was copied from, to the last digit; the size on disk was 0 before
+    2026-11-26 (a Hub id is no folder: its files are the cache's snapshot)."""
+    from flows.cli import main
+
+    args = ["--corpus", str(corpus_path), "--window", "64", "--max-tokens", "400", "--json"]
+    assert main(["ppl", "--model", str(trained_model_dir), *args]) == 0
+    folder = json_line(capsys.readouterr().out)
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "ppl", "--model", HUB_ID, *args], capture_output=True,
+                          text=True, timeout=600, env=user_environment(hub_home) | {"HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    hub = json_line(done.stdout, done.stderr)
+    assert (hub["nll_sum"], hub["n_tokens"], hub["model"]) == (folder["nll_sum"], folder["n_tokens"], HUB_ID)
+    assert hub["variant"]["size_on_disk_bytes"] == folder["variant"]["size_on_disk_bytes"] > 0

@@ -25,7 +25,7 @@ from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
 from tasks.models.loading import WEIGHT_SUFFIXES, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
-from tasks.models.resolve import load_config, resolve_device, resolve_dtype
+from tasks.models.resolve import load_config, model_files, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -158,7 +158,7 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
     facts = VariantFacts(
         method=spec.method, source=source, device=",".join(devices(model)) if split else str(device),
         dtype=str(dtype).removeprefix("torch."),
-        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(source),
+        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(str(model_files(source) or source)),
         weight_memory_bytes=weight_bytes(model), bits_per_weight=quantized_bits(model, spec, source, list(kernels))
         or whole, model_bits_per_weight=whole, quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
