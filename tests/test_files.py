@@ -84,6 +84,38 @@ def test_scratch_folders_of_processes_that_died_are_removed_next_time(tmp_path):
     assert not mine.exists()
 
 
+def test_a_stop_inside_a_scratch_folder_that_another_thread_still_writes_stays_a_stop(tmp_path):
+    """Ctrl-C during quantizing, while gptqmodel's threads still wrote its offload folder: removing the scratch
+    folder failed ("OSError: Directory not empty: 'offload'") and that error took the KeyboardInterrupt's place, so
+    an audit scored on (its supervisor killed it 6 s later) and recorded the variant as failed with it."""
+    import threading
+
+    from tasks.core.files import scratch
+
+    stop = threading.Event()
+
+    def write(folder) -> None:
+        n = 0
+        while not stop.is_set():
+            try:
+                (folder / "offload" / str(n)).mkdir(parents=True)
+            except OSError:
+                pass
+            n += 1
+
+    with pytest.raises(KeyboardInterrupt):
+        with scratch(tmp_path) as folder:
+            writer = threading.Thread(target=write, args=(folder,))
+            writer.start()
+            try:
+                while len(list((folder / "offload").glob("*"))) < 2000:
+                    pass
+                raise KeyboardInterrupt
+            finally:
+                threading.Timer(0.5, stop.set).start()  # it writes on while the folder is removed
+    writer.join()
+
+
 def test_a_killed_quantization_leaves_nothing_in_tmp_and_its_scratch_goes_next_time(tmp_path, trained_model_dir):
     """gptqmodel offloads finished layers to disk: into our scratch folder, not a /tmp folder of its own."""
     import signal
