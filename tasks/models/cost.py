@@ -110,7 +110,7 @@ def quantized_bits(model, spec: VariantSpec, source: str, quantized: list[str]) 
     """Effective bits per weight of the quantized layers (``quantized``: their names in ``model``); a GGUF
     file's from its tensor types (every tensor in quantized blocks), unless the model was quantized again as it
     loaded (then its own layers'); None where nothing is quantized."""
-    if spec.method not in QUANTIZED_AT_LOAD and source.endswith(".gguf") and Path(source).is_file():
+    if _shipped(spec, source) and source.endswith(".gguf"):
         blocks = [t for t in read_header(Path(source)).tensors if t.tensor_type.name not in GGUF_FLOATS]
         weights = sum(int(t.n_elements) for t in blocks)
         return 8 * sum(int(t.n_bytes) for t in blocks) / weights if weights else None
