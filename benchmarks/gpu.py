@@ -23,19 +23,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA = "needs a CUDA GPU"
-# variant (NAME=METHOD[:KERNEL], benchmarks/quantized.py) -> the kit's checkpoint it loads (None: the float model,
-# quantized at load where the method says so). gptqmodel's own choice of kernel first, then others it has for
-# the same checkpoint; bitsandbytes is not carried (its CUDA wheel is 60 MB; it ran on an H100 before).
-# The kernels that need no build come first: on an H200 gptqmodel's own choice for AWQ built Marlin for two
-# minutes, and for GPTQ (Machete) downloaded CUTLASS, which fails offline (docs/gpu.md).
+# variant (NAME=METHOD[:KERNEL][+kv:DTYPE], benchmarks/quantized.py) -> the kit's checkpoint it loads (None: the float
+# model, quantized at load where the method says so). The kernels that need no build come first, each named; on an
+# H200 gptqmodel's own choice for AWQ built Marlin with nvcc for two minutes, and for GPTQ (Machete) downloaded
+# CUTLASS, which fails offline (docs/gpu.md): GPTQ's own choice comes last, to show the line it fails with, and
+# AWQ's is left to the CPU. bitsandbytes is carried with its CUDA 13.0 library alone (the wheel holds eleven).
 METHODS = {"baseline": None, "gptq-triton=gptq:triton": "gptq", "gptq-torch=gptq:torch": "gptq",
            "awq-torch=awq:torch_awq": "awq", "awq-triton=awq:gemm_triton": "awq",
            "ct-w4a16=compressed-tensors": "w4a16", "ct-w8a8=compressed-tensors": "w8a8",
-           "ct-fp8=compressed-tensors": "fp8_dynamic", "fp8": "fp8", "hqq": None, "gptq": "gptq", "awq": "awq"}
+           "ct-fp8=compressed-tensors": "fp8_dynamic", "fp8": "fp8", "hqq": None, "nf4=bnb-nf4": None,
+           "int8=bnb-int8": None, "kv-int8=baseline+kv:int8": None, "kv-int4=baseline+kv:int4": None,
+           "kv-fp8=baseline+kv:fp8_e4m3": None, "gptq": "gptq", "awq": "awq"}
 CUDA_ONLY = ("fp8", "gptq-triton=gptq:triton", "awq-triton=awq:gemm_triton")  # no CPU kernel
+CPU_ONLY = ("awq",)  # on CUDA gptqmodel's choice builds Marlin with nvcc at first use (two minutes)
 SYNTHESIZED = {  # the METHODS a part at a larger shape makes and times, by device
-    "cuda": ("gptq-triton=gptq:triton", "ct-w4a16=compressed-tensors", "ct-fp8=compressed-tensors", "fp8", "gptq",
-             "awq"),
+    "cuda": ("gptq-triton=gptq:triton", "awq-triton=awq:gemm_triton", "awq-torch=awq:torch_awq",
+             "ct-w4a16=compressed-tensors", "ct-w8a8=compressed-tensors", "ct-fp8=compressed-tensors", "fp8"),
     "cpu": ("gptq-torch=gptq:torch", "awq-torch=awq:torch_awq", "ct-w4a16=compressed-tensors",
             "ct-fp8=compressed-tensors", "gptq", "awq")}
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -120,8 +123,8 @@ class Schedule:
     its own limit), and ``gpu.json``/``gpu.md`` are written after each, so a run stopped halfway keeps what it
     measured."""
 
-    def __init__(self, out: Path, found: dict, budget: float):
-        self.out, self.found, self.deadline = out, found, time.monotonic() + budget
+    def __init__(self, out: Path, found: dict, budget: float, only: list[str] | None = None):
+        self.out, self.found, self.deadline, self.only = out, found, time.monotonic() + budget, only
         out.mkdir(parents=True, exist_ok=True)
 
     def left(self) -> float:
@@ -129,6 +132,8 @@ class Schedule:
 
     def part(self, key: str, arguments: list[str] | None, limit: float, reason: str = "") -> None:
         """Run a sibling script (its last stdout line is JSON), or record ``reason`` where ``arguments`` is None."""
+        if self.only and key not in self.only:
+            return
         if arguments is None:
             self.found[key] = {"skipped": reason}
         elif self.left() < 20:
@@ -173,7 +178,7 @@ def _text(value) -> str:
 
 
 def quantized_arguments(kit: Path, device: str, max_tokens: int) -> list[str]:
-    methods = [m for m in METHODS if device == "cuda" or m not in CUDA_ONLY]
+    methods = [m for m in METHODS if m not in (CPU_ONLY if device == "cuda" else CUDA_ONLY)]
     paths = [f"--path={m.partition('=')[0]}={kit / 'models' / METHODS[m]}" for m in methods if METHODS[m]]
     return ["benchmarks/quantized.py", "--model", str(kit / "models" / "float"), "--corpus",
             str(kit / "models" / "corpus.txt"), "--methods", *methods, *paths, "--device", device,
@@ -183,6 +188,11 @@ def quantized_arguments(kit: Path, device: str, max_tokens: int) -> list[str]:
 def body_arguments(model: str, window: int, windows: int, batch: int, bodies: list[str], peers: bool) -> list[str]:
     return ["benchmarks/body.py", "--model", model, "--window", str(window), "--stride", str(window // 2),
             "--windows", str(windows), "--batch-size", str(batch), "--bodies", *bodies] + (["--peers"] if peers else [])
+
+
+def profile_arguments(model: str, window: int, windows: int, batch: int, chunks: list[int], modes: list[str]):
+    return ["benchmarks/profile_body.py", "--model", model, "--window", str(window), "--windows", str(windows),
+            "--batch-size", str(batch), "--chunks-mib", *map(str, chunks), "--modes", *modes]
 
 
 def formats(kit: Path, device: str) -> list[str]:
@@ -211,13 +221,15 @@ def report(found: dict) -> str:
         lines += ["", f"## {key}", ""]
         if "rows" not in part:
             lines.append(str(part.get("summary") or part.get("skipped") or part.get("failed")))
-        elif key.startswith("quantized"):
+        elif key.startswith("quantized") and isinstance(part["rows"], list):
             rows = part["rows"]
             base = rows[0].get("ppl", float("nan"))
             lines += ["| variant | PPL | vs baseline | tok/s | kernel |", "|---|---|---|---|---|"]
             lines += [f"| {r['method']} | failed: {r['error']} | | | |" if "error" in r else
                       f"| {r['method']} | {r['ppl']:.5f} | {100 * (r['ppl'] / base - 1):+.2f}% | "
                       f"{r['tokens_per_second']:.0f} | {r['backend']} |" for r in rows]
+        elif "bodies" not in part["rows"]:  # peers, profile: their figures as they came
+            lines += ["```json", json.dumps(part["rows"], indent=1), "```"]
         else:
             figures = part["rows"]
             lines += [f"{figures['model']}, L={figures['window']} S={figures['stride']}, batch {figures['batch_size']}, "
@@ -245,7 +257,7 @@ def report(found: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(kit: Path, out: Path, dry_run: bool, budget: float) -> dict:
+def run(kit: Path, out: Path, dry_run: bool, budget: float, marlin: bool, only: list[str] | None = None) -> dict:
     """Every part, most wanted first, within ``budget`` seconds; a CUDA part without CUDA is skipped with its
     reason (the dry run on CPU runs the rest small). Returns what ``gpu.json`` holds."""
     cuda = _cuda()
@@ -253,29 +265,33 @@ def run(kit: Path, out: Path, dry_run: bool, budget: float) -> dict:
         raise SystemExit(f"benchmarks/gpu.py: error: {NO_CUDA} (no CUDA device visible); use --dry-run on CPU")
     found = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": environment(),
              "kit": sorted(p.name for p in (kit / "wheels").glob("*.whl"))}
-    plan = Schedule(out, found, budget)
-    marlin = prebuild_marlin(out) if cuda else None
-    if cuda:
-        plan.part("body_1b", body_arguments("llama-1b", 2048, 48, 8, ["eager", "compile", "liger", "liger+compile"],
-                                            True), 200)
-    else:  # what runs on CPU: eager against compiled, and the synthesized formats, small
-        plan.part("body_tiny", body_arguments("tiny", 256, 8, 4, ["eager", "compile"], True) + [
-            "--device", "cpu", "--formats", *formats(kit, "cpu")], 180)
+    plan = Schedule(out, found, budget, only)
+    builder = prebuild_marlin(out) if cuda and marlin else None
+    # what no GPU run has measured yet comes first (issue #57); what the H200 run of 2026-11-26 measured, last
     plan.part("quantized_cuda", quantized_arguments(kit, "cuda", 16384) if cuda else None, 150, NO_CUDA)
     plan.part("quantized_cpu", None if cuda else quantized_arguments(kit, "cpu", 1024), 300,
               "measured on the CPU machine: benchmarks/gpu.py run --dry-run")
-    plan.part("body_8b", body_arguments("llama-8b", 2048, 16, 4, ["eager", "compile", "liger"], True) if cuda else None,
-              180, NO_CUDA)
+    plan.part(*(("profile_1b", profile_arguments("llama-1b", 2048, 32, 8, [64, 256, 1024, 4096],
+                                                 ["default", "max-autotune-no-cudagraphs", "reduce-overhead"]))
+                if cuda else ("profile_tiny", profile_arguments("tiny", 256, 8, 4, [1, 64], []) + ["--device", "cpu"])),
+              180)
+    plan.part("peers_8b", ["benchmarks/peers.py", "--model", "llama-8b", "--window", "2048", "--stride", "1024",
+                           "--windows", "16", "--batch-sizes", "4", "--repeats", "2", "--tokenizer", str(kit / "models" / "float"),
+                           "--corpus", str(kit / "models" / "corpus.txt")] if cuda else None, 150, NO_CUDA)
     plan.part("cuda_tests", ["-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts="], 150)
     plan.part("quantized_1b", body_arguments("llama-1b", 2048, 48, 8, [], False) + ["--formats", *formats(kit, "cuda")]
               if cuda else None, 120, NO_CUDA)
-    for key, window, windows, batch in (("long_8k", 8192, 4, 2), ("long_32k", 32768, 2, 1)):
-        plan.part(key, body_arguments("llama-1b", window, windows, batch, ["eager"], False) if cuda else None, 60, NO_CUDA)
-    if marlin is not None and marlin.poll() is None:
-        marlin.kill()
+    if cuda:
+        plan.part("body_1b", body_arguments("llama-1b", 2048, 48, 8, ["eager", "compile"], True), 150)
+    else:  # what runs on CPU: eager against compiled, and the synthesized formats, small
+        plan.part("body_tiny", body_arguments("tiny", 256, 8, 4, ["eager", "compile"], True) + [
+            "--device", "cpu", "--formats", *formats(kit, "cpu")], 180)
+    plan.part("body_8b", body_arguments("llama-8b", 2048, 16, 4, ["eager", "compile"], True) if cuda else None,
+              150, NO_CUDA)
+    if builder is not None and builder.poll() is None:
+        builder.kill()
     print(report(found))
     return found
-
 
 
 def main() -> None:
@@ -287,12 +303,15 @@ def main() -> None:
     go.add_argument("--kit", type=Path, default=ROOT / ".kit")
     go.add_argument("--out", type=Path, required=True)
     go.add_argument("--dry-run", action="store_true", help="on a machine without CUDA: run what runs, skip the rest")
-    go.add_argument("--budget", type=float, default=480, help="seconds for every part together (default 480)")
+    go.add_argument("--budget", type=float, default=450, help="seconds for every part together (default 450)")
+    go.add_argument("--parts", nargs="*", metavar="PART", help="only these parts (a second call's rerun)")
+    go.add_argument("--marlin", action="store_true",
+                    help="build gptqmodel's Marlin kernels with nvcc in the background (two minutes each)")
     args = parser.parse_args()
     if args.action == "models":
         make_models(args.folder)
     else:
-        run(args.kit, args.out, args.dry_run, args.budget)
+        run(args.kit, args.out, args.dry_run, args.budget, args.marlin, args.parts)
 
 
 if __name__ == "__main__":

@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--model", default="embedded",
                         help=f"embedded, a model folder, a Hub id, or {' or '.join(LLAMA_SHAPES)}")
     parser.add_argument("--corpus", default="embedded")
+    parser.add_argument("--tokenizer", help="for a model built from a shape (default: the embedded model's); a GPU "
+                                            "machine has no embedded model: the kit's tokenizer and corpus serve")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--windows", type=int, default=32, help="stream length is L + (windows - 1) * S")
@@ -203,7 +205,7 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device)
     torch.set_grad_enabled(False)
     shaped = args.model in LLAMA_SHAPES
-    tokenizer = load_tokenizer("embedded" if shaped else args.model)
+    tokenizer = load_tokenizer(args.tokenizer or ("embedded" if shaped else args.model))
     model = llama_shaped(args.model, dtype, device) if shaped else load_model(args.model, dtype, device)
     L, S = args.window, args.stride
     stream = tokenize(corpus_text(CorpusConfig(source=args.corpus)), tokenizer, bos="none",

@@ -2,11 +2,12 @@
 
   .venv/bin/python benchmarks/quantized.py --model MODEL [--methods baseline bnb-int8 bnb-nf4] [--device cuda]
   ... --methods baseline gptq gptq-triton=gptq:triton --path gptq=Q --path gptq-triton=Q
+  ... --methods baseline kv-int8=baseline+kv:int8 kv-fp8=baseline+kv:fp8_e4m3   # the key/value cache's types
 
 Each method loads the way an audit loads it (``tasks.models.variants.load_variant``: bitsandbytes quantizes the
 baseline at load; ``gptq``/``awq`` need ``--path`` to a checkpoint made by gptqmodel) and scores the same
-stream with a sliding window. ``NAME=METHOD[:KERNEL]`` names a variant of a method (with gptqmodel's kernel for
-a gptq/awq checkpoint); ``--path`` is given by name. A method that fails to load or score gets its error in its
+stream with a sliding window. ``NAME=METHOD[:KERNEL][+kv:DTYPE]`` names a variant of a method (with gptqmodel's
+kernel for a gptq/awq checkpoint, and a quantized key/value cache, ``kv_cache.dtype``); ``--path`` is given by name. A method that fails to load or score gets its error in its
 row, and the others go on. Run it on CPU and on a GPU with the same model: the two PPLs of a method
 should differ by no more than the baseline's own CPU/GPU difference (float32 against bf16 rounding).
 ``--model llama-1b`` saves a Llama-3.2-1B-shaped model with random weights to a temporary folder first
@@ -22,7 +23,7 @@ import tempfile
 
 import torch
 
-from tasks.config import CorpusConfig, VariantSpec
+from tasks.config import CorpusConfig, KVCache, VariantSpec
 from tasks.data.corpus import corpus_text, tokenize
 from tasks.engine.perplexity import perplexity
 from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--model", default="embedded", help="a model folder, embedded, or llama-1b")
     parser.add_argument("--corpus", default="embedded")
     parser.add_argument("--methods", nargs="+", default=["baseline", "bnb-int8", "bnb-nf4"],
-                        metavar="METHOD | NAME=METHOD[:KERNEL]")
+                        metavar="METHOD | NAME=METHOD[:KERNEL][+kv:DTYPE]")
     parser.add_argument("--path", action="append", default=[], metavar="NAME=FOLDER",
                         help="a pre-quantized checkpoint for a method or named variant (gptq=..., awq=...)")
     parser.add_argument("--window", type=int, default=512)
@@ -62,9 +63,11 @@ def main() -> None:
     rows = []
     for entry in args.methods:
         name, _, how = entry.partition("=")
-        method, _, kernel = (how or name).partition(":")
+        how, _, cache = (how or name).partition("+kv:")
+        method, _, kernel = how.partition(":")
         spec = VariantSpec(name=name, method=method, path=paths.get(name), device=str(device),
-                           dtype=str(dtype).removeprefix("torch."), kernel=kernel or None)
+                           dtype=str(dtype).removeprefix("torch."), kernel=kernel or None,
+                           kv_cache=KVCache(dtype=cache) if cache else None)
         try:
             model, facts = load_variant(spec, spec.path or model_dir)
             perplexity(model, stream, args.window, args.stride, args.batch_size)  # warm-up: kernels, autotuning

@@ -36,6 +36,10 @@ def process_defaults() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    # Offline (the Hugging Face Hub's switch), gptqmodel's Machete kernel must not try to download CUTLASS: its fetch
+    # has no timeout; with GPTQMODEL_OFFLINE it fails at once, and the variant says which kernel: to give instead
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        os.environ.setdefault("GPTQMODEL_OFFLINE", "1")
     # bitsandbytes warns on every int8 forward that it casts inputs; once is news, every call is noise
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -146,6 +146,10 @@ def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, cor
     _, chosen = load_variant(VariantSpec(name=method, method=method, path=str(out), kernel=kernel), str(out))
     assert set(chosen.kernels.values()) == {runs} and len(chosen.kernels) == len(facts.kernels) > 0
     assert chosen.bits_per_weight == facts.bits_per_weight
+    # a kernel that cannot start here fails with one line naming it and the kernel to give instead (issue #57)
+    with pytest.raises(InputError, match=rf"^variant '{method}' \({method}\): kernel marlin could not start here "
+                                         rf"\(.*CUDA.*\); give `kernel: {kernel}` on this variant"):
+        load_variant(VariantSpec(name=method, method=method, path=str(out), kernel="marlin"), str(out))
     for wrong in ("nonsense", {"gptq": "awq_torch", "awq": "gptq_marlin"}[method]):
         config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path,
                               [{"name": "v", "method": method, "path": str(out), "kernel": wrong}])

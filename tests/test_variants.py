@@ -167,3 +167,14 @@ def test_bad_variant_spec_gets_one_line_naming_the_key(bad, expected):
     with pytest.raises(InputError, match=expected) as error:
         parse(VariantSpec, bad, "variants[0]")
     assert "\n" not in str(error.value)
+
+
+def test_transformers_fp8_layers_count_as_quantized():
+    """transformers' fine-grained FP8 layers keep a plain Parameter of a float8 dtype: such a variant was refused as
+    "loaded with no quantized layer" on the H200 (2026-11-27); its layers are counted, each with its class."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from tasks.models.variants import layer_census
+
+    model = torch.nn.ModuleDict({"q_proj": FP8Linear(256, 256, block_size=(128, 128)), "lm_head": torch.nn.Linear(4, 4)})
+    assert layer_census(model) == (2, {"q_proj": "FP8Linear"})

@@ -58,10 +58,13 @@ def score_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool
         except torch.OutOfMemoryError:
             if batch_size == 1:
                 raise
-            batch_size //= 2
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        # Freed only here, out of the handler: the error's traceback holds the frames of the batch that failed, and
+        # with them its tensors. Emptied inside the handler, the cache kept them: on an H200 every halving down to
+        # a batch of 1 ran out of memory again (tests/gpu, 2026-11-27).
+        batch_size //= 2
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def combined(parts: list[Part], evaluation_: Evaluation, name: str) -> PerplexityResult:

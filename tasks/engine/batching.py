@@ -45,11 +45,12 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
                 torch.cuda.synchronize(device)
             speed = sum(w.n_scored for w in windows[:size]) / (time.perf_counter() - started)
         except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
             break
         if not cuda and speed < best_speed * 1.05:
             break
         best, best_speed, size = size, max(speed, best_speed), size * 2
+    if cuda:  # out of the handler, where the failed batch's tensors (held by the error's frames) are free again
+        torch.cuda.empty_cache()
     known[key] = best
     file.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(file, json.dumps(known, indent=1))

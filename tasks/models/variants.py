@@ -23,6 +23,7 @@ from tasks.core.versions import versions
 from tasks.engine import kv_cache
 from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
+from tasks.models import kernel_start
 from tasks.models.loading import WEIGHT_SUFFIXES, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
 from tasks.models.resolve import load_config, model_files, resolve_device, resolve_dtype
@@ -104,9 +105,11 @@ def layer_census(model) -> tuple[int, dict[str, str]]:
         scheme = getattr(module, "quantization_scheme", None)  # compressed-tensors' layers stay nn.Linear
         packed = hasattr(module, "qweight") or hasattr(module, "W_q")  # gptqmodel, HQQ: packed int weights
         subclass = weight is not None and type(weight).__name__ not in ("Parameter", "Tensor")
+        # transformers' fine-grained FP8 layers (FP8Linear) keep a plain Parameter, of a float8 dtype
+        fp8 = weight is not None and weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         if scheme is not None:
             kernels[layer] = f"compressed-tensors {name}"
-        elif packed or subclass or name in ("Linear8bitLt", "Linear4bit"):
+        elif packed or subclass or fp8 or name in ("Linear8bitLt", "Linear4bit"):
             kernels[layer] = type(weight).__name__ if subclass and name == "Linear" else name
     return linear, kernels
 
@@ -143,9 +146,19 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
     with warnings.catch_warnings():
         if spec.kernel is not None:  # transformers warns that it takes only the backend from this config: the point
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        model = load_model(source, dtype, device, **extra, **split)
+        try:
+            model = load_model(source, dtype, device, **extra, **split)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # gptqmodel picks and readies its kernel as the checkpoint loads
+            cause = kernel_start.raised_in_gptqmodel(error) if spec.method in ("gptq", "awq") else None
+            if cause is None:
+                raise
+            raise kernel_start.kernel_error(spec.name, spec.method, spec.kernel, device.type, cause) from error
     forget_with(model, split)
     ready(spec, model)
+    if spec.method in ("gptq", "awq"):
+        kernel_start.first_forward(model, spec.name, spec.method, spec.kernel)
     load_seconds = time.perf_counter() - started
     form = spec.kv_cache.format() if spec.kv_cache is not None else None
     if form is not None:
