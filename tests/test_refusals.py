@@ -196,3 +196,15 @@ def test_the_stats_block_says_its_errors_are_over_windows():
            **divergence_summary(extra, base, variant, counts)}
     block = format_stats([{"variant": "baseline", "ppl": 9.8, "ppl_stderr": 0.1}, row]).splitlines()
     assert block[1] == "(± is a standard error over windows, not over tokens as llama-perplexity's: not the same figure)"
+
+
+def test_a_served_variant_with_groups_that_do_not_fit_fails_alone_before_quantizing(tiny_model_dir):
+    """A flow run (a served audit) is not preflighted variant by variant: the lineup refuses it, as a GGUF source."""
+    from tasks.audit.checkpoints import prepare
+    from tasks.config import BaselineSpec, VariantSpec
+
+    lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)),
+                     [VariantSpec(name="g", method="gptq"), VariantSpec(name="fits", method="awq", group_size=32)])
+    assert [variant.problem for variant in lineup.variants] == [
+        f"group_size 128 does not divide the input widths of {tiny_model_dir}'s layers (64, 128); use one of -1, 16, "
+        "32, 64 (-1: per channel)", ""]
