@@ -156,6 +156,15 @@ class VariantSpec(Strict):
     kernel: str | None = Field(None, min_length=1, description="gptq/awq: the gptqmodel kernel that runs it (marlin, "
                                "triton, torch, exllama_v2, gemm, ...) instead of the one gptqmodel picks")
 
+    @field_validator("path", "gguf_file")
+    @classmethod
+    def _not_blank(cls, value: str | None, info) -> str | None:
+        # as an empty corpus source: Path("") is the current folder, whose model would be audited unasked
+        if value is not None and not value.strip():
+            raise ValueError(f"{info.field_name} is empty; name a model folder, a .gguf file, a Hub id or embedded "
+                             "(the current folder: '.')")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _method_of_a_checkpoint_is_read_from_it(cls, data: object) -> object:
@@ -422,6 +431,8 @@ def tracking_problem(uri: str) -> str | None:
     would run, spool its record and leave it for a ``sync`` that can never succeed."""
     from urllib.parse import urlparse
 
+    if not uri.strip():  # read as unset, it would send the audits to another store than the one meant
+        return "the tracking URI is empty; leave it out for MLFLOW_TRACKING_URI or the local store, or name one"
     parsed = urlparse(uri)
     dialect, plus, _ = parsed.scheme.partition("+")
     if dialect not in TRACKING_SCHEMES or (plus and dialect not in DATABASES):
@@ -452,10 +463,10 @@ def check_tracking(given: str | None, where: str) -> str:
     one line naming where it came from when MLflow could never track to it."""
     from tasks.core.places import default_uri, tracking_uri
 
-    uri = tracking_uri(given)
+    uri = given if given is not None else tracking_uri()  # an empty one is refused, not read as unset
     problem = None if uri == default_uri() else tracking_problem(uri)  # the local store's folder is made on first use
     if problem:
-        source = where if given else "MLFLOW_TRACKING_URI"
+        source = where if given is not None else "MLFLOW_TRACKING_URI"
         raise InputError(f"{source}: {problem}")
     return uri
 
@@ -470,7 +481,7 @@ class Tracking(Strict):
     @field_validator("uri")
     @classmethod
     def _tracking_uri(cls, uri: str | None) -> str | None:
-        problem = uri and tracking_problem(uri)
+        problem = uri is not None and tracking_problem(uri)
         if problem:
             raise ValueError(problem)
         return uri

@@ -208,3 +208,32 @@ def test_a_served_variant_with_groups_that_do_not_fit_fails_alone_before_quantiz
     assert [variant.problem for variant in lineup.variants] == [
         f"group_size 128 does not divide the input widths of {tiny_model_dir}'s layers (64, 128); use one of -1, 16, "
         "32, 64 (-1: per channel)", ""]
+
+
+SIBLINGS = {
+    # an empty string is Path("") == ".": the current folder's model, or caches and records, unasked
+    "empty-baseline-path": (["run", "{config}", "--set", "baseline.path=''"], "baseline.path: path is empty; name a model"),
+    "empty-variant-path": (["run", "{config}", "--set", "variants.0={{name: v, path: ''}}"], "variants.0.path: path is empty"),
+    "empty-tracking-uri": (["run", "{config}", "--set", "tracking.uri=''"], "tracking.uri: the tracking URI is empty"),
+    "compare-empty-uri": (["compare", "--baseline", "k", "--tracking-uri", ""], "--tracking-uri: the tracking URI is empty"),
+    "serve-allow-empty": (["serve", "{config}", "--allow", ""], "--allow '': no such folder"),
+    "negative-holdout": (["quantize", "--model", "{model}", "--method", "gptq", "--group-size", "32", "--calibration",
+                          "{corpus}", "--holdout-tokens", "-5", "--out", "{tmp}/q"], "--holdout-tokens -5: give a number"),
+}
+
+
+@pytest.mark.parametrize("case", SIBLINGS)
+def test_siblings_are_refused_too(capsys, tmp_path, cache, tiny_model_dir, corpus_file, case):
+    args, expected = SIBLINGS[case]
+    fill = {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file,
+            "config": audit_yaml(tmp_path, tiny_model_dir, corpus_file)}
+    err = one_line_error(capsys, *[arg.format(**fill) for arg in args])
+    assert expected.format(**fill) in err, err
+
+
+@pytest.mark.parametrize("variable", ["PPL_AUDIT_HOME", "PPL_AUDIT_CACHE"])
+def test_a_folder_setting_set_but_empty_is_refused(capsys, monkeypatch, tiny_model_dir, corpus_file, variable):
+    """Path("") is the current folder: records or caches would be written wherever the command ran."""
+    monkeypatch.setenv(variable, "")
+    err = one_line_error(capsys, "ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file))
+    assert err == f"ppl-audit: error: {variable} is set but empty; unset it for its default, or name a folder"

@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("give an audit config or --baseline KEY, one of them")
     config = load_audit_config(args.config, []) if args.config is not None else None
     tracking = config.tracking if config else Tracking()
-    uri = check_tracking(args.tracking_uri or tracking.uri, "--tracking-uri" if args.tracking_uri else "tracking.uri")
+    given = args.tracking_uri is not None
+    uri = check_tracking(args.tracking_uri if given else tracking.uri, "--tracking-uri" if given else "tracking.uri")
     chart = _chart(args.chart)
     key = args.baseline
     if config is not None:

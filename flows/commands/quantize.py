@@ -6,6 +6,7 @@ import argparse
 
 from flows.commands.arguments import config_field
 from tasks.core import console
+from tasks.core.errors import InputError
 
 NAME, LOGGED = "quantize", True
 
@@ -45,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
     corpus = parse(CorpusConfig, {"source": args.calibration, "column": args.text_column}, "--calibration")
     parse(CalibrationConfig, {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed}, "arguments")
+    if args.holdout_tokens < 0:
+        raise InputError(f"--holdout-tokens {args.holdout_tokens}: give a number of tokens, 0 or more")
     # checked here too, so that bad input ends before Prefect starts; drawing the calibration (cached tokens)
     # refuses a corpus without room for --samples
     out = check_request(args.model, args.method, args.out, args.name, args.group_size)

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from tasks.record.spool import claim, damage, mark_synced, pending, quarantine, sweep_partials
     from tasks.record.tracking import replay
 
-    if args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):  # else each record's own: checked as it was made
+    if args.tracking_uri is not None or os.environ.get("MLFLOW_TRACKING_URI"):  # else each record's own: checked as it was made
         check_tracking(args.tracking_uri, "--tracking-uri")
     sweep_partials()
     waiting = pending()

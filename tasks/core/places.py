@@ -49,6 +49,8 @@ def check_places() -> None:
 
     for variable, place in (("PPL_AUDIT_HOME", home), ("PPL_AUDIT_CACHE", cache_dir),
                             ("PPL_AUDIT_REFERENCES", references_dir)):
+        if variable in os.environ and not os.environ[variable].strip():  # Path("") would be the current folder
+            raise InputError(f"{variable} is set but empty; unset it for its default, or name a folder")
         folder = place()
         found = next((path for path in (folder, *folder.parents) if path.exists()), None)
         if found is not None and not found.is_dir():
