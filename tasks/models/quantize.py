@@ -332,10 +332,12 @@ def quantized_widths(model: str) -> list[int] | None:
     if not (Path(source) / "config.json").is_file():
         return None
     config = load_config(source).get_text_config()
-    widths = {config.hidden_size, config.num_attention_heads * head_dim(config)}
-    widths |= {getattr(config, key) for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
-               if isinstance(getattr(config, key, None), int)}
-    return sorted(widths)
+    try:
+        widths = {config.hidden_size, config.num_attention_heads * head_dim(config)}
+    except AttributeError:  # not a decoder whose config names these: gptqmodel's own checks are all there is
+        return None
+    mlp = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+    return sorted(widths | {getattr(config, key) for key in mlp if isinstance(getattr(config, key, None), int)})
 
 
 def check_group_fits(model: str, method: str, group_size: int) -> None:
