@@ -148,6 +148,6 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
                  f"```\n{summary['table']}\n```\n\nRecord: {where}\n",
         description=f"ppl-audit {settings.name}",
     )
-    if verdict.status == "pass":
+    if verdict.status in ("pass", "ungated"):
         return Completed(message=verdict.reason, data=summary)
     return failed(f"{verdict.status}: {verdict.reason}", summary)

@@ -17,6 +17,7 @@ from flows.commands import audit, compare, diagnose, notify, ppl, quantize, refe
 from flows.commands.arguments import VERBOSE
 from tasks.core import console
 from tasks.core.errors import InputError, NumericalError, one_line
+from tasks.core.places import check_places
 
 
 def process_defaults() -> None:
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
             return 2
     code, started = 1, time.time()
     try:
+        check_places()
         code = command.run(args)
     except KeyboardInterrupt:  # the one signal Python turns into an exception
         code = 128 + signal.SIGINT

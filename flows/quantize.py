@@ -25,7 +25,7 @@ from tasks.config import (
     check_name,
 )
 from tasks.core.errors import InputError
-from tasks.models.quantize import check_destination, check_quantizable
+from tasks.models.quantize import check_destination, check_group_fits, check_quantizable
 from tasks.steps import quantize_model
 
 
@@ -33,13 +33,16 @@ def check_request(model: str, method: str, out: str, name: str | None, group_siz
     """The checkpoint's folder (new or empty), or one line saying which argument to change."""
     if method not in QUANTIZED_BY_US:
         raise InputError(f"method {method} cannot be quantized here; use gptq or awq")
+    check_name(name)
     check_quantizable(model)
     try:
         check_group_size(method, group_size)
     except ValueError as error:
         raise InputError(str(error)) from None
-    check_name(name)
+    check_group_fits(model, method, group_size)
     folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"output folder {folder} is a file; give a new folder")
     if folder.exists() and any(folder.iterdir()):
         raise InputError(f"output folder {folder} is not empty; give a new folder")
     check_destination(folder)

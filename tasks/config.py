@@ -20,6 +20,9 @@ Method = Literal["auto", "baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torc
                  "gguf", "hqq", "fp8"]
 # audit and variant names: MLflow run names, file names, YAML keys; not dots alone (".." is a path)
 NAME = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
+# a name becomes part of a file name (a record's folder: time, name, id; a cached checkpoint's: name, digest) that a
+# file system caps at 255 bytes: bounded here, so that a long one is refused before scoring, not after it
+NAME_MAX = 100
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
 QUANTIZED_AT_LOAD = ("bnb-int8", "bnb-nf4", "torchao-int8", "hqq")  # without a path: the baseline, quantized as it loads
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
@@ -29,6 +32,9 @@ KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1,
 Rescore = Literal["auto", "always", "never"]  # when a baseline's stored reference is reused (BaselineSpec)
 RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
 TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # through SQLAlchemy: dialect[+driver]://
+# SQLAlchemy's default drivers, by module, and the package that brings each
+DRIVER_PACKAGES = {"MySQLdb": "mysqlclient", "pymysql": "PyMySQL", "psycopg2": "psycopg2-binary", "pyodbc": "pyodbc"}
 
 
 class Strict(BaseModel):
@@ -49,6 +55,19 @@ class CorpusConfig(Strict):
     hf_split: str = "test"
     joiner: str = "\n\n"
     encoding: str = Field("utf-8", description="text encoding of .txt and .jsonl files, a Python codec name")
+
+    @field_validator("source")
+    @classmethod
+    def _names_something(cls, source: str) -> str:
+        # Path("") is "." (the current folder): an empty source would score whatever .txt files lie where the
+        # command runs. A folder is named as such ("." or "./"), never by leaving the value out.
+        if not source.strip():
+            raise ValueError("source is empty; give a text file, a folder of .txt, a .jsonl/.parquet file, "
+                             "hf:DATASET or embedded (the current folder: '.')")
+        if source.startswith("hf:") and not source[3:].strip():
+            raise ValueError("source 'hf:' names no dataset; give hf:NAME, e.g. hf:wikitext with hf_config "
+                             "wikitext-2-raw-v1")
+        return source
 
 
 class CalibrationConfig(Strict):
@@ -88,10 +107,18 @@ class KVCache(Strict):
         return KVCacheFormat(self.dtype, self.group_size, self.residual)
 
 
+def _start(value: object) -> str:
+    """A value as a line quotes it: its start, where it may be 100,000 characters long."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:40]}…"
+
+
 def check_name(name: str | None) -> None:
     """Refuse a variant name given outside a config (``quantize --name``, ``notify --name``) that no audit could use."""
     if name is not None and not re.match(NAME, name):
         raise InputError(f"name '{name}' may hold only letters, digits, '_', '.' and '-'")
+    if name is not None and len(name) > NAME_MAX:
+        raise InputError(f"name '{_start(name)}' is {len(name)} characters; use at most {NAME_MAX} (it becomes a file name)")
 
 
 def check_group_size(method: str, group_size: int) -> None:
@@ -112,7 +139,7 @@ class VariantSpec(Strict):
     ``calibration``.
     """
 
-    name: str = Field(min_length=1, pattern=NAME)
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
     method: Method = "baseline"
     path: str | None = None
     gguf_file: str | None = None
@@ -128,6 +155,15 @@ class VariantSpec(Strict):
     kv_cache: KVCache | None = None
     kernel: str | None = Field(None, min_length=1, description="gptq/awq: the gptqmodel kernel that runs it (marlin, "
                                "triton, torch, exllama_v2, gemm, ...) instead of the one gptqmodel picks")
+
+    @field_validator("path", "gguf_file")
+    @classmethod
+    def _not_blank(cls, value: str | None, info) -> str | None:
+        # as an empty corpus source: Path("") is the current folder, whose model would be audited unasked
+        if value is not None and not value.strip():
+            raise ValueError(f"{info.field_name} is empty; name a model folder, a .gguf file, a Hub id or embedded "
+                             "(the current folder: '.')")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -218,8 +254,11 @@ def one_line(error: ValidationError, where: str) -> str:
     if first["type"] == "extra_forbidden":
         message = "unknown key; check its spelling against the documented keys"
     if first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] == NAME:
-        message = (f"'{first['input']}' is not a name: use letters, digits, '_', '-' and '.', not dots alone "
+        message = (f"'{_start(first['input'])}' is not a name: use letters, digits, '_', '-' and '.', not dots alone "
                    "(a name becomes a folder and an MLflow run)")
+    if first["type"] == "string_too_long":
+        message = (f"'{_start(first['input'])}' is {len(first['input'])} characters; use at most "
+                   f"{first['ctx']['max_length']} (it becomes a file name)")
     more = len(error.errors()) - 1
     return f"{where}: {key + ': ' if key else ''}{message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
@@ -386,20 +425,65 @@ class Diagnosis(Strict):
     seed: int = Field(0, ge=0)
 
 
+def tracking_problem(uri: str) -> str | None:
+    """Why MLflow could never track to ``uri`` (a scheme it does not know, an http URI without a host, a database
+    whose driver is not installed, a SQLite file in a folder that does not exist), or None. Otherwise the audit
+    would run, spool its record and leave it for a ``sync`` that can never succeed."""
+    from urllib.parse import urlparse
+
+    if not uri.strip():  # read as unset, it would send the audits to another store than the one meant
+        return "the tracking URI is empty; leave it out for MLFLOW_TRACKING_URI or the local store, or name one"
+    parsed = urlparse(uri)
+    dialect, plus, _ = parsed.scheme.partition("+")
+    if dialect not in TRACKING_SCHEMES or (plus and dialect not in DATABASES):
+        return (f"'{uri}' is not an MLflow tracking URI; use http(s)://HOST:PORT, sqlite:///FILE.db, file:///FOLDER "
+                "or another store MLflow knows")
+    if dialect in ("http", "https") and not parsed.hostname:
+        return f"'{uri}' names no host; use {dialect}://HOST:PORT"
+    if dialect not in DATABASES:
+        return None
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        url = make_url(uri)
+        url.get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError) as error:
+        return f"'{uri}' is not a database URL SQLAlchemy can use ({error}); e.g. {dialect}://USER@HOST/DATABASE"
+    except ImportError as error:
+        package = DRIVER_PACKAGES.get(error.name, error.name)
+        return f"'{uri}' needs the database driver {error.name}, which is not installed: pip install {package}"
+    if dialect == "sqlite" and url.database not in (None, "", ":memory:") and not Path(url.database).parent.is_dir():
+        return f"'{uri}': the folder {Path(url.database).parent} does not exist; create it or name another file"
+    return None
+
+
+def check_tracking(given: str | None, where: str) -> str:
+    """The tracking URI a command uses (``given``, else ``MLFLOW_TRACKING_URI``, else the local store), refused in
+    one line naming where it came from when MLflow could never track to it."""
+    from tasks.core.places import default_uri, tracking_uri
+
+    uri = given if given is not None else tracking_uri()  # an empty one is refused, not read as unset
+    problem = None if uri == default_uri() else tracking_problem(uri)  # the local store's folder is made on first use
+    if problem:
+        source = where if given is not None else "MLFLOW_TRACKING_URI"
+        raise InputError(f"{source}: {problem}")
+    return uri
+
+
 class Tracking(Strict):
     """MLflow: ``uri`` (else ``MLFLOW_TRACKING_URI``, else the local SQLite store) and experiment."""
 
     uri: str | None = None
-    experiment: str = Field("ppl-audit", min_length=1)
+    # MLflow keeps an experiment's name in a 256-character column, and its record's spool folder cannot sync one longer
+    experiment: str = Field("ppl-audit", min_length=1, max_length=NAME_MAX)
 
     @field_validator("uri")
     @classmethod
     def _tracking_uri(cls, uri: str | None) -> str | None:
-        from urllib.parse import urlparse
-
-        if uri is not None and urlparse(uri).scheme not in TRACKING_SCHEMES:
-            raise ValueError(f"'{uri}' is not an MLflow tracking URI; use http(s)://HOST:PORT, sqlite:///FILE.db, "
-                             "file:///FOLDER or another store MLflow knows")
+        problem = uri is not None and tracking_problem(uri)
+        if problem:
+            raise ValueError(problem)
         return uri
 
     @field_validator("experiment")
@@ -415,7 +499,7 @@ class Tracking(Strict):
 class AuditConfig(Strict):
     """One audit: a baseline, its variants, the corpus, how to score, and the gate."""
 
-    name: str = Field(min_length=1, pattern=NAME)
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
     baseline: BaselineSpec
     corpus: CorpusConfig
     evaluation: EvaluationConfig = EvaluationConfig()
@@ -487,6 +571,33 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def read_yaml(text: str, where: str):
+    """``text`` parsed as YAML, with every mapping's keys unique: YAML parsers keep a repeated key's last value, and
+    a second ``thresholds:`` block would silently replace the first gate. Raises ``yaml.YAMLError`` for bad YAML and
+    ``InputError`` naming a repeated key and both its lines."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            lines = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # "<<": merged keys are meant to be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = lines.get(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    break
+                if first is not None:
+                    raise InputError(f"{where}: key '{_start(key)}' is given twice (lines {first} and {line}); "
+                                     "keep one of them")
+                lines[key] = line
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeys)
+
+
 def load_audit_config(path: str, overrides: list[str] = ()) -> AuditConfig:
     """Read, override and validate an audit YAML file; every mistake is one line naming the key."""
     from pathlib import Path
@@ -497,7 +608,7 @@ def load_audit_config(path: str, overrides: list[str] = ()) -> AuditConfig:
     if not file.is_file():
         raise InputError(f"config not found: {file} (give a YAML file, e.g. configs/demo.yaml)")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        data = read_yaml(file.read_text(encoding="utf-8"), str(file)) or {}
     except yaml.YAMLError as error:
         raise InputError(f"{file} is not valid YAML: {str(error).splitlines()[0]}") from None
     except UnicodeDecodeError as error:

@@ -19,12 +19,11 @@ from tasks.audit.scoring import Lookup, join_reference, look_up, make_variant, s
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.core.errors import TransientError
 from tasks.core.places import spool_dir, synced_dir
-from tasks.data.corpus import cached_tokenize, corpus_text
+from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import Evaluation, evaluation
 from tasks.engine.abandon import asking
 from tasks.engine.windows import Window
-from tasks.models.quantize import draw_calibration, quantize
-from tasks.models.resolve import load_tokenizer
+from tasks.models.quantize import calibration_of, quantize
 from tasks.record.contents import token_arrays
 from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
@@ -116,9 +115,7 @@ def quantize_model(model: str, method: str, bits: int, group_size: int, sym: boo
                    samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str, name: str | None) -> dict:
     """Make a gptq/awq checkpoint of ``model`` in ``out``, calibrated on ``samples`` × ``seq_len`` tokens of
     ``calibration`` (never its first ``holdout_tokens``); returns its manifest."""
-    stream = cached_tokenize(corpus_text(calibration), load_tokenizer(model), bos="none", progress="tokenize calibration")
-    holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
-    drawn = draw_calibration(stream.ids, samples, seq_len, seed, calibration.source, stream.text_digest, holdout)
+    drawn = calibration_of(model, calibration, samples, seq_len, seed, holdout_tokens)
     return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name, progress=True)
 
 

@@ -74,6 +74,16 @@ def train_briefly(model, tokenizer, steps: int = 150, seed: int = 2) -> None:
     model.eval()
 
 
+def one_line_error(capsys, *argv: str) -> str:
+    """What ``ppl-audit ARGV`` run in-process says on stderr, checked to be one line with exit code 2 (bad input)."""
+    from flows.cli import main
+
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
 def json_line(out: str, err: str = "", **loads) -> dict:
     """The last line of a ``--json`` command's stdout, parsed (``loads``: ``json.loads`` options); a clear
     failure, not an IndexError, where stdout is empty."""

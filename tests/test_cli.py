@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import json_line, write_config
-
-from flows.cli import main
+from helpers import json_line, one_line_error, write_config
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +26,6 @@ def test_ppl_json_line(cli, tiny_model_dir, corpus_file):
     result = json_line(out, err)
     assert result["n_tokens"] == 499 and result["window"] == 64 and result["stride"] == 32
     assert result["ppl"] > 1
-
-
-def one_line_error(capsys, *argv: str) -> str:
-    assert main(list(argv)) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
-    return err
 
 
 @pytest.fixture

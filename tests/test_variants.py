@@ -120,7 +120,7 @@ def test_calibration_overlapping_the_evaluation_is_refused(audit, tokenizer, tra
 def test_calibration_corpus_that_is_the_evaluated_text_is_caught(audit, tmp_path, trained_model_dir):
     copy = tmp_path / "same.txt"
     copy.write_text(audit["evaluation"].text)
-    calibration = CalibrationConfig(corpus=CorpusConfig(source=str(copy)), samples=200, seq_len=128)
+    calibration = CalibrationConfig(corpus=CorpusConfig(source=str(copy)), samples=8, seq_len=128)
     spec = VariantSpec(name="g", method="gptq", bits=4, group_size=32, calibration=calibration)
     drawn = []
     outcome = run(audit, spec, corpus_text_of=lambda corpus: drawn.append(corpus) or copy.read_text())

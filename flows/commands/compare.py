@@ -32,20 +32,23 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tasks.config import Tracking, load_audit_config
-    from tasks.core.places import default_uri, home, tracking_uri
+    from tasks.config import Tracking, check_tracking, load_audit_config
+    from tasks.core.places import default_uri, home
     from tasks.record.history import audited, experiment_of, format_history, history_chart
     from tasks.record.tracking import ui_link
 
     if (args.config is None) == (args.baseline is None):
         raise InputError("give an audit config or --baseline KEY, one of them")
-    tracking, key = Tracking(), args.baseline
-    if args.config is not None:
+    config = load_audit_config(args.config, []) if args.config is not None else None
+    tracking = config.tracking if config else Tracking()
+    given = args.tracking_uri is not None
+    uri = check_tracking(args.tracking_uri if given else tracking.uri, "--tracking-uri" if given else "tracking.uri")
+    chart = _chart(args.chart)
+    key = args.baseline
+    if config is not None:
         from tasks.audit.preflight import baseline_key_of
 
-        config = load_audit_config(args.config, [])
-        tracking, key = config.tracking, baseline_key_of(config)
-    uri = tracking_uri(args.tracking_uri or tracking.uri)
+        key = baseline_key_of(config)
     if uri == default_uri() and not (home() / "mlflow.db").exists():  # reading it would make an empty one
         raise InputError(f"no audits yet: the local MLflow store {uri} does not exist; run an audit first, or give "
                          "--tracking-uri")
@@ -61,9 +64,13 @@ def run(args: argparse.Namespace) -> int:
     if uri.startswith(("http://", "https://")):
         for row in rows:
             row.link = ui_link(uri, experiment_id, row.run_id)
-    chart = args.chart or home() / "compare" / f"{key}.png"
+    chart = chart or home() / "compare" / f"{key}.png"
     chart.parent.mkdir(parents=True, exist_ok=True)
-    history_chart(rows, key).savefig(chart)
+    try:
+        history_chart(rows, key).savefig(chart)
+    except OSError as error:  # a full or read-only disk, a device such as /dev/full.png
+        raise InputError(f"cannot write the chart {chart} ({error.strerror or error}); give --chart a file in a folder you "
+                         "can write") from None
     say = console.out()
     audits = len({row.parent_run_id for row in rows})
     print(f"baseline {key}: {len(rows)} variant run(s) in {audits} audit(s) of experiment '{experiment}', newest first",
@@ -74,3 +81,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"baseline_key": key, "experiment": experiment, "chart": str(chart),
                           "variants": [row.json() for row in rows]}), file=say)
     return 0
+
+
+def _chart(path: Path | None) -> Path | None:
+    """``--chart`` as matplotlib will write it, or one line: it adds ``.png`` to a name without a suffix and writes
+    ``FOLDER.png`` for a folder, so that the path printed would not be the chart's."""
+    if path is None:
+        return None
+    if path.suffix.lower() != ".png":
+        raise InputError(f"--chart {path}: name a .png file (e.g. {path.with_name(path.name + '.png')}); the chart is "
+                         "a PNG image")
+    if path.is_dir():
+        raise InputError(f"--chart {path} is a folder; name a .png file in it, e.g. {path / 'compare.png'}")
+    if not path.parent.is_dir():
+        raise InputError(f"--chart {path}: the folder {path.parent} does not exist; create it or name another file")
+    return path

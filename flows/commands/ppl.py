@@ -54,12 +54,12 @@ def _variant(args: argparse.Namespace):
     """The one model `ppl` measures: --variant, else --model with --method, as a validated spec."""
     import yaml
 
-    from tasks.config import QUANTIZED_AT_LOAD, QUANTIZED_BY_US, VariantSpec, parse
+    from tasks.config import QUANTIZED_AT_LOAD, QUANTIZED_BY_US, VariantSpec, parse, read_yaml
 
     if args.variant:
         path = Path(args.variant)
         try:
-            data = yaml.safe_load(path.read_text() if path.is_file() else args.variant)
+            data = read_yaml(path.read_text() if path.is_file() else args.variant, "--variant")
         except yaml.YAMLError as error:
             raise InputError(f"--variant is not valid YAML: {str(error).splitlines()[0]}") from None
         return parse(VariantSpec, data, "--variant")
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from tasks.engine.model_facts import max_positions
     from tasks.engine.windows import check_window
     from tasks.models.loading import check_checkpoint
+    from tasks.models.quantize import check_group_fits
     from tasks.models.resolve import load_config, resolve_device, resolve_dtype
 
     spec = _variant(args)
@@ -101,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
     resolve_dtype(spec.dtype, resolve_device(spec.device))
     text = corpus_text(corpus)
     check_window(settings.window, max_positions(load_config(spec.path or args.model)))
+    if spec.quantize_here:  # made from --model here: a group size no kernel could score is refused now
+        try:
+            check_group_fits(args.model, spec.method, spec.quantization[1])
+        except InputError as error:
+            raise InputError(f"--method {spec.method} quantizes {args.model} here: {error} in --variant "
+                             f"'{{name: {spec.method}, method: {spec.method}, group_size: N}}'; to measure a "
+                             f"{spec.method} checkpoint as it is, leave --method out") from None
     lineup = prepare(BaselineSpec(name="baseline", path=args.model), [spec])
     [checkpoint] = lineup.variants
     if checkpoint.problem:

@@ -6,6 +6,7 @@ import argparse
 
 from flows.commands.arguments import config_field
 from tasks.core import console
+from tasks.core.errors import InputError
 
 NAME, LOGGED = "quantize", True
 
@@ -40,12 +41,17 @@ def add(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flows.quantize import check_request, quantize_flow
-    from tasks.config import CorpusConfig
-    from tasks.data.corpus import corpus_text
+    from tasks.config import CalibrationConfig, CorpusConfig, parse
+    from tasks.models.quantize import calibration_of
 
-    # checked here too, so that bad input ends before Prefect starts
+    corpus = parse(CorpusConfig, {"source": args.calibration, "column": args.text_column}, "--calibration")
+    parse(CalibrationConfig, {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed}, "arguments")
+    if args.holdout_tokens < 0:
+        raise InputError(f"--holdout-tokens {args.holdout_tokens}: give a number of tokens, 0 or more")
+    # checked here too, so that bad input ends before Prefect starts; drawing the calibration (cached tokens)
+    # refuses a corpus without room for --samples
     out = check_request(args.model, args.method, args.out, args.name, args.group_size)
-    corpus_text(CorpusConfig(source=args.calibration, column=args.text_column))
+    calibration_of(args.model, corpus, args.samples, args.seq_len, args.seed, args.holdout_tokens)
     manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
                              bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
                              samples=args.samples, seq_len=args.seq_len, seed=args.seed,

@@ -28,9 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from tasks.audit.served import Policy
 
     config = checked_config(args.config, [])
-    missing = [folder for folder in args.allow if not Path(folder).is_dir()]
+    missing = [folder for folder in args.allow if not folder.strip() or not Path(folder).is_dir()]  # "": not "."
     if missing:
-        raise InputError(f"--allow {missing[0]}: no such folder; give a folder served audits may read checkpoints from")
+        raise InputError(f"--allow '{missing[0]}': no such folder; give a folder served audits may read checkpoints from")
     # the serve's flow runs run in processes of its own, which inherit it; the Prefect API cannot set it
     os.environ.update(Policy.of(args.config, config, args.allow).environment())
     serve_config(args.config, lambda line: print(f"{datetime.now():%H:%M:%S} {line}", file=console.out(), flush=True))

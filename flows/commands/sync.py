@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from tasks.core import console
 from tasks.core.errors import one_line
@@ -16,9 +17,12 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tasks.config import check_tracking
     from tasks.record.spool import claim, damage, mark_synced, pending, quarantine, sweep_partials
     from tasks.record.tracking import replay
 
+    if args.tracking_uri is not None or os.environ.get("MLFLOW_TRACKING_URI"):  # else each record's own: checked as it was made
+        check_tracking(args.tracking_uri, "--tracking-uri")
     sweep_partials()
     waiting = pending()
     synced = elsewhere = failed = damaged = 0

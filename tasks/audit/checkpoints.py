@@ -20,8 +20,8 @@ from tasks.core.places import cache_dir
 from tasks.data.corpus import cached_tokenize, tokenizer_digest
 from tasks.data.evaluation import Evaluation
 from tasks.models.formats import detect, locate
-from tasks.models.quantize import (Calibration, check_quantizable, draw_calibration, model_digest, quantize,
-                                   read_manifest)
+from tasks.models.quantize import (Calibration, check_group_fits, check_quantizable, draw_calibration, model_digest,
+                                   quantize, read_manifest)
 from tasks.models.resolve import load_tokenizer, model_files, resolve_model_path
 
 
@@ -86,8 +86,9 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
 
 def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> Checkpoint:
     if spec.quantize_here:
-        try:
+        try:  # a served run's variants are not preflighted: refused here, before hours of quantizing
             check_quantizable(baseline.source)
+            check_group_fits(baseline.source, spec.method, spec.quantization[1])
         except InputError as error:
             return Checkpoint(spec, "variant", problem=one_line(error))
         return Checkpoint(spec, "variant")

@@ -9,9 +9,9 @@ from tasks.audit.checkpoints import calibration_for, prepare
 from tasks.audit.cluster import check_local_cluster, check_reachable, check_workers
 from tasks.audit.reference import find_intact
 from tasks.audit.scoring import baseline_identity
-from tasks.config import AuditConfig, VariantSpec
+from tasks.config import AuditConfig, VariantSpec, check_tracking
 from tasks.core.errors import InputError
-from tasks.core.places import references_dir, tracking_uri
+from tasks.core.places import references_dir
 from tasks.data.corpus import corpus_text, tokenizer_digest
 from tasks.data.evaluation import evaluation
 from tasks.engine.kv_cache import INTS, head_dim
@@ -20,7 +20,7 @@ from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window, plan
 from tasks.models.formats import check_compressed, check_kernel, detect, locate, require
 from tasks.models.loading import check_checkpoint
-from tasks.models.quantize import check_quantizable
+from tasks.models.quantize import check_group_fits, check_quantizable
 from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_model_path
 from tasks.models.variants import check_same_tokenizer
 from tasks.record.verdict import GATES
@@ -33,7 +33,8 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         variants: also check that every variant's checkpoint exists (the CLI does, before a run; a flow
             run does not, so that a checkpoint gone missing fails its variant, not the audit).
     """
-    registry = tracking_uri(config.tracking.uri)  # models:/ names are the audit's tracking server's
+    # models:/ names are the audit's tracking server's; one MLflow could never reach is refused before the scoring
+    registry = check_tracking(config.tracking.uri, "tracking.uri")
     if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
         raise InputError("runner.kind ray needs prefect-ray and ray: pip install 'ppl-audit[ray]'")
     if config.runner.address:
@@ -77,6 +78,7 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
             require(method, resolve_device(spec.device).type)
             if spec.quantize_here:
                 check_quantizable(local["the baseline"])
+                check_group_fits(local["the baseline"], spec.method, spec.quantization[1])
             if spec.kernel is not None and method in ("gptq", "awq"):
                 check_kernel(method, spec.kernel)
         except InputError as error:

@@ -42,6 +42,22 @@ def log_dir() -> Path:
     return home() / "logs"
 
 
+def check_places() -> None:
+    """Refuse, in one line, a folder setting that names a file (or lies under one): every command would otherwise
+    crash with ``NotADirectoryError`` the first time it writes there, after loading a model."""
+    from tasks.core.errors import InputError
+
+    for variable, place in (("PPL_AUDIT_HOME", home), ("PPL_AUDIT_CACHE", cache_dir),
+                            ("PPL_AUDIT_REFERENCES", references_dir)):
+        if variable in os.environ and not os.environ[variable].strip():  # Path("") would be the current folder
+            raise InputError(f"{variable} is set but empty; unset it for its default, or name a folder")
+        folder = place()
+        found = next((path for path in (folder, *folder.parents) if path.exists()), None)
+        if found is not None and not found.is_dir():
+            raise InputError(f"{variable} {folder}: {found} is a file, not a folder; set {variable} to a folder "
+                             "(it is made where missing)")
+
+
 def default_uri() -> str:
     return f"sqlite:///{home() / 'mlflow.db'}"
 

@@ -20,15 +20,17 @@ from pathlib import Path
 
 import torch
 
+from tasks.config import KERNEL_GROUP_SIZES, CorpusConfig
 from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.core.files import file_digest, publish, read_json, scratch, write_atomically
 from tasks.core.places import cache_dir
 from tasks.core.versions import versions
+from tasks.data.corpus import cached_tokenize, corpus_text
 from tasks.engine import abandon
 from tasks.models.formats import import_package
 from tasks.models.loading import WEIGHT_SUFFIXES
-from tasks.models.resolve import load_tokenizer, model_files, resolve_model_path
+from tasks.models.resolve import load_config, load_tokenizer, model_files, resolve_model_path
 
 MANIFEST = "ppl-audit.json"
 
@@ -77,8 +79,22 @@ def draw_calibration(ids: torch.Tensor, samples: int, seq_len: int, seed: int, s
             f"no {seq_len}-token calibration block lies outside the evaluated tokens of {source}; "
             "evaluate fewer tokens (max_tokens), shorten calibration.seq_len, or give calibration.corpus"
         )
-    chosen = sorted(random.Random(seed).sample(blocks, min(samples, len(blocks))))
+    if len(blocks) < samples:  # fewer drawn would quantize with less than asked, said only in gptqmodel's log
+        room = "outside the evaluated tokens of " if exclude is not None else "in "
+        raise InputError(f"calibration: {samples} samples of {seq_len} tokens cannot be drawn: there is room for "
+                         f"{len(blocks)} {room}{source}; ask for at most {len(blocks)} samples, shorten seq_len, or "
+                         "give a longer calibration corpus")
+    chosen = sorted(random.Random(seed).sample(blocks, samples))
     return Calibration([ids[s:e].tolist() for s, e in chosen], source, corpus_digest, chosen, seq_len, seed)
+
+
+def calibration_of(model: str, corpus: CorpusConfig, samples: int, seq_len: int, seed: int,
+                   holdout_tokens: int = 0) -> Calibration:
+    """``samples`` × ``seq_len`` tokens of ``corpus`` drawn for quantizing ``model`` (``quantize``), never its first
+    ``holdout_tokens``; tokenizing is cached, so the command's check before Prefect starts costs the flow nothing."""
+    stream = cached_tokenize(corpus_text(corpus), load_tokenizer(model), bos="none", progress="tokenize calibration")
+    holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
+    return draw_calibration(stream.ids, samples, seq_len, seed, corpus.source, stream.text_digest, holdout)
 
 
 def check_disjoint(manifest: dict, corpus_digest: str, evaluated: tuple[int, int], name: str) -> None:
@@ -304,6 +320,36 @@ def check_quantizable(model: str) -> None:
     if resolve_model_path(model).endswith(".gguf"):
         raise InputError(f"{model} is a GGUF file; gptq and awq are made from a Hugging Face checkpoint (a folder "
                          "with config.json, or a Hub id): give that model, or a gptq/awq checkpoint's path")
+
+
+def quantized_widths(model: str) -> list[int] | None:
+    """The input widths of the linear layers gptqmodel quantizes in ``model``'s decoder layers (attention's inputs,
+    its output projection's, the MLP's up and down projections'), from its config alone; None for a model whose
+    config is not on this machine (a Hub id not fetched)."""
+    from tasks.engine.kv_cache import head_dim
+
+    source = resolve_model_path(model)
+    if not (Path(source) / "config.json").is_file():
+        return None
+    config = load_config(source).get_text_config()
+    try:
+        widths = {config.hidden_size, config.num_attention_heads * head_dim(config)}
+    except AttributeError:  # not a decoder whose config names these: gptqmodel's own checks are all there is
+        return None
+    mlp = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+    return sorted(widths | {getattr(config, key) for key in mlp if isinstance(getattr(config, key, None), int)})
+
+
+def check_group_fits(model: str, method: str, group_size: int) -> None:
+    """Refuse a group size that does not divide the input width of every linear layer gptq/awq quantizes, before
+    anything loads: gptqmodel quantizes and saves such a checkpoint, and no kernel can then score it
+    (``_weight_int4pack_mm_cpu: expect K to be divisible by qGroupSize``)."""
+    widths = quantized_widths(model) if group_size > 0 else None
+    if not widths or all(width % group_size == 0 for width in widths):
+        return
+    fits = [size for size in KERNEL_GROUP_SIZES[method] if size < 0 or all(width % size == 0 for width in widths)]
+    raise InputError(f"group_size {group_size} does not divide the input widths of {model}'s layers "
+                     f"({', '.join(map(str, widths))}); use one of {', '.join(map(str, fits))} (-1: per channel)")
 
 
 def check_destination(out: Path) -> None:

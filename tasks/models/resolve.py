@@ -110,7 +110,26 @@ def load_tokenizer(name: str):
     except Exception as error:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a bad vocabulary
         if is_network_error(error):
             raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
-        raise InputError(f"cannot load the tokenizer of {name}: {one_line(error)}") from None
+        raise InputError(f"cannot load the tokenizer of {name}: {_tokenizer_problem(source, error)}") from None
+
+
+def _tokenizer_problem(source: str, error: Exception) -> str:
+    """What is wrong with a model's tokenizer files, and what to do: the libraries say only a missing key
+    (``'added_tokens'``) or their parser's position."""
+    found = one_line(error)
+    files = [name for name in ("tokenizer.json", "tokenizer_config.json") if (Path(source) / name).is_file()]
+    if not files:
+        return found
+    for name in files:
+        try:
+            json.loads((Path(source) / name).read_text(encoding="utf-8"))
+        except (ValueError, OSError) as bad:
+            found = f"{name} is not readable JSON ({one_line(bad)})"
+            break
+    else:
+        if isinstance(error, KeyError):
+            found = f"{' or '.join(files)} is malformed: it lacks the key {found}"
+    return f"{found}; copy the tokenizer's files again from where the model came from (or its original repository)"
 
 
 def load_config(name: str, registry: str | None = None):

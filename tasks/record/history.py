@@ -25,6 +25,7 @@ from tasks.core.errors import InputError
 from tasks.record.dominance import no_larger
 from tasks.record.tags import BASELINE_KEY, COMPLETE, DOMINATED_BY, REFERENCE, SCHEDULED
 from tasks.record.plots import COLOURS, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured, size_quality_figure, titled
+from tasks.record.verdict import said as said_as
 
 NAN = math.nan
 
@@ -185,7 +186,7 @@ def format_history(rows: list[Audited]) -> str:
                ("ΔPPL % [95% CI]", ">24"), ("KLD", ">9")]
     body = []
     for row in rows:
-        said = row.verdict.upper() + "".join(f"; {note}" for note in (
+        said = said_as(row.verdict).upper() + "".join(f"; {note}" for note in (
             row.dominated_by and f"dominated by {row.dominated_by}", row.changed) if note)
         figures = vars(row)  # named as a comparison row's: the audit table's own formatting
         body.append(([row.name, row.method, row.audit, f"{row.started:%Y-%m-%d %H:%M}",
@@ -203,7 +204,7 @@ def history_chart(rows: list[Audited], key: str) -> Figure:
                         (row.delta_ppl_pct, row.delta_ppl_pct_low, row.delta_ppl_pct_high),
                         (row.kld_mean, row.kld_mean_low, row.kld_mean_high), COLOURS.get(row.verdict, COLOURS["error"]),
                         row.dominated_by is not None, row.past) for row in reversed(rows)]
-    handles = [Patch(color=COLOURS[v], label=f"{v} (newest audit)") for v in COLOURS
+    handles = [Patch(color=COLOURS[v], label=f"{said_as(v)} (newest audit)") for v in COLOURS
                if any(row.verdict == v and not row.past for row in rows)]
     handles += [Patch(color=PAST_COLOUR, label="earlier audits")] if any(row.past for row in rows) else []
     audits = len({row.parent_run_id for row in rows})

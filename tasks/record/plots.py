@@ -23,8 +23,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from tasks.config import Thresholds
+from tasks.record.verdict import said as said_as
 
-COLOURS = {"baseline": "#1565c0", "pass": "#2e7d32", "fail": "#c62828", "error": "#9e9e9e"}
+COLOURS = {"baseline": "#1565c0", "pass": "#2e7d32", "fail": "#c62828", "error": "#9e9e9e", "ungated": "#f9a825"}
 LIMIT_COLOUR = "#212121"
 DPI = 130  # with 11-inch figures: about 1400 pixels wide, legible when MLflow's viewer scales them down
 WIDTH = 11
@@ -115,7 +116,7 @@ def delta_ppl_chart(record: dict) -> Figure:
     axis.axvline(0, color="black", linewidth=1)
     axis.set_xlim(low, high)
     axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
-    return titled(figure, f"{record['name']}: ΔPPL % per variant · {record['verdict']['status'].upper()}", handles)
+    return titled(figure, f"{record['name']}: ΔPPL % per variant · {said_as(record['verdict']['status']).upper()}", handles)
 
 
 def size_quality_chart(record: dict) -> Figure:
@@ -130,7 +131,7 @@ def size_quality_chart(record: dict) -> Figure:
                         kv=v["row"].get("kv_bytes_per_token", math.nan)) for v in variants]
     sizes = SIZES + (KV_SIZE,) * any(v["row"].get("kv_cache") for v in variants)  # where a variant sets a cache
     return titled(size_quality_figure(points, sizes), f"{record['name']}: size against quality · "
-                   f"{record['verdict']['status'].upper()}", _verdict_handles(variants) + FRONT_HANDLES)
+                   f"{said_as(record['verdict']['status']).upper()}", _verdict_handles(variants) + FRONT_HANDLES)
 
 
 @dataclass
@@ -328,7 +329,7 @@ def titled(figure: Figure, title: str, handles: list) -> Figure:
 def _verdict_handles(entries: list[dict]) -> list:
     """A legend patch per verdict among ``entries``, in a fixed order."""
     present = {verdict_of(e) for e in entries}
-    return [Patch(color=COLOURS[v], label=v) for v in COLOURS if v in present]
+    return [Patch(color=COLOURS[v], label=said_as(v)) for v in COLOURS if v in present]
 
 
 def _why(entry: dict) -> str:

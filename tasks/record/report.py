@@ -14,6 +14,7 @@ from html import escape
 
 from tasks.config import EvaluationConfig, Thresholds
 from tasks.record import plots
+from tasks.record.verdict import said as said_as
 
 STYLE = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #212121; margin: 24px;
@@ -47,7 +48,7 @@ def html_report(record: dict, pictures: dict[str, bytes], diagnoses: dict[str, s
         diagnoses: by variant, the address of its diagnosis's run in the MLflow UI, from the UI's root.
     Returns the HTML text.
     """
-    title = f"ppl-audit {record['name']}: {record['verdict']['status'].upper()}"
+    title = f"ppl-audit {record['name']}: {said_as(record['verdict']['status']).upper()}"
     body = [_verdict(record), _comparison(record), _diagnoses(record, diagnoses or {}), _charts(pictures),
             _where(record), _settings(record), _lineage(record)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
@@ -292,7 +293,7 @@ def _pairs(title: str, values: dict) -> str:
 
 def _badge(verdict: str) -> str:
     colour = verdict if verdict in plots.COLOURS else "error"
-    return f'<span class="badge {colour}">{escape(verdict.upper())}</span>'
+    return f'<span class="badge {colour}">{escape(said_as(verdict).upper())}</span>'
 
 
 def figure_text(row: dict, key: str, form: str) -> str:

@@ -16,6 +16,7 @@ from tasks.core.places import home, tracking_uri
 from tasks.data.registry import is_registered, tag_version
 from tasks.record.spool import read_record
 from tasks.record.tags import AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMINATED_BY, REFERENCE, SCHEDULED
+from tasks.record.verdict import said as said_as
 
 EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",
@@ -191,7 +192,7 @@ def _ms(seconds: float) -> int:
 
 
 # where a model's row goes in the parent run's description: what needs a reviewer first, first
-DESCRIPTION_ORDER = {"error": 0, "fail": 1, "pass": 2, "baseline": 3}
+DESCRIPTION_ORDER = {"error": 0, "fail": 1, "ungated": 2, "pass": 2, "baseline": 3}
 
 
 def description(record: dict) -> str:
@@ -212,7 +213,7 @@ def description(record: dict) -> str:
         top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
         limit = ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
         scored = row.get("scored_fraction", 1.0)
-        said = status.upper() + (f" at {100 * scored:.0f}%" if scored < 1 else "")  # a sequential run's stop
+        said = said_as(status).upper() + (f" at {100 * scored:.0f}%" if scored < 1 else "")  # a sequential run's stop
         said += f", dominated by {row['dominated_by']}" if row.get("dominated_by") else ""
         lines.append(f"| {entry['name']} | {said} | {delta_text(row)} | "
                      f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
@@ -286,7 +287,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     started = _ms(pd.Timestamp(record.get("started", record["created"])).timestamp())
     verdict = record["verdict"]
     dataset = _dataset_input(record)
-    parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {verdict['status'].upper()}",
+    parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {said_as(verdict['status']).upper()}",
                                tags={AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"],
                                      "audit.reason": verdict["reason"][:5000], "ppl_audit.kind": "audit",
                                      "ppl_audit.audit": record["name"], "mlflow.note.content": description(record),
@@ -312,7 +313,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     for entry in record["variants"]:
         status = plots.verdict_of(entry)
         child = client.create_run(experiment_id, start_time=_ms(entry["started"]) if entry.get("started") else started,
-                                  run_name=f"{entry['name']} · {status.upper()}", tags={
+                                  run_name=f"{entry['name']} · {said_as(status).upper()}", tags={
             "mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"], "ppl_audit.variant": entry["name"],
             "ppl_audit.kind": entry["role"], "audit.verdict": status,
             "mlflow.runColor": plots.COLOURS[status],  # the UI's dot and lines for the run: the charts' colours

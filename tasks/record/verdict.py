@@ -17,8 +17,17 @@ FRONT = "front of size against quality (bits per weight, ΔPPL and KLD)"
 @dataclass(frozen=True)
 class Verdict:
     name: str
-    status: str  # pass, fail or error
+    status: str  # pass, fail, error, or ungated: no limit applied, so nothing was judged (never said as a pass)
     reason: str
+
+    @property
+    def said(self) -> str:
+        return said(self.status)
+
+
+def said(status: str) -> str:
+    """A verdict's status as a person reads it (tables, badges, run names): ``no gate`` for ``ungated``."""
+    return "no gate" if status == "ungated" else status
 
 
 def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int) -> dict:
@@ -130,8 +139,8 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
         return Verdict(name, "error", f"KL divergence was not measured: {why}")
     checks = [_check(row, what, key, getattr(gate, limit), above, number, unit)
               for what, key, limit, above, number, unit in GATES if getattr(gate, limit) is not None]
-    if not checks:
-        return Verdict(name, "pass", f"ΔPPL {row['delta_ppl_pct']:+z.2f}% (no limit set)")
+    if not checks:  # nothing to judge against: a variant at +9000% must not read as passing
+        return Verdict(name, "ungated", f"ΔPPL {row['delta_ppl_pct']:+z.2f}%, judged against no limit (thresholds)")
     failed = [reason for status, reason in checks if status != "pass"]
     how = f"; {row['sequential']}" if row.get("sequential") else ""
     if any(status in ("fail", "noise") for status, _ in checks):
@@ -159,10 +168,16 @@ def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = No
     last."""
     if baseline_row["status"] != "ok":
         return Verdict("audit", "error", f"baseline failed: {baseline_row['reason']}")
-    bad = [v for v in verdicts if v.status != "pass"]
-    if not bad:
+    bad = [v for v in verdicts if v.status not in ("pass", "ungated")]
+    ungated = [v.name for v in verdicts if v.status == "ungated"]
+    if not bad and len(ungated) == len(verdicts):
+        verdict = Verdict("audit", "ungated", f"no variant has a limit in thresholds, so none was judged; set "
+                                              "thresholds (max_ppl_increase_pct, ...) to gate them")
+    elif not bad:
         early = f" ({stopped} stopped early, settled: sequential)" if stopped else ""
-        verdict = Verdict("audit", "pass", f"all {len(verdicts)} variant(s) passed{early}")
+        unjudged = f"; no gate for {', '.join(ungated)}" if ungated else ""
+        verdict = Verdict("audit", "pass", f"all {len(verdicts) - len(ungated)} gated variant(s) passed{early}{unjudged}"
+                          if ungated else f"all {len(verdicts)} variant(s) passed{early}")
     else:
         status = "fail" if any(v.status == "fail" for v in bad) else "error"
         verdict = Verdict("audit", status, "; ".join(f"{v.name}: {v.reason}" for v in bad))
@@ -192,7 +207,7 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
     body = []
     for row in rows:
         verdict = verdicts.get(row["variant"])
-        said = f"{verdict.status}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
+        said = f"{verdict.said}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
         if row.get("divergence_absent") and "KL divergence was not measured" not in said:
             said += f"; no KLD: {row['divergence_absent']}"  # a blank column says why
         if row.get("dominated_by"):
@@ -245,6 +260,11 @@ def _percentile_lines(row: dict, name: str, label: str, percentiles: tuple[float
             + [line("Minimum", f"{name}_min")])
 
 
+# llama-perplexity's ± are taken over tokens, as if independent; these are over windows (a window's tokens are not
+# independent), so wider on the same tokens: said in the block, so that nobody sets the two side by side as one figure
+STATS_ERRORS = "(± is a standard error over windows, not over tokens as llama-perplexity's: not the same figure)"
+
+
 def format_stats(rows: list[dict]) -> str:
     """llama-perplexity's statistics block for each variant with KL (``ppl-audit run --stats full``),
     in its wording, with KL(variant‖base) beside it. Errors are taken over windows (``tasks.engine.paired``)."""
@@ -261,6 +281,7 @@ def format_stats(rows: list[dict]) -> str:
             return f"{scale * row[key]:{width}.{digits}f} ± {scale * row[key + '_stderr']:{width - 2}.{digits}f}"
 
         lines = [f"### {row['variant']} against {base['variant']} (reference {row.get('reference') or '—'})",
+                 STATS_ERRORS,
                  "====== Perplexity statistics ======",
                  f"Mean PPL(Q)                   : {row['ppl']:11.6f} ± {row['ppl_stderr']:9.6f}",
                  f"Mean PPL(base)                : {base['ppl']:11.6f} ± {base['ppl_stderr']:9.6f}",
