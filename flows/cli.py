@@ -41,8 +41,9 @@ def process_defaults() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-# which commands' library output goes to a log file: each says (LOGGED), `reference build` and `verify` too. `serve`'s console is
-# then what an operator reads (what is served, a line as each run starts and ends)
+# which commands' library output goes to a log file: each says (LOGGED), and `reference` of its actions
+# (LOGGED_ACTIONS: build, verify). `serve`'s console is then what an operator reads (what is served, a line as each
+# run starts and ends)
 COMMANDS = (ppl, quantize, audit, diagnose, compare, serve, ui, sync, setup, notify, reference)
 LOG_BYTES = 256 * 2**20  # the oldest logs go beyond this
 
