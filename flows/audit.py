@@ -108,6 +108,11 @@ def audit(config: str, overrides: list[str] | None = None, model_path: str | Non
         if served:
             served.check_run(config, overrides)
         settings = load_audit_config(config, overrides or [])
+        described = {k: v for k, v in {"baseline": baseline, "method": method, "bits": bits, "name": name}.items() if v}
+        if described and not model_path:  # they describe an event's checkpoint: the config's audit would ignore them
+            raise (Refused if served else InputError)(
+                f"{', '.join(f'{k} {v}' for k, v in described.items())} given without model_path: they describe the "
+                "checkpoint an event names; give its model_path too, or leave them out to run the config's own audit")
         if model_path:
             if served:
                 served.check_event(settings, model_path, baseline or None)

@@ -46,8 +46,9 @@ def process_defaults() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-# which commands' library output goes to a log file: each says (LOGGED), `reference build` too. `serve`'s console is
-# then what an operator reads (what is served, a line as each run starts and ends)
+# which commands' library output goes to a log file: each says (LOGGED), and `reference` of its actions
+# (LOGGED_ACTIONS: build, verify). `serve`'s console is then what an operator reads (what is served, a line as each
+# run starts and ends)
 COMMANDS = (ppl, quantize, audit, diagnose, compare, serve, ui, sync, setup, notify, reference)
 LOG_BYTES = 256 * 2**20  # the oldest logs go beyond this
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
     process_defaults()
     args = _parser().parse_args(argv)
     command = next(command for command in COMMANDS if command.NAME == args.command)
-    logged = command.LOGGED or getattr(args, "action", None) == "build"
+    logged = command.LOGGED or getattr(args, "action", None) in getattr(command, "LOGGED_ACTIONS", ())
     log = _log_file(args) if capture and logged else None
     if log is not None:
         try:

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -63,11 +64,47 @@ def serve_config(config_path: str, say: Callable[[str], None]) -> None:
     asyncio.run(runner.start())
 
 
+def end_served_runs(how: str, grace: float = 1.5) -> list[str]:
+    """End the flow runs this serve's runner is running, as serve stops: their processes (the runner's children whose
+    environment names their flow run) are stopped, and each run that had not ended is recorded Crashed with the stop's
+    line. Without it, the runner's shutdown killed those processes before they could tell the API, and each run stayed
+    Running there for good. Returns the runs' ids."""
+    import psutil
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    runs = {}
+    for child in psutil.Process().children():
+        with suppress(psutil.Error):
+            if run_id := child.environ().get("PREFECT__FLOW_RUN_ID"):
+                runs[run_id] = child
+    if not runs:
+        return []
+    for process in runs.values():
+        with suppress(psutil.Error):
+            process.terminate()
+    for process in psutil.wait_procs(list(runs.values()), timeout=grace)[1]:
+        with suppress(psutil.Error):
+            process.kill()
+    line = f"crashed: ppl-audit serve was interrupted by {how} while this run ran; nothing it had half-written is kept"
+    with suppress(Exception), get_client(sync_client=True) as client:  # noqa: BLE001 -- the API gone: nothing to tell
+        for run_id in runs:
+            state = client.read_flow_run(run_id).state
+            # a verdict reached before the stop stands; Running, Cancelling (the runner's own shutdown) or Prefect's
+            # crash without the why are replaced
+            if state is None or state.type.value not in ("COMPLETED", "FAILED"):
+                client.set_flow_run_state(run_id, Crashed(message=line), force=True)
+    return list(runs)
+
+
 class _Runner(Runner):
     """Prefect's runner, which on SIGTERM pauses the deployments and exits, with status 143 (a stopped command's,
-    which the CLI reports in one line) instead of 0: a process manager is told it was stopped, not that it ended."""
+    which the CLI reports in one line) instead of 0: a process manager is told it was stopped, not that it ended.
+    The runs it is running are ended first (``end_served_runs``): Prefect's own stop of them is never awaited when
+    called from this handler, and its teardown then kills their processes without a word to the API."""
 
     def handle_sigterm(self, *args) -> None:
+        end_served_runs(signal.SIGTERM.name)
         try:
             super().handle_sigterm(*args)
         except SystemExit:
@@ -100,7 +137,10 @@ def watch(names: list[str], say: Callable[[str], None], every: float = 2.0) -> N
             ended = run.state is not None and run.state.is_final()
             if said.get(run.id) == "ended" or (said.get(run.id) == "started" and not ended):
                 continue
-            what = f"{deployment.get(run.deployment_id, 'a')} run {str(run.id)[:8]}"
+            if run.start_time is None and not ended:  # scheduled or pending: the filter finds a cron's next runs by
+                continue                              # their expected start, and none of them has started
+            # whole: runs created together share their id's first characters (the time), as a cron's next three do
+            what = f"{deployment.get(run.deployment_id, 'a')} run {run.id}"
             if run.id not in said:
                 model = run.parameters.get("model_path") or run.parameters.get("model")
                 say(f"{what} started" + (f" for {model}" if model else ""))

@@ -70,3 +70,15 @@ def test_a_bad_event_name_is_one_line(config, tmp_path):
         event_config(config, path, "gptq", name="no spaces please")
     with pytest.raises(InputError, match="variant names must be unique: baseline repeats"):
         event_config(config, path, "gptq", name="baseline")
+
+
+def test_an_event_without_a_method_reads_it_from_the_checkpoint(config, tiny_model_dir):
+    """`notify --model DIR` for a float model, with no --method and no manifest, was audited as gptq and failed
+    ("loaded with no quantized layer"): its method is read from the checkpoint, as a config's ``path``'s is."""
+    from tasks.audit.checkpoints import prepare
+    from tasks.config import BaselineSpec
+
+    spec, _ = name_event_variant(config, str(tiny_model_dir))
+    [variant] = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)), [spec]).variants
+    assert (variant.problem, variant.spec.method) == ("", "baseline")
+    assert variant.detected == "no quantization_config: a float model"

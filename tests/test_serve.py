@@ -187,11 +187,14 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
                                                          gptq_checkpoint):
     """Whoever reaches the Prefect API (it has no authentication by default) asks the served deployments for
     another config, overrides that send the record elsewhere, a checkpoint or baseline outside the allowed
-    folders, a quantization into another folder: each run ends Failed with one ``refused:`` line before anything
-    loads. The same event for an allowed folder is audited."""
+    folders, a baseline with no checkpoint (it was audited as the config's own), a quantization into another
+    folder: each run ends Failed with one ``refused:`` line before anything loads. The console says nothing of the
+    cron's scheduled runs, which have not started. Stopped (SIGTERM) while an audit runs, serve ends that run Crashed
+    with the stop's line, not left Running in the API for good."""
     env, api = server
     config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path,
-                          [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}], name="guarded")
+                          [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}], name="guarded",
+                          schedule={"cron": "0 3 1 1 *"})  # once a year: its scheduled runs never start here
     other_config = write_config(tmp_path / "other.yaml", trained_model_dir, corpus_path, [{"name": "x", "method": "bnb-int8"}])
     console_path, home = tmp_path / "serve.console", tmp_path / "home"
     log = open(console_path, "w")
@@ -225,6 +228,7 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
         asked = {
             "another config": create("guarded", {"config": str(other_config)}),
             "overrides": create("guarded", {"config": str(config.resolve()), "overrides": ["tracking.uri=http://elsewhere:5000"]}),
+            "baseline alone": create("guarded", {"config": str(config.resolve()), "baseline": str(tmp_path / "other")}),
             "quantize elsewhere": create("guarded-quantize", {"model": str(trained_model_dir), "method": "gptq",
                                                                "out": str(tmp_path / "written-here"),
                                                                "calibration": str(corpus_path)}),
@@ -233,6 +237,8 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
             "another config": f"refused: this serve runs {config.resolve()} only, not {other_config}",
             "overrides": "refused: a served audit takes no overrides (tracking.uri=http://elsewhere:5000); change "
                          f"{config.resolve()} and serve it again",
+            "baseline alone": f"refused: baseline {tmp_path / 'other'} given without model_path: they describe the "
+                              "checkpoint an event names",
             "quantize elsewhere": f"refused: out {tmp_path / 'written-here'} is outside this serve's allowed folders",
         }
         for what, run_id in asked.items():
@@ -252,16 +258,28 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
         assert swapped["state_type"] == "FAILED" and swapped["state"]["message"].startswith(
             f"refused: the event names baseline {other_baseline}, but this config's baseline is "), swapped["state"]
         # each run's process logs its end after the server has its state
-        wait_for(lambda: serve_log(home).count("Finished in state Failed(") >= 5, 30, "the five runs' last lines")
-        wait_for(lambda: console_path.read_text().count(" ended Failed: refused: ") == 5, 30, "the console's lines")
+        wait_for(lambda: serve_log(home).count("Finished in state Failed(") >= 6, 30, "the six runs' last lines")
+        wait_for(lambda: console_path.read_text().count(" ended Failed: refused: ") == 6, 30, "the console's lines")
         assert "Traceback" not in serve_log(home), serve_log(home)[-5000:]
         # #30 item 5: the console says what an operator needs, a line as each run starts and ends; the rest is in
         # the log (gptqmodel's banner, library warnings, Prefect's lines)
         console = console_path.read_text().splitlines()
-        assert console[0].endswith("serving guarded: the audit on every quantization.completed event; guarded-quantize "
-                                   "on request"), console
-        assert len(console) == 11 and all(" run " in line for line in console[1:]), console
-        assert sum(" started" in line for line in console) == 5 and "GPT-QModel" in serve_log(home)
+        assert console[0].endswith("serving guarded: the audit on cron 0 3 1 1 * (UTC) and every quantization.completed "
+                                   "event; guarded-quantize on request"), console
+        assert len(console) == 13 and all(" run " in line for line in console[1:]), console
+        assert sum(" started" in line for line in console) == 6 and "GPT-QModel" in serve_log(home)
+        assert api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [deployments["guarded"]]}}, "flow_runs": {
+            "state": {"type": {"any_": ["SCHEDULED"]}}}}).json(), "the cron made no scheduled run to leave unsaid"
+
+        # the config's own audit, stopped while it quantizes
+        running = create("guarded", {"config": str(config.resolve())})
+        wait_for(lambda: api.get(f"/flow_runs/{running}").json()["state_type"] == "RUNNING", 120, "the audit to run")
+        serving.send_signal(signal.SIGTERM)
+        assert serving.wait(timeout=30) == 128 + signal.SIGTERM
+        run = api.get(f"/flow_runs/{running}").json()
+        assert run["state_type"] == "CRASHED" and run["state"]["message"] == (
+            "crashed: ppl-audit serve was interrupted by SIGTERM while this run ran; nothing it had half-written is "
+            "kept"), run["state"]
     finally:
         stop(serving)
         log.close()

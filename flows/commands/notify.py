@@ -18,7 +18,8 @@ def add(commands) -> None:
                                                 "server at PREFECT_API_URL: `serve` audits it")
     notify.add_argument("--model", required=True, help="the checkpoint's folder, as the serving machine reads it")
     notify.add_argument("--method", choices=[m for m in config_field(VariantSpec, "method")[1] if m != "baseline"],
-                        help="how it was quantized (default: the checkpoint's manifest, else gptq)")
+                        help="how it was quantized (default: the checkpoint's manifest, else read from the "
+                             "checkpoint as a config's path is)")
     notify.add_argument("--bits", type=int, help="informative")
     notify.add_argument("--name", help="the variant's name in the audit (it picks the gate)")
     notify.add_argument("--baseline", help="the model it was made from (default: the audit config's baseline)")

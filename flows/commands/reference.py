@@ -8,7 +8,8 @@ from flows.commands.arguments import VERBOSE, age, size
 from tasks.core import console
 from tasks.core.errors import InputError, one_line
 
-NAME, LOGGED = "reference", False  # `reference build` logs (it has its own --verbose)
+# `reference build` and `verify` log (each has its own --verbose): both load libraries whose noise is no answer
+NAME, LOGGED, LOGGED_ACTIONS = "reference", False, ("build", "verify")
 
 
 def add(commands) -> None:
@@ -25,6 +26,7 @@ def add(commands) -> None:
                                                "the scores, the LM head on the hidden states against the NLL")
     verify.add_argument("keys", nargs="*", help="keys from `ppl-audit reference ls`")
     verify.add_argument("--all", action="store_true", help="check every reference")
+    verify.add_argument("--verbose", action="store_true", help=VERBOSE)
     rm = actions.add_parser("rm", help="remove references by key, by age or to a size")
     rm.add_argument("keys", nargs="*", help="keys from `ppl-audit reference ls`")
     rm.add_argument("--all", action="store_true", help="remove every reference")
@@ -60,23 +62,26 @@ def run(args: argparse.Namespace) -> int:
             print(drift_text(said["drift"]), file=say)
         return 0 if said.get("path") else 1
     if args.action == "ls":
-        found = reference.stored()
+        found = reference.listed()
         print(f"{'key':<17}{'created':<17}{'last used':<17}{'size':>10}  {'tokens':>8}  {'dtype':<9}{'device':<12}"
               "torch / transformers  model", file=say)
-        for r in found:
+        for r, problem in found:
             m = r.manifest
-            print(f"{r.key:<17}{_when(m['created']):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  "
-                  f"{m['result']['n_tokens']:>8}  {m['identity']['dtype']:<9}{m['environment']['device'][:11]:<12}"
-                  f"{m['environment'].get('torch')} / {m['environment'].get('transformers')}  {m['source']}", file=say)
-        print(f"{len(found)} reference(s), {_mib(sum(r.size_bytes for r in found))} in {references_dir()}",
-              file=say)
+            about = (f"{m['result'].get('n_tokens')!s:>8}  {m['identity'].get('dtype')!s:<9}"
+                     f"{str(m['environment'].get('device'))[:11]:<12}{m['environment'].get('torch')} / "
+                     f"{m['environment'].get('transformers')}  {m['source']}") if problem is None else \
+                f"DAMAGED: {problem}; the audit of its baseline replaces it (or: ppl-audit reference rm {r.key})"
+            print(f"{r.key:<17}{_when(r.created):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  {about}", file=say)
+        damaged = sum(problem is not None for _, problem in found)
+        print(f"{len(found)} reference(s){f' ({damaged} damaged)' if damaged else ''}, "
+              f"{_mib(sum(r.size_bytes for r, _ in found))} in {references_dir()}", file=say)
         return 0
     if args.action == "verify":
         return _verify_references(args.keys, args.all)
     if not (args.keys or args.all or args.older_than is not None or args.over is not None):
         raise InputError("reference rm: name the keys to remove (see `ppl-audit reference ls`), or give --all, "
                          "--older-than AGE or --over SIZE")
-    found = {r.key: r for r in reference.stored()}
+    found = {r.key: r for r, _ in reference.listed()}  # a damaged one too: rm is how a user clears it
     unknown = [key for key in args.keys if key not in found]
     if unknown:
         raise InputError(f"reference rm: no reference {', '.join(unknown)}; `ppl-audit reference ls` lists them")
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         reference.remove(r)
     if args.older_than is not None or args.over is not None:
         removed += reference.prune(args.older_than, args.over)
-    print(f"removed {len(removed)} reference(s), {_mib(sum(r.manifest['size_bytes'] for r in removed))}"
+    print(f"removed {len(removed)} reference(s), {_mib(sum(r.size_bytes for r in removed))}"
           + "".join(f"\n  {r.key}" for r in removed), file=say)
     return 0
 

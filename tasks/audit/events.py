@@ -29,11 +29,12 @@ def name_event_variant(config: AuditConfig, model_path: str, method: str | None 
 
     Args:
         model_path: the checkpoint's folder (or Hub id) from the event.
-        method: the event's method; else the manifest's; else gptq.
+        method: the event's method; else the manifest's; else ``auto``: read from the checkpoint as a config's
+            ``path`` is (``tasks.models.formats.detect``), so that a float model is not audited as gptq.
         name: the event's name for it, if it gave one.
     """
     manifest = read_manifest(model_path) or {}
-    method = method or manifest.get("method") or "gptq"
+    method = method or manifest.get("method") or "auto"
     folder = Path(model_path).expanduser().resolve()
     by_name = {v.name: v for v in config.variants}
     settings = (manifest.get("bits"), manifest.get("group_size"), manifest.get("sym"))

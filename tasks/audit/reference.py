@@ -30,6 +30,7 @@ import time
 import zipfile
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,37 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True).encode()).hexdigest()
 
 
+# what every manifest of this format holds, and as what: one that lacks any was edited or copied badly, and is as
+# unreadable as one that is not JSON (a missing ``created`` once failed every audit of every baseline)
+FIELDS = {"format": int, "key": str, "created": (int, float), "source": str, "identity": dict, "environment": dict,
+          "facts": dict, "result": dict, "hidden": dict, "head": dict, "files": dict, "size_bytes": int, "digest": str}
+
+
+def manifest_problem(folder: Path, manifest: dict | None) -> str | None:
+    """Why ``manifest`` (``_manifest(folder)``) cannot describe the reference in ``folder``, None when it can: it is
+    unreadable (``_unreadable``) or was changed after it was written (its own digest). Reading nothing but the
+    manifest, it is cheap enough for every listing."""
+    if problem := _unreadable(folder, manifest):
+        return problem
+    if manifest["digest"] != manifest_digest(manifest):
+        return f"{MANIFEST} was changed after it was written"
+    return None
+
+
+def _unreadable(folder: Path, manifest: dict | None) -> str | None:
+    """Why ``manifest`` cannot even be matched to a baseline: missing, not JSON or of another format, lacking a
+    field, or naming another reference (a manifest swapped or copied from another folder: the key is the folder's
+    name). One that can is found, and its damage then said (``find_intact``), or refused under ``rescore: never``."""
+    if manifest is None:
+        return f"{MANIFEST} is missing, not JSON or not a format-{FORMAT} manifest (an older ppl-audit's: never used)"
+    wrong = next((name for name, kind in FIELDS.items() if not isinstance(manifest.get(name), kind)), None)
+    if wrong is not None:
+        return f"{MANIFEST} lacks its {wrong!r}" if manifest.get(wrong) is None else f"{MANIFEST}'s {wrong!r} is damaged"
+    if manifest["key"] != folder.name:
+        return f"{MANIFEST} is reference {manifest['key']}'s, not {folder.name}'s (swapped or copied)"
+    return None
+
+
 def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
@@ -194,14 +226,20 @@ class Reference:
     def key(self) -> str:
         return self.folder.name
 
-    @property
+    @cached_property  # measured once, while its files are there: `reference rm` says what it freed after
     def size_bytes(self) -> int:
         return sum(file.stat().st_size for file in self.folder.iterdir() if file.is_file())
 
     @property
+    def created(self) -> float:
+        """When it was made; a damaged manifest's (``manifest_problem``) folder says when it was put in place."""
+        created = self.manifest.get("created")
+        return created if isinstance(created, (int, float)) else self.folder.stat().st_mtime
+
+    @property
     def last_used(self) -> float:
         used = self.folder / USED
-        return used.stat().st_mtime if used.exists() else self.manifest["created"]
+        return used.stat().st_mtime if used.exists() else self.created
 
     @property
     def dtype(self) -> torch.dtype:
@@ -214,8 +252,9 @@ class Reference:
 
     @classmethod
     def open(cls, folder: Path) -> Reference | None:
-        manifest = read_json(folder / MANIFEST, "baseline reference manifest")
-        return cls(folder, manifest) if manifest and manifest.get("format") == FORMAT else None
+        """The reference in ``folder``; None where its manifest cannot be matched to a baseline (``_unreadable``)."""
+        manifest = _manifest(folder)
+        return None if _unreadable(folder, manifest) else cls(folder, manifest)
 
     def touch(self) -> None:
         (self.folder / USED).touch()
@@ -234,18 +273,22 @@ class Reference:
         digest, each file's size and sha256, and the stored result against the stored scores. It reads every
         file once (a hidden.bin of 5 GB takes seconds: far less than scoring the baseline again)."""
         manifest = self.manifest
-        if manifest.get("digest") != manifest_digest(manifest):
-            return f"{MANIFEST} was changed after it was written"
-        files = manifest.get("files", {})
-        for name in sorted({HIDDEN, SCORES} | set(files)):
-            path = self.folder / name
-            if name not in files or not path.is_file():
-                return f"{name} is missing"
-            if path.stat().st_size != files[name]["bytes"]:
-                return f"{name} holds {path.stat().st_size} bytes, not the {files[name]['bytes']} written"
-            if file_digest(path) != files[name]["sha256"]:
-                return f"{name} does not hold the bytes written (its sha256 differs)"
-        return self._inconsistency()
+        problem = manifest_problem(self.folder, manifest)
+        if problem:
+            return problem
+        try:
+            files = manifest["files"]
+            for name in sorted({HIDDEN, SCORES} | set(files)):
+                path = self.folder / name
+                if name not in files or not path.is_file():
+                    return f"{name} is missing"
+                if path.stat().st_size != files[name]["bytes"]:
+                    return f"{name} holds {path.stat().st_size} bytes, not the {files[name]['bytes']} written"
+                if file_digest(path) != files[name]["sha256"]:
+                    return f"{name} does not hold the bytes written (its sha256 differs)"
+            return self._inconsistency()
+        except (KeyError, TypeError, IndexError) as error:  # a field within lacking or of the wrong kind, sealed again
+            return f"{MANIFEST} lacks what a reference holds ({type(error).__name__}: {error})"
 
     def _inconsistency(self) -> str | None:
         """Where the manifest's result, the hidden states' shape and the per-token scores disagree."""
@@ -495,7 +538,7 @@ def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, t
     manifest["digest"] = manifest_digest(manifest)
     write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
     final = references_dir() / key
-    if final.exists() and (replace or _manifest(final) is None):  # a rescore, or one too damaged to open
+    if final.exists() and (replace or Reference.open(final) is None):  # a rescore, or one too damaged to open
         _discard(final)
     try:
         os.rename(staging, final)
@@ -577,20 +620,28 @@ def verify(folder: Path) -> str | None:
     """What is wrong with the reference in ``folder`` (``Reference.verify``), None when it is intact; read
     without the warning an audit prints, as the caller says it."""
     manifest = _manifest(folder)
-    if manifest is None:
-        return f"{MANIFEST} is missing, not JSON or not a format-{FORMAT} manifest (an older ppl-audit's: never used)"
+    if problem := manifest_problem(folder, manifest):
+        return problem
     try:
         return Reference(folder, manifest).verify()
     except (KeyError, TypeError, IndexError) as error:  # a field missing or of the wrong kind: edited by hand
         return f"{MANIFEST} lacks what a reference holds ({type(error).__name__}: {error})"
 
 
+def listed() -> list[tuple[Reference, str | None]]:
+    """Every reference folder, with what keeps its manifest from describing it (``manifest_problem``; None: nothing),
+    most recently made first. A damaged one holds whatever of its manifest could be read (``{}`` when nothing)."""
+    found = []
+    for folder in folders().values():
+        manifest = _manifest(folder)
+        found.append((Reference(folder, manifest or {}), manifest_problem(folder, manifest)))
+    return sorted(found, key=lambda pair: pair[0].created, reverse=True)
+
+
 def stored() -> list[Reference]:
-    """Every complete reference, most recently made first."""
-    root = references_dir()
-    found = [Reference.open(folder) for folder in root.iterdir() if folder.is_dir() and not folder.name.startswith(".")] \
-        if root.is_dir() else []
-    return sorted((r for r in found if r is not None), key=lambda r: r.manifest["created"], reverse=True)
+    """Every complete reference whose manifest can be matched to a baseline, most recently made first. One whose
+    manifest cannot is left out, never read as another's: the audit of its own baseline removes it (``find_intact``)."""
+    return [found for found, _ in listed() if not _unreadable(found.folder, found.manifest)]
 
 
 def find(identity_: dict, environment_: dict, rescore: Rescore) -> tuple[Reference | None, Reference | None]:
@@ -613,25 +664,37 @@ def find_intact(identity_: dict, environment_: dict, rescore: Rescore
                 ) -> tuple[Reference | None, Reference | None, list[str]]:
     """``find``, with what it finds checked first (``Reference.damage``): a damaged reference is never used. It is
     removed, with one warning line naming it and its damage, and the search made again; under ``rescore: never``,
-    which forbids scoring the baseline again, it is refused instead.
+    which forbids scoring the baseline again, it is refused instead. So is the folder this baseline's reference is
+    kept in when its manifest cannot even be matched (``_unreadable``: no search finds it).
 
     Returns:
         ``find``'s pair, and a ``"<key>: <damage>"`` line for each reference removed (for the record).
     """
     removed = []
+    own = references_dir() / key_of(identity_, environment_)
+    manifest = _manifest(own)
+    # left in place, it would fail every listing that trusted its manifest and keep the new one from taking its place
+    if own.is_dir() and (problem := _unreadable(own, manifest)):
+        _damaged(Reference(own, manifest or {}), problem, rescore)
+        removed.append(f"{own.name}: {problem}")
     while True:
         found = find(identity_, environment_, rescore)
         damaged = next(((r, problem) for r in found if r is not None and (problem := r.damage())), None)
         if damaged is None:
             return *found, removed
         bad, problem = damaged
-        if rescore == "never":
-            raise DamagedReference(f"baseline reference {bad.key} is damaged: {problem}; rescore: never forbids making "
-                                   f"it again: set baseline.rescore to auto, or remove it (ppl-audit reference rm {bad.key})")
-        print(f"ppl-audit: warning: baseline reference {bad.key} is damaged: {problem}; it is removed and not used",
-              file=console.err())
-        remove(bad)
+        _damaged(bad, problem, rescore)
         removed.append(f"{bad.key}: {problem}")
+
+
+def _damaged(bad: Reference, problem: str, rescore: Rescore) -> None:
+    """A damaged reference an audit found: removed, with one warning line; refused under ``rescore: never``."""
+    if rescore == "never":
+        raise DamagedReference(f"baseline reference {bad.key} is damaged: {problem}; rescore: never forbids making "
+                               f"it again: set baseline.rescore to auto, or remove it (ppl-audit reference rm {bad.key})")
+    print(f"ppl-audit: warning: baseline reference {bad.key} is damaged: {problem}; it is removed and not used",
+          file=console.err())
+    remove(bad)
 
 
 def drift(previous: Reference, result: PerplexityResult, environment_: dict) -> dict:
@@ -655,7 +718,23 @@ def drift(previous: Reference, result: PerplexityResult, environment_: dict) -> 
 
 
 def remove(reference: Reference) -> None:
+    _ = reference.size_bytes  # measured before its files go
     _discard(reference.folder)
+
+
+def remove_damaged(found: Reference) -> bool:
+    """Remove a reference that failed a check after it was found intact (a variant's batch: its head on its hidden
+    states against its NLL), so that the next audit scores the baseline again instead of failing the same way. Only
+    while its folder holds the manifest it was opened with: another audit may have put a new one in its place, and
+    another variant's process may have removed it first. Returns whether this call removed it."""
+    now = _manifest(found.folder)
+    if now is None or now.get("digest") != found.manifest.get("digest"):
+        return False
+    try:
+        _discard(found.folder)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def prune(older_than_seconds: float | None = None, max_bytes: int | None = None) -> list[Reference]:
@@ -668,7 +747,7 @@ def prune(older_than_seconds: float | None = None, max_bytes: int | None = None)
     for folder in slices.iterdir() if slices.is_dir() else []:
         if time.time() - folder.stat().st_mtime > SLICES_KEPT_SECONDS:
             shutil.rmtree(folder, ignore_errors=True)
-    kept = sorted(stored(), key=lambda r: r.last_used)
+    kept = sorted((found for found, _ in listed()), key=lambda r: r.last_used)  # damaged ones too: by their age
     removed = []
     if older_than_seconds is not None:
         removed = [r for r in kept if time.time() - r.last_used > older_than_seconds]

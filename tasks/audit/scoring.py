@@ -396,7 +396,7 @@ def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Line
     model, outcome.facts = _loaded(spec, checkpoint.source, evaluation_)
     if checkpoint.detected:
         outcome.facts.quantization["detected"] = checkpoint.detected
-    against = None
+    against, stored = None, None
     baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
     if settings.divergence and baseline_slices is not None:
         against = _read_slices(outcome, baseline_slices, lineup.baseline.source, input_device(model))
@@ -405,7 +405,8 @@ def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Line
         if stored is None:
             raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
                               "worker must see $PPL_AUDIT_REFERENCES at the same path")
-        against = stored.baseline(lineup.baseline.source, input_device(model))
+        with _removed_when_damaged(stored):
+            against = stored.baseline(lineup.baseline.source, input_device(model))
         outcome.divergence = {"reference": baseline_said["key"],
                               "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
     elif settings.divergence:
@@ -418,12 +419,26 @@ def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Line
     elif settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
         watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result.window_nll, settings.order_seed)
         sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
-    part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against, **sequence)
+    with _removed_when_damaged(stored):
+        part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against, **sequence)
     if windows is None and sample is None:
         outcome.result = combined([part], evaluation_, spec.name)
         if watch:
             outcome.sequential = watch.said(outcome.result)
     return part
+
+
+@contextmanager
+def _removed_when_damaged(stored: reference.Reference | None):
+    """A stored reference that a variant finds damaged (its head on its hidden states against its NLL, checked at each
+    batch; its hidden states' size) is removed as the failure is raised, so that the next audit scores the baseline
+    again, as the failure's line says, instead of reusing it and failing the same way."""
+    try:
+        yield
+    except DamagedReference:
+        if stored is not None:
+            reference.remove_damaged(stored)
+        raise
 
 
 def _read_slices(outcome: VariantResult, shards: list[VariantResult], source: str, device: torch.device):
