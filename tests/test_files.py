@@ -50,7 +50,7 @@ def test_a_damaged_token_cache_is_made_again(tokenizer, tmp_path, monkeypatch, c
     [entry] = (tmp_path / "tokens").iterdir()
     entry.write_bytes(entry.read_bytes()[:100])
     again = cached_tokenize(text, tokenizer, bos="none")
-    assert "is damaged; it is ignored and made again" in capsys.readouterr().err
+    assert f"token cache {entry} is damaged: it cannot be read" in capsys.readouterr().err
     assert again.ids.tolist() == first.ids.tolist() == tokenize(text, tokenizer, bos="none").ids.tolist()
     assert cached_tokenize(text, tokenizer, bos="none").ids.tolist() == first.ids.tolist()  # rebuilt whole
     assert capsys.readouterr().err == ""
@@ -67,7 +67,7 @@ def test_a_damaged_batch_size_cache_is_searched_again(tiny_model64, tokenizer, t
     stream = tokenize(make_text(800), tokenizer, bos="none")
     size = auto_batch_size(tiny_model64, stream, 64, 32)
     assert size >= 1 and "batch size cache" in capsys.readouterr().err
-    assert list(json.loads((tmp_path / "batch_sizes.json").read_text()).values()) == [size]
+    assert list(json.loads((tmp_path / "batch_sizes.json").read_text())["sizes"].values()) == [size]
 
 
 def test_scratch_folders_of_processes_that_died_are_removed_next_time(tmp_path):

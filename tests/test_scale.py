@@ -54,7 +54,7 @@ def test_batch_size_auto_is_searched_once_and_changes_nothing(cache, tiny_model6
     doublings = [2**k for k in range(chosen.bit_length())]
     assert doublings[-1] == chosen, f"batch size {chosen} is not a power of two"
     assert measured == doublings + ([2 * chosen] if 2 * chosen <= limit else []), (chosen, measured)
-    assert list(json.loads((cache / "batch_sizes.json").read_text()).values()) == [chosen]
+    assert list(json.loads((cache / "batch_sizes.json").read_text())["sizes"].values()) == [chosen]
     monkeypatch.setattr(tasks.engine.batching, "score_windows", lambda *a, **k: pytest.fail("searched again"))
     assert auto_batch_size(tiny_model64, stream, 64, 32) == chosen
     assert perplexity(tiny_model64, stream, 64, 32, chosen).nll_sum == \
@@ -99,7 +99,7 @@ def test_batch_size_auto_on_cpu_is_where_doubling_stops_paying_5_percent(cache, 
     model, tried = fake_device(monkeypatch, "cpu", tokens_per_second)
     assert auto_batch_size(model, stream, 64, 32) == expected
     assert tried == [2**k for k in range(min(expected.bit_length() + 1, 7))]  # no measurement past the stop
-    assert list(json.loads((cache / "batch_sizes.json").read_text()).values()) == [expected]
+    assert list(json.loads((cache / "batch_sizes.json").read_text())["sizes"].values()) == [expected]
 
 
 @pytest.mark.parametrize("windows_that_fit", [1, 3, 8, 40, 1000])
@@ -128,7 +128,7 @@ def test_batch_size_auto_differs_between_memory_budgets_and_devices(cache, token
     large, _ = fake_device(monkeypatch, "cuda:1", windows_that_fit=20)
     assert auto_batch_size(large, stream, 64, 32) == 16
     assert auto_batch_size(small, stream, 64, 32) == 4  # recalled: its own entry
-    assert sorted(json.loads((cache / "batch_sizes.json").read_text()).values()) == [4, 16]
+    assert sorted(json.loads((cache / "batch_sizes.json").read_text())["sizes"].values()) == [4, 16]
 
 
 def test_a_128k_vocabulary_never_gets_a_full_logits_tensor():

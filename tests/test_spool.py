@@ -331,3 +331,65 @@ def test_a_damaged_record_is_set_aside_and_the_others_sync(tmp_path, home, audit
     assert runs_of(MlflowClient(uri), broken) == ([], [])
     assert (home / "quarantine" / folder.name / "record.json").is_file() and pending() == []
     assert main(["sync"]) == 0  # the next scheduled sync succeeds
+
+
+def _cut_short(folder: Path) -> None:
+    arrays = folder / "copy.parquet"
+    arrays.write_bytes(arrays.read_bytes()[: arrays.stat().st_size // 2])
+
+
+def _wrong_type(folder: Path) -> None:
+    record = read_record(folder)
+    record["variants"][1]["row"] = "fast"
+    (folder / "record.json").write_text(json.dumps(record))
+
+
+def _deeper_field_missing(folder: Path) -> None:
+    """A field ``damage`` does not look for, which the replay reads: it fails on it, not on the server."""
+    record = read_record(folder)
+    del record["config"]["tracking"]["experiment"]
+    (folder / "record.json").write_text(json.dumps(record))
+
+
+def _older_record_cut_short(folder: Path) -> None:
+    """A record spooled before the arrays' digests were kept (no files.json), its arrays cut short."""
+    (folder / "files.json").unlink(missing_ok=True)
+    _cut_short(folder)
+
+
+@pytest.mark.parametrize("damage,expected", [
+    (_cut_short, "copy.parquet holds "),
+    (lambda folder: (folder / "copy.parquet").unlink(), "copy.parquet is missing"),
+    (_wrong_type, "record.json holds a value of the wrong type in variants[].row"),
+    (_older_record_cut_short, "copy.parquet is missing or not a Parquet file"),
+    (_deeper_field_missing, "replaying it failed on its content: KeyError: 'experiment'"),
+], ids=["arrays-cut-short", "arrays-missing", "a-field-of-the-wrong-type", "an-older-record-cut-short",
+        "a-deeper-field-missing"])
+def test_a_record_whose_arrays_or_fields_are_damaged_is_set_aside_and_the_others_sync(tmp_path, home, audited, capsys,
+                                                                                      damage, expected):
+    """Issue 51: such a record failed every sync (exit 1), each leaving a parent run RUNNING in MLflow."""
+    uri = fresh_store(tmp_path)
+    broken, good = spool_copies(audited, 2, uri)
+    folder = spool_dir() / f"{audited.name}-0"
+    damage(folder)
+    assert main(["sync"]) == 0
+    out, err = capsys.readouterr()
+    [warning] = [line for line in err.splitlines() if "damaged" in line]
+    assert warning.startswith(f"ppl-audit: warning: {folder.name} is damaged ({expected}"), warning
+    assert "1 of 2 spooled audit(s) synced, 1 damaged" in out
+    logged_once(MlflowClient(uri), good)
+    assert runs_of(MlflowClient(uri), broken) == ([], [])
+    assert (home / "quarantine" / folder.name).is_dir() and pending() == []
+
+
+def test_a_replay_that_fails_midway_leaves_no_parent_run_running(tmp_path, home, audited, capsys):
+    """Issue 51: each failed replay left its parent run in status RUNNING for good."""
+    uri = fresh_store(tmp_path)
+    [audit_id] = spool_copies(audited, 1, uri)
+    (home / "mlartifacts").write_text("")  # where a local store's artifacts go: none can be written
+    assert main(["sync"]) == 1
+    [parent], _ = runs_of(MlflowClient(uri), audit_id)
+    assert parent.info.status == "FAILED"
+    (home / "mlartifacts").unlink()
+    assert main(["sync"]) == 0  # the next sync logs it whole
+    logged_once(MlflowClient(uri), audit_id)

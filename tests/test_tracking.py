@@ -161,7 +161,8 @@ def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trai
     assert "mlflow_run_id" not in interrupted and interrupted["verdict"].status == "error"
     spooled = sorted((Path(os.environ["PPL_AUDIT_HOME"]) / "spool").iterdir())
     assert len(spooled) == 1
-    assert {p.name for p in spooled[0].iterdir()} == {"record.json", "baseline.parquet", "int8.parquet", "nf4.parquet"}
+    assert {p.name for p in spooled[0].iterdir()} == {"record.json", "files.json", "baseline.parquet", "int8.parquet",
+                                                      "nf4.parquet"}
 
     server.start()
     client = MlflowClient(server.uri)

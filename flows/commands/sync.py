@@ -16,10 +16,21 @@ def add(commands) -> None:
     sync.add_argument("--tracking-uri", help="default: each audit's configured URI, MLFLOW_TRACKING_URI, or the local store")
 
 
+# what a replay raises on a record's own content (a field missing or of another type), not on a server's failure
+OF_THE_RECORD = (KeyError, TypeError, IndexError, AttributeError)
+
+
+def _set_aside(folder, problem: str) -> None:
+    from tasks.record.spool import quarantine
+
+    print(f"ppl-audit: warning: {folder.name} is damaged ({problem}); moved to {quarantine(folder)}: "
+          "inspect its record.json, then move it back to the spool or delete it", file=console.err())
+
+
 def run(args: argparse.Namespace) -> int:
     from tasks.config import check_tracking
-    from tasks.record.spool import claim, damage, mark_synced, pending, quarantine, sweep_partials
-    from tasks.record.tracking import replay
+    from tasks.record.spool import claim, damage, mark_synced, pending, sweep_partials
+    from tasks.record.tracking import is_tracking_outage, replay
 
     if args.tracking_uri is not None or os.environ.get("MLFLOW_TRACKING_URI"):  # else each record's own: checked as it was made
         check_tracking(args.tracking_uri, "--tracking-uri")
@@ -36,12 +47,16 @@ def run(args: argparse.Namespace) -> int:
             problem = damage(folder)
             if problem:  # it would fail every later sync too: set aside, as any damaged cache is
                 damaged += 1
-                print(f"ppl-audit: warning: {folder.name} is damaged ({problem}); moved to {quarantine(folder)}: "
-                      "inspect its record.json, then move it back to the spool or delete it", file=console.err())
+                _set_aside(folder, problem)
                 continue
             try:
                 run_id = replay(folder, args.tracking_uri)
             except Exception as error:  # keep going: each record is independent
+                if isinstance(error, OF_THE_RECORD) and not is_tracking_outage(error):
+                    damaged += 1  # a field deeper than ``damage`` looks: this record fails every sync, not the server
+                    _set_aside(folder, f"replaying it failed on its content: {type(error).__name__}: "
+                                       f"{one_line(error)[:100]}")
+                    continue
                 failed += 1
                 print(f"{folder.name}: not synced ({type(error).__name__}: {one_line(error)[:200]})",
                       file=console.err())

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from tasks.config import DEFAULT_CALIBRATION, BaselineSpec, Gate, Thresholds, VariantSpec
+from tasks.core import sealed
 from tasks.core.errors import InputError, one_line
+from tasks.core.files import discard
 from tasks.core.places import cache_dir
 from tasks.data.corpus import cached_tokenize, tokenizer_digest
 from tasks.data.evaluation import Evaluation
 from tasks.models.formats import detect, locate
-from tasks.models.quantize import (Calibration, check_group_fits, check_quantizable, draw_calibration, model_digest,
-                                   quantize, read_manifest)
+from tasks.models.quantize import (Calibration, check_group_fits, check_quantizable, checkpoint_damage, draw_calibration,
+                                   model_digest, quantize, read_manifest)
 from tasks.models.resolve import load_tokenizer, model_files, resolve_model_path
 
 
@@ -131,11 +132,18 @@ def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluat
     bits, group_size, sym = spec.quantization
     calibration = calibration_for(spec, lineup, evaluation_, corpus_text_of)
     baseline = lineup.baseline.source
-    key = json.dumps([model_digest(str(model_files(baseline, fetch=True))), spec.method, bits, group_size, sym,
-                      calibration.digest])
+    baseline_digest = model_digest(str(model_files(baseline, fetch=True)))
+    key = json.dumps([baseline_digest, spec.method, bits, group_size, sym, calibration.digest])
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if read_manifest(str(out)) is None:
-        shutil.rmtree(out, ignore_errors=True)  # a folder without its manifest is not a checkpoint: made again
+    made_from = {"source_model_digest": baseline_digest, "method": spec.method, "bits": bits, "group_size": group_size,
+                 "sym": sym, "calibration": calibration.describe()}
+    manifest = read_manifest(str(out))
+    problem = None if manifest is None else checkpoint_damage(out, manifest, made_from)
+    if problem:  # never scored: it would give wrong numbers, or fail every later audit
+        sealed.warn_remade("quantized checkpoint", out, problem)
+    if manifest is None or problem:
+        if out.exists():  # a folder without its manifest is not a checkpoint: made again
+            discard(out)
         try:
             quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name, progress=progress)
         except FileExistsError:  # another audit made the same one meanwhile

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from tasks.config import EvaluationConfig, Rescore
-from tasks.core import console
+from tasks.core import console, sealed
 from tasks.core.errors import DamagedReference, InputError
-from tasks.core.files import file_digest, read_json, scratch, write_atomically
+from tasks.core.files import discard, file_digest, read_json, scratch, write_atomically
 from tasks.core.places import references_dir
 from tasks.core.versions import versions
 from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
@@ -175,9 +175,7 @@ def read_head(folder: Path) -> tuple[str, torch.Tensor, torch.Tensor | None] | N
     return names[0], weight, bias
 
 
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of a manifest but for its own ``digest``: an edited manifest is told from the one written."""
-    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True).encode()).hexdigest()
+manifest_digest = sealed.fields_digest  # of a manifest but its own ``digest``: an edited one is told from the one written
 
 
 # what every manifest of this format holds, and as what: one that lacks any was edited or copied badly, and is as
@@ -272,21 +270,11 @@ class Reference:
         """What is wrong with the reference's files, None when they hold what was written: the manifest's own
         digest, each file's size and sha256, and the stored result against the stored scores. It reads every
         file once (a hidden.bin of 5 GB takes seconds: far less than scoring the baseline again)."""
-        manifest = self.manifest
-        problem = manifest_problem(self.folder, manifest)
+        problem = manifest_problem(self.folder, self.manifest)
         if problem:
             return problem
         try:
-            files = manifest["files"]
-            for name in sorted({HIDDEN, SCORES} | set(files)):
-                path = self.folder / name
-                if name not in files or not path.is_file():
-                    return f"{name} is missing"
-                if path.stat().st_size != files[name]["bytes"]:
-                    return f"{name} holds {path.stat().st_size} bytes, not the {files[name]['bytes']} written"
-                if file_digest(path) != files[name]["sha256"]:
-                    return f"{name} does not hold the bytes written (its sha256 differs)"
-            return self._inconsistency()
+            return sealed.files_damage(self.folder, self.manifest["files"], (HIDDEN, SCORES)) or self._inconsistency()
         except (KeyError, TypeError, IndexError) as error:  # a field within lacking or of the wrong kind, sealed again
             return f"{MANIFEST} lacks what a reference holds ({type(error).__name__}: {error})"
 
@@ -532,14 +520,13 @@ def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, t
                 window_tokens=result.window_tokens, targets=targets.numpy().astype(np.int32))
     manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(), "hidden": hidden,
                  "head": head | {"softcap": manifest.pop("softcap")}}
-    manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": (known or {}).get(f.name) or file_digest(f)}
-                         for f in sorted(staging.iterdir())}
+    manifest["files"] = sealed.files_entry(staging, [f.name for f in staging.iterdir()], known)
     manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
-    manifest["digest"] = manifest_digest(manifest)
+    manifest |= sealed.seal(manifest)
     write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
     final = references_dir() / key
     if final.exists() and (replace or Reference.open(final) is None):  # a rescore, or one too damaged to open
-        _discard(final)
+        discard(final)
     try:
         os.rename(staging, final)
     except OSError:
@@ -592,13 +579,6 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
 def building() -> AbstractContextManager[Path]:
     """A scratch folder for a ``Writer``: removed when done, and by the next build if this process dies."""
     return scratch(references_dir() / ".building")
-
-
-def _discard(folder: Path) -> None:
-    """Take a reference away at once (a rename), then delete it: no reader ever opens half a folder."""
-    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}-{time.time_ns()}")
-    os.rename(folder, trash)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def folders() -> dict[str, Path]:
@@ -719,7 +699,7 @@ def drift(previous: Reference, result: PerplexityResult, environment_: dict) -> 
 
 def remove(reference: Reference) -> None:
     _ = reference.size_bytes  # measured before its files go
-    _discard(reference.folder)
+    discard(reference.folder)
 
 
 def remove_damaged(found: Reference) -> bool:
@@ -731,7 +711,7 @@ def remove_damaged(found: Reference) -> bool:
     if now is None or now.get("digest") != found.manifest.get("digest"):
         return False
     try:
-        _discard(found.folder)
+        discard(found.folder)
     except FileNotFoundError:
         return False
     return True

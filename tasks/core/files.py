@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,18 +130,28 @@ def publish(folder: Path, out: Path) -> None:
         raise
 
 
+def discard(folder: Path) -> None:
+    """Take a cache's folder away at once (a rename), then delete it: no reader ever opens half a folder."""
+    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}-{time.time_ns()}")
+    os.rename(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def once_per_file_state(maxsize: int):
-    """Decorate ``function(path, *args)`` to run once in this process for each state of the file at ``path`` (its
-    size and modification time in the key, with ``args``), for reads that cost seconds: a file rewritten in place
-    is read again. Callers that may change what it returns get it as it is: copy it."""
+    """Decorate ``function(path, *args)`` to run once in this process for each state of the file at ``path`` (with
+    ``args``), for reads that cost seconds (a GGUF file's header and config). A file's state is what one ``stat``
+    says of its content: which file (device, inode), its size, and its modification and change times. The change
+    time is the kernel's, set by every write and by ``touch``, so a file rewritten in place or copied over with its
+    size and modification time kept (``cp -p``, ``touch -r``) is read again, at no cost beyond the ``stat``. Callers
+    that may change what it returns get it as it is: copy it."""
     def decorate(function):
         @functools.lru_cache(maxsize=maxsize)
-        def cached(path: str, size: int, mtime_ns: int, *args):
+        def cached(path: str, state: tuple[int, ...], *args):
             return function(Path(path), *args)
 
         @functools.wraps(function)
         def call(path: Path, *args):
             stat = path.stat()
-            return cached(str(path), stat.st_size, stat.st_mtime_ns, *args)
+            return cached(str(path), (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns), *args)
         return call
     return decorate

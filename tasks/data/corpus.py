@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.core import console
+from tasks.core import console, sealed
 from tasks.core.errors import InputError, one_line
 from tasks.core.files import prune
 from tasks.engine.stream import TokenStream
@@ -269,7 +269,9 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
     """``tokenize``, with the stream kept on disk by corpus digest, tokenizer digest and settings.
 
     A second audit of the same corpus with the same tokenizer reads ``N`` int32 ids instead of
-    tokenizing again (``$PPL_AUDIT_CACHE/tokens``).
+    tokenizing again (``$PPL_AUDIT_CACHE/tokens``). An entry keeps what it was made from (those digests and
+    settings) and the sha256 of its ids, checked when read: another corpus's file copied over this one's, or
+    damaged ids, are never scored (one line; it is made again).
     """
     import numpy as np
 
@@ -277,23 +279,42 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
 
     bos = bos or default_bos(tokenizer)
     text_digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    key = hashlib.sha256(json.dumps([text_digest, tokenizer_digest(tokenizer), bos, max_tokens]).encode()).hexdigest()
+    made_from = {"text": text_digest, "tokenizer": tokenizer_digest(tokenizer), "bos": bos, "max_tokens": max_tokens}
+    key = hashlib.sha256(json.dumps(list(made_from.values())).encode()).hexdigest()
     file = cache_dir() / "tokens" / f"{key}.npz"
     if file.is_file():
-        try:
+        found, problem = _read_tokens(file, made_from)
+        if found is not None:
             os.utime(file)  # recently used: kept when the cache is pruned
-            saved = np.load(file)
-            meta = json.loads(str(saved["meta"]))
-            return TokenStream(ids=torch.from_numpy(saved["ids"].astype(np.int64)), prefix=tuple(meta["prefix"]),
-                               bos=bos, n_bytes=meta["n_bytes"], n_words=meta["n_words"], text_digest=text_digest,
-                               bos_id=meta["bos_id"])
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-            print(f"ppl-audit: warning: token cache {file} is damaged; it is ignored and made again", file=console.err())
+            return found
+        sealed.warn_remade("token cache", file, problem, "it is ignored and made again")
     stream = tokenize(text, tokenizer, bos, max_tokens, progress)
     file.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"prefix": list(stream.prefix), "n_bytes": stream.n_bytes, "n_words": stream.n_words, "bos_id": stream.bos_id}
+    ids = stream.ids.numpy().astype(np.int32)
+    meta = sealed.seal(made_from | {"ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "prefix": list(stream.prefix),
+                                    "n_bytes": stream.n_bytes, "n_words": stream.n_words, "bos_id": stream.bos_id})
     partial = file.with_suffix(f".{os.getpid()}.tmp.npz")
-    np.savez(partial, ids=stream.ids.numpy().astype(np.int32), meta=json.dumps(meta))
+    np.savez(partial, ids=ids, meta=json.dumps(meta))
     partial.rename(file)
     prune(file.parent, TOKEN_CACHE_BYTES)
     return stream
+
+
+def _read_tokens(file: Path, made_from: dict) -> tuple[TokenStream | None, str]:
+    """The stream a token cache file holds, when it was made from ``made_from`` and its ids are those written; else
+    None and what is wrong. Costs a sha256 of its ids (4 bytes a token)."""
+    import numpy as np
+
+    try:
+        with np.load(file) as saved:
+            meta, ids = json.loads(str(saved["meta"])), saved["ids"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        return None, f"it cannot be read ({type(error).__name__})"
+    problem = sealed.damage(meta, "its entry", made_from)
+    if problem is None and hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest() != meta["ids_sha256"]:
+        problem = "its token ids are not those written (their sha256 differs)"
+    if problem:
+        return None, problem
+    return TokenStream(ids=torch.from_numpy(ids.astype(np.int64)), prefix=tuple(meta["prefix"]), bos=made_from["bos"],
+                       n_bytes=meta["n_bytes"], n_words=meta["n_words"], text_digest=made_from["text"],
+                       bos_id=meta["bos_id"]), ""

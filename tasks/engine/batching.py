@@ -9,12 +9,15 @@ depend on it; an out-of-memory error later still halves the batch size instead o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from pathlib import Path
 
 import torch
 
-from tasks.core.files import read_json, write_atomically
+from tasks.core import sealed
+from tasks.core.files import write_atomically
 from tasks.core.places import cache_dir
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import score_windows
@@ -23,13 +26,33 @@ from tasks.engine.windows import plan
 
 
 def _cache_key(model, window: int, mode: str) -> str:
-    return json.dumps([str(model.name_or_path), str(model.dtype), str(input_device(model)), window, mode])
+    """What a batch size is found for: the model (its name, and the digest of its config: another model saved at the
+    same path is searched again), its dtype and device, the window and mode."""
+    config = model.config.to_json_string() if hasattr(model, "config") else ""
+    return json.dumps([str(model.name_or_path), hashlib.sha256(config.encode()).hexdigest()[:16], str(model.dtype),
+                       str(input_device(model)), window, mode])
+
+
+def _known(file: Path) -> dict[str, int]:
+    """The batch sizes found before, when the file holds what was written (its digest, each a positive whole number);
+    else none, with one line: a wrong size would make scoring slow or run out of memory."""
+    if not file.is_file():
+        return {}
+    entry = sealed.read_entry(file)
+    problem = sealed.damage(entry, "its content")
+    if problem is None and not (isinstance(entry.get("sizes"), dict) and all(
+            isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in entry["sizes"].values())):
+        problem = "it holds a batch size that is not a positive whole number"
+    if problem:
+        sealed.warn_remade("batch size cache", file, problem, "the sizes are searched again")
+        return {}
+    return entry["sizes"]
 
 
 def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: str = "sliding", cap: int = 64) -> int:
     """Search (or recall) the batch size for ``model`` at this window on this device."""
     file = cache_dir() / "batch_sizes.json"
-    known = read_json(file, "batch size cache") or {}
+    known = _known(file)
     key = _cache_key(model, window, mode)
     if key in known:
         return known[key]
@@ -53,5 +76,5 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
         torch.cuda.empty_cache()
     known[key] = best
     file.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(file, json.dumps(known, indent=1))
+    write_atomically(file, json.dumps(sealed.seal({"sizes": known}), indent=1))
     return best

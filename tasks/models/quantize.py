@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tasks.config import KERNEL_GROUP_SIZES, CorpusConfig
-from tasks.core import console
+from tasks.core import console, sealed
 from tasks.core.errors import InputError
 from tasks.core.files import file_digest, publish, read_json, scratch, write_atomically
 from tasks.core.places import cache_dir
@@ -112,15 +112,22 @@ def model_digest(path: str) -> str:
     """sha256 over a model folder's config and weight files, or over a single-file checkpoint (``.gguf``).
 
     Remembered by the files' names, sizes and modification times: an audit asks for it every run, and
-    reading a 70B checkpoint again would take minutes.
+    reading a 70B checkpoint again would take minutes. What is remembered keeps those (what it was made
+    from) and a digest of itself, checked when read: an entry changed, or another model's copied over it,
+    is never used (one line; the files are read again).
     """
     files = [Path(path)] if Path(path).is_file() else [
         file for file in sorted(Path(path).iterdir()) if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES]
     single = Path(path).is_file()
-    stamp = json.dumps([single] + [[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files])
-    remembered = cache_dir() / "digests" / hashlib.sha256(stamp.encode()).hexdigest()
+    stamp = [single] + [[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files]
+    remembered = cache_dir() / "digests" / hashlib.sha256(json.dumps(stamp).encode()).hexdigest()
     if remembered.is_file():
-        return remembered.read_text().strip()
+        entry = sealed.read_entry(remembered)
+        problem = sealed.damage(entry, "its entry", {"files": stamp})
+        if problem is None and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+        sealed.warn_remade("remembered model digest", remembered, problem or "it holds no sha256",
+                           f"{path} is read again")
     if single:  # its bytes alone: a renamed copy is the same model
         found = file_digest(Path(path))
     else:
@@ -132,7 +139,7 @@ def model_digest(path: str) -> str:
                     digest.update(chunk)
         found = digest.hexdigest()
     remembered.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(remembered, found)
+    write_atomically(remembered, json.dumps(sealed.seal({"files": stamp, "sha256": found})))
     return found
 
 
@@ -298,7 +305,10 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
                 "source_model": model, "source_model_digest": model_digest(source),
                 "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
                 "device": device, "seconds": round(time.perf_counter() - started, 2),
+                # what loading it reads, to be checked when a cached one is reused (``checkpoint_damage``)
+                "files": sealed.files_entry(made, [f.name for f in made.iterdir() if f.is_file()]),
             }
+            manifest = sealed.seal(manifest)
             write_atomically(made / MANIFEST, json.dumps(manifest, indent=2))
             publish(made, out)
     finally:
@@ -369,3 +379,10 @@ def check_destination(out: Path) -> None:
 
 def read_manifest(path: str) -> dict | None:
     return read_json(Path(path) / MANIFEST, "quantization manifest")
+
+
+def checkpoint_damage(folder: Path, manifest: dict, made_from: dict) -> str | None:
+    """What is wrong with a checkpoint quantized here, None when it holds what was written from ``made_from`` (the
+    manifest's ``source_model_digest``, ``method``, ``bits``, …): its manifest's own digest, those fields, and each file's
+    size and sha256 (a bit flipped in a scale, a truncated ``model.safetensors``). It reads every file once."""
+    return sealed.damage(manifest, MANIFEST, made_from) or sealed.files_damage(folder, manifest.get("files"))

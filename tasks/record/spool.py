@@ -23,7 +23,7 @@ from typing import IO, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.core import console
+from tasks.core import console, sealed
 from tasks.core.files import died, owner_tag, write_atomically
 from tasks.core.places import quarantine_dir, spool_dir, synced_dir
 
@@ -56,6 +56,9 @@ def write_record(record: dict, arrays: dict[str, pa.Table]) -> Path:
         partial.mkdir()
         for name, table in arrays.items():
             pq.write_table(table, partial / name)
+        # the arrays' sizes and sha256, checked before a replay (``damage``); record.json is not in it: a person may
+        # mend a quarantined one and move it back, and its JSON is checked field by field
+        write_atomically(partial / FILES, json.dumps(sealed.seal({"files": sealed.files_entry(partial, arrays)})))
         write_atomically(partial / "record.json", record_json(record))
         partial.rename(folder)
     except BaseException:
@@ -90,24 +93,64 @@ def sweep_partials() -> None:
             print(f"ppl-audit: removed {partial.name}, an unfinished record of a process that died", file=console.err())
 
 
-# what replaying a record reads of it, at the top and for each model
-RECORD_KEYS = ("name", "audit_id", "created", "verdict", "variants", "config", "table", "corpus")
-ENTRY_KEYS = ("name", "role", "status", "row", "spec", "reason")
+# what replaying a record reads of it, at the top and for each model, and of which type
+RECORD_TYPES = {"name": str, "audit_id": str, "created": str, "verdict": dict, "variants": list, "config": dict,
+                "table": str, "corpus": dict}
+ENTRY_TYPES = {"name": str, "role": str, "status": str, "row": dict, "spec": dict, "reason": (str, type(None))}
+OPTIONAL_ENTRY_TYPES = {"verdict": (dict, type(None)), "result": (dict, type(None)), "facts": (dict, type(None)),
+                        "manifest": (dict, type(None)), "arrays": (str, type(None))}
+FILES = "files.json"  # the per-token arrays' sizes and sha256 (``write_record``)
+
+
+def _wrong_fields(record: dict) -> str | None:
+    """The fields a replay reads that are missing or of another type, in words; None when all are there."""
+    missing = [key for key in RECORD_TYPES if key not in record]
+    if not missing and isinstance(record["variants"], list):
+        missing = sorted({f"variants[].{key}" for entry in record["variants"] for key in ENTRY_TYPES
+                          if not isinstance(entry, dict) or key not in entry})
+    if missing:
+        return f"record.json lacks {', '.join(missing)}"
+    wrong = [key for key, kind in RECORD_TYPES.items() if not isinstance(record[key], kind)]
+    if not wrong:
+        wrong = sorted({f"variants[].{key}" for entry in record["variants"]
+                        for key, kind in (ENTRY_TYPES | OPTIONAL_ENTRY_TYPES).items()
+                        if not isinstance(entry.get(key), kind)})
+    if not wrong and not isinstance(record["config"].get("tracking"), dict):
+        wrong = ["config.tracking"]
+    if wrong:
+        return f"record.json holds a value of the wrong type in {', '.join(wrong)}"
+    try:
+        datetime.fromisoformat(record["created"])
+    except ValueError:
+        return f"record.json's created ({record['created'][:40]}) is not a time"
+    return None
+
+
+def _arrays_damage(folder: Path, record: dict) -> str | None:
+    """What is wrong with a record's per-token arrays: against their sizes and sha256 (``FILES``), or for a record
+    spooled before those were kept, whether each is there and a Parquet file."""
+    named = {entry["arrays"] for entry in record["variants"] if entry.get("arrays")}
+    if (folder / FILES).is_file():
+        kept = sealed.read_entry(folder / FILES)
+        return sealed.damage(kept, FILES) or sealed.files_damage(folder, kept.get("files"), named)
+    for name in sorted(named):
+        try:
+            pq.read_metadata(folder / name)
+        except (OSError, pa.ArrowException) as error:
+            return f"{name} is missing or not a Parquet file ({type(error).__name__})"
+    return None
 
 
 def damage(folder: Path) -> str | None:
-    """Why a spooled record cannot be replayed however often it is tried (not JSON, a field missing), or None."""
+    """Why a spooled record cannot be replayed however often it is tried (not JSON, a field missing or of the wrong
+    type, its per-token arrays missing or not as written), or None. Reads its arrays once (their sha256)."""
     try:
         record = read_record(folder)
     except (OSError, ValueError) as error:
         return f"record.json is not readable JSON ({type(error).__name__}: {str(error)[:100]})"
     if not isinstance(record, dict):
         return "record.json does not hold a record"
-    missing = [key for key in RECORD_KEYS if key not in record]
-    if not missing and isinstance(record["variants"], list):
-        missing = sorted({f"variants[].{key}" for entry in record["variants"] for key in ENTRY_KEYS
-                          if not isinstance(entry, dict) or key not in entry})
-    return f"record.json lacks {', '.join(missing)}" if missing else None
+    return _wrong_fields(record) or _arrays_damage(folder, record)
 
 
 def quarantine(folder: Path) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from contextlib import suppress
 from pathlib import Path
 
 from tasks.config import EvaluationConfig
@@ -266,14 +267,12 @@ def _delete_partial(client, experiment_id: str, audit_id: str) -> str | None:
 
 
 def replay(folder: Path, uri: str | None = None, experiment: str | None = None) -> str:
-    """Log a spooled audit record to MLflow; returns the parent run id. Raises if the server fails."""
+    """Log a spooled audit record to MLflow; returns the parent run id. Raises if the server fails, leaving the
+    parent run it made FAILED."""
     import pandas as pd
     from mlflow import MlflowClient
-    from mlflow.entities import RunTag
 
     from tasks.record import plots
-    from tasks.record.diagnosis import log_run
-    from tasks.record.report import html_report
 
     record = read_record(folder)
     uri = tracking_uri(uri or record["config"]["tracking"]["uri"])
@@ -293,6 +292,28 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
                                      "ppl_audit.audit": record["name"], "mlflow.note.content": description(record),
                                      "mlflow.runColor": plots.COLOURS[verdict["status"]],
                                      **_baseline_tags(record)}).info.run_id
+    try:
+        _log_children(client, experiment_id, parent, record, folder, dataset, started, timestamp)
+    except BaseException:
+        # else it stays RUNNING in the UI for good; the next replay deletes it (``_delete_partial``) and logs it whole
+        with suppress(Exception):
+            client.set_terminated(parent, "FAILED")
+        raise
+    client.set_tag(parent, COMPLETE, "true")
+    client.set_terminated(parent, "FINISHED", end_time=timestamp)
+    return parent
+
+
+def _log_children(client, experiment_id: str, parent: str, record: dict, folder: Path, dataset, started: int,
+                  timestamp: int) -> None:
+    """Everything of a replayed audit but its parent run: the parent's figures and artifacts, a run per model, history."""
+    import pandas as pd
+    from mlflow.entities import RunTag
+
+    from tasks.record import plots
+    from tasks.record.diagnosis import log_run
+    from tasks.record.report import html_report
+
     _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
     _log_dataset(client, parent, dataset)
     client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")
@@ -334,9 +355,6 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
             tag_version(client, entry["spec"]["path"], status, ((entry["verdict"] or {}).get("reason") or entry["reason"]),
                         child, parent)
     _log_history(client, experiment_id, parent, record)
-    client.set_tag(parent, COMPLETE, "true")
-    client.set_terminated(parent, "FINISHED", end_time=timestamp)
-    return parent
 
 
 def _baseline_key(record: dict) -> str | None:

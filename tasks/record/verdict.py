@@ -171,7 +171,7 @@ def overall(baseline_row: dict, verdicts: list[Verdict], drift: dict | None = No
     bad = [v for v in verdicts if v.status not in ("pass", "ungated")]
     ungated = [v.name for v in verdicts if v.status == "ungated"]
     if not bad and len(ungated) == len(verdicts):
-        verdict = Verdict("audit", "ungated", f"no variant has a limit in thresholds, so none was judged; set "
+        verdict = Verdict("audit", "ungated", "no variant has a limit in thresholds, so none was judged; set "
                                               "thresholds (max_ppl_increase_pct, ...) to gate them")
     elif not bad:
         early = f" ({stopped} stopped early, settled: sequential)" if stopped else ""
