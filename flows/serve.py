@@ -60,8 +60,24 @@ def serve_config(config_path: str, say: Callable[[str], None]) -> None:
     runner = _Runner(pause_on_shutdown=True)
     for deployment in served:
         runner.add_deployment(deployment)
+    # Ctrl-C and SIGHUP reach here as exceptions, which the runner's teardown meets after it killed its runs' processes:
+    # the runs are ended first, as on SIGTERM (``_Runner.handle_sigterm``)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _ending_served_runs_first(signal.getsignal(signum)))
     # not prefect.serve, which returns as if nothing happened when stopped by Ctrl-C; a stop ends as every command's
     asyncio.run(runner.start())
+
+
+def _ending_served_runs_first(previous):
+    """A signal handler that ends the served runs (``end_served_runs``), then does what ``previous`` did: raise
+    KeyboardInterrupt (Ctrl-C) or stop the command (flows.lifetime's SIGHUP)."""
+    def handler(signum, frame) -> None:
+        end_served_runs(signal.Signals(signum).name)
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt
+
+    return handler
 
 
 def end_served_runs(how: str, grace: float = 1.5) -> list[str]:

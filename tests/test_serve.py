@@ -283,3 +283,33 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
     finally:
         stop(serving)
         log.close()
+
+
+def test_ctrl_c_or_sighup_to_serve_ends_its_running_audit_crashed(server, tmp_path, trained_model_dir, corpus_path):
+    """As on SIGTERM (above), serve stopped by Ctrl-C or SIGHUP while an audit runs ends that run Crashed with the
+    stop's line: the runner's teardown had killed the run's process without a word to the API, and the run stayed
+    Running there for good (#51's sibling)."""
+    env, api = server
+    config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path,
+                          [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32,
+                            "calibration": {"samples": 4, "seq_len": 64}}], name="stopped")
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        with open(tmp_path / f"serve-{signum.name}.console", "w") as log:
+            serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)],
+                                       env=env | {"PPL_AUDIT_HOME": str(tmp_path / "home")}, stdout=log,
+                                       stderr=subprocess.STDOUT)
+            try:
+                deployment = wait_for(lambda: next((d["id"] for d in api.post("/deployments/filter", json={}).json()
+                                                    if d["name"] == "stopped"), None), 120, "the deployment")
+                running = wait_for(lambda: (lambda answer: answer if answer.is_success else None)(api.post(
+                    f"/deployments/{deployment}/create_flow_run", json={"parameters": {"config": str(config.resolve())}})),
+                    60, "a run").json()["id"]
+                wait_for(lambda: api.get(f"/flow_runs/{running}").json()["state_type"] == "RUNNING", 120, "the audit")
+                serving.send_signal(signum)
+                assert serving.wait(timeout=30) == 128 + signum
+            finally:
+                stop(serving)
+        run = api.get(f"/flow_runs/{running}").json()
+        assert run["state_type"] == "CRASHED" and run["state"]["message"] == (
+            f"crashed: ppl-audit serve was interrupted by {signum.name} while this run ran; nothing it had half-written "
+            "is kept"), (signum.name, run["state"])
