@@ -101,7 +101,9 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
     sequential: the clearly good one ends before scoring every window, the one judged against a limit inside its
     noise scores every window."""
     env, api = server
-    variants = [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}]
+    # calibration the test corpus can supply: serve refuses a config whose own audit could not draw it (#51)
+    variants = [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32,
+                 "calibration": {"samples": 4, "seq_len": 64}}]
     thresholds = {"max_ppl_increase_pct": 0.001, "per_variant": {"gptq-4bit": {"max_ppl_increase_pct": 50}}}
     config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path, variants, name="nightly",
                           schedule={"cron": "0 3 * * *", "timezone": "Europe/Berlin"}, thresholds=thresholds,
@@ -193,7 +195,8 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
     with the stop's line, not left Running in the API for good."""
     env, api = server
     config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path,
-                          [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32}], name="guarded",
+                          [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32,
+                            "calibration": {"samples": 4, "seq_len": 64}}], name="guarded",
                           schedule={"cron": "0 3 1 1 *"})  # once a year: its scheduled runs never start here
     other_config = write_config(tmp_path / "other.yaml", trained_model_dir, corpus_path, [{"name": "x", "method": "bnb-int8"}])
     console_path, home = tmp_path / "serve.console", tmp_path / "home"
