@@ -157,6 +157,7 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
             raise kernel_start.kernel_error(spec.name, spec.method, spec.kernel, device.type, cause) from error
     forget_with(model, split)
     ready(spec, model)
+    weights = weight_bytes(model)  # as loaded: a kernel may repack its weights at its first forward, just below
     if spec.method in ("gptq", "awq"):
         kernel_start.first_forward(model, spec.name, spec.method, spec.kernel)
     load_seconds = time.perf_counter() - started
@@ -172,7 +173,7 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
         method=spec.method, source=source, device=",".join(devices(model)) if split else str(device),
         dtype=str(dtype).removeprefix("torch."),
         load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(str(model_files(source) or source)),
-        weight_memory_bytes=weight_bytes(model), bits_per_weight=quantized_bits(model, spec, source, list(kernels))
+        weight_memory_bytes=weights, bits_per_weight=quantized_bits(model, spec, source, list(kernels))
         or whole, model_bits_per_weight=whole, quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
         quantization=describe(spec, source, model), kernels=kernels,
