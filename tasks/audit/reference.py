@@ -188,11 +188,7 @@ def manifest_problem(folder: Path, manifest: dict | None) -> str | None:
     """Why ``manifest`` (``_manifest(folder)``) cannot describe the reference in ``folder``, None when it can: it is
     unreadable (``_unreadable``) or was changed after it was written (its own digest). Reading nothing but the
     manifest, it is cheap enough for every listing."""
-    if problem := _unreadable(folder, manifest):
-        return problem
-    if manifest["digest"] != manifest_digest(manifest):
-        return f"{MANIFEST} was changed after it was written"
-    return None
+    return _unreadable(folder, manifest) or sealed.damage(manifest, MANIFEST)
 
 
 def _unreadable(folder: Path, manifest: dict | None) -> str | None:

@@ -10,6 +10,7 @@ neither, so the line names one of them.
 from __future__ import annotations
 
 import traceback
+from contextlib import contextmanager
 
 import torch
 
@@ -45,17 +46,24 @@ def kernel_error(name: str, method: str, kernel: str | None, device_type: str, e
                       f"give `kernel: {instead}` on this variant, a kernel that needs no build or download")
 
 
-def first_forward(model, name: str, method: str, kernel: str | None) -> None:
-    """One forward pass of two tokens through a freshly loaded gptq/awq ``model``: the kernels that build or fetch
-    at first use do it now, where a failure is the kernel's and said so, not halfway through scoring."""
-    device = input_device(model)
+@contextmanager
+def said_as_the_kernel(name: str, method: str, kernel: str | None, device_type: str):
+    """Turn an error that comes out of gptqmodel while the block runs (loading, a first forward) into ``kernel_error``'s
+    line; any other error, and running out of memory, pass as they are."""
     try:
-        with torch.inference_mode():
-            model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)
+        yield
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
         cause = raised_in_gptqmodel(error)
         if cause is None:
             raise
-        raise kernel_error(name, method, kernel, device.type, cause) from error
+        raise kernel_error(name, method, kernel, device_type, cause) from error
+
+
+def first_forward(model, name: str, method: str, kernel: str | None) -> None:
+    """One forward pass of two tokens through a freshly loaded gptq/awq ``model``: the kernels that build or fetch
+    at first use do it now, where a failure is the kernel's and said so, not halfway through scoring."""
+    device = input_device(model)
+    with said_as_the_kernel(name, method, kernel, device.type), torch.inference_mode():
+        model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)

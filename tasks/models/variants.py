@@ -8,6 +8,7 @@ package, GGUF files dequantized from gguf-py's reader of the file (``tasks.model
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -146,15 +147,10 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
     with warnings.catch_warnings():
         if spec.kernel is not None:  # transformers warns that it takes only the backend from this config: the point
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        try:
+        # gptqmodel picks and readies its kernel as the checkpoint loads
+        with (kernel_start.said_as_the_kernel(spec.name, spec.method, spec.kernel, device.type)
+              if spec.method in ("gptq", "awq") else contextlib.nullcontext()):
             model = load_model(source, dtype, device, **extra, **split)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:  # gptqmodel picks and readies its kernel as the checkpoint loads
-            cause = kernel_start.raised_in_gptqmodel(error) if spec.method in ("gptq", "awq") else None
-            if cause is None:
-                raise
-            raise kernel_start.kernel_error(spec.name, spec.method, spec.kernel, device.type, cause) from error
     forget_with(model, split)
     ready(spec, model)
     weights = weight_bytes(model)  # as loaded: a kernel may repack its weights at its first forward, just below
