@@ -1,7 +1,7 @@
 """The audit flow: one baseline, its variants, one token stream, one verdict.
 
-Read top to bottom: validate the config, read and tokenize the corpus once, score the baseline and
-every variant (one task each; a failed variant never loses the others), compare, judge, report.
+Read top to bottom: the audit's plan (made by the CLI, or here for a run Prefect started: ``open_audit``), score
+the baseline and every variant (one task each; a failed variant never loses the others), compare, judge, report.
 The flow ends Completed when every variant passes its gate, Failed with a one-line reason otherwise.
 """
 
@@ -17,11 +17,10 @@ from prefect.states import Completed
 from flows.answers import failed
 from flows.diagnose import diagnoses
 from flows.runners import score_all
-from tasks.audit.events import event_config
-from tasks.audit.preflight import preflight
-from tasks.audit.served import Policy, Refused
+from tasks.audit.plan import AuditPlan, Event
+from tasks.audit.served import Refused
 from tasks.audit.where import where_of
-from tasks.config import AuditConfig, load_audit_config
+from tasks.config import AuditConfig
 from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.core.places import tracking_uri
@@ -31,7 +30,7 @@ from tasks.record.spool import record_json
 from tasks.record.tracking import run_link
 from tasks.record.dominance import dominated_by
 from tasks.record.verdict import comparison_row, format_table, judge, overall
-from tasks.steps import prepare_models, read_corpus, spool_audit, tokenize_corpus, track
+from tasks.steps import open_plan, spool_audit, track
 
 
 def _unspooled(record: dict, why: str):
@@ -91,46 +90,34 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
 
 
 @flow(name="ppl-audit", flow_run_name="audit-{config}", log_prints=True)
-def audit(config: str, overrides: list[str] | None = None, model_path: str | None = None, method: str | None = None,
-          bits: int | str | None = None, baseline: str | None = None, name: str | None = None):
+def audit(config: str, overrides: list[str] | None = None, event: Event | None = None, plan: AuditPlan | None = None):
     """Audit a baseline and its variants by perplexity.
 
     Args:
         config: path of the audit YAML (the single source of truth).
         overrides: ``key=value`` settings that replace the file's.
-        model_path, method, bits, baseline, name: from a ``quantization.completed`` event: audit that
-            one checkpoint (``bits`` is informative) against ``baseline`` (else the config's), under
-            the name ``tasks.audit.events`` chooses (it picks the gate).
+        event: from a ``quantization.completed`` event: audit the one checkpoint it names (``tasks.audit.events``).
+        plan: the audit already opened from ``config``, ``overrides`` and ``event`` (``open_audit``: the CLI makes
+            it before Prefect starts); without it, a run Prefect started makes it here, once.
     """
     started = datetime.now(timezone.utc)
-    served = Policy.current()
-    try:
-        if served:
-            served.check_run(config, overrides)
-        settings = load_audit_config(config, overrides or [])
-        described = {k: v for k, v in {"baseline": baseline, "method": method, "bits": bits, "name": name}.items() if v}
-        if described and not model_path:  # they describe an event's checkpoint: the config's audit would ignore them
-            raise (Refused if served else InputError)(
-                f"{', '.join(f'{k} {v}' for k, v in described.items())} given without model_path: they describe the "
-                "checkpoint an event names; give its model_path too, or leave them out to run the config's own audit")
-        if model_path:
-            if served:
-                served.check_event(settings, model_path, baseline or None)
-            settings, why = event_config(settings, model_path, method or None, baseline or None, name or None)
-            print(f"auditing {model_path} as {settings.variants[0].name}: {why}")
-        preflight(settings, variants=False)
-        lineup = prepare_models(settings)
-    except InputError as error:
-        return failed(f"{'refused' if isinstance(error, Refused) else 'error'}: {error}")
-    text = read_corpus(settings.corpus)
-    scored = tokenize_corpus(text, settings, lineup)
+    if plan is None:
+        opened = open_plan(config, overrides or [], event, return_state=True)
+        plan = opened.result(raise_on_failure=False)
+        if not opened.is_completed():
+            if not isinstance(plan, InputError):
+                raise plan
+            return failed(f"{'refused' if isinstance(plan, Refused) else 'error'}: {plan}")
+    if plan.said:
+        print(plan.said)
+    settings, scored, lineup = plan.config, plan.evaluation, plan.lineup
     baseline_result, variant_results = score_all(settings, lineup, scored)
     results = [baseline_result, *variant_results]
     summary = report(settings, baseline_result, variant_results)
     print(summary["table"])
     lost = {v.name: found for v in variant_results if (found := where_of(v, baseline_result, scored, lineup.tokenizer))}
     found = diagnoses(settings, lineup, scored, summary["verdicts"])  # after the verdict: it never changes it
-    record = audit_record(settings, config, scored, summary, results, started, lost, found, _scheduled())
+    record = audit_record(settings, plan.path, scored, summary, results, started, lost, found, _scheduled())
     spooled = spool_audit(record, results, return_state=True)  # first: tracking and artifacts can fill a disk too
     if not spooled.is_completed():
         return _unspooled(record, spooled.message)

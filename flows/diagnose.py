@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from functools import partial
 
 from prefect import flow
 
 from flows.runners import task_runner
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.diagnose import Restored, forget_models, narrowed, report, sample, search
-from tasks.audit.preflight import preflight
-from tasks.config import AuditConfig, load_audit_config
+from tasks.audit.plan import AuditPlan
+from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
 from tasks.core.places import tracking_uri
 from tasks.data.evaluation import Evaluation
 from tasks.record.diagnosis import keep
 from tasks.record.tracking import run_link
-from tasks.steps import examine_variant, log_diagnosis, prepare_models, read_corpus, restore_layers, tokenize_corpus
+from tasks.steps import examine_variant, log_diagnosis, open_plan, restore_layers
 
 
 def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoint: Checkpoint) -> dict:
@@ -77,17 +78,20 @@ def diagnoses(config: AuditConfig, lineup: Lineup, scored: Evaluation, verdicts:
 
 
 @flow(name="ppl-audit-diagnose", flow_run_name="diagnose-{variant}", log_prints=True)
-def diagnose(config: str, variant: str, overrides: list[str] | None = None) -> dict:
+def diagnose(config: str, variant: str, overrides: list[str] | None = None, plan: AuditPlan | None = None) -> dict:
     """Diagnose the variant ``variant`` of the audit ``config`` against its baseline, and log it to MLflow (a child
     of the audit's latest run, when there is one).
+
+    Args:
+        plan: the audit opened for that variant alone (``open_audit`` with ``narrowed``: the CLI makes it); without
+            it, made here once.
 
     Returns:
         the diagnosis, with ``record``: where it was logged, or kept when tracking failed.
     """
-    settings = narrowed(load_audit_config(config, overrides or []), variant)
-    preflight(settings, variants=False)
-    lineup = prepare_models(settings)
-    scored = tokenize_corpus(read_corpus(settings.corpus), settings, lineup)
+    if plan is None:
+        plan = open_plan(config, overrides or [], narrow=partial(narrowed, variant=variant))
+    settings, lineup, scored = plan.config, plan.lineup, plan.evaluation
     [checkpoint] = lineup.variants
     if checkpoint.problem:
         raise InputError(checkpoint.problem)

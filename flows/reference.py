@@ -5,18 +5,20 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.audit.preflight import preflight
-from tasks.config import load_audit_config
+from tasks.audit.plan import AuditPlan, baseline_alone
 from tasks.record.results import VariantResult
-from tasks.steps import prepare_models, read_corpus, score, tokenize_corpus
+from tasks.steps import open_plan, score
 
 
 @flow(name="ppl-audit-reference", flow_run_name="reference-{config}", log_prints=True)
-def build_reference(config: str, overrides: list[str] | None = None) -> VariantResult:
+def build_reference(config: str, overrides: list[str] | None = None, plan: AuditPlan | None = None) -> VariantResult:
     """Score the baseline of the audit ``config`` (with ``overrides``) as the audit would, or find its
-    reference already stored (``baseline.rescore`` decides); returns the baseline's outcome."""
-    settings = load_audit_config(config, overrides or [])
-    preflight(settings, variants=False)
-    lineup = prepare_models(settings.model_copy(update={"variants": []}))
-    scored = tokenize_corpus(read_corpus(settings.corpus), settings, lineup)
-    return score(lineup.baseline, lineup, scored)
+    reference already stored (``baseline.rescore`` decides); returns the baseline's outcome.
+
+    Args:
+        plan: the audit opened for its baseline alone (``open_audit`` with ``baseline_alone``: the CLI makes it);
+            without it, made here once.
+    """
+    if plan is None:
+        plan = open_plan(config, overrides or [], narrow=baseline_alone)
+    return score(plan.lineup.baseline, plan.lineup, plan.evaluation)

@@ -22,11 +22,12 @@ from prefect.schedules import Cron
 from flows.audit import audit
 from flows.notify import EVENT
 from flows.quantize import quantize_flow
-from tasks.config import load_audit_config
+from tasks.config import AuditConfig
 
-# the event's payload becomes the audit's parameters: that checkpoint against that baseline. Only
-# model_path is required: a field a payload lacks renders as a value the server cannot send, and the
-# run silently never starts, so the others default to "" (the audit reads it as "not given")
+# the event's payload becomes the audit's ``event`` parameter (``tasks.audit.plan.Event``): that checkpoint against
+# that baseline. Only model_path is required: a field a payload lacks renders as a value the server cannot send, and
+# the run silently never starts, so the others default to "" (the audit reads it as "not given"). Prefect renders
+# templates inside a nested mapping as at the top (its RunDeployment action upgrades them recursively).
 EVENT_PARAMETERS = {
     "model_path": "{{ event.payload.model_path }}",
     "method": "{{ event.payload.method | default('') }}",
@@ -36,10 +37,11 @@ EVENT_PARAMETERS = {
 }
 
 
-def deployments(config_path: str) -> list:
-    config = load_audit_config(config_path)
+def deployments(config_path: str, config: AuditConfig) -> list:
+    """The audit of ``config`` (read from ``config_path``: each run opens it again, as it is then) on its schedule and
+    on every event, and the quantize flow on request."""
     path = str(Path(config_path).resolve())
-    trigger = DeploymentEventTrigger(expect={EVENT}, parameters={"config": path, **EVENT_PARAMETERS})
+    trigger = DeploymentEventTrigger(expect={EVENT}, parameters={"config": path, "event": EVENT_PARAMETERS})
     schedule = config.schedule
     schedules = [Cron(schedule.cron, timezone=schedule.timezone)] if schedule.cron else []
     return [
@@ -49,11 +51,11 @@ def deployments(config_path: str) -> list:
     ]
 
 
-def serve_config(config_path: str, say: Callable[[str], None]) -> None:
-    """Serve the config's deployments until stopped; ``say`` gets what an operator reads: what is served, and a
-    line when each of their runs starts and ends (the rest goes to the process's output, the serve's log)."""
-    served = deployments(config_path)
-    config = load_audit_config(config_path)
+def serve_config(config_path: str, config: AuditConfig, say: Callable[[str], None]) -> None:
+    """Serve the deployments of ``config`` (read from ``config_path``) until stopped; ``say`` gets what an operator
+    reads: what is served, and a line when each of their runs starts and ends (the rest goes to the process's output,
+    the serve's log)."""
+    served = deployments(config_path, config)
     when = f"cron {config.schedule.cron} ({config.schedule.timezone}) and " if config.schedule.cron else ""
     say(f"serving {config.name}: the audit on {when}every {EVENT} event; {config.name}-quantize on request")
     threading.Thread(target=watch, args=([d.name for d in served], say), daemon=True).start()
@@ -158,7 +160,7 @@ def watch(names: list[str], say: Callable[[str], None], every: float = 2.0) -> N
             # whole: runs created together share their id's first characters (the time), as a cron's next three do
             what = f"{deployment.get(run.deployment_id, 'a')} run {run.id}"
             if run.id not in said:
-                model = run.parameters.get("model_path") or run.parameters.get("model")
+                model = (run.parameters.get("event") or {}).get("model_path") or run.parameters.get("model")
                 say(f"{what} started" + (f" for {model}" if model else ""))
             if ended:
                 say(f"{what} ended {run.state.name}: {run.state.message or 'no message'}")

@@ -1,26 +1,29 @@
 """The audit's steps as Prefect tasks: thin wrappers over the plain modules, one job each.
 
 Tasks that take or load models never hash their inputs (``NO_CACHE``): hashing a model costs
-seconds and gigabytes. Tokenizing is cached by corpus digest, tokenizer digest and settings.
+seconds and gigabytes. The plan (``open_plan``) is made by ``tasks.audit.plan.open_audit``; tokenizing is cached by
+corpus digest, tokenizer digest and settings.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
-from tasks.audit.checkpoints import Checkpoint, Lineup, prepare
+from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.cluster import let_go
 from tasks.audit.diagnose import Examination, Restored, examine, restore
+from tasks.audit.plan import AuditPlan, Event, open_audit
 from tasks.audit.scoring import Lookup, join_reference, look_up, make_variant, score_variant
 from tasks.config import AuditConfig, CorpusConfig
 from tasks.core.errors import TransientError
 from tasks.core.places import spool_dir, synced_dir
 from tasks.data.corpus import corpus_text
-from tasks.data.evaluation import Evaluation, evaluation
+from tasks.data.evaluation import Evaluation
 from tasks.engine.abandon import asking
 from tasks.engine.windows import Window
 from tasks.models.quantize import calibration_of, quantize
@@ -36,26 +39,12 @@ def _transient(task, run, state) -> bool:
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
-def read_corpus(corpus: CorpusConfig) -> str:
-    """The corpus as one text (a Hub dataset download is retried, a bad source is not)."""
-    return corpus_text(corpus)
-
-
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
-def prepare_models(config: AuditConfig) -> Lineup:
-    """Resolve the baseline and every variant once (folders, tokenizer digests, manifests); a registered
-    or Hub model is fetched here, retried when the network blips."""
-    return prepare(config.baseline, config.variants, config.tracking.uri, config.thresholds)
-
-
-@task(cache_policy=NO_CACHE)
-def tokenize_corpus(text: str, config: AuditConfig, lineup: Lineup) -> Evaluation:
-    """Tokenize the corpus once, with the baseline's tokenizer, for every model of the audit.
-
-    The stream is cached on disk by corpus digest, tokenizer digest and settings (``cached_tokenize``),
-    so a later audit of the same corpus reads it back; no model is ever hashed.
-    """
-    return evaluation(text, lineup.tokenizer, config.evaluation, progress=True)
+def open_plan(path: str, overrides: list[str], event: Event | None = None,
+              narrow: Callable[[AuditConfig], AuditConfig] | None = None) -> AuditPlan:
+    """The plan of a run Prefect started from plain parameters (a deployment, a served or scheduled run), made on
+    entry by ``open_audit`` as the CLI makes it; a variant that cannot be scored fails alone there. A Hub model or
+    dataset download is retried when the network blips, a bad config is not."""
+    return open_audit(path, overrides, event, narrow, strict=False)
 
 
 def _score_name() -> str:

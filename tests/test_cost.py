@@ -127,8 +127,7 @@ def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, cor
     none of gptqmodel's for the method is refused before anything loads."""
     from helpers import write_config
 
-    from tasks.audit.preflight import preflight
-    from tasks.config import load_audit_config
+    from tasks.audit.plan import open_audit
     from tasks.core.errors import InputError
     from tasks.models.quantize import draw_calibration, quantize
 
@@ -155,4 +154,4 @@ def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, cor
                               [{"name": "v", "method": method, "path": str(out), "kernel": wrong}])
         with pytest.raises(InputError, match=rf"^v: kernel '{wrong}' is not one of gptqmodel's kernels for {method}: "
                                              r"use one of .*\btorch\b.*, or leave kernel out"):
-            preflight(load_audit_config(str(config)))
+            open_audit(str(config))

@@ -20,7 +20,7 @@ from tasks.data.embedded import embedded_gguf, ensure_embedded_model
 from tasks.data.evaluation import evaluation
 from tasks.engine.perplexity import perplexity
 from tasks.models.formats import detect
-from tasks.models.resolve import load_tokenizer
+from tasks.models.resolve import load_tokenizer, locate_model
 from tasks.record.verdict import comparison_row
 
 SETTINGS = EvaluationConfig(max_tokens=384, window=128, stride=64, batch_size=4)
@@ -151,7 +151,7 @@ def test_a_file_that_is_not_gguf_is_one_line(cli, tmp_path, trained_model_dir, c
 
 
 def test_method_auto_reads_a_float_folder_as_a_float_model(trained_model_dir):
-    assert detect(str(trained_model_dir))[0] == "baseline"
+    assert detect(locate_model(str(trained_model_dir)))[0] == "baseline"
 
 
 def test_a_missing_package_is_refused_in_one_line_naming_it():
@@ -241,7 +241,7 @@ def test_a_saved_hqq_checkpoint_is_refused_in_one_line(trained_model_dir, tmp_pa
     config["quantization_config"] = {"quant_method": "hqq", "quant_config": {}}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="give the float model with method hqq"):
-        detect(str(folder))
+        detect(locate_model(str(folder)))
 
 
 def test_hqq_group_sizes_that_do_not_divide_a_layer_fail_in_one_line(small_audit):
@@ -351,10 +351,10 @@ def test_a_compressed_config_its_tensors_or_compressed_tensors_contradict_is_one
     from tasks.core.errors import InputError
     from tasks.models.formats import check_compressed
 
-    check_compressed(str(compressed[scheme]))  # the checkpoint as written passes
+    check_compressed(locate_model(str(compressed[scheme])))  # the checkpoint as written passes
     folder = edited(compressed[scheme], tmp_path / "edited", change)
     with pytest.raises(InputError) as refused:
-        check_compressed(str(folder))
+        check_compressed(locate_model(str(folder)))
     assert expected in str(refused.value), refused.value
 
 

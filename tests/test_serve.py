@@ -124,16 +124,16 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
 
         def runs(name: str | None) -> list[dict]:
             found = api.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [audit_id]}}}).json()
-            return [r for r in found if r["parameters"].get("model_path") == str(gptq_checkpoint)
-                    and (r["parameters"].get("name") or None) == name
+            return [r for r in found if (r["parameters"].get("event") or {}).get("model_path") == str(gptq_checkpoint)
+                    and (r["parameters"]["event"].get("name") or None) == name
                     and r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
 
         emit(env, payload)  # as a job that names nothing sends it
         matched = wait_for(lambda: next(iter(runs(None)), None), 400, "the audit of the checkpoint named by the config")
         assert matched["state_type"] == "COMPLETED", (matched["state"], serve_log(home)[-3000:])
         assert "1 stopped early, settled" in matched["state"]["message"], matched["state"]["message"]
-        assert (matched["parameters"]["method"], str(matched["parameters"]["bits"])) == ("gptq", "4")
-        assert matched["parameters"]["baseline"] == str(trained_model_dir)
+        assert (matched["parameters"]["event"]["method"], str(matched["parameters"]["event"]["bits"])) == ("gptq", "4")
+        assert matched["parameters"]["event"]["baseline"] == str(trained_model_dir)
         assert matched["parameters"]["config"] == str(config.resolve())
 
         # as a job that names its variant announces it with `ppl-audit notify`
@@ -223,7 +223,7 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
         def by_event(model_path: str) -> dict:
             return wait_for(lambda: next((r for r in api.post("/flow_runs/filter", json={
                 "deployments": {"id": {"any_": [deployments["guarded"]]}}}).json()
-                if r["parameters"].get("model_path") == model_path
+                if (r["parameters"].get("event") or {}).get("model_path") == model_path
                 and r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")), None), 400, f"the audit of {model_path}")
 
         elsewhere = tmp_path / "elsewhere"
@@ -231,7 +231,8 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
         asked = {
             "another config": create("guarded", {"config": str(other_config)}),
             "overrides": create("guarded", {"config": str(config.resolve()), "overrides": ["tracking.uri=http://elsewhere:5000"]}),
-            "baseline alone": create("guarded", {"config": str(config.resolve()), "baseline": str(tmp_path / "other")}),
+            "baseline alone": create("guarded", {"config": str(config.resolve()),
+                                                 "event": {"baseline": str(tmp_path / "other")}}),
             "quantize elsewhere": create("guarded-quantize", {"model": str(trained_model_dir), "method": "gptq",
                                                                "out": str(tmp_path / "written-here"),
                                                                "calibration": str(corpus_path)}),

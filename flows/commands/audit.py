@@ -22,27 +22,14 @@ def add(commands) -> None:
                           "ways, its percentiles, Δp, same top token)")
 
 
-def checked_config(path: str, overrides: list[str]):
-    """Load, validate and preflight an audit config: bad input ends here, before any model loads."""
-    from tasks.audit.preflight import check_calibration_room, check_stream, preflight
-    from tasks.config import load_audit_config
-    from tasks.data.corpus import corpus_text
-
-    config = load_audit_config(path, overrides)
-    preflight(config)
-    # read once more in the flow; a bad corpus is refused here, not there
-    text = corpus_text(config.corpus)
-    check_calibration_room(config, text, progress=True)
-    check_stream(config, text)
-    return config
-
-
 def run(args: argparse.Namespace) -> int:
+    from tasks.audit.plan import open_audit
+
     overrides = args.set + (["evaluation.sequential=true"] if args.sequential else [])
-    checked_config(args.config, overrides)
+    plan = open_audit(args.config, overrides)  # bad input ends here, before any model loads or Prefect starts
     from flows.audit import audit, summary_json, summary_of  # Prefect and the flow: not for a config refused above
 
-    state = audit(config=args.config, overrides=overrides, return_state=True)
+    state = audit(config=args.config, overrides=overrides, plan=plan, return_state=True)
     summary = summary_of(state)
     if summary is None:
         print(f"ppl-audit: audit failed: {state.message}", file=console.err())

@@ -32,23 +32,23 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tasks.config import Tracking, check_tracking, load_audit_config
+    from tasks.config import Tracking, check_tracking
     from tasks.core.places import default_uri, home
     from tasks.record.history import audited, experiment_of, format_history, history_chart
     from tasks.record.tracking import ui_link
 
     if (args.config is None) == (args.baseline is None):
         raise InputError("give an audit config or --baseline KEY, one of them")
-    config = load_audit_config(args.config, []) if args.config is not None else None
-    tracking = config.tracking if config else Tracking()
     given = args.tracking_uri is not None
+    plan = None
+    if args.config is not None:  # its baseline, found and digested with its token stream: what names its audits
+        from tasks.audit.plan import baseline_alone, baseline_key_of, open_audit
+
+        plan = open_audit(args.config, [], narrow=baseline_alone, strict=False)
+    tracking = plan.config.tracking if plan else Tracking()
     uri = check_tracking(args.tracking_uri if given else tracking.uri, "--tracking-uri" if given else "tracking.uri")
     chart = _chart(args.chart)
-    key = args.baseline
-    if config is not None:
-        from tasks.audit.preflight import baseline_key_of
-
-        key = baseline_key_of(config)
+    key = baseline_key_of(plan) if plan else args.baseline
     if uri == default_uri() and not (home() / "mlflow.db").exists():  # reading it would make an empty one
         raise InputError(f"no audits yet: the local MLflow store {uri} does not exist; run an audit first, or give "
                          "--tracking-uri")

@@ -35,14 +35,15 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from functools import partial
+
     from flows.diagnose import diagnose
     from tasks.audit.diagnose import narrowed
-    from tasks.audit.preflight import preflight
-    from tasks.config import load_audit_config
+    from tasks.audit.plan import open_audit
     from tasks.record.diagnosis import diagnosis_json, format_table
 
-    preflight(narrowed(load_audit_config(args.config, overrides(args)), args.variant))  # before any model loads
-    found = diagnose(config=args.config, variant=args.variant, overrides=overrides(args))
+    plan = open_audit(args.config, overrides(args), narrow=partial(narrowed, variant=args.variant))  # before any model loads
+    found = diagnose(config=args.config, variant=args.variant, overrides=overrides(args), plan=plan)
     say = console.out()
     print(format_table(found), file=say)
     print(f"record: {found['record']}", file=say)

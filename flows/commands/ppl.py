@@ -95,13 +95,16 @@ def run(args: argparse.Namespace) -> int:
     from tasks.engine.windows import check_window
     from tasks.models.loading import check_checkpoint
     from tasks.models.quantize import check_group_fits
-    from tasks.models.resolve import load_config, resolve_device, resolve_dtype
+    from tasks.models.resolve import device_and_dtype
 
     spec = _variant(args)
     corpus, settings = _settings(args)
-    resolve_dtype(spec.dtype, resolve_device(spec.device))
+    device_and_dtype(spec)  # a device or dtype this machine lacks is said before anything loads
     text = corpus_text(corpus)
-    check_window(settings.window, max_positions(load_config(spec.path or args.model)))
+    lineup = prepare(BaselineSpec(name="baseline", path=args.model), [spec])  # each model found once
+    [checkpoint] = lineup.variants
+    if checkpoint.model is not None or not checkpoint.problem:
+        check_window(settings.window, max_positions((checkpoint.model or lineup.baseline.model).config))
     if spec.quantize_here:  # made from --model here: a group size no kernel could score is refused now
         try:
             check_group_fits(args.model, spec.method, spec.quantization[1])
@@ -109,11 +112,9 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--method {spec.method} quantizes {args.model} here: {error} in --variant "
                              f"'{{name: {spec.method}, method: {spec.method}, group_size: N}}'; to measure a "
                              f"{spec.method} checkpoint as it is, leave --method out") from None
-    lineup = prepare(BaselineSpec(name="baseline", path=args.model), [spec])
-    [checkpoint] = lineup.variants
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
-    check_checkpoint(checkpoint.source or lineup.baseline.source)  # the files it loads: made from --model, or its own
+    check_checkpoint(checkpoint.model or lineup.baseline.model)  # the files it loads: made from --model, or its own
     scored = evaluation(text, lineup.tokenizer, settings, progress=True)
     outcome = score_variant(checkpoint, lineup, scored, progress=True)
     if not outcome.ok:

@@ -43,14 +43,10 @@ def run(args: argparse.Namespace) -> int:
     say = console.out()
     if args.action == "build":
         from flows.reference import build_reference
-        from tasks.audit.preflight import check_stream, preflight
-        from tasks.config import load_audit_config
-        from tasks.data.corpus import corpus_text
+        from tasks.audit.plan import baseline_alone, open_audit
 
-        config = load_audit_config(args.config, args.set)
-        preflight(config, variants=False)  # before Prefect starts: the baseline only
-        check_stream(config, corpus_text(config.corpus))
-        outcome = build_reference(config=args.config, overrides=args.set)
+        plan = open_audit(args.config, args.set, narrow=baseline_alone)  # before Prefect starts: the baseline only
+        outcome = build_reference(config=args.config, overrides=args.set, plan=plan)
         if not outcome.ok:
             print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
             return 1

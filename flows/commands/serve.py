@@ -6,7 +6,6 @@ import argparse
 import os
 from pathlib import Path
 
-from flows.commands.audit import checked_config
 from tasks.core import console
 from tasks.core.errors import InputError
 
@@ -25,13 +24,14 @@ def run(args: argparse.Namespace) -> int:
     from datetime import datetime
 
     from flows.serve import serve_config
+    from tasks.audit.plan import open_audit
     from tasks.audit.served import Policy
 
-    config = checked_config(args.config, [])
+    config = open_audit(args.config).config  # what each served run will make again on entry, checked once now
     missing = [folder for folder in args.allow if not folder.strip() or not Path(folder).is_dir()]  # "": not "."
     if missing:
         raise InputError(f"--allow '{missing[0]}': no such folder; give a folder served audits may read checkpoints from")
     # the serve's flow runs run in processes of its own, which inherit it; the Prefect API cannot set it
     os.environ.update(Policy.of(args.config, config, args.allow).environment())
-    serve_config(args.config, lambda line: print(f"{datetime.now():%H:%M:%S} {line}", file=console.out(), flush=True))
+    serve_config(args.config, config, lambda line: print(f"{datetime.now():%H:%M:%S} {line}", file=console.out(), flush=True))
     return 0

@@ -1,9 +1,9 @@
 """The models of an audit, resolved once before scoring, and the gptq/awq checkpoints made here.
 
-``prepare`` finds each model's files (a folder, a Hub id, a registered version fetched once), digests
-its tokenizer and reads its manifest; every later step takes the resulting ``Checkpoint`` objects, so
-no step resolves a name again. A variant that cannot be found is prepared with its problem and fails
-alone when it is scored.
+``prepare`` finds each model's files (a folder, a Hub id, a registered version fetched once), reads its
+config, digests its tokenizer and reads its manifest; every later step takes the resulting ``Checkpoint``
+objects, so no step resolves a name again (tests/test_architecture.py holds the name resolvers to this
+module). A variant that cannot be found is prepared with its problem and fails alone when it is scored.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from tasks.core.files import discard
 from tasks.core.places import cache_dir
 from tasks.data.corpus import cached_tokenize, tokenizer_digest
 from tasks.data.evaluation import Evaluation
-from tasks.models.formats import detect, locate
+from tasks.models.formats import detect
+from tasks.models.loading import check_checkpoint
 from tasks.models.quantize import (Calibration, check_group_fits, check_quantizable, checkpoint_damage, draw_calibration,
                                    model_digest, quantize, read_manifest)
-from tasks.models.resolve import load_tokenizer, model_files, resolve_model_path
+from tasks.models.resolve import Located, model_files, read_tokenizer, resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,9 @@ class Checkpoint:
     Attributes:
         spec: its validated spec.
         role: ``baseline`` (what the others are compared with) or ``variant``.
-        source: the local folder, ``.gguf`` file or Hub id it loads from (variants quantized at load without
-            a path: the baseline's); None for a gptq/awq variant made from the baseline on first use, or one
-            whose files cannot be found (``problem``).
+        model: what it loads from, found and read once: its folder, ``.gguf`` file or Hub id, its config, its
+            files (variants quantized at load without a path: the baseline's); None for a gptq/awq variant made
+            from the baseline on first use (``made``), or one whose files cannot be found (``problem``).
         tokenizer: ``tokenizer_digest`` of its tokenizer, when ``source`` is known.
         manifest: the ``ppl_audit.json`` of a checkpoint we quantized, if it has one.
         problem: why it cannot be scored, in one line; empty when it can.
@@ -45,7 +46,7 @@ class Checkpoint:
 
     spec: VariantSpec
     role: Literal["baseline", "variant"]
-    source: str | None = None
+    model: Located | None = None
     tokenizer: str | None = None
     manifest: dict | None = None
     problem: str = ""
@@ -55,6 +56,11 @@ class Checkpoint:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def source(self) -> str | None:
+        """Where it loads from (``model.source``)."""
+        return self.model.source if self.model is not None else None
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,9 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
         registry: the tracking server whose model registry holds ``models:/`` names (the audit's).
         thresholds: the audit's, which give each variant its gate.
     """
-    folder = resolve_model_path(baseline.path, registry)
-    tokenizer = load_tokenizer(folder)
-    digest = tokenizer_digest(tokenizer)
-    lead = Checkpoint(baseline, "baseline", folder, digest, read_manifest(folder))
+    model = Located.at(resolve_model_path(baseline.path, registry), baseline.path)  # a path error names the path
+    tokenizer = _tokenizer(model)
+    lead = Checkpoint(baseline, "baseline", model, tokenizer_digest(tokenizer), read_manifest(model.source))
     gates = thresholds or Thresholds()
     return Lineup(lead, [replace(_variant(spec, lead, registry), gate=gates.for_variant(spec.name))
                          for spec in variants], tokenizer)
@@ -94,17 +99,43 @@ def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> C
             return Checkpoint(spec, "variant", problem=one_line(error))
         return Checkpoint(spec, "variant")
     if spec.path is None:  # quantized from the baseline's files as it loads
-        return Checkpoint(spec, "variant", baseline.source, baseline.tokenizer)
+        return Checkpoint(spec, "variant", baseline.model, baseline.tokenizer)
     try:
-        source = locate(spec, registry)
+        model = Located.at(locate(spec, registry), spec.location)
         detected = ""
         if spec.method == "auto":
-            method, detected = detect(source)
+            method, detected = detect(model)
             spec = spec.model_copy(update={"method": method})
-        return Checkpoint(spec, "variant", source, tokenizer_digest(load_tokenizer(source)), read_manifest(source),
-                          detected=detected)
+        return loading_from(Checkpoint(spec, "variant", detected=detected), model)
     except InputError as error:
         return Checkpoint(spec, "variant", problem=one_line(error))
+
+
+def loading_from(checkpoint: Checkpoint, model: Located) -> Checkpoint:
+    """``checkpoint`` resolved to the files ``model``: its tokenizer digested and its manifest read (a variant
+    quantized here is resolved so once it is made: ``tasks.audit.scoring.made``)."""
+    return replace(checkpoint, model=model, tokenizer=tokenizer_digest(_tokenizer(model)),
+                   manifest=read_manifest(model.source))
+
+
+def _tokenizer(model: Located):
+    """The tokenizer of ``model``; where it cannot be read, a checkpoint's missing or broken files are named first
+    (``check_checkpoint``): they say more than the tokenizer library's error."""
+    try:
+        return read_tokenizer(model.source)
+    except InputError:
+        check_checkpoint(model)
+        raise
+
+
+def locate(spec: VariantSpec, registry: str | None = None) -> str:
+    """The files a variant with a ``path`` loads: its folder, Hub id or ``.gguf`` file; ``embedded`` with method gguf
+    is the packaged GGUF file the embedded model is dequantized from."""
+    if spec.method == "gguf" and spec.path == "embedded":
+        from tasks.data.embedded import embedded_gguf
+
+        return str(embedded_gguf())
+    return resolve_model_path(spec.location, registry)
 
 
 def calibration_for(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, corpus_text_of,

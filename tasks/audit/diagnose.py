@@ -127,8 +127,8 @@ def _loaded_pair(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
     check_same_tokenizer(checkpoint.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
-    baseline, _ = load_variant(lineup.baseline.spec, lineup.baseline.source)
-    variant, facts = load_variant(checkpoint.spec, checkpoint.source)
+    baseline, _ = load_variant(lineup.baseline.spec, lineup.baseline.model)
+    variant, facts = load_variant(checkpoint.spec, checkpoint.model)
     if input_device(baseline) != input_device(variant) or baseline.dtype != variant.dtype:
         raise InputError(f"diagnosing {checkpoint.name} puts the baseline's layers in its place: both must run on one "
                          f"device in one dtype (baseline {input_device(baseline)} {baseline.dtype}, variant "

@@ -1,38 +1,34 @@
-"""Checks of an audit before any model is loaded: each mistake is one line naming what to change."""
+"""Checks of an audit before any model is loaded (``tasks.audit.plan.open_audit`` makes them): each mistake is one
+line naming what to change."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-from tasks.audit.checkpoints import calibration_for, prepare
+from tasks.audit.checkpoints import Lineup, calibration_for
 from tasks.audit.cluster import check_local_cluster, check_reachable, check_workers
 from tasks.audit.reference import find_intact
 from tasks.audit.scoring import baseline_identity
 from tasks.config import AuditConfig, VariantSpec, check_tracking
 from tasks.core.errors import InputError
 from tasks.core.places import references_dir
-from tasks.data.corpus import corpus_text, tokenizer_digest
-from tasks.data.evaluation import evaluation
+from tasks.data.corpus import corpus_text
+from tasks.data.evaluation import Evaluation
 from tasks.engine.kv_cache import INTS, head_dim
 from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window, plan
-from tasks.models.formats import check_compressed, check_kernel, detect, locate, require
+from tasks.models.formats import check_compressed, check_kernel, detect, require
 from tasks.models.loading import check_checkpoint
-from tasks.models.quantize import check_group_fits, check_quantizable
-from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_model_path
+from tasks.models.resolve import resolve_device
 from tasks.models.variants import check_same_tokenizer
 from tasks.record.verdict import GATES
 
 
-def preflight(config: AuditConfig, variants: bool = True) -> None:
-    """Check an audit's devices, window and checkpoints.
-
-    Args:
-        variants: also check that every variant's checkpoint exists (the CLI does, before a run; a flow
-            run does not, so that a checkpoint gone missing fails its variant, not the audit).
-    """
+def check_settings(config: AuditConfig) -> str:
+    """What an audit's settings decide before any model is found: its tracking server (returned: the registry of
+    its ``models:/`` names), its runner, and each model's device. Raises ``InputError``."""
     # models:/ names are the audit's tracking server's; one MLflow could never reach is refused before the scoring
     registry = check_tracking(config.tracking.uri, "tracking.uri")
     if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
@@ -43,7 +39,7 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
         check_local_cluster(config.runner)
     for spec in [config.baseline, *config.variants]:
         try:
-            device = resolve_device(spec.device)
+            device = resolve_device(spec.device)  # this machine's, to check it: each model resolves its own as it loads
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
         if "liger" in config.evaluation.body and device.type != "cuda":
@@ -51,40 +47,44 @@ def preflight(config: AuditConfig, variants: bool = True) -> None:
                              f"{spec.name} runs on {device.type}; use compile (or eager) there")
     if "liger" in config.evaluation.body and importlib.util.find_spec("liger_kernel") is None:
         raise InputError(f"evaluation.body {config.evaluation.body} needs liger-kernel: pip install liger-kernel")
-    baseline_config = load_config(config.baseline.path, registry)  # a path error names the path
-    _check_window(config, baseline_config, "the baseline")
-    check_checkpoint(config.baseline.path, registry)
+    return registry
+
+
+def preflight(config: AuditConfig, lineup: Lineup, strict: bool = True) -> None:
+    """Check an audit's window and checkpoints, as its ``lineup`` found them, before any model is loaded.
+
+    Args:
+        strict: also refuse a variant that cannot be scored (the CLI does, before a run; a run Prefect starts does
+            not, so that a checkpoint gone missing fails its variant, not the audit).
+    """
+    baseline = lineup.baseline
+    _check_window(config, baseline.model.config, "the baseline")
+    check_checkpoint(baseline.model)
     # what the workers of an existing cluster must see: the baseline's files (a variant quantized at load
     # reads them) and its stored references (a variant's KL), and each variant's own files
-    local = {"the baseline": resolve_model_path(config.baseline.path, registry), "baseline references": references_dir()}
-    baseline_tokenizer = None
-    for spec in config.variants if variants else []:
-        method, model_config = spec.method, baseline_config
+    local = {"the baseline": baseline.source, "baseline references": references_dir()}
+    for checkpoint in lineup.variants if strict else []:
+        spec, model = checkpoint.spec, checkpoint.model
+        if checkpoint.problem:  # a variant made here names itself; a checkpoint's files name themselves
+            raise InputError(f"{spec.name}: {checkpoint.problem}" if spec.quantize_here else checkpoint.problem)
         if spec.path is not None:
-            source = local[spec.name] = locate(spec, registry)
-            check_checkpoint(source, registry)
-            model_config = None  # a Hub id: not read here
-            if Path(source).exists():  # its own positions bound the window too, and its tokens must be the baseline's
-                model_config = load_config(source)
-                _check_window(config, model_config, spec.name)
-                baseline_tokenizer = baseline_tokenizer or tokenizer_digest(load_tokenizer(local["the baseline"]))
-                check_same_tokenizer(spec.name, baseline_tokenizer, tokenizer_digest(load_tokenizer(source)))
-            if method in ("auto", "hqq"):  # hqq: a saved HQQ checkpoint is refused as auto refuses it
-                found = detect(source)[0]
-                method = found if method == "auto" else method
-            if method == "compressed-tensors" and Path(source).is_dir():
-                check_compressed(source)
+            local[spec.name] = model.source
+            check_checkpoint(model)
+            if Path(model.source).exists():  # its own positions bound the window too, and its tokens must be the baseline's
+                _check_window(config, model.config, spec.name)
+                check_same_tokenizer(spec.name, baseline.tokenizer, checkpoint.tokenizer)
+            if spec.method == "hqq":  # a saved HQQ checkpoint is refused as auto refuses it
+                detect(model)
+            if spec.method == "compressed-tensors" and Path(model.source).is_dir():
+                check_compressed(model)
         try:
-            require(method, resolve_device(spec.device).type)
-            if spec.quantize_here:
-                check_quantizable(local["the baseline"])
-                check_group_fits(local["the baseline"], spec.method, spec.quantization[1])
-            if spec.kernel is not None and method in ("gptq", "awq"):
-                check_kernel(method, spec.kernel)
+            require(spec.method, resolve_device(spec.device).type)
+            if spec.kernel is not None and spec.method in ("gptq", "awq"):
+                check_kernel(spec.method, spec.kernel)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
-        if spec.kv_cache is not None and model_config is not None:
-            _check_kv_cache(spec, model_config)
+        if spec.kv_cache is not None and (model is not None and Path(model.source).exists() or spec.path is None):
+            _check_kv_cache(spec, (model or baseline.model).config)
     if config.runner.address:
         local["baseline references"].mkdir(parents=True, exist_ok=True)
         check_workers(config.runner, {whose: str(path) for whose, path in local.items()
@@ -112,13 +112,11 @@ def gated(config: AuditConfig) -> bool:
                for spec in config.variants for _, _, limit, *_ in GATES)
 
 
-def check_stream(config: AuditConfig, text: str) -> None:
+def check_stream(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> None:
     """What the audit's token stream decides, checked before anything starts: a gate needs at least
     ``MIN_WINDOWS`` windows for a paired interval (one window shows no error bar, and a gate never passes what
     it cannot show); under ``rescore: never`` the stored reference is all there is, and a damaged one is refused
     (with ``auto`` the audit removes it and scores the baseline again)."""
-    lineup = prepare(config.baseline, [], config.tracking.uri)
-    scored = evaluation(text, lineup.tokenizer, config.evaluation)
     settings = scored.settings
     windows = len(plan(scored.stream, settings.window, settings.stride, settings.mode))
     if windows < MIN_WINDOWS and gated(config):
@@ -131,30 +129,11 @@ def check_stream(config: AuditConfig, text: str) -> None:
             find_intact(identity, environment, "never")
 
 
-def check_calibration_room(config: AuditConfig, text: str, progress: bool = False) -> None:
+def check_calibration_room(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> None:
     """Draw the calibration of every variant quantized here: one without room is refused now, not after
     the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
-    makers = [spec for spec in config.variants if spec.quantize_here]
-    if not makers:
-        return
-    lineup = prepare(config.baseline, [], config.tracking.uri)
-    scored = evaluation(text, lineup.tokenizer, config.evaluation, progress)
-    for spec in makers:
+    for spec in [spec for spec in config.variants if spec.quantize_here]:
         try:
-            calibration_for(spec, lineup, scored, corpus_text, progress)
+            calibration_for(spec, lineup, scored, corpus_text, progress=True)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
-
-
-def baseline_key_of(config: AuditConfig) -> str:
-    """The key of the audit's baseline as its audits record it (``tasks.audit.reference.baseline_key``), worked out
-    without loading a model: from its files, tokenizer and the token stream."""
-    from tasks.audit.reference import baseline_key
-
-    lineup = prepare(config.baseline, [], config.tracking.uri)
-    _, identity, _ = baseline_identity(lineup.baseline, evaluation(corpus_text(config.corpus), lineup.tokenizer,
-                                                                   config.evaluation))
-    if identity is None:
-        raise InputError(f"baseline: {config.baseline.path} is not on this machine, so nothing names its audits; "
-                         "give --baseline KEY instead (the ppl_audit.baseline_key tag of its audits' runs)")
-    return baseline_key(identity)

@@ -20,14 +20,13 @@ import numpy as np
 import torch
 
 from tasks.audit import reference
-from tasks.audit.checkpoints import Checkpoint, Lineup, quantized_checkpoint
+from tasks.audit.checkpoints import Checkpoint, Lineup, loading_from, quantized_checkpoint
 from tasks.audit.cluster import worker
 from tasks.audit.sequential import Watch
 from tasks.config import Gate, VariantSpec
 from tasks.core.errors import (Abandoned, DamagedReference, InputError, NumericalError, TransientError, WorkerError,
                                one_line)
 from tasks.core.places import references_dir
-from tasks.data.corpus import tokenizer_digest
 from tasks.data.evaluation import Evaluation
 from tasks.engine import kv_cache
 from tasks.engine.batching import auto_batch_size
@@ -37,8 +36,8 @@ from tasks.engine.perplexity import Part, PerplexityResult, combine, score_part,
 from tasks.engine.sequential import window_order
 from tasks.engine.windows import plan
 from tasks.models.placement import devices, is_split, main_device, run_on
-from tasks.models.quantize import check_disjoint, read_manifest
-from tasks.models.resolve import load_config, load_tokenizer, model_files, resolve_device, resolve_dtype
+from tasks.models.quantize import check_disjoint
+from tasks.models.resolve import Located, device_and_dtype, model_files
 from tasks.models.variants import VariantFacts, check_same_tokenizer, load_variant
 from tasks.record.results import VariantResult
 
@@ -81,7 +80,7 @@ def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress:
 PARITY_WINDOWS = 2  # a split model's first windows, scored on one device too: enough to see a broken split
 
 
-def check_parity(spec: VariantSpec, source: str, model, facts: VariantFacts, evaluation_: Evaluation) -> dict:
+def check_parity(spec: VariantSpec, source: Located, model, facts: VariantFacts, evaluation_: Evaluation) -> dict:
     """Refuse a model split over several devices (``device_map``) that scores the first windows differently
     from the same checkpoint on one device, beyond the float noise of its dtype (``reference.DRIFT_TOLERANCE``):
     multi-GPU splits have silently wrecked perplexity elsewhere (llama.cpp #8685: 7.10 became 26,727).
@@ -111,7 +110,7 @@ def check_parity(spec: VariantSpec, source: str, model, facts: VariantFacts, eva
             "mean_nll_difference": mean}
 
 
-def _loaded(spec: VariantSpec, source: str, evaluation_: Evaluation):
+def _loaded(spec: VariantSpec, source: Located, evaluation_: Evaluation):
     """``load_variant``, and a model split over several devices checked against one device first."""
     model, facts = load_variant(spec, source, evaluation_.settings.window)
     if is_split(model):
@@ -121,11 +120,11 @@ def _loaded(spec: VariantSpec, source: str, evaluation_: Evaluation):
     return model, facts
 
 
-def _reuse(found: reference.Reference, source: str) -> tuple[PerplexityResult, VariantFacts]:
+def _reuse(found: reference.Reference, model: Located) -> tuple[PerplexityResult, VariantFacts]:
     found.touch()
     facts = VariantFacts(**found.manifest["facts"])
     if math.isnan(facts.kv_bytes_per_token):  # a reference stored before caches were measured: its model says
-        facts.kv_bytes_per_token = kv_cache.bytes_per_token(load_config(source).get_text_config(),
+        facts.kv_bytes_per_token = kv_cache.bytes_per_token(model.config.get_text_config(),
                                                             torch.finfo(getattr(torch, facts.dtype)).bits)
     return found.result(), facts
 
@@ -133,9 +132,8 @@ def _reuse(found: reference.Reference, source: str) -> tuple[PerplexityResult, V
 def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[Path | None, dict | None, dict]:
     """``(its local files, identity, environment)`` of an audit's baseline (``tasks.audit.reference``); no identity
     for a model whose files are not on this machine."""
-    device = resolve_device(checkpoint.spec.device)
-    dtype = resolve_dtype(checkpoint.spec.dtype, device)
-    folder = model_files(checkpoint.source)
+    device, dtype = device_and_dtype(checkpoint.spec)
+    folder = model_files(checkpoint.source)  # on this machine, now: a worker may see what the lineup's did not
     identity = None if folder is None else reference.identity(folder, checkpoint.tokenizer, evaluation_.stream,
                                                               evaluation_.settings, dtype)
     return folder, identity, reference.environment(device)
@@ -197,7 +195,7 @@ def look_up(checkpoint: Checkpoint, evaluation_: Evaluation) -> Lookup:
     reuse, previous, removed = reference.find_intact(identity, environment, checkpoint.spec.rescore)
     said = {"baseline_key": reference.baseline_key(identity)} | ({"removed": removed} if removed else {})
     if reuse is not None:
-        result, facts = _reuse(reuse, checkpoint.source)
+        result, facts = _reuse(reuse, checkpoint.model)
         facts.worker = worker()
         return Lookup(said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}, reused=(result, facts))
     return Lookup(said, key=reference.key_of(identity, environment), previous=previous,
@@ -215,7 +213,7 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
     found = look_up(checkpoint, evaluation_)
     if found.reused is not None:
         return *found.reused, found.said
-    model, facts = _loaded(checkpoint.spec, checkpoint.source, evaluation_)
+    model, facts = _loaded(checkpoint.spec, checkpoint.model, evaluation_)
     with ExitStack() as stack:
         writer = found.writer(stack, scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode))
         result = perplexity_with_backoff(model, evaluation_, checkpoint.spec.name, progress, keep_hidden=writer)
@@ -240,7 +238,7 @@ def _baseline_slice(checkpoint: Checkpoint, evaluation_: Evaluation, lookup: Loo
     """A shard of the baseline: its windows scored and their slice of the reference written (``slice``: its folder),
     or the problem that kept it from being written."""
     settings = evaluation_.settings
-    model, facts = _loaded(checkpoint.spec, checkpoint.source, evaluation_)
+    model, facts = _loaded(checkpoint.spec, checkpoint.model, evaluation_)
     targets = scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode)
     counts = [w.n_scored for w in plan(evaluation_.stream, settings.window, settings.stride, settings.mode)]
     first, stop = sum(counts[:windows[0]]), sum(counts[:windows[1]])
@@ -311,8 +309,7 @@ def made(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus
     if checkpoint.source is not None or checkpoint.problem or checkpoint.role == "baseline":
         return checkpoint
     source = quantized_checkpoint(checkpoint.spec, lineup, evaluation_, corpus_text_of, progress)
-    return replace(checkpoint, source=source, tokenizer=tokenizer_digest(load_tokenizer(source)),
-                   manifest=read_manifest(source))
+    return loading_from(checkpoint, Located.at(source, checkpoint.name))
 
 
 def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
@@ -393,7 +390,7 @@ def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Line
     if outcome.manifest:
         check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
     check_same_tokenizer(spec.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
-    model, outcome.facts = _loaded(spec, checkpoint.source, evaluation_)
+    model, outcome.facts = _loaded(spec, checkpoint.model, evaluation_)
     if checkpoint.detected:
         outcome.facts.quantization["detected"] = checkpoint.detected
     against, stored = None, None

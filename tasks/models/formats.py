@@ -16,7 +16,7 @@ from tasks.config import VariantSpec
 from tasks.core.errors import InputError
 from tasks.engine.model_facts import input_device
 from tasks.models.gguf import gguf_facts
-from tasks.models.resolve import load_config, resolve_model_path
+from tasks.models.resolve import Located
 
 # quantization_config.quant_method in config.json -> our method (bitsandbytes: by its load_in_* flag)
 QUANT_METHODS = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors", "fp8": "fp8",
@@ -31,23 +31,13 @@ PACKAGES = {"gptq": ("gptqmodel", "gptqmodel==7.6.0"), "awq": ("gptqmodel", "gpt
 FORMATS_EXTRA = ("compressed-tensors", "hqq")  # the methods whose packages pyproject's `formats` extra installs
 
 
-def locate(spec: VariantSpec, registry: str | None = None) -> str:
-    """The files ``spec`` loads: its folder, Hub id or ``.gguf`` file; ``embedded`` with method gguf is the
-    packaged GGUF file the embedded model is dequantized from."""
-    if spec.method == "gguf" and spec.path == "embedded":
-        from tasks.data.embedded import embedded_gguf
-
-        return str(embedded_gguf())
-    return resolve_model_path(spec.location, registry)
-
-
-def detect(source: str) -> tuple[str, str]:
+def detect(model: Located) -> tuple[str, str]:
     """``(method, how it was found)`` of a checkpoint: a GGUF file, else its config's ``quantization_config``
     (none: a float model, method ``baseline``)."""
+    source = model.source
     if source.endswith(".gguf"):
         return "gguf", "a GGUF file"
-    config = load_config(source)
-    settings = getattr(config, "quantization_config", None)
+    settings = getattr(model.config, "quantization_config", None)
     if settings is None:
         return "baseline", "no quantization_config: a float model"
     settings = settings if isinstance(settings, dict) else settings.to_dict()
@@ -178,7 +168,7 @@ def _args_text(args: dict) -> str:
     return f"{args.get('type')}{args.get('num_bits')} {grouping}" + (", dynamic" if args.get("dynamic") else "")
 
 
-def check_compressed(source: str) -> None:
+def check_compressed(model: Located) -> None:
     """Refuse a compressed-tensors checkpoint whose ``quantization_config`` compressed-tensors would refuse or
     misread (an unknown type or format, no ``config_groups``), and one whose stored weights hold more bits than
     its config claims: its label (``W3A8``) would be read from a config that the tensors contradict."""
@@ -186,7 +176,7 @@ def check_compressed(source: str) -> None:
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
 
-    settings = load_config(source).quantization_config
+    source, settings = model.source, model.config.quantization_config
     settings = settings if isinstance(settings, dict) else settings.to_dict()
     try:
         QuantizationConfig.model_validate(settings)

@@ -13,8 +13,7 @@ import torch
 
 from tasks.core.errors import InputError, one_line
 from tasks.models.gguf_blocks import DEQUANTIZE
-from tasks.models.gguf_file import TensorInfo, read_header, tensor_data
-from tasks.models.resolve import load_config
+from tasks.models.gguf_file import TensorInfo, check_magic, read_header, tensor_data
 
 
 # values dequantized at once: enough that numpy or torch, not the interpreter, takes the time, few enough that a
@@ -23,17 +22,11 @@ from tasks.models.resolve import load_config
 SLICE_VALUES = 1 << 20
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path, config) -> None:
     """Refuse a ``.gguf`` path that is not a GGUF file, or one without a tensor its architecture needs (a
-    vocabulary-only file holds none), before its folder is handed to transformers: it would build the whole
-    model and score the weights the file lacks at random."""
-    try:
-        with path.open("rb") as file:
-            magic = file.read(4)
-    except OSError as error:
-        raise InputError(f"cannot read {path}: {error.strerror}") from None
-    if magic != b"GGUF":
-        raise InputError(f"{path} is not a GGUF file (it does not start with GGUF); give a llama.cpp .gguf file")
+    vocabulary-only file holds none; ``config``: the model the file describes), before its folder is handed to
+    transformers: it would build the whole model and score the weights the file lacks at random."""
+    check_magic(path)
     try:
         header = read_header(path)  # the tensor table only: no tensor data is read
     except (ValueError, OSError, MemoryError, OverflowError) as error:  # cut short, absurd lengths
@@ -43,14 +36,14 @@ def check_gguf(path: Path) -> None:
         raise InputError(f"{path} holds no tensors, only metadata (a vocabulary file?); give the .gguf file "
                          "with the model's weights")
     architecture = str(header.field("general.architecture"))
-    missing = sorted(_gguf_needs(path, architecture) - set(names))
+    missing = sorted(_gguf_needs(config, architecture) - set(names))
     if missing:
         raise InputError(f"{path} lacks {len(missing)} tensor(s) its {architecture} model needs "
                          f"({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}): it would be scored with "
                          "random weights in their place; give the whole .gguf file llama.cpp wrote")
 
-def _gguf_needs(path: Path, architecture: str) -> set[str]:
-    """The GGUF names of the weights of the model ``path``'s config describes, named as transformers' GGUF
+def _gguf_needs(config, architecture: str) -> set[str]:
+    """The GGUF names of the weights of the model ``config`` describes, named as transformers' GGUF
     loader names them (the model's own keys, not those only a submodule's name map adds: a model converted from
     a base model); a weight tied to another (an output head shared with the embeddings) is not stored, and one
     the name map does not know is left to the loader."""
@@ -58,7 +51,6 @@ def _gguf_needs(path: Path, architecture: str) -> set[str]:
 
     if _name_map(architecture, 1) is None:
         return set()  # transformers refuses it itself
-    config = load_config(str(path))
     with torch.device("meta"):  # the skeleton only: no memory for its weights
         model = AutoModelForCausalLM.from_config(config)
     processor = _processor(architecture, config)

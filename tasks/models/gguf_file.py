@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.core.errors import one_line
+from tasks.core.errors import InputError, one_line
 from tasks.core.files import once_per_file_state
 
 # GGUF value types: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool, 8 string, 9 array, 10 u64, 11 i64, 12 f64
@@ -97,6 +97,17 @@ class _Cursor:
             self.offset += count * dtype.itemsize
             return values
         return self.unpack(SCALARS[kind])
+
+
+def check_magic(path: Path) -> None:
+    """Refuse a ``.gguf`` path that is not a GGUF file, in one line, before anything parses it."""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(4)
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror}") from None
+    if magic != b"GGUF":
+        raise InputError(f"{path} is not a GGUF file (it does not start with GGUF); give a llama.cpp .gguf file")
 
 
 @once_per_file_state(maxsize=8)

@@ -10,19 +10,25 @@ import torch
 
 from tasks.core.errors import InputError, TransientError, is_network_error, one_line
 from tasks.models.gguf import check_gguf, gguf_state_dict
-from tasks.models.resolve import from_pretrained_args, load_config, resolve_model_path
+from tasks.models.resolve import Located, from_pretrained_args, locate_model
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
-def check_checkpoint(name: str, registry: str | None = None) -> None:
+def located(model: Located | str) -> Located:
+    """``model`` as found once (an audit's ``Checkpoint.model``), or a name a tool or a test gives, found now."""
+    return model if isinstance(model, Located) else locate_model(model)
+
+
+def check_checkpoint(model: Located | str) -> None:
     """Refuse a local model folder without weights or tokenizer (or with shards its index names missing), and a
     folder or GGUF file whose tensors do not fill the model it describes."""
-    path = Path(resolve_model_path(name, registry))
+    model = located(model)
+    path = Path(model.source)
     if path.suffix == ".gguf":
-        check_gguf(path)
+        check_gguf(path, model.config)
         return
     if not path.is_dir():
         return  # a Hub id: the Hub holds the files
@@ -41,7 +47,7 @@ def check_checkpoint(name: str, registry: str | None = None) -> None:
     if not any((path / file).is_file() for file in TOKENIZER_FILES):
         raise InputError(f"model folder {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
                          "save the tokenizer beside the weights (tokenizer.save_pretrained)")
-    check_weights(path)
+    check_weights(path, model.config)
 
 # the files from_pretrained reads a folder's weights from, in the order it looks for them
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -70,7 +76,7 @@ def _quiet():
         if bars:
             hf_logging.enable_progress_bar()
 
-def check_weights(folder: Path) -> None:
+def check_weights(folder: Path, config) -> None:
     """Refuse a float checkpoint whose tensors do not fill the model its config.json describes (renamed, from
     another architecture, a base model without its head): transformers would fill the gaps at random and the
     model would be scored as it is. Its files' headers are loaded on the meta device, so transformers' own
@@ -81,7 +87,6 @@ def check_weights(folder: Path) -> None:
     from transformers.models.auto.auto_factory import _get_model_class
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    config = load_config(str(folder))
     files = _weight_files(folder)
     quantized = getattr(config, "quantization_config", None) is not None
     if quantized or not files or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
@@ -113,11 +118,12 @@ def check_loading_info(what: str, model_class: str, info: dict) -> None:
                          "with random weights in their place; give the checkpoint as save_pretrained wrote it, with "
                          "the config.json of the model its tensors are for")
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretrained):
+def load_model(model: Located | str, dtype: torch.dtype, device: torch.device, **from_pretrained):
     """Load a causal LM for scoring, in eval mode on ``device``.
 
     Args:
-        name: a local folder, a ``.gguf`` file, ``embedded``, or a Hugging Face Hub id (needs network).
+        model: as found (``Located``), or a local folder, a ``.gguf`` file, ``embedded``, or a Hugging Face Hub id
+            (needs network).
         dtype: weight dtype for unquantized layers.
         device: where the model runs.
         from_pretrained: extra keyword arguments (a quantization config; a ``device_map`` that splits the model
@@ -125,21 +131,23 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, **from_pretr
     """
     from transformers import AutoModelForCausalLM
 
-    source, extra = from_pretrained_args(resolve_model_path(name))
+    model = located(model)
+    name = model.source
+    source, extra = from_pretrained_args(model.source)
     loader = AutoModelForCausalLM
     if "gguf_file" in extra:  # checked before the model is built for it
         gguf = Path(source) / extra.pop("gguf_file")
-        check_gguf(gguf)
-        extra["config"] = load_config(name)  # parsed once per process
+        check_gguf(gguf, model.config)
+        extra["config"] = model.config
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(extra["config"])
         loader, source, extra["state_dict"] = type(skeleton), None, gguf_state_dict(gguf, skeleton, dtype)
     try:
-        model, info = loader.from_pretrained(source, dtype=dtype, output_loading_info=True,
-                                             **({"device_map": str(device)} | extra | from_pretrained))
+        loaded, info = loader.from_pretrained(source, dtype=dtype, output_loading_info=True,
+                                              **({"device_map": str(device)} | extra | from_pretrained))
     except (OSError, ValueError) as error:
         if is_network_error(error):
             raise TransientError(f"cannot reach the model store for {name}: {one_line(error)}") from error
         raise InputError(f"cannot load model {name}: {one_line(error)}") from None
-    check_loading_info(f"model {name}", type(model).__name__, info)
-    return model.eval()
+    check_loading_info(f"model {name}", type(loaded).__name__, info)
+    return loaded.eval()

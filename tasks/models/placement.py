@@ -14,7 +14,6 @@ import torch
 
 from tasks.core.errors import InputError
 from tasks.core.places import cache_dir
-from tasks.models.resolve import load_config
 
 
 def split_arguments(spec) -> dict:
@@ -40,7 +39,7 @@ def _placed_on(device_map: dict, module: str):
     return device_map[max(enclosing, key=len)] if enclosing else None
 
 
-def check_ties(spec, source: str) -> None:
+def check_ties(spec, config) -> None:
     """Refuse an explicit map that puts a tied input embedding and LM head (one tensor) on different devices:
     accelerate cannot place one tensor twice and fails in loading or at the first forward pass
     (``KeyError: 'lm_head.weight'``, ``weight is on the meta device``). ``auto`` keeps tied modules together itself."""
@@ -48,7 +47,6 @@ def check_ties(spec, source: str) -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    config = load_config(source)
     if not getattr(config.get_text_config(), "tie_word_embeddings", False):
         return
     with torch.device("meta"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +34,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise InputError(f"unknown dtype '{name}'; use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def device_and_dtype(spec) -> tuple[torch.device, torch.dtype]:
+    """Where a model of ``spec`` (a ``VariantSpec``) runs and in what dtype: the one place its ``device`` and
+    ``dtype`` settings are resolved (where it loads, on the worker that scores it: ``auto`` is that machine's)."""
+    device = resolve_device(spec.device)
+    return device, resolve_dtype(spec.dtype, device)
 
 
 def resolve_model_path(name: str, registry: str | None = None) -> str:
@@ -101,10 +109,44 @@ def from_pretrained_args(source: str) -> tuple[str, dict]:
     return source, {}
 
 
+@dataclass(frozen=True)
+class Located:
+    """A model found once: where it loads from and what it is, so that nothing after resolves its name again.
+
+    Attributes:
+        source: a local folder, a ``.gguf`` file or a Hub id (``resolve_model_path``).
+        config: its transformers config (for a GGUF file, made from the file's header).
+        files: its files on the machine that found it (the folder, the file, a Hub id's snapshot in the cache), else
+            None. A worker that loads it looks again (``model_files``): a Hub snapshot may be fetched there.
+    """
+
+    source: str
+    config: object
+    files: Path | None
+
+    @classmethod
+    def at(cls, source: str, name: str | None = None) -> Located:
+        """``source`` (already resolved) read: its config and where its files are; ``name`` is what errors call it."""
+        return cls(source, read_config(source, name or source), model_files(source))
+
+
+def locate_model(name: str, registry: str | None = None) -> Located:
+    """``name`` resolved and read once (``resolve_model_path``, its config, its files)."""
+    return Located.at(resolve_model_path(name, registry), name)
+
+
 def load_tokenizer(name: str):
+    """The tokenizer of the model ``name`` (resolved first: for a tool or a test; an audit reads its models' once,
+    in ``tasks.audit.checkpoints``, with ``read_tokenizer``)."""
+    return read_tokenizer(resolve_model_path(name), name)
+
+
+def read_tokenizer(source: str, name: str | None = None):
+    """The tokenizer at ``source``, a folder, ``.gguf`` file or Hub id as ``resolve_model_path`` gives it."""
     from transformers import AutoTokenizer
 
-    source, extra = from_pretrained_args(resolve_model_path(name))
+    name = name or source
+    source, extra = from_pretrained_args(source)
     try:
         return _parsed_once(AutoTokenizer, source, **extra)
     except Exception as error:  # noqa: BLE001 -- the tokenizers library raises bare Exception for a bad vocabulary
@@ -133,10 +175,21 @@ def _tokenizer_problem(source: str, error: Exception) -> str:
 
 
 def load_config(name: str, registry: str | None = None):
-    """The model's config alone: enough to check settings before any weights are loaded."""
+    """The config of the model ``name`` (resolved first: for a tool or a test; an audit's models carry theirs, read
+    once: ``Located``)."""
+    return read_config(resolve_model_path(name, registry), name)
+
+
+def read_config(source: str, name: str | None = None):
+    """The config at ``source`` alone: enough to check settings before any weights are loaded."""
     from transformers import AutoConfig
 
-    source, extra = from_pretrained_args(resolve_model_path(name, registry))
+    name = name or source
+    if source.endswith(".gguf"):  # before its header is parsed: a file that is not GGUF is said so in one line
+        from tasks.models.gguf_file import check_magic
+
+        check_magic(Path(source))
+    source, extra = from_pretrained_args(source)
     _check_quantization_config(Path(source) / "config.json", name)
     try:
         return _parsed_once(AutoConfig, source, **extra)

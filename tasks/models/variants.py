@@ -25,9 +25,9 @@ from tasks.engine import kv_cache
 from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
 from tasks.models import kernel_start
-from tasks.models.loading import WEIGHT_SUFFIXES, load_model
+from tasks.models.loading import WEIGHT_SUFFIXES, load_model, located
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
-from tasks.models.resolve import load_config, model_files, resolve_device, resolve_dtype
+from tasks.models.resolve import Located, device_and_dtype
 
 
 @dataclass
@@ -64,14 +64,14 @@ class VariantFacts:
         return asdict(self)
 
 
-def quantization_config(method: str, dtype: torch.dtype, kernel: str | None = None, source: str | None = None):
+def quantization_config(method: str, dtype: torch.dtype, kernel: str | None = None, config=None):
     """The transformers quantization config for methods quantized at load, or the loading settings that pick
-    ``kernel`` for a gptq/awq checkpoint at ``source``; else None."""
+    ``kernel`` for a gptq/awq checkpoint whose transformers config is ``config``; else None."""
     if kernel is not None:
         from transformers import AwqConfig, GPTQConfig
 
         # transformers takes only the loading settings (the backend) from it; bits must still be the checkpoint's
-        bits = load_config(source).quantization_config["bits"]
+        bits = config.quantization_config["bits"]
         return (GPTQConfig if method == "gptq" else AwqConfig)(bits=bits, backend=kernel)
     if method in ("bnb-int8", "bnb-nf4"):
         from transformers import BitsAndBytesConfig
@@ -124,24 +124,26 @@ def size_on_disk(path: str) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
 
 
-def load_variant(spec: VariantSpec, source: str, window: int | None = None):
-    """Load ``spec`` from ``source`` (its own path, a quantized folder, or the baseline to quantize at load).
-    ``window``: the audit's, over which a key/value cache with a residual is costed (``kv_bytes_per_token``).
+def load_variant(spec: VariantSpec, model: Located | str, window: int | None = None):
+    """Load ``spec`` from ``model`` (its own files, a quantized folder, or the baseline to quantize at load: as an
+    audit's lineup found it, or a name a tool or a test gives). ``window``: the audit's, over which a key/value
+    cache with a residual is costed (``kv_bytes_per_token``).
 
     Returns:
         ``(model, VariantFacts)``.
     """
-    device = resolve_device(spec.device)
+    found = located(model)
+    source = found.source
+    device, dtype = device_and_dtype(spec)
     require(spec.method, device.type)
-    dtype = resolve_dtype(spec.dtype, device)
     if spec.method == "bnb-nf4" and spec.path is not None and device.type == "cpu":
         raise InputError(f"variant '{spec.name}': a saved NF4 checkpoint reloads corrupted on CPU; "
                          "drop path to quantize the baseline at load")
     extra = {}
-    config = quantization_config(spec.method, dtype, spec.kernel, source)
+    config = quantization_config(spec.method, dtype, spec.kernel, found.config)
     if config is not None:
         extra["quantization_config"] = config
-    check_ties(spec, source)
+    check_ties(spec, found.config)
     split = split_arguments(spec)
     started = time.perf_counter()
     with warnings.catch_warnings():
@@ -150,7 +152,7 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
         # gptqmodel picks and readies its kernel as the checkpoint loads
         with (kernel_start.said_as_the_kernel(spec.name, spec.method, spec.kernel, device.type)
               if spec.method in ("gptq", "awq") else contextlib.nullcontext()):
-            model = load_model(source, dtype, device, **extra, **split)
+            model = load_model(found, dtype, device, **extra, **split)
     forget_with(model, split)
     ready(spec, model)
     weights = weight_bytes(model)  # as loaded: a kernel may repack its weights at its first forward, just below
@@ -168,7 +170,7 @@ def load_variant(spec: VariantSpec, source: str, window: int | None = None):
     facts = VariantFacts(
         method=spec.method, source=source, device=",".join(devices(model)) if split else str(device),
         dtype=str(dtype).removeprefix("torch."),
-        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(str(model_files(source) or source)),
+        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(str(found.files or source)),
         weight_memory_bytes=weights, bits_per_weight=quantized_bits(model, spec, source, list(kernels))
         or whole, model_bits_per_weight=whole, quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),

@@ -1,0 +1,134 @@
+"""An audit resolved once: ``open_audit`` turns a config into the ``AuditPlan`` that every command and flow runs.
+
+It is the only place a config becomes a plan. The CLI makes the plan before Prefect starts (bad input ends there,
+exit 2) and hands it to the flow, which only runs it; a run Prefect starts from plain parameters (a deployment, a
+served or scheduled run) makes it on entry, from the same function. Making it loads no model: the config is read
+and checked, every model is found once (``tasks.audit.checkpoints.prepare``), the corpus is read and tokenized once
+(cached on disk), and what the stream decides is checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, InstanceOf, model_serializer
+
+from tasks.audit.checkpoints import Lineup, prepare
+from tasks.audit.events import event_config
+from tasks.audit.preflight import check_calibration_room, check_settings, check_stream, preflight
+from tasks.audit.reference import baseline_key
+from tasks.audit.scoring import baseline_identity
+from tasks.audit.served import Policy, Refused
+from tasks.config import AuditConfig, load_audit_config
+from tasks.core.errors import InputError
+from tasks.data.corpus import corpus_text
+from tasks.data.evaluation import Evaluation, evaluation
+
+
+class Event(BaseModel):
+    """What a ``quantization.completed`` event asks to audit: the checkpoint at ``model_path`` (its ``method``,
+    ``bits`` (informative) and ``name`` when the event gives them) against ``baseline`` (else the config's). A
+    field the event lacks arrives as "" (``flows.serve``'s trigger): not given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str = ""
+    method: str = ""
+    bits: int | str = ""
+    baseline: str = ""
+    name: str = ""
+
+    def described(self) -> dict:
+        """What the event says of its checkpoint besides where it is."""
+        return {k: v for k, v in self.model_dump().items() if k != "model_path" and v not in ("", None)}
+
+
+class AuditPlan(BaseModel):
+    """One audit, resolved: what every step reads, and nothing is resolved again after it is made.
+
+    Attributes:
+        config: the validated config, overrides applied (a triggered audit's: narrowed to its checkpoint).
+        path: the YAML it was read from.
+        lineup: the baseline and its variants, each found once, with its gate.
+        evaluation: the token stream, the corpus text and the evaluation settings (the window plan's).
+        said: a triggered audit's line on what it audits and why; "" otherwise.
+    """
+
+    # the lineup and the stream are the library's own frozen values, held as they are (validated by type only)
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    config: AuditConfig
+    path: str
+    lineup: InstanceOf[Lineup]
+    evaluation: InstanceOf[Evaluation]
+    said: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @model_serializer
+    def _shown(self) -> dict:
+        """What Prefect stores and shows of a plan handed to a flow (its UI's parameters): which audit, not its
+        tokens (the plan holds the whole corpus text and token stream)."""
+        settings = self.evaluation.settings
+        return {"audit": self.name, "config": self.path, "baseline": self.lineup.baseline.source,
+                "variants": [c.name for c in self.lineup.variants], "tokens": len(self.evaluation.stream.ids),
+                "window": settings.window, "stride": settings.stride}
+
+
+def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Event | None = None,
+               narrow: Callable[[AuditConfig], AuditConfig] | None = None, strict: bool = True) -> AuditPlan:
+    """The audit of the config at ``path``, resolved into its plan; every refusal is raised here (``InputError``,
+    ``Refused`` under a serve's policy) before any model is loaded.
+
+    Args:
+        overrides: ``key=value`` settings that replace the file's.
+        event: audit the one checkpoint an event names (``tasks.audit.events``) instead of the config's variants.
+        narrow: what of the config a command audits (a diagnosis: one variant; a reference: the baseline alone).
+        strict: refuse a variant that cannot be scored now (the CLI); a run Prefect starts lets it fail alone.
+    """
+    served = Policy.current()
+    if served:
+        served.check_run(path, list(overrides))
+    config = load_audit_config(path, list(overrides))
+    said = ""
+    if event is not None and (event.model_path or event.described()):
+        config, said = _for_event(config, event, served)
+    if narrow is not None:
+        config = narrow(config)
+    registry = check_settings(config)
+    lineup = prepare(config.baseline, config.variants, registry, config.thresholds)
+    preflight(config, lineup, strict)
+    scored = evaluation(corpus_text(config.corpus), lineup.tokenizer, config.evaluation, progress=True)
+    check_calibration_room(config, lineup, scored)
+    check_stream(config, lineup, scored)
+    return AuditPlan(config=config, path=path, lineup=lineup, evaluation=scored, said=said)
+
+
+def baseline_alone(config: AuditConfig) -> AuditConfig:
+    """An audit's config without its variants: what a reference is built from, and what names its audits."""
+    return config.model_copy(update={"variants": []})
+
+
+def baseline_key_of(plan: AuditPlan) -> str:
+    """The key of the plan's baseline as its audits record it (``tasks.audit.reference.baseline_key``): from its
+    files, tokenizer and the token stream, no model loaded."""
+    _, identity, _ = baseline_identity(plan.lineup.baseline, plan.evaluation)
+    if identity is None:
+        raise InputError(f"baseline: {plan.config.baseline.path} is not on this machine, so nothing names its audits; "
+                         "give --baseline KEY instead (the ppl_audit.baseline_key tag of its audits' runs)")
+    return baseline_key(identity)
+
+
+def _for_event(config: AuditConfig, event: Event, served: Policy | None) -> tuple[AuditConfig, str]:
+    """The config narrowed to the checkpoint ``event`` names, and the line saying under which name it is audited."""
+    if not event.model_path:  # they describe an event's checkpoint: the config's audit would ignore them
+        raise (Refused if served else InputError)(
+            f"{', '.join(f'{k} {v}' for k, v in event.described().items())} given without model_path: they describe "
+            "the checkpoint an event names; give its model_path too, or leave them out to run the config's own audit")
+    if served:
+        served.check_event(config, event.model_path, event.baseline or None)
+    narrowed, why = event_config(config, event.model_path, event.method or None, event.baseline or None,
+                                 event.name or None)
+    return narrowed, f"auditing {event.model_path} as {narrowed.variants[0].name}: {why}"
