@@ -106,14 +106,18 @@ def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> C
         if spec.method == "auto":
             method, detected = detect(model)
             spec = spec.model_copy(update={"method": method})
-        return loading_from(Checkpoint(spec, "variant", detected=detected), model)
+        return _with_files(Checkpoint(spec, "variant", detected=detected), model)
     except InputError as error:
         return Checkpoint(spec, "variant", problem=one_line(error))
 
 
-def loading_from(checkpoint: Checkpoint, model: Located) -> Checkpoint:
-    """``checkpoint`` resolved to the files ``model``: its tokenizer digested and its manifest read (a variant
-    quantized here is resolved so once it is made: ``tasks.audit.scoring.made``)."""
+def loading_from(checkpoint: Checkpoint, folder: str) -> Checkpoint:
+    """A variant quantized here, found once it is made in ``folder`` (``tasks.audit.scoring.made``)."""
+    return _with_files(checkpoint, Located.at(folder, checkpoint.name))
+
+
+def _with_files(checkpoint: Checkpoint, model: Located) -> Checkpoint:
+    """``checkpoint`` resolved to the files ``model``: its tokenizer digested and its manifest read."""
     return replace(checkpoint, model=model, tokenizer=tokenizer_digest(_tokenizer(model)),
                    manifest=read_manifest(model.source))
 

@@ -309,7 +309,7 @@ def made(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus
     if checkpoint.source is not None or checkpoint.problem or checkpoint.role == "baseline":
         return checkpoint
     source = quantized_checkpoint(checkpoint.spec, lineup, evaluation_, corpus_text_of, progress)
-    return loading_from(checkpoint, Located.at(source, checkpoint.name))
+    return loading_from(checkpoint, source)
 
 
 def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,

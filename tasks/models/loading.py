@@ -17,7 +17,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
-def located(model: Located | str) -> Located:
+def as_located(model: Located | str) -> Located:
     """``model`` as found once (an audit's ``Checkpoint.model``), or a name a tool or a test gives, found now."""
     return model if isinstance(model, Located) else locate_model(model)
 
@@ -25,7 +25,7 @@ def located(model: Located | str) -> Located:
 def check_checkpoint(model: Located | str) -> None:
     """Refuse a local model folder without weights or tokenizer (or with shards its index names missing), and a
     folder or GGUF file whose tensors do not fill the model it describes."""
-    model = located(model)
+    model = as_located(model)
     path = Path(model.source)
     if path.suffix == ".gguf":
         check_gguf(path, model.config)
@@ -131,7 +131,7 @@ def load_model(model: Located | str, dtype: torch.dtype, device: torch.device, *
     """
     from transformers import AutoModelForCausalLM
 
-    model = located(model)
+    model = as_located(model)
     name = model.source
     source, extra = from_pretrained_args(model.source)
     loader = AutoModelForCausalLM

@@ -25,7 +25,7 @@ from tasks.engine import kv_cache
 from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
 from tasks.models import kernel_start
-from tasks.models.loading import WEIGHT_SUFFIXES, load_model, located
+from tasks.models.loading import WEIGHT_SUFFIXES, as_located, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
 from tasks.models.resolve import Located, device_and_dtype
 
@@ -132,7 +132,7 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
     Returns:
         ``(model, VariantFacts)``.
     """
-    found = located(model)
+    found = as_located(model)
     source = found.source
     device, dtype = device_and_dtype(spec)
     require(spec.method, device.type)
