@@ -27,7 +27,7 @@ from tasks.config import CorpusConfig, KVCache, VariantSpec
 from tasks.data.corpus import corpus_text, tokenize
 from tasks.engine.perplexity import perplexity
 from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
-from tasks.models.variants import load_variant
+from tasks.models.variants import cache_format, load_variant
 
 
 def main() -> None:
@@ -70,8 +70,9 @@ def main() -> None:
                            kv_cache=KVCache(dtype=cache) if cache else None)
         try:
             model, facts = load_variant(spec, spec.path or model_dir)
-            perplexity(model, stream, args.window, args.stride, args.batch_size)  # warm-up: kernels, autotuning
-            result = perplexity(model, stream, args.window, args.stride, args.batch_size)
+            form = cache_format(spec)
+            perplexity(model, stream, args.window, args.stride, args.batch_size, kv_cache=form)  # warm-up: kernels
+            result = perplexity(model, stream, args.window, args.stride, args.batch_size, kv_cache=form)
         except Exception as error:  # one method's failure is a finding, not the end of the others
             rows.append({"method": name, "error": f"{type(error).__name__}: {str(error)[:300]}"})
             print(f"{name}: {rows[-1]['error']}", flush=True)

@@ -16,7 +16,7 @@ from prefect import flow
 
 from flows.runners import task_runner
 from tasks.audit.checkpoints import Checkpoint, Lineup
-from tasks.audit.diagnose import Restored, forget_models, narrowed, report, sample, search
+from tasks.audit.diagnose import Bench, Restored, narrowed, report, sample, search
 from tasks.audit.plan import AuditPlan
 from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
@@ -35,10 +35,13 @@ def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoin
     print(f"diagnosing {checkpoint.name} on {len(windows)} windows ({sum(w.n_scored for w in windows)} tokens), "
           f"restoring up to {settings.restore} layers")
     runner = task_runner(config)
+    # run here, the tasks share this diagnosis's bench (one load of the pair, let go at the end); on a cluster each
+    # worker's tasks share its own (tasks.steps.WorkerBench): a bench sent with a task would reach it as a copy
+    bench = Bench()
 
     def evaluate(sets: list[tuple[int, ...]]) -> list[Restored]:
         if runner is None:
-            return restore_layers(checkpoint, lineup, scored, windows, sets)
+            return restore_layers(checkpoint, lineup, scored, windows, sets, bench)
         # a task per worker: each runs the variant once per batch and every set of its share from there
         shares = [sets[i :: config.runner.workers] for i in range(min(config.runner.workers, len(sets)))]
         futures = [runner.submit(restore_layers, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
@@ -48,12 +51,12 @@ def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoin
 
     try:
         with runner or nullcontext():  # on a cluster, this process loads no model: a worker examines both
-            seen = examine_variant(checkpoint, lineup, scored, windows) if runner is None else runner.submit(
+            seen = examine_variant(checkpoint, lineup, scored, windows, bench) if runner is None else runner.submit(
                 examine_variant, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
                                   "windows": windows}).result()
             alone, curve = search(seen, evaluate, settings.restore)
     finally:
-        forget_models()
+        bench.forget()
     return report(seen, alone, curve, time.perf_counter() - started) | {"seed": settings.seed}
 
 

@@ -13,7 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.core.errors import InputError
-from tasks.engine.windows import BosPolicy, Mode, check_plan, chunk_limit
+from tasks.engine.settings import BosPolicy, Mode
+from tasks.engine.windows import check_plan, chunk_limit
 
 # auto: read from the checkpoint (tasks.models.formats); baseline: a float model as it is
 Method = Literal["auto", "baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8", "compressed-tensors",
@@ -96,7 +97,7 @@ class KVCache(Strict):
     residual: int = Field(0, ge=0, description="each query's newest tokens kept unquantized (transformers: 128)")
 
     @model_validator(mode="after")
-    def _blocks_are_int_only(self) -> "KVCache":
+    def _blocks_are_int_only(self) -> KVCache:
         if self.dtype not in ("int8", "int4") and "group_size" in self.model_fields_set:
             raise ValueError(f"group_size applies to int8 and int4 caches, not {self.dtype} (stored value by value)")
         return self
@@ -173,7 +174,7 @@ class VariantSpec(Strict):
         return data
 
     @model_validator(mode="after")
-    def _settings_fit_the_method(self) -> "VariantSpec":
+    def _settings_fit_the_method(self) -> VariantSpec:
         settings = [key for key in ("bits", "group_size", "sym", "calibration") if getattr(self, key) is not None]
         if self.method == "hqq":
             if {"sym", "calibration"} & set(settings):
@@ -239,7 +240,7 @@ class BaselineSpec(VariantSpec):
     rescore: Rescore = "auto"
 
     @model_validator(mode="after")
-    def _the_baseline_keeps_its_cache(self) -> "BaselineSpec":
+    def _the_baseline_keeps_its_cache(self) -> BaselineSpec:
         if self.kv_cache is not None:
             raise ValueError("kv_cache is a variant's: to measure the cache alone, add a variant of the baseline's own "
                              "weights with it (a variant without path or method)")
@@ -311,7 +312,7 @@ class EvaluationConfig(Strict):
         return data
 
     @classmethod
-    def of_record(cls, data: dict) -> "EvaluationConfig":
+    def of_record(cls, data: dict) -> EvaluationConfig:
         """The settings an audit record was scored with (a record from before the reference keeps the
         retired settings, whose KL was on)."""
         data = {key: value for key, value in data.items() if key != "top_k"}
@@ -320,7 +321,7 @@ class EvaluationConfig(Strict):
         return cls.model_validate(data)
 
     @model_validator(mode="after")
-    def _a_plan_the_engine_can_make(self) -> "EvaluationConfig":
+    def _a_plan_the_engine_can_make(self) -> EvaluationConfig:
         try:  # the engine's own checks, so that a config and `ppl` get the same line
             check_plan(self.window, self.stride, self.mode, 1 if self.bos == "window" else 0)
             chunk_limit(self.chunks, self.window, self.mode, self.max_tokens)
@@ -371,7 +372,7 @@ class Schedule(Strict):
         return zone
 
     @model_validator(mode="after")
-    def _valid_cron(self) -> "Schedule":
+    def _valid_cron(self) -> Schedule:
         if self.cron is not None:
             from datetime import datetime
 
@@ -399,7 +400,7 @@ class Runner(Strict):
     shards: int = Field(1, ge=1)
 
     @model_validator(mode="after")
-    def _fits_the_kind(self) -> "Runner":
+    def _fits_the_kind(self) -> Runner:
         if self.shards > 1 and self.kind == "sequential":
             raise ValueError("shards split a model's windows across workers: set kind dask or ray")
         schemes = {"dask": ("tcp://", "tls://"), "ray": ("ray://",)}.get(self.kind)
@@ -519,7 +520,7 @@ class AuditConfig(Strict):
         return data
 
     @model_validator(mode="after")
-    def _consistent(self) -> "AuditConfig":
+    def _consistent(self) -> AuditConfig:
         if self.baseline.method != "baseline" or self.baseline.path is None:
             raise ValueError("baseline needs a path (model folder, Hub id or embedded) and method baseline")
         if not self.variants:

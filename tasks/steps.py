@@ -16,7 +16,7 @@ from prefect.states import Failed
 
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.cluster import let_go
-from tasks.audit.diagnose import Examination, Restored, examine, restore
+from tasks.audit.diagnose import Bench, Examination, Restored, examine, restore
 from tasks.audit.plan import AuditPlan, Event, open_audit
 from tasks.audit.scoring import Lookup, join_reference, look_up, make_variant, score_variant
 from tasks.config import AuditConfig, CorpusConfig
@@ -137,11 +137,31 @@ def track(folder: Path) -> str:
     return replay(synced_dir() / folder.name)
 
 
+class WorkerBench(Bench):
+    """The ``Bench`` a Dask or Ray worker's process keeps for the diagnosis tasks it runs: the one object here that
+    outlives a task, and the one instance of it is ``WORKER_BENCH``.
+
+    Why a process-wide object: a worker runs several restore tasks of one diagnosis, and loading the pair once per
+    worker, not once per task, is most of a diagnosis's speed on a cluster. Prefect's task runners give a task
+    nothing that lives as long as its worker process (Dask's worker plugins and Ray's actors would be a second way
+    to reach the models, one per runner), and a bench given as a task's argument would reach the worker as a fresh
+    copy with each task (every argument is pickled), loading the pair each time. So a task on a cluster, given no
+    bench, takes this process's. It holds one pair at a time: the next diagnosis's pair
+    takes its place, and the worker's end (a local cluster ends with the audit's runner) lets it go. Run here,
+    without a cluster, the flow gives its tasks a bench of its own instead (``flows.diagnose``), and forgets it
+    when the diagnosis ends."""
+
+
+WORKER_BENCH = WorkerBench()
+
+
 @task(cache_policy=NO_CACHE, task_run_name="examine-{checkpoint.name}")
-def examine_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window]) -> Examination:
-    """Both models on a diagnosis's sample: per-layer errors and per-token losses."""
+def examine_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window],
+                    bench: Bench | None = None) -> Examination:
+    """Both models on a diagnosis's sample: per-layer errors and per-token losses; the models are ``bench``'s
+    (None: this worker's, ``WORKER_BENCH``)."""
     with asking(let_go):
-        return examine(checkpoint, lineup, evaluation_, windows)
+        return examine(WORKER_BENCH if bench is None else bench, checkpoint, lineup, evaluation_, windows)
 
 
 def _restore_name() -> str:
@@ -154,10 +174,12 @@ def _restore_name() -> str:
 
 @task(cache_policy=NO_CACHE, task_run_name=_restore_name)
 def restore_layers(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window],
-                   sets: list[tuple[int, ...]]) -> list[Restored]:
-    """The variant with each set of the baseline's decoder layers in ``sets`` in place, scored on the sample."""
+                   sets: list[tuple[int, ...]], bench: Bench | None = None) -> list[Restored]:
+    """The variant with each set of the baseline's decoder layers in ``sets`` in place, scored on the sample; the
+    models are ``bench``'s (None: this worker's, ``WORKER_BENCH``)."""
     with asking(let_go):
-        return restore(checkpoint, lineup, evaluation_, windows, sets, progress=True)
+        return restore(WORKER_BENCH if bench is None else bench, checkpoint, lineup, evaluation_, windows, sets,
+                       progress=True)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,

@@ -154,7 +154,7 @@ def noisy_model_dir(tmp_path_factory, trained_model_dir, tokenizer) -> Path:
     model = AutoModelForCausalLM.from_pretrained(trained_model_dir)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for name, weight in model.named_parameters():
+        for _, weight in model.named_parameters():
             if weight.ndim == 2:  # the briefly trained model leans on its embeddings and head: noise them too
                 weight.add_(torch.randn(weight.shape, generator=generator) * weight.std() * 0.5)
     folder = tmp_path_factory.mktemp("noisy-llama")

@@ -1,4 +1,4 @@
-"""AWQ's clip search as matmuls (``tasks.models.quantize.best_clip_by_matmul``) against gptqmodel's own."""
+"""AWQ's clip search as matmuls (``tasks.models.patches.best_clip_by_matmul``) against gptqmodel's own."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_the_clip_search_as_matmuls_chooses_what_gptqmodel_s_chooses(sym, group_
     bfloat16 and we in float32, so near-ties may go either way, rarely. 1100 tokens: both take every second one."""
     from gptqmodel.looper.awq_processor import AWQProcessor
 
-    from tasks.models.quantize import best_clip_by_matmul
+    from tasks.models.patches import best_clip_by_matmul
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(192, 256, generator=generator) * 0.05
@@ -45,10 +45,10 @@ def test_the_clip_search_as_matmuls_chooses_what_gptqmodel_s_chooses(sym, group_
 def test_quantizing_runs_the_matmul_clip_search_and_puts_gptqmodel_s_back():
     from gptqmodel.looper.awq_processor import AWQProcessor
 
-    from tasks.models.quantize import _clip_search_by_matmul, best_clip_by_matmul
+    from tasks.models.patches import best_clip_by_matmul, clip_search_by_matmul
 
     stock = AWQProcessor._compute_best_clip
-    with pytest.raises(RuntimeError), _clip_search_by_matmul():
+    with pytest.raises(RuntimeError), clip_search_by_matmul():
         assert AWQProcessor._compute_best_clip is best_clip_by_matmul
         raise RuntimeError("a quantization that fails")
     assert AWQProcessor._compute_best_clip is stock

@@ -67,15 +67,16 @@ def test_a_quantized_cache_rounds_in_a_compiled_body_as_in_the_eager_one(tiny_mo
     """The cache's round trip stays eager inside compiled layers: llama.cpp's rounding, not inductor's."""
     from tasks.config import VariantSpec
     from tasks.data.corpus import tokenize
-    from tasks.models.variants import load_variant
+    from tasks.models.variants import cache_format, load_variant
 
     stream = tokenize(text, tokenizer, bos="stream", max_tokens=1200)
     spec = VariantSpec(name="kv", device="cpu", kv_cache={"dtype": "int8", "group_size": 16, "residual": residual})
-    eager = perplexity(load_variant(spec, str(tiny_model_dir), 64)[0], stream, 64, 32, 4)
+    form = cache_format(spec)
+    eager = perplexity(load_variant(spec, str(tiny_model_dir), 64)[0], stream, 64, 32, 4, kv_cache=form)
     model, _ = load_variant(spec, str(tiny_model_dir), 64)
     speed_up(model, "compile")
     try:
-        compiled = perplexity(model, stream, 64, 32, 4)
+        compiled = perplexity(model, stream, 64, 32, 4, kv_cache=form)
     finally:
         torch._dynamo.reset()
     assert compiled.mean_nll == pytest.approx(eager.mean_nll, rel=1e-6, abs=0)

@@ -233,7 +233,7 @@ def test_diagnose_refuses_an_unknown_variant_in_one_line(tmp_path, capsys, deep_
 def _diagnose_here(baseline: str, spec, settings, text: str, restore_k: int = 1):
     """A diagnosis through the library, its evaluations one after another here (the flow's sequential runner)."""
     from tasks.audit.checkpoints import prepare
-    from tasks.audit.diagnose import examine, forget_models, report, restore, sample, search
+    from tasks.audit.diagnose import Bench, examine, report, restore, sample, search
     from tasks.config import BaselineSpec
     from tasks.data.evaluation import evaluation
     from tasks.models.resolve import load_tokenizer
@@ -242,12 +242,60 @@ def _diagnose_here(baseline: str, spec, settings, text: str, restore_k: int = 1)
     scored = evaluation(text, load_tokenizer(baseline), settings)
     [checkpoint] = lineup.variants
     windows = sample(scored, 3, 0)
+    bench = Bench()
     try:
-        seen = examine(checkpoint, lineup, scored, windows)
-        alone, curve = search(seen, lambda sets: restore(checkpoint, lineup, scored, windows, sets), restore_k)
+        seen = examine(bench, checkpoint, lineup, scored, windows)
+        alone, curve = search(seen, lambda sets: restore(bench, checkpoint, lineup, scored, windows, sets), restore_k)
     finally:
-        forget_models()
+        bench.forget()
     return report(seen, alone, curve, 0.0)
+
+
+def _lined_up(deep_dirs, variant: str = "fault-2"):
+    from tasks.audit.checkpoints import prepare
+    from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
+    from tasks.data.evaluation import evaluation
+    from tasks.models.resolve import load_tokenizer
+
+    lineup = prepare(BaselineSpec(name="baseline", path=str(deep_dirs["deep"])),
+                     [VariantSpec(name="one", path=str(deep_dirs[variant]))])
+    settings = EvaluationConfig(max_tokens=300, window=64, stride=32, batch_size=4)
+    return lineup, evaluation(make_text(400, seed=2), load_tokenizer(str(deep_dirs["deep"])), settings)
+
+
+def test_a_bench_holds_one_pair_until_another_diagnosis_s_takes_its_place(cache, deep_dirs):
+    from tasks.audit.diagnose import Bench
+
+    lineup, scored = _lined_up(deep_dirs)
+    other, _ = _lined_up(deep_dirs, "fault-1-3")
+    bench = Bench()
+    held = bench.pair(lineup.variants[0], lineup, scored)
+    assert bench.pair(lineup.variants[0], lineup, scored) is held  # loaded once for every task that asks
+    assert bench.pair(other.variants[0], other, scored) is not held
+    bench.forget()
+    assert not bench.holds()
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_tasks_run_here_load_the_pair_into_the_flow_s_bench_not_the_worker_s(cache, deep_dirs):
+    """A Prefect task run here is given the flow's own bench, not a copy of it: what the first task loads, the next
+    finds, and the flow lets it go; the process-wide bench of cluster workers stays empty."""
+    from tasks.audit.diagnose import Bench, sample
+    from tasks.steps import WORKER_BENCH, examine_variant, restore_layers
+
+    lineup, scored = _lined_up(deep_dirs)
+    [checkpoint] = lineup.variants
+    windows = sample(scored, 2, 0)
+    bench = Bench()
+    try:
+        seen = examine_variant(checkpoint, lineup, scored, windows, bench)
+        assert bench.holds() and not WORKER_BENCH.holds()
+        held = bench.pair(checkpoint, lineup, scored)
+        [found] = restore_layers(checkpoint, lineup, scored, windows, [(2,)], bench)
+        assert bench.pair(checkpoint, lineup, scored) is held and not WORKER_BENCH.holds()
+        assert found.kl.mean() < seen.kl.mean()  # the faulty layer put back
+    finally:
+        bench.forget()
 
 
 FORMATS = {  # the formats ppl-audit loads, on the trained test Llama; GGUF on the embedded model

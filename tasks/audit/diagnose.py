@@ -2,8 +2,9 @@
 back wins back (one layer at a time, then a greedy search), on a seeded sample of the audit's own windows.
 
 The evaluations are independent of each other, so the flow runs them as tasks (``flows.diagnose``); each task
-loads the two models once per process (``_pair``) and scores the sample with some layers restored. The sample's
-baseline figures are computed once per process too, in memory: a diagnosis never writes a reference.
+takes the two models from the ``Bench`` it is given (loaded by the first task that asks, kept for the next) and
+scores the sample with some layers restored. The sample's baseline figures are kept on the bench too, in memory: a
+diagnosis never writes a reference.
 """
 
 from __future__ import annotations
@@ -108,18 +109,33 @@ def _scored(model, evaluation_: Evaluation, windows: list[Window], **options) ->
     return score_windows(model, stream.ids, windows, stream.prefix, batch_size, first_token=first_token, **options)
 
 
-_held: dict = {}  # the pair loaded in this process, and what it was loaded for
+class Bench:
+    """Where the two models of a diagnosis are held between the tasks that score them: loaded by the first task
+    that asks (``pair``), kept for the others, let go by ``forget``. One pair at a time: a pair for another
+    diagnosis takes the place of the one held. Its owner decides how long the models live: the flow that runs the
+    tasks here makes one per diagnosis; a cluster worker keeps one for its process (``tasks.steps``)."""
 
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._pair: Pair | None = None
 
-def _pair(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Pair:
-    """The two models of a diagnosis, loaded once per process (a worker's tasks share them). One pair at a time:
-    the next diagnosis's takes its place."""
-    key = (lineup.baseline.source, lineup.baseline.spec.model_dump_json(), checkpoint.source,
-           checkpoint.spec.model_dump_json())
-    if _held.get("key") != key:
-        forget_models()
-        _held.update(key=key, pair=_loaded_pair(checkpoint, lineup, evaluation_))
-    return _held["pair"]
+    def pair(self, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Pair:
+        """The baseline and ``checkpoint``'s variant, loaded here unless this bench holds them already."""
+        key = (lineup.baseline.source, lineup.baseline.spec.model_dump_json(), checkpoint.source,
+               checkpoint.spec.model_dump_json())
+        if self._key != key:
+            self.forget()
+            self._pair, self._key = _loaded_pair(checkpoint, lineup, evaluation_), key
+        return self._pair
+
+    def holds(self) -> bool:
+        """Whether a pair is loaded here."""
+        return self._pair is not None
+
+    def forget(self) -> None:
+        """Let go of the pair held (a long-lived process, ``serve``, keeps no model between audits)."""
+        self._key = self._pair = None
+        gc.collect()
 
 
 def _loaded_pair(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Pair:
@@ -139,12 +155,6 @@ def _loaded_pair(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation
     cost = np.subtract([weight_bytes(layer) for layer in decoder_layers(baseline)],
                        decoder_layer_bytes(variant, checkpoint.spec, checkpoint.source)) / MIB
     return Pair(baseline, variant, checkpoint.name, facts.method, cost)
-
-
-def forget_models() -> None:
-    """Let go of the loaded pair (a long-lived process, ``serve``, keeps no model between audits)."""
-    _held.clear()
-    gc.collect()
 
 
 @dataclass
@@ -173,10 +183,11 @@ class Examination:
     seconds: float
 
 
-def examine(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window]) -> Examination:
-    """Both models on the sample: the variant's per-layer errors and its loss, token by token."""
+def examine(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
+            windows: list[Window]) -> Examination:
+    """Both models (held on ``bench``) on the sample: the variant's per-layer errors and its loss, token by token."""
     started = time.perf_counter()
-    pair = _pair(checkpoint, lineup, evaluation_)
+    pair = bench.pair(checkpoint, lineup, evaluation_)
     base, against = pair.baseline_on(evaluation_, windows)
     scores = _scored(pair.variant, evaluation_, windows, reference=against)
     stream = evaluation_.stream
@@ -202,10 +213,11 @@ class Restored:
     kl: np.ndarray
 
 
-def restore(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window],
+def restore(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, windows: list[Window],
             sets: list[tuple[int, ...]], progress: bool = False) -> list[Restored]:
-    """Score the sample with each set of the baseline's decoder layers in ``sets`` put in the variant's place."""
-    pair = _pair(checkpoint, lineup, evaluation_)
+    """Score the sample with each set of the baseline's decoder layers in ``sets`` put in the variant's place (both
+    models held on ``bench``)."""
+    pair = bench.pair(checkpoint, lineup, evaluation_)
     _, against = pair.baseline_on(evaluation_, windows)
     stream = evaluation_.stream
     label = f"{checkpoint.name}: restore {len(sets)} layer set(s)" if progress else None

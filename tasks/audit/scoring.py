@@ -38,7 +38,7 @@ from tasks.engine.windows import plan
 from tasks.models.placement import devices, is_split, main_device, run_on
 from tasks.models.quantize import check_disjoint
 from tasks.models.resolve import Located, device_and_dtype, model_files
-from tasks.models.variants import VariantFacts, check_same_tokenizer, load_variant
+from tasks.models.variants import VariantFacts, cache_format, check_same_tokenizer, load_variant
 from tasks.record.results import VariantResult
 
 
@@ -49,7 +49,8 @@ def score_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool
     settings = evaluation_.settings
     batch_size = settings.batch_size
     if batch_size == "auto":
-        batch_size = auto_batch_size(model, evaluation_.stream, settings.window, settings.stride, settings.mode)
+        batch_size = auto_batch_size(model, evaluation_.stream, settings.window, settings.stride, settings.mode,
+                                     kv_cache=options.get("kv_cache"))
     while True:
         try:
             return score_part(model, evaluation_.stream, settings.window, settings.stride, batch_size, windows,
@@ -90,11 +91,13 @@ def check_parity(spec: VariantSpec, source: Located, model, facts: VariantFacts,
     """
     windows = (0, min(PARITY_WINDOWS, len(plan(evaluation_.stream, evaluation_.settings.window,
                                                 evaluation_.settings.stride, evaluation_.settings.mode))))
-    split = score_with_backoff(model, evaluation_, spec.name, False, windows).scores.token_nll.double()
+    form = cache_format(spec)
+    split = score_with_backoff(model, evaluation_, spec.name, False, windows, kv_cache=form).scores.token_nll.double()
     alone = spec.model_copy(update={"device_map": None, "max_memory": None, "device": "cpu", "dtype": facts.dtype})
     copy, _ = load_variant(alone, source)
     try:
-        one = score_with_backoff(run_on(copy, main_device(model)), evaluation_, spec.name, False, windows)
+        one = score_with_backoff(run_on(copy, main_device(model)), evaluation_, spec.name, False, windows,
+                                 kv_cache=form)
     finally:
         del copy
         gc.collect()
@@ -417,7 +420,8 @@ def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Line
         watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result.window_nll, settings.order_seed)
         sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
     with _removed_when_damaged(stored):
-        part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against, **sequence)
+        part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against,
+                                  kv_cache=cache_format(spec), **sequence)
     if windows is None and sample is None:
         outcome.result = combined([part], evaluation_, spec.name)
         if watch:

@@ -19,8 +19,8 @@ import torch
 from tasks.core import console, sealed
 from tasks.core.errors import InputError, one_line
 from tasks.core.files import prune
+from tasks.engine.settings import BOS_POLICIES, BosPolicy
 from tasks.engine.stream import TokenStream
-from tasks.engine.windows import BOS_POLICIES, BosPolicy
 
 if TYPE_CHECKING:
     from tasks.config import CorpusConfig

@@ -19,6 +19,7 @@ import torch
 from tasks.core import sealed
 from tasks.core.files import write_atomically
 from tasks.core.places import cache_dir
+from tasks.engine.kv_cache import KVCacheFormat
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import score_windows
 from tasks.engine.stream import TokenStream
@@ -49,8 +50,11 @@ def _known(file: Path) -> dict[str, int]:
     return entry["sizes"]
 
 
-def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: str = "sliding", cap: int = 64) -> int:
-    """Search (or recall) the batch size for ``model`` at this window on this device."""
+def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: str = "sliding", cap: int = 64,
+                    kv_cache: KVCacheFormat | None = None) -> int:
+    """Search (or recall) the batch size for ``model`` at this window on this device, each batch tried as it will be
+    scored: through ``kv_cache``'s format, where it has one (a residual's second copy of keys and values takes
+    memory)."""
     file = cache_dir() / "batch_sizes.json"
     known = _known(file)
     key = _cache_key(model, window, mode)
@@ -63,7 +67,7 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
     while size <= min(cap, len(windows)):
         try:
             started = time.perf_counter()
-            score_windows(model, stream.ids, windows[:size], stream.prefix, batch_size=size)
+            score_windows(model, stream.ids, windows[:size], stream.prefix, batch_size=size, kv_cache=kv_cache)
             if cuda:
                 torch.cuda.synchronize(device)
             speed = sum(w.n_scored for w in windows[:size]) / (time.perf_counter() - started)

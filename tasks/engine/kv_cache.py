@@ -144,17 +144,12 @@ def residual_mask(padding: torch.Tensor | None, length: int, residual: int, batc
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def attach(model, form: KVCacheFormat | None) -> None:
-    """Score ``model`` with its keys and values stored in ``form`` (``tasks.engine.perplexity.hidden_states``); None:
-    as computed."""
-    model.ppl_audit_kv_cache = form
-
-
-def forward_arguments(model, input_ids: torch.Tensor, padding: torch.Tensor | None, device: torch.device) -> dict:
+def forward_arguments(model, form: KVCacheFormat | None, input_ids: torch.Tensor, padding: torch.Tensor | None,
+                      device: torch.device) -> dict:
     """What one forward pass of ``model`` over ``input_ids`` ``[batch, length]`` takes besides them: its
-    ``attention_mask`` (``padding``, or the residual's own mask) and, where a cache format is attached, the quantized
-    cache as ``past_key_values``."""
-    form = getattr(model, "ppl_audit_kv_cache", None)
+    ``attention_mask`` (``padding``, or the residual's own mask) and, with a cache format ``form`` (None: keys and
+    values as computed), the quantized cache as ``past_key_values``. The format is passed with each pass, never kept
+    on the model: a model is the library's object, and one loaded model may be scored with and without a cache."""
     if form is None:
         return {"attention_mask": padding}
     if not form.residual:

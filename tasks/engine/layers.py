@@ -61,7 +61,7 @@ class ErrorSums:
     tokens: int = 0
 
     @classmethod
-    def empty(cls, layers: int) -> "ErrorSums":
+    def empty(cls, layers: int) -> ErrorSums:
         return cls(np.zeros(layers), np.zeros(layers), np.zeros(layers))
 
     def add(self, layer: int, base: torch.Tensor, other: torch.Tensor) -> None:

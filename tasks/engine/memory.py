@@ -10,7 +10,7 @@ import psutil
 import torch
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
-_active: list["PeakMemory"] = []  # open blocks, outermost first: a nested block's reset must not lose their peaks
+_active: list[PeakMemory] = []  # open blocks, outermost first: a nested block's reset must not lose their peaks
 
 
 def _process_peak() -> int:
@@ -53,7 +53,7 @@ class PeakMemory:
             self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for outer in _active:

@@ -34,7 +34,7 @@ class Estimate:
     low: float
     high: float
 
-    def mapped(self, f) -> "Estimate":
+    def mapped(self, f) -> Estimate:
         """The estimate under a monotone increasing map (error by the delta method)."""
         h = 1e-6 * max(1.0, abs(self.value))
         slope = (f(self.value + h) - f(self.value - h)) / (2 * h)

@@ -22,7 +22,8 @@ import torch
 
 from tasks.core import console
 from tasks.core.errors import DamagedReference, NumericalError
-from tasks.engine import abandon, divergence, kv_cache
+from tasks.engine import abandon, divergence
+from tasks.engine.kv_cache import KVCacheFormat, forward_arguments
 from tasks.engine.memory import PeakMemory
 from tasks.engine.model_facts import input_device, max_positions
 from tasks.engine.stream import TokenStream
@@ -241,7 +242,7 @@ class WindowScores:
     windows: torch.Tensor | None = None  # a run stopped early: the plan's indices of the windows it scored
     planned_tokens: int | None = None  # and how many tokens every window of the plan holds
 
-    def kept(self, windows: torch.Tensor) -> "WindowScores":
+    def kept(self, windows: torch.Tensor) -> WindowScores:
         """Only the windows ``windows`` (indices, ascending), their tokens in window order."""
         slots = torch.from_numpy(token_slots(self.window_tokens.numpy(), windows.numpy()))
         return WindowScores(self.token_nll[slots], self.window_nll[windows], self.window_tokens[windows],
@@ -338,11 +339,14 @@ def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
     return host, copied
 
 
-def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns) -> torch.Tensor:
+def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns,
+                  kv_cache: KVCacheFormat | None = None) -> torch.Tensor:
+    """The final hidden states ``[T, H]`` at the scored positions, keys and values kept in ``kv_cache``'s format
+    (None: as computed)."""
     device = input_device(model)
     padding = None if mask is None else _to_device(mask, device)
     hidden = model.base_model(input_ids=_to_device(input_ids, device), use_cache=False,
-                              **kv_cache.forward_arguments(model, input_ids, padding, device)).last_hidden_state
+                              **forward_arguments(model, kv_cache, input_ids, padding, device)).last_hidden_state
     # a model split over devices ends on its last module's device
     return hidden[_to_device(row_index, hidden.device), _to_device(columns, hidden.device)]
 
@@ -351,7 +355,8 @@ def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row
 def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
                   batch_size: int = 1, label: str | None = None, first_token: int | None = None,
                   reference: Baseline | None = None, keep_hidden: Callable | None = None,
-                  until: Callable[[Progress], bool] | None = None, stop_at: int | None = None) -> WindowScores:
+                  until: Callable[[Progress], bool] | None = None, stop_at: int | None = None,
+                  kv_cache: KVCacheFormat | None = None) -> WindowScores:
     """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
 
     Args:
@@ -370,6 +375,7 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         until: asked after each batch with the ``Progress`` so far; when it answers True the run stops there,
             and the result holds the windows scored (``WindowScores.windows``).
         stop_at: score only the first ``stop_at`` windows given (a sample of them, as ``until`` leaves).
+        kv_cache: the key/value cache format every forward pass stores keys and values in (None: as computed).
     """
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -416,7 +422,7 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
             inputs = batch_inputs(ids, batch, prefix_ids, first_token)
             input_ids, mask, row_index, columns, targets = inputs
             slots = torch.cat([torch.arange(int(offsets[w.index]), int(offsets[w.index]) + w.n_scored) for w in batch])
-            hidden = hidden_states(model, input_ids, mask, row_index, columns)
+            hidden = hidden_states(model, input_ids, mask, row_index, columns, kv_cache)
             against = None
             if reference is not None:
                 against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),
@@ -594,14 +600,15 @@ def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256,
                windows: tuple[int, int] | None = None, progress: bool = False, model_name: str = "",
                mode: str = "sliding", reference: Baseline | None = None, keep_hidden: Callable | None = None,
                order: np.ndarray | None = None, until: Callable[[Progress], bool] | None = None,
-               stop_at: int | None = None) -> Part:
+               stop_at: int | None = None, kv_cache: KVCacheFormat | None = None) -> Part:
     """Score the windows ``windows = (first, stop)`` of the stream's plan (all of them when None).
 
     A slice is scored exactly as within the whole run: the same windows, the same context; ``combine``
     joins the parts. ``reference`` and ``keep_hidden`` are as in ``score_windows``, at the stream's places.
     ``order`` (a permutation of the slice's windows, numbered from 0) is the order they are scored in, and
     ``until`` may stop the run after any batch, ``stop_at`` after that many windows of the order (a sample of
-    them: ``score_windows``); the figures do not depend on the order.
+    them: ``score_windows``); the figures do not depend on the order. ``kv_cache``: the key/value cache format the
+    model is scored with (``score_windows``).
     """
     check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
     planned = plan(stream, window, stride, mode)
@@ -622,7 +629,7 @@ def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256,
             label = f"score {model_name or model.name_or_path}"
             label += f" [windows {first}-{stop - 1}]" if windows else ""
         scores = score_windows(model, stream.ids, mine, stream.prefix, batch_size, label, first_token,
-                               reference, keep_hidden, until, stop_at)
+                               reference, keep_hidden, until, stop_at, kv_cache)
         wall = time.perf_counter() - started
     return Part((first, stop), scores, wall, memory.peak_bytes, batch_size, str(device),
                 str(model.dtype).removeprefix("torch."))
@@ -685,13 +692,15 @@ def joined_samples(samples: list[WindowScores]) -> WindowScores:
 
 def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
                progress: bool = False, model_name: str = "", mode: str = "sliding", reference: Baseline | None = None,
-               keep_hidden: Callable | None = None) -> PerplexityResult:
+               keep_hidden: Callable | None = None, kv_cache: KVCacheFormat | None = None) -> PerplexityResult:
     """Perplexity of ``model`` on ``stream`` with a sliding window of ``window`` tokens moving by ``stride``.
 
     With the ``window`` BOS policy the BOS counts towards the window, so ``window - 1`` stream tokens fit.
     ``mode`` selects a published convention instead (see ``plan_chunks``); ``reference`` (divergence from
-    a baseline) and ``keep_hidden`` (writing a baseline reference) are passed to ``score_windows``.
+    a baseline), ``keep_hidden`` (writing a baseline reference) and ``kv_cache`` (the key/value cache's format) are
+    passed to ``score_windows``.
     """
     name = model_name or str(model.name_or_path)
-    part = score_part(model, stream, window, stride, batch_size, None, progress, name, mode, reference, keep_hidden)
+    part = score_part(model, stream, window, stride, batch_size, None, progress, name, mode, reference, keep_hidden,
+                      kv_cache=kv_cache)
     return combine([part], stream, name, window, stride, mode)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.engine.windows import BosPolicy
+from tasks.engine.settings import BosPolicy
 
 
 @dataclass(frozen=True)

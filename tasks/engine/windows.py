@@ -7,17 +7,13 @@ functions, and the same messages, as the engine does before it scores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 from tasks.core.errors import InputError
+from tasks.engine.settings import MODES
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a type only: the stream module imports torch, which the validated config need not load
     from tasks.engine.stream import TokenStream
-
-Mode = Literal["sliding", "gptq", "llama.cpp"]  # ours, the GPTQ/AWQ papers', llama-perplexity's
-MODES = get_args(Mode)
-BosPolicy = Literal["none", "stream", "window"]  # no BOS, one before the stream, one before every window
-BOS_POLICIES = get_args(BosPolicy)
 
 
 @dataclass(frozen=True)

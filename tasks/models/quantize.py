@@ -30,6 +30,7 @@ from tasks.data.corpus import cached_tokenize, corpus_text
 from tasks.engine import abandon
 from tasks.models.formats import import_package
 from tasks.models.loading import WEIGHT_SUFFIXES
+from tasks.models.patches import clip_search_by_matmul, logs_in
 from tasks.models.resolve import load_config, load_tokenizer, model_files, resolve_model_path
 
 MANIFEST = "ppl-audit.json"
@@ -194,69 +195,6 @@ def _layer_progress(quantizer, label: str, enabled: bool) -> Iterator[None]:
                 hook.remove()
 
 
-@contextmanager
-def _logs_in(folder: Path) -> Iterator[None]:
-    """gptqmodel 7.6.0 writes each quantizer's per-layer log to ``./logs``, in whatever folder the user
-    is in; it has no setting for that, so its module's path is pointed at ``folder`` meanwhile."""
-    from gptqmodel.looper import loop_processor
-
-    kept = loop_processor._PROJECT_LOG_DIR
-    loop_processor._PROJECT_LOG_DIR = folder
-    try:
-        yield
-    finally:
-        loop_processor._PROJECT_LOG_DIR = kept
-
-
-@torch.inference_mode()
-def best_clip_by_matmul(processor, w: torch.Tensor, input_feat: torch.Tensor, n_grid: int = 20,
-                        max_shrink: float = 0.5, n_sample_token: int = 512) -> torch.Tensor:
-    """gptqmodel 7.6.0's AWQ clip search (``AWQProcessor._compute_best_clip``: the clipping of each weight group
-    that best keeps the layer's outputs on up to 512 of its calibration tokens), with each grid step's outputs
-    taken as one batched matmul per group in float32.
-
-    gptqmodel forms them as a broadcast product ``[out channels, tokens, groups, group size]`` summed in the
-    weights' dtype (bfloat16 on CPU): 95% of AWQ's time here (~17 s of each SmolLM2 layer's 18 s; 9 of the demo's
-    cold 14 minutes), and it does not depend on the calibration's size. The same sums as matmuls are ~16x faster
-    on this machine's CPU, and exact to float32, where gptqmodel's are to bfloat16. Same grid, same tokens, same
-    pseudo-quantizer (``processor``'s own), same result shape ``[out channels, groups, 1]``.
-    """
-    group_size = processor.qcfg.group_size if processor.qcfg.group_size > 0 else w.shape[1]
-    x = input_feat.reshape(-1, input_feat.shape[-1])
-    x = x[::max(1, x.shape[0] // n_sample_token)].to(w.device, torch.float32)
-    x = x.reshape(x.shape[0], -1, group_size).transpose(0, 1)  # [groups, tokens, group size]
-    best = []
-    for rows in w.reshape(w.shape[0], -1, group_size).split(1024):  # [rows, groups, group size]: bounded memory
-        original_max = rows.abs().amax(dim=-1, keepdim=True)
-        original_out = torch.bmm(x, rows.float().permute(1, 2, 0))  # [groups, tokens, rows]
-        best_max = original_max.clone()
-        least = torch.full(original_max.shape, torch.inf, device=w.device)
-        quantized = torch.empty_like(rows)
-        for step in range(int(max_shrink * n_grid)):
-            max_val = original_max * (1 - step / n_grid)
-            processor._pseudo_quantize_tensor_into(torch.clamp(rows, -max_val, max_val), quantized)
-            out = torch.bmm(x, quantized.float().permute(1, 2, 0))
-            error = (out - original_out).pow(2).mean(dim=1).T.unsqueeze(-1)  # [rows, groups, 1]
-            better = error < least
-            least[better] = error[better]
-            best_max[better] = max_val[better]
-        best.append(best_max)
-    return torch.cat(best)
-
-
-@contextmanager
-def _clip_search_by_matmul() -> Iterator[None]:
-    """gptqmodel's AWQ runs ``best_clip_by_matmul`` for its clip search meanwhile (it has no setting for it)."""
-    from gptqmodel.looper.awq_processor import AWQProcessor
-
-    stock = AWQProcessor._compute_best_clip
-    AWQProcessor._compute_best_clip = best_clip_by_matmul
-    try:
-        yield
-    finally:
-        AWQProcessor._compute_best_clip = stock
-
-
 def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: Calibration,
              out: Path, name: str | None = None, progress: bool = False) -> dict:
     """Quantize ``model`` with gptqmodel and save it to ``out`` with its manifest.
@@ -292,8 +230,8 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
             quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
             options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
             rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
-            with _logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress), \
-                    _clip_search_by_matmul():
+            with logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress), \
+                    clip_search_by_matmul():
                 quantizer.quantize(rows, batch_size=1, **options)
             made.mkdir(exist_ok=True)
             quantizer.save(str(made))

@@ -22,6 +22,7 @@ from tasks.config import VariantSpec
 from tasks.core.errors import InputError
 from tasks.core.versions import versions
 from tasks.engine import kv_cache
+from tasks.engine.kv_cache import KVCacheFormat
 from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
 from tasks.models import kernel_start
@@ -124,13 +125,20 @@ def size_on_disk(path: str) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
 
 
+def cache_format(spec: VariantSpec) -> KVCacheFormat | None:
+    """The key/value cache ``spec`` is scored with (None: keys and values as computed): what the engine is given beside
+    the loaded model at each forward pass (``tasks.engine.perplexity.score_part``'s ``kv_cache``), not kept on it."""
+    return spec.kv_cache.format() if spec.kv_cache is not None else None
+
+
 def load_variant(spec: VariantSpec, model: Located | str, window: int | None = None):
     """Load ``spec`` from ``model`` (its own files, a quantized folder, or the baseline to quantize at load: as an
     audit's lineup found it, or a name a tool or a test gives). ``window``: the audit's, over which a key/value
     cache with a residual is costed (``kv_bytes_per_token``).
 
     Returns:
-        ``(model, VariantFacts)``.
+        ``(model, VariantFacts)``: the model as loaded; the key/value cache it is scored with
+        (``cache_format(spec)``) goes to the engine beside it.
     """
     found = as_located(model)
     source = found.source
@@ -159,9 +167,7 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
     if spec.method in ("gptq", "awq"):
         kernel_start.first_forward(model, spec.name, spec.method, spec.kernel)
     load_seconds = time.perf_counter() - started
-    form = spec.kv_cache.format() if spec.kv_cache is not None else None
-    if form is not None:
-        kv_cache.attach(model, form)
+    form = cache_format(spec)
     linear, kernels = layer_census(model)
     quantized, backend = len(kernels), ",".join(sorted(set(kernels.values()))) or "torch.nn.Linear"
     if spec.method not in ("baseline", "gguf") and quantized == 0:  # a GGUF file is dequantized as it loads

@@ -179,18 +179,17 @@ def test_fused_nll_equals_a_float64_computation_of_the_same_logits():
 def test_a_quantized_kv_cache_on_cuda_rounds_as_on_the_cpu_and_scores_near_it(bf16_model, tokenizer, text, dtype):
     """The cache's number formats give the same values on the GPU as on the CPU (the round trip is elementwise
     float32 arithmetic and casts), and a bf16 model scored with it on CUDA lands within bf16 noise of its CPU run."""
-    from tasks.engine.kv_cache import KVCacheFormat, attach
+    from tasks.engine.kv_cache import KVCacheFormat
 
     form = KVCacheFormat(dtype)
     keys = torch.randn(2, 4, 33, 64, generator=torch.Generator().manual_seed(0)) * 3
     torch.testing.assert_close(form.round_trip(keys.to(CUDA)).cpu(), form.round_trip(keys), rtol=0, atol=0)
     stream = tokenize(text, tokenizer, bos="stream", max_tokens=3000)
-    attach(bf16_model, form)
     try:
-        on_gpu = perplexity(bf16_model, stream, window=256, stride=96, batch_size=4)
-        on_cpu = perplexity(bf16_model.to("cpu", torch.float32), stream, window=256, stride=96, batch_size=4)
+        on_gpu = perplexity(bf16_model, stream, window=256, stride=96, batch_size=4, kv_cache=form)
+        on_cpu = perplexity(bf16_model.to("cpu", torch.float32), stream, window=256, stride=96, batch_size=4,
+                            kv_cache=form)
     finally:
-        attach(bf16_model, None)
         bf16_model.to(CUDA, torch.bfloat16)
     assert on_gpu.device.startswith("cuda") and on_gpu.mean_nll == pytest.approx(on_cpu.mean_nll, rel=1e-2)
 
