@@ -26,6 +26,7 @@ import torch
 from tasks.config import CorpusConfig, KVCache, VariantSpec
 from tasks.data.corpus import corpus_text, tokenize
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import Windowing
 from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
 from tasks.models.variants import load_variant
 
@@ -70,8 +71,8 @@ def main() -> None:
                            kv_cache=KVCache(dtype=cache) if cache else None)
         try:
             model, facts = load_variant(spec, spec.path or model_dir)
-            perplexity(model, stream, args.window, args.stride, args.batch_size)  # warm-up: kernels, autotuning
-            result = perplexity(model, stream, args.window, args.stride, args.batch_size)
+            perplexity(model, stream, Windowing(args.window, args.stride), args.batch_size)  # warm-up: kernels, autotuning
+            result = perplexity(model, stream, Windowing(args.window, args.stride), args.batch_size)
         except Exception as error:  # one method's failure is a finding, not the end of the others
             rows.append({"method": name, "error": f"{type(error).__name__}: {str(error)[:300]}"})
             print(f"{name}: {rows[-1]['error']}", flush=True)

@@ -21,6 +21,7 @@ from tasks.core.files import write_atomically
 from tasks.core.places import cache_dir
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import score_windows
+from tasks.engine.scoring_options import Feed
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import plan
 
@@ -63,7 +64,7 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
     while size <= min(cap, len(windows)):
         try:
             started = time.perf_counter()
-            score_windows(model, stream.ids, windows[:size], stream.prefix, batch_size=size)
+            score_windows(model, Feed(stream.ids, stream.prefix, batch_size=size), windows[:size])
             if cuda:
                 torch.cuda.synchronize(device)
             speed = sum(w.n_scored for w in windows[:size]) / (time.perf_counter() - started)
