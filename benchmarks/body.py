@@ -31,6 +31,7 @@ from peers import (bare_forwards, hf_documentation_loop, llama_shaped, model_flo
                    sync)
 from tasks.engine.body import BODIES, speed_up
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import Windowing
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import plan
 from tasks.models.resolve import resolve_device, resolve_dtype
@@ -123,8 +124,9 @@ def quantized_row(shape: str, like: Path, kernel: str | None, stream: TokenStrea
                                dtype=str(dtype).removeprefix("torch."), kernel=kernel)
             model, facts = load_variant(spec, folder)
             first = TokenStream(stream.ids[: L + (b - 1) * S], (), "none", 0, 0, "random tokens")
-            perplexity(model, first, L, S, b)  # warm-up: kernels, autotuning
-            result, seconds, peak_bytes = timed(device, lambda m=model: perplexity(m, stream, L, S, b), repeats)
+            perplexity(model, first, Windowing(L, S), b)  # warm-up: kernels, autotuning
+            result, seconds, peak_bytes = timed(device, lambda m=model: perplexity(m, stream, Windowing(L, S), b),
+                                                repeats)
         except Exception as error:  # a kernel that fails here is a finding; the other formats go on
             return {"error": f"{type(error).__name__}: {str(error)[:400]}"}
     row = {"tokens_per_second": result.n_tokens / seconds, "peak_bytes": peak_bytes, "kernel": facts.backend,
@@ -191,10 +193,11 @@ def main() -> None:
         try:
             speed_up(model, body)
             started = time.perf_counter()
-            perplexity(model, first, L, S, b)
+            perplexity(model, first, Windowing(L, S), b)
             sync(device)
             warm = time.perf_counter() - started
-            result, seconds, peak_bytes = timed(device, lambda m=model: perplexity(m, stream, L, S, b), args.repeats)
+            result, seconds, peak_bytes = timed(device, lambda m=model: perplexity(m, stream, Windowing(L, S), b),
+                                                args.repeats)
         except Exception as error:  # one body's failure is a finding; the others go on
             figures["bodies"][body] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
             print(f"{body}: {figures['bodies'][body]['error']}", flush=True)

@@ -82,7 +82,7 @@ def make_models(folder: Path) -> None:
     from helpers import build_llama, build_tokenizer, make_compressed, make_text, train_briefly
 
     from tasks.data.corpus import tokenize
-    from tasks.models.quantize import draw_calibration, quantize
+    from tasks.models.quantize import Scheme, draw_calibration, quantize
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "corpus.txt").write_text(make_text(20000, seed=3))
@@ -93,7 +93,7 @@ def make_models(folder: Path) -> None:
     stream = tokenize(make_text(8000, seed=4), tokenizer)  # calibration: text the corpus does not hold
     calibration = draw_calibration(stream.ids, 32, 128, 0, "make_text(8000, seed=4)", stream.text_digest)
     for method in ("gptq", "awq"):
-        quantize(str(folder / "float"), method, 4, 64, True, calibration, folder / method)
+        quantize(str(folder / "float"), Scheme(method, 4, 64, True), calibration, folder / method)
     for scheme in ("W4A16", "W8A8", "FP8_DYNAMIC"):
         make_compressed(folder / "float", folder / scheme.lower(), scheme)
     block_fp8(folder / "float", folder / "fp8")

@@ -38,6 +38,7 @@ from tasks.config import CorpusConfig
 from tasks.data.corpus import corpus_text, tokenize
 from tasks.engine.memory import PeakMemory
 from tasks.engine.perplexity import batch_inputs, perplexity
+from tasks.engine.scoring_options import Windowing
 from tasks.engine.windows import Window, plan
 from tasks.models.loading import load_model
 from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
@@ -163,7 +164,7 @@ def profile_engine(model, stream, window: int, stride: int, batch_size: int, pat
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        perplexity(model, stream, window, stride, batch_size)
+        perplexity(model, stream, Windowing(window, stride), batch_size)
     key = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     with open(path, "w") as out:
@@ -215,7 +216,7 @@ def main() -> None:
     sliding, disjoint = plan(stream, L, S), plan(disjoint_stream, L + 1, L)
 
     def engine(on, window: int, stride: int, batch_size: int) -> tuple[float, int]:
-        result = perplexity(model, on, window, stride, batch_size)
+        result = perplexity(model, on, Windowing(window, stride), batch_size)
         return result.nll_sum, result.n_tokens
 
     methods = {("HF documentation loop", 1): (lambda: hf_documentation_loop(model, stream.ids, L, S), sliding)}

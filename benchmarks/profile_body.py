@@ -29,6 +29,7 @@ from peers import bare_forwards, model_flops, peak_tflops, sync
 from tasks.engine import perplexity as engine
 from tasks.engine.layers import decoder_layers
 from tasks.engine.perplexity import batch_inputs, hidden_states, perplexity, token_stats
+from tasks.engine.scoring_options import Windowing
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import plan
 from tasks.models.resolve import resolve_device, resolve_dtype
@@ -110,9 +111,9 @@ def main() -> None:
 
     # warm-up: kernels, cuBLAS handles, the compiled NLL
     bare_forwards(model, ids, windows[:b], b)
-    perplexity(model, two, L, S, b)
+    perplexity(model, two, Windowing(L, S), b)
     figures["profile"] = {"bare_forwards": profiled(device, lambda: bare_forwards(model, ids, windows[: 2 * b], b), 12),
-                          "engine": profiled(device, lambda: perplexity(model, two, L, S, b), 12)}
+                          "engine": profiled(device, lambda: perplexity(model, two, Windowing(L, S), b), 12)}
     for name, part in figures["profile"].items():
         print(f"profile {name}: {json.dumps({k: v for k, v in part.items() if k != 'kernels'})}", flush=True)
         for k in part["kernels"]:
@@ -120,7 +121,7 @@ def main() -> None:
 
     _, seconds, _ = timed(device, lambda: bare_forwards(model, ids, windows, b), args.repeats)
     figures["bare_forwards"] = rate(seconds)
-    eager, seconds, _ = timed(device, lambda: perplexity(model, stream, L, S, b), args.repeats)
+    eager, seconds, _ = timed(device, lambda: perplexity(model, stream, Windowing(L, S), b), args.repeats)
     figures["engine_eager"] = rate(seconds)
 
     # the parts alone: the body with its gather, then the head on one batch's scored rows
@@ -147,7 +148,7 @@ def main() -> None:
     default_chunk = engine.HEAD_CHUNK_BYTES[device.type] if device.type in engine.HEAD_CHUNK_BYTES else None
     for mib in args.chunks_mib:  # the whole engine with another head chunk (a process-wide knob: a benchmark)
         engine.HEAD_CHUNK_BYTES[device.type] = mib << 20
-        result, seconds, peak_bytes = timed(device, lambda: perplexity(model, stream, L, S, b), args.repeats)
+        result, seconds, peak_bytes = timed(device, lambda: perplexity(model, stream, Windowing(L, S), b), args.repeats)
         figures["variants"][f"eager, head chunk {mib} MiB"] = rate(seconds) | {
             "peak_bytes": peak_bytes, "mean_nll_rel_diff": abs(result.mean_nll - eager.mean_nll) / eager.mean_nll}
     if default_chunk is not None:
@@ -163,11 +164,12 @@ def main() -> None:
         try:
             compiled(model, None if mode == "default" else mode)
             started = time.perf_counter()
-            perplexity(model, two, L, S, b)
-            perplexity(model, two, L, S, b)  # CUDA graphs record on a later call than the first
+            perplexity(model, two, Windowing(L, S), b)
+            perplexity(model, two, Windowing(L, S), b)  # CUDA graphs record on a later call than the first
             sync(device)
             warm = time.perf_counter() - started
-            result, seconds, peak_bytes = timed(device, lambda m=model: perplexity(m, stream, L, S, b), args.repeats)
+            result, seconds, peak_bytes = timed(device, lambda m=model: perplexity(m, stream, Windowing(L, S), b),
+                                                args.repeats)
         except Exception as error:  # one mode's failure is a finding; the others go on
             figures["variants"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         else:

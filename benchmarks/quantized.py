@@ -26,6 +26,7 @@ import torch
 from tasks.config import CorpusConfig, KVCache, VariantSpec
 from tasks.data.corpus import corpus_text, tokenize
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.models.resolve import load_tokenizer, resolve_device, resolve_dtype
 from tasks.models.variants import cache_format, load_variant
 
@@ -70,9 +71,9 @@ def main() -> None:
                            kv_cache=KVCache(dtype=cache) if cache else None)
         try:
             model, facts = load_variant(spec, spec.path or model_dir)
-            form = cache_format(spec)
-            perplexity(model, stream, args.window, args.stride, args.batch_size, kv_cache=form)  # warm-up: kernels
-            result = perplexity(model, stream, args.window, args.stride, args.batch_size, kv_cache=form)
+            options = ScoreOptions(kv_cache=cache_format(spec))
+            perplexity(model, stream, Windowing(args.window, args.stride), args.batch_size, options)  # warm-up: kernels
+            result = perplexity(model, stream, Windowing(args.window, args.stride), args.batch_size, options)
         except Exception as error:  # one method's failure is a finding, not the end of the others
             rows.append({"method": name, "error": f"{type(error).__name__}: {str(error)[:300]}"})
             print(f"{name}: {rows[-1]['error']}", flush=True)

@@ -76,6 +76,7 @@ from tasks.engine.perplexity import (
     perplexity,
     scored_targets,
 )
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.engine.stream import TokenStream
 from tasks.models.resolve import load_config, load_tokenizer, resolve_device, resolve_dtype, resolve_model_path
 from tasks.models.variants import load_variant
@@ -144,12 +145,13 @@ def score(model, stream: TokenStream, args: argparse.Namespace, forwards: list[i
           **options) -> tuple[PerplexityResult, dict]:
     """A measured run (the fastest of ``--repeats``, the highest peak), after a warm-up on the first tokens
     (kernels, and the weights that are mapped from the checkpoint paged in)."""
-    perplexity(model, first_tokens(stream, args), args.window, args.stride, **options)
+    perplexity(model, first_tokens(stream, args), Windowing(args.window, args.stride), options=ScoreOptions(**options))
     before = in_use(model.device)
     walls, peaks = [], []
     for _ in range(args.repeats):
         forwards[0] = 0
-        result = perplexity(model, stream, args.window, args.stride, args.batch_size, **options)
+        result = perplexity(model, stream, Windowing(args.window, args.stride), args.batch_size,
+                            ScoreOptions(**options))
         walls.append(result.wall_seconds)
         peaks.append(result.peak_memory_bytes)
     return result, {"wall_seconds": min(walls), "forward_passes": forwards[0], "peak_bytes": max(peaks),
@@ -192,7 +194,8 @@ def run_variant(args: argparse.Namespace, source: str, stream: TokenStream, step
     warm_divergence(device, source, stream)
     runtime = in_use(device)
     model, facts = load_variant(spec(args, "variant", args.variant_method, args.variant), args.variant or source)
-    perplexity(model, first_tokens(stream, args), args.window, args.stride)  # pages in the weights it will read
+    # pages in the weights it will read
+    perplexity(model, first_tokens(stream, args), Windowing(args.window, args.stride))
     loaded = in_use(device)
     models = [model]
     if step == "reference":
@@ -202,7 +205,8 @@ def run_variant(args: argparse.Namespace, source: str, stream: TokenStream, step
         models.append(base)
         against = lockstep(base)
     # and once more against the baseline: the divergence kernel is compiled on its first use, not timed
-    perplexity(model, first_tokens(stream, args), args.window, args.stride, reference=against)
+    perplexity(model, first_tokens(stream, args), Windowing(args.window, args.stride),
+               options=ScoreOptions(reference=against))
     head_bytes = sum(t.nbytes for t in against.head.parameters())
     forwards = count_forwards(*models)
     result, figures = score(model, stream, args, forwards, reference=against)

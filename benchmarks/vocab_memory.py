@@ -24,6 +24,7 @@ from peers import random_llama  # the sibling script: its folder is on sys.path 
 
 from tasks.engine.memory import PeakMemory
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import Windowing
 from tasks.engine.stream import TokenStream
 from tasks.models.resolve import resolve_device, resolve_dtype
 
@@ -53,7 +54,7 @@ def measure(what: str, device: torch.device, dtype: torch.dtype) -> dict:
     stream = TokenStream(ids, (), "none", 0, 0, "random")
     work = {
         "body": lambda: model.base_model(input_ids=batch, use_cache=False),
-        "engine": lambda: perplexity(model, stream, WINDOW, STRIDE, batch_size=BATCH),
+        "engine": lambda: perplexity(model, stream, Windowing(WINDOW, STRIDE), batch_size=BATCH),
         "hf_batch1": lambda: model(input_ids=batch[:1], labels=batch[:1], use_cache=False),
     }[what]
     return {"growth_bytes": growth(device, work),

@@ -24,7 +24,7 @@ from tasks.config import AuditConfig
 from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.core.places import tracking_uri
-from tasks.record.contents import audit_record
+from tasks.record.contents import Findings, Started, audit_record
 from tasks.record.results import VariantResult
 from tasks.record.spool import record_json
 from tasks.record.tracking import run_link
@@ -117,7 +117,7 @@ def audit(config: str, overrides: list[str] | None = None, event: Event | None =
     print(summary["table"])
     lost = {v.name: found for v in variant_results if (found := where_of(v, baseline_result, scored, lineup.tokenizer))}
     found = diagnoses(settings, lineup, scored, summary["verdicts"])  # after the verdict: it never changes it
-    record = audit_record(settings, plan.path, scored, summary, results, started, lost, found, _scheduled())
+    record = audit_record(settings, plan.path, scored, summary, results, Started(started, _scheduled()), Findings(lost, found))
     spooled = spool_audit(record, results, return_state=True)  # first: tracking and artifacts can fill a disk too
     if not spooled.is_completed():
         return _unspooled(record, spooled.message)

@@ -160,7 +160,8 @@ def watch(names: list[str], say: Callable[[str], None], every: float = 2.0) -> N
             # whole: runs created together share their id's first characters (the time), as a cron's next three do
             what = f"{deployment.get(run.deployment_id, 'a')} run {run.id}"
             if run.id not in said:
-                model = (run.parameters.get("event") or {}).get("model_path") or run.parameters.get("model")
+                model = ((run.parameters.get("event") or {}).get("model_path")
+                         or (run.parameters.get("request") or {}).get("model"))
                 say(f"{what} started" + (f" for {model}" if model else ""))
             if ended:
                 say(f"{what} ended {run.state.name}: {run.state.message or 'no message'}")

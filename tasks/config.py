@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.core.errors import InputError
+from tasks.engine.scoring_options import Windowing
 from tasks.engine.settings import BosPolicy, Mode
 from tasks.engine.windows import check_plan, chunk_limit
 
@@ -328,6 +329,11 @@ class EvaluationConfig(Strict):
         except InputError as error:
             raise ValueError(str(error)) from None
         return self
+
+    @property
+    def windowing(self) -> Windowing:
+        """How the engine cuts the stream into windows, as these settings say."""
+        return Windowing(self.window, self.stride, self.mode)
 
 
 class Gate(Strict):

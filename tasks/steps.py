@@ -19,7 +19,7 @@ from tasks.audit.cluster import let_go
 from tasks.audit.diagnose import Bench, Examination, Restored, examine, restore
 from tasks.audit.plan import AuditPlan, Event, open_audit
 from tasks.audit.scoring import Lookup, join_reference, look_up, make_variant, score_variant
-from tasks.config import AuditConfig, CorpusConfig
+from tasks.config import AuditConfig
 from tasks.core.errors import TransientError
 from tasks.core.places import spool_dir, synced_dir
 from tasks.data.corpus import corpus_text
@@ -27,6 +27,7 @@ from tasks.data.evaluation import Evaluation
 from tasks.engine.abandon import asking
 from tasks.engine.windows import Window
 from tasks.models.quantize import calibration_of, quantize
+from tasks.models.quantize_request import QuantizeRequest
 from tasks.record.contents import token_arrays
 from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
@@ -100,12 +101,11 @@ def make(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Che
 
 
 @task(cache_policy=NO_CACHE)
-def quantize_model(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: CorpusConfig,
-                   samples: int, seq_len: int, seed: int, holdout_tokens: int, out: str, name: str | None) -> dict:
-    """Make a gptq/awq checkpoint of ``model`` in ``out``, calibrated on ``samples`` × ``seq_len`` tokens of
-    ``calibration`` (never its first ``holdout_tokens``); returns its manifest."""
-    drawn = calibration_of(model, calibration, samples, seq_len, seed, holdout_tokens)
-    return quantize(model, method, bits, group_size, sym, drawn, Path(out), name=name, progress=True)
+def quantize_model(request: QuantizeRequest) -> dict:
+    """Make the gptq/awq checkpoint ``request`` asks for, calibrated on ``samples`` × ``seq_len`` tokens of its
+    calibration corpus (never its first ``holdout_tokens``); returns its manifest."""
+    drawn = calibration_of(request.model, request.calibration, request.holdout_tokens)
+    return quantize(request.model, request.scheme, drawn, Path(request.out), name=request.name, progress=True)
 
 
 @task(cache_policy=NO_CACHE)

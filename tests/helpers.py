@@ -154,11 +154,12 @@ def stored_reference(model, stream, window: int, stride: int, source: Path, key:
     ``(Reference, PerplexityResult)``. The manifest holds what reading it back needs, not a real identity."""
     from tasks.audit.reference import Writer, building, environment
     from tasks.engine.perplexity import perplexity, scored_targets
+    from tasks.engine.scoring_options import ScoreOptions, Windowing
 
     with building() as scratch:
         writer = Writer(scratch / key, scored_targets(stream, window, stride))
         writer.staging.mkdir()
-        result = perplexity(model, stream, window, stride, batch_size, keep_hidden=writer)
+        result = perplexity(model, stream, Windowing(window, stride), batch_size, ScoreOptions(keep_hidden=writer))
         manifest = {"identity": {"dtype": str(model.dtype).removeprefix("torch.")},
                     "environment": environment(model.device), "facts": {},
                     "source": str(source), "softcap": None}

@@ -11,6 +11,7 @@ from helpers import write_config
 from flows.cli import main
 from tasks.engine.body import speed_up
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.models.loading import load_model
 
 
@@ -19,11 +20,12 @@ def test_compiled_layers_score_as_the_eager_ones_to_float32_rounding(tiny_model_
     from tasks.data.corpus import tokenize
 
     stream = tokenize(text, tokenizer, bos="stream", max_tokens=1200)
-    eager = perplexity(load_model(str(tiny_model_dir), torch.float32, torch.device("cpu")), stream, 64, 32, 4)
+    eager = perplexity(load_model(str(tiny_model_dir), torch.float32, torch.device("cpu")), stream, Windowing(64, 32),
+                       4)
     model = load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"))
     speed_up(model, "compile")
     try:
-        compiled = perplexity(model, stream, 64, 32, 4)
+        compiled = perplexity(model, stream, Windowing(64, 32), 4)
     finally:
         torch._dynamo.reset()
     assert all(type(layer).__name__ == "LlamaDecoderLayer" and layer._compiled_call_impl is not None
@@ -71,12 +73,12 @@ def test_a_quantized_cache_rounds_in_a_compiled_body_as_in_the_eager_one(tiny_mo
 
     stream = tokenize(text, tokenizer, bos="stream", max_tokens=1200)
     spec = VariantSpec(name="kv", device="cpu", kv_cache={"dtype": "int8", "group_size": 16, "residual": residual})
-    form = cache_format(spec)
-    eager = perplexity(load_variant(spec, str(tiny_model_dir), 64)[0], stream, 64, 32, 4, kv_cache=form)
+    options = ScoreOptions(kv_cache=cache_format(spec))
+    eager = perplexity(load_variant(spec, str(tiny_model_dir), 64)[0], stream, Windowing(64, 32), 4, options)
     model, _ = load_variant(spec, str(tiny_model_dir), 64)
     speed_up(model, "compile")
     try:
-        compiled = perplexity(model, stream, 64, 32, 4, kv_cache=form)
+        compiled = perplexity(model, stream, Windowing(64, 32), 4, options)
     finally:
         torch._dynamo.reset()
     assert compiled.mean_nll == pytest.approx(eager.mean_nll, rel=1e-6, abs=0)

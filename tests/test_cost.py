@@ -129,11 +129,11 @@ def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, cor
 
     from tasks.audit.plan import open_audit
     from tasks.core.errors import InputError
-    from tasks.models.quantize import draw_calibration, quantize
+    from tasks.models.quantize import Scheme, draw_calibration, quantize
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / method
-    quantize(str(trained_model_dir), method, 4, 32, True,
+    quantize(str(trained_model_dir), Scheme(method, 4, 32, True),
              draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), out)
     _, facts = load_variant(VariantSpec(name=method, method=method, path=str(out)), str(out))
     index = 32 if method == "gptq" else 0

@@ -21,6 +21,7 @@ from tasks.core.errors import DamagedReference
 from tasks.core.files import file_digest
 from tasks.data.evaluation import evaluation
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +169,13 @@ def test_each_batch_checks_the_reference_against_its_own_nll(tiny_model_dir, var
                                                                          "max_tokens": 500}, "test"))
     variant = perturbed(tiny_model_dir, torch.float32)
     against = stored.baseline(str(tiny_model_dir), torch.device("cpu"))
-    perplexity(variant, scored.stream, 64, 32, 4, reference=against)  # intact: no complaint
+    perplexity(variant, scored.stream, Windowing(64, 32), 4, ScoreOptions(reference=against))  # intact: no complaint
     hidden = _hidden(stored.folder)
     hidden[5] *= 1.5  # one token's hidden state
     hidden.flush()
     with pytest.raises(DamagedReference, match=f"baseline reference {stored.key} is damaged"):
-        perplexity(variant, scored.stream, 64, 32, 4, reference=stored.baseline(str(tiny_model_dir), torch.device("cpu")))
+        perplexity(variant, scored.stream, Windowing(64, 32), 4,
+                   ScoreOptions(reference=stored.baseline(str(tiny_model_dir), torch.device("cpu"))))
     os.truncate(stored.folder / reference.HIDDEN, 100)
     with pytest.raises(DamagedReference, match="hidden.bin holds 100 bytes"):  # before it is mapped
         stored.baseline(str(tiny_model_dir), torch.device("cpu"))

@@ -11,6 +11,7 @@ from helpers import build_llama, make_text
 
 from tasks.engine.layers import SQNR_CAP_DB, decoder_layers, layer_errors, recovered_share, restored, restored_scores
 from tasks.engine.perplexity import score_windows
+from tasks.engine.scoring_options import Feed, ScoreOptions
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import plan
 
@@ -48,7 +49,7 @@ def windows(stream):
 @pytest.mark.parametrize("planted", [[2], [1, 3]])
 def test_planted_fault_is_the_layer_with_own_error(deep_base, stream, planted):
     variant = faulty(deep_base, planted)
-    errors = layer_errors(deep_base, variant, stream.ids, windows(stream), batch_size=3)
+    errors = layer_errors(deep_base, variant, Feed(stream.ids, batch_size=3), windows(stream))
     own = errors.own.sqnr_db()
     for i in range(LAYERS):
         if i in planted:
@@ -65,7 +66,7 @@ def test_planted_fault_is_the_layer_with_own_error(deep_base, stream, planted):
 
 
 def test_baseline_as_its_own_variant_has_no_error(deep_base, stream):
-    errors = layer_errors(deep_base, copy.deepcopy(deep_base), stream.ids, windows(stream), batch_size=2)
+    errors = layer_errors(deep_base, copy.deepcopy(deep_base), Feed(stream.ids, batch_size=2), windows(stream))
     for sums in (errors.own, errors.accumulated):
         assert (sums.sqnr_db() == SQNR_CAP_DB).all() and (sums.relative_error() == 0).all()
         assert not np.isnan(sums.mean_cos_error()).any() and (sums.mean_cos_error() == 0).all()
@@ -75,13 +76,13 @@ def test_baseline_as_its_own_variant_has_no_error(deep_base, stream):
 def test_restoring_every_layer_gives_the_baseline_back(deep_base, stream):
     variant = faulty(deep_base, [0, 2])
     planned = windows(stream)
-    base = score_windows(deep_base, stream.ids, planned, batch_size=4)
-    hurt = score_windows(variant, stream.ids, planned, batch_size=4)
+    base = score_windows(deep_base, Feed(stream.ids, batch_size=4), planned)
+    hurt = score_windows(variant, Feed(stream.ids, batch_size=4), planned)
     assert float((hurt.token_nll - base.token_nll).abs().max()) > 1e-3
     with restored(variant, deep_base, range(LAYERS)):
-        whole = score_windows(variant, stream.ids, planned, batch_size=4)
+        whole = score_windows(variant, Feed(stream.ids, batch_size=4), planned)
     assert float((whole.token_nll.double() - base.token_nll.double()).abs().max()) <= 1e-9
-    again = score_windows(variant, stream.ids, planned, batch_size=4)  # put back on leaving
+    again = score_windows(variant, Feed(stream.ids, batch_size=4), planned)  # put back on leaving
     assert torch.equal(again.token_nll, hurt.token_nll)
 
 
@@ -95,10 +96,10 @@ def test_restored_scores_run_from_the_first_restored_layer_with_the_bits_of_a_wh
     against = Baseline(deep_base.get_output_embeddings(), None,
                        lambda slots, inputs: hidden_states(deep_base, *inputs[:4]))
     sets = [(0,), (2,), (3,), (1, 3), (0, 1, 2, 3)]
-    found = restored_scores(deep_base, variant, sets, stream.ids, planned, against, batch_size=3)
+    found = restored_scores(deep_base, variant, sets, Feed(stream.ids, batch_size=3), planned, against)
     for layers, each in zip(sets, found):
         with restored(variant, deep_base, layers):
-            whole = score_windows(variant, stream.ids, planned, batch_size=3, reference=against)
+            whole = score_windows(variant, Feed(stream.ids, batch_size=3), planned, ScoreOptions(reference=against))
         assert each.layers == layers
         assert torch.equal(each.nll, whole.token_nll.double()) and torch.equal(each.kl, whole.extra["kl"])
     assert float(found[-1].kl.max()) == 0  # every layer restored: the baseline

@@ -81,13 +81,14 @@ def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
     baseline reference (KL being taken) are one computation."""
     from tasks.audit.reference import Writer
     from tasks.engine.perplexity import Baseline, hidden_states, perplexity, scored_targets
+    from tasks.engine.scoring_options import ScoreOptions, Windowing
 
     model, _, stream = embedded
-    plain = perplexity(model, stream, 256, 128, batch_size=4)
+    plain = perplexity(model, stream, Windowing(256, 128), batch_size=4)
     writer = Writer(tmp_path, scored_targets(stream, 256, 128))
-    writing = perplexity(model, stream, 256, 128, batch_size=4, keep_hidden=writer)
+    writing = perplexity(model, stream, Windowing(256, 128), batch_size=4, options=ScoreOptions(keep_hidden=writer))
     against = Baseline(model.get_output_embeddings(), None, lambda slots, inputs: hidden_states(model, *inputs[:4]))
-    beside = perplexity(model, stream, 256, 128, batch_size=4, reference=against)
+    beside = perplexity(model, stream, Windowing(256, 128), batch_size=4, options=ScoreOptions(reference=against))
     assert writing.nll_sum == plain.nll_sum
     assert abs(beside.nll_sum / plain.nll_sum - 1) < 1e-7
     assert float(beside.extra["kl"].max()) < 1e-6 and beside.extra["top1"].all()

@@ -93,18 +93,35 @@ def test_transient_failures_are_retried(tmp_path, cache, trained_model_dir, corp
     assert calls.count("int8") == 2
 
 
+def quantize_request(model: Path, corpus: Path, out: Path, **fields):
+    from tasks.config import CalibrationConfig, CorpusConfig
+    from tasks.models.quantize_request import QuantizeRequest
+
+    calibration = CalibrationConfig(corpus=CorpusConfig(source=str(corpus)), samples=4, seq_len=64)
+    return QuantizeRequest(model=str(model), method="gptq", out=str(out), group_size=32, calibration=calibration,
+                           **fields)
+
+
 @pytest.mark.slow
 def test_quantize_flow_emits_quantization_completed(tmp_path, cache, trained_model_dir, corpus_path):
     import anyio
     from prefect.client.orchestration import get_client
 
     from flows.quantize import quantize_flow
+    from tasks.models.quantize_request import open_quantize
 
     out = tmp_path / "gptq"
-    manifest = quantize_flow(model=str(trained_model_dir), method="gptq", out=str(out), calibration=str(corpus_path),
-                             group_size=32, samples=4, seq_len=64, holdout_tokens=1500, name="gptq-4bit")
+    request = open_quantize(quantize_request(trained_model_dir, corpus_path, out, holdout_tokens=1500, name="gptq-4bit"))
+    state = quantize_flow(request, return_state=True)
+    manifest = state.result()
     assert all(start >= 1500 for start, _ in manifest["calibration"]["token_ranges"])
     assert manifest["name"] == "gptq-4bit"
+
+    async def run_name():
+        async with get_client() as client:
+            return (await client.read_flow_run(state.state_details.flow_run_id)).name
+
+    assert anyio.run(run_name) == "quantize-gptq-4bit"
 
     async def events():
         async with get_client() as client:
@@ -121,6 +138,18 @@ def test_quantize_flow_emits_quantization_completed(tmp_path, cache, trained_mod
     assert event["payload"] == {**event["payload"], "method": "gptq", "bits": 4, "baseline": str(trained_model_dir),
                                 "name": "gptq-4bit"}
     assert event["resource"]["prefect.resource.id"] == f"ppl-audit.model.{out.resolve()}"
+
+
+def test_quantize_flow_opens_a_request_it_was_handed_unopened(tmp_path, trained_model_dir, corpus_path):
+    """A run of the deployment gets the request's fields through the API, unchecked: the flow checks them (here an
+    output folder that is a file) before anything loads, as the command does before Prefect starts."""
+    from flows.quantize import quantize_flow
+    from tasks.core.errors import InputError
+
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    with pytest.raises(InputError, match=f"output folder {taken} is a file; give a new folder"):
+        quantize_flow(quantize_request(trained_model_dir, corpus_path, taken))
 
 
 def test_cli_run_exit_codes(tmp_path, cache, trained_model_dir, noisy_model_dir, corpus_path, capsys):
@@ -341,7 +370,7 @@ def test_quantizing_that_nobody_waits_for_stops_at_the_next_layer_and_leaves_not
 
     from tasks.core.errors import Abandoned
     from tasks.engine.abandon import asking
-    from tasks.models.quantize import draw_calibration, quantize
+    from tasks.models.quantize import Scheme, draw_calibration, quantize
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
     asked = []
@@ -351,7 +380,7 @@ def test_quantizing_that_nobody_waits_for_stops_at_the_next_layer_and_leaves_not
         return "nobody waits" if len(asked) == 2 else None
 
     with asking(why), pytest.raises(Abandoned, match="nobody waits"):
-        quantize(str(trained_model_dir), "gptq", 4, 32, True,
+        quantize(str(trained_model_dir), Scheme("gptq", 4, 32, True),
                  draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), tmp_path / "out")
     assert len(asked) == 2
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()

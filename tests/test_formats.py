@@ -19,6 +19,7 @@ from tasks.core.files import file_digest
 from tasks.data.embedded import embedded_gguf, ensure_embedded_model
 from tasks.data.evaluation import evaluation
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import Windowing
 from tasks.models.formats import detect
 from tasks.models.resolve import load_tokenizer, locate_model
 from tasks.record.verdict import comparison_row
@@ -93,7 +94,7 @@ def test_a_requantized_gguf_scores_as_its_dequantized_weights(embedded_audit, tm
                 packed = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
                 weight.copy_(torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0)))
     stream = embedded_audit["evaluation"].stream
-    want = perplexity(expected, stream, SETTINGS.window, SETTINGS.stride, SETTINGS.batch_size)
+    want = perplexity(expected, stream, Windowing(SETTINGS.window, SETTINGS.stride), SETTINGS.batch_size)
     assert np.abs(outcome.result.token_nll - want.token_nll).max() < 1e-6
     assert outcome.result.ppl != embedded_audit["baseline"].result.ppl  # Q8_0 really moved the weights
 
@@ -214,7 +215,8 @@ def test_a_w8a8_figure_includes_its_activation_quantization(small_audit, tmp_pat
         if getattr(module, "quantization_scheme", None) is not None:
             module.quantization_enabled = False
     settings = small_audit["evaluation"].settings
-    weight_only = perplexity(model, small_audit["evaluation"].stream, settings.window, settings.stride, settings.batch_size)
+    weight_only = perplexity(model, small_audit["evaluation"].stream, Windowing(settings.window, settings.stride),
+                             settings.batch_size)
     assert np.abs(outcome.result.token_nll - weight_only.token_nll).max() > 1e-4
 
 

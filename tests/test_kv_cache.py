@@ -14,6 +14,7 @@ from flows.audit import audit, summary_of
 from flows.cli import main
 from tasks.engine.kv_cache import KVCacheFormat, cache, residual_mask
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.models.variants import cache_format, load_variant
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -158,29 +159,31 @@ def test_a_cache_that_stores_exactly_changes_nothing_and_batching_changes_nothin
     plain, facts = load_variant(VariantSpec(name="plain"), str(trained_model_dir))
     exact_spec = VariantSpec(name="exact", kv_cache={"dtype": "float32"})
     exact, exact_facts = load_variant(exact_spec, str(trained_model_dir))
-    a, b = perplexity(plain, stream, 64, 32, 4), perplexity(exact, stream, 64, 32, 4, kv_cache=cache_format(exact_spec))
+    a = perplexity(plain, stream, Windowing(64, 32), 4)
+    b = perplexity(exact, stream, Windowing(64, 32), 4, ScoreOptions(kv_cache=cache_format(exact_spec)))
     assert a.nll_sum == b.nll_sum and torch.equal(torch.as_tensor(a.token_nll), torch.as_tensor(b.token_nll))
     assert exact_facts.kv_bytes_per_token == facts.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4  # K and V, 2 layers
     four_spec = VariantSpec(name="int4", kv_cache={"dtype": "int4"})
     four, four_facts = load_variant(four_spec, str(trained_model_dir))
-    int4 = cache_format(four_spec)
-    once, batched = (perplexity(four, stream, 64, 32, batch, kv_cache=int4) for batch in (1, 7))
+    int4 = ScoreOptions(kv_cache=cache_format(four_spec))
+    once, batched = (perplexity(four, stream, Windowing(64, 32), batch, int4) for batch in (1, 7))
     assert once.nll_sum == batched.nll_sum and once.nll_sum != a.nll_sum
     # the format is the call's, not the model's: loaded for an int4 cache, the model without one scores as the plain
-    assert perplexity(four, stream, 64, 32, 4).nll_sum == a.nll_sum
+    assert perplexity(four, stream, Windowing(64, 32), 4).nll_sum == a.nll_sum
     all_quantized = once.nll_sum
     assert four_facts.kv_bytes_per_token == 2 * 2 * 2 * 32 * (4 + 16 / 32) / 8
     assert four_facts.kv_cache == "int4 g32 (llama.cpp q4_0)"
     # a residual as long as the window keeps every key as computed; a shorter one, padded batches and all, is its own
     kept_spec = VariantSpec(name="kept", kv_cache={"dtype": "int4", "residual": 64})
     whole, _ = load_variant(kept_spec, str(trained_model_dir))
-    assert perplexity(whole, stream, 64, 32, 3, kv_cache=cache_format(kept_spec)).nll_sum == a.nll_sum
+    assert perplexity(whole, stream, Windowing(64, 32), 3, ScoreOptions(kv_cache=cache_format(kept_spec))).nll_sum \
+        == a.nll_sum
     some_spec = VariantSpec(name="some", kv_cache={"dtype": "int4", "residual": 8})
     some, some_facts = load_variant(some_spec, str(trained_model_dir), window=64)
-    residual = cache_format(some_spec)
+    residual = ScoreOptions(kv_cache=cache_format(some_spec))
     # over the audit's window of 64, its 8 newest tokens take the model's float32, the other 56 int4's 144 bytes
     assert some_facts.kv_bytes_per_token == (56 * 144 + 8 * 1024) / 64
-    once, batched = (perplexity(some, stream, 64, 32, batch, kv_cache=residual) for batch in (1, 7))
+    once, batched = (perplexity(some, stream, Windowing(64, 32), batch, residual) for batch in (1, 7))
     assert once.nll_sum == pytest.approx(batched.nll_sum, rel=1e-12)
     assert once.nll_sum not in (a.nll_sum, all_quantized)
 

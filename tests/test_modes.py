@@ -9,6 +9,7 @@ from helpers import scored_log_probs
 from tasks.core.errors import InputError
 from tasks.data.corpus import tokenize
 from tasks.engine.perplexity import perplexity
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.engine.windows import plan
 
 
@@ -43,7 +44,7 @@ def llama_cpp_reference(model, ids: torch.Tensor, n_ctx: int, bos: int | None) -
 @pytest.mark.parametrize("bos", ["stream", "none"])
 def test_gptq_mode_matches_its_reimplementation(tiny_model, tokenizer, text, window, bos):
     stream = tokenize(text, tokenizer, bos=bos, max_tokens=437)
-    result = perplexity(tiny_model, stream, window, stride=1, batch_size=3, mode="gptq")
+    result = perplexity(tiny_model, stream, Windowing(window, stride=1, mode="gptq"), batch_size=3)
     reference, count = gptq_reference(tiny_model, stream.ids, window)
     assert result.n_tokens == count == (437 // window) * (window - 1)
     assert result.nll_sum == pytest.approx(reference, rel=1e-6)
@@ -53,7 +54,7 @@ def test_gptq_mode_matches_its_reimplementation(tiny_model, tokenizer, text, win
 @pytest.mark.parametrize("bos", ["stream", "none"])
 def test_llama_cpp_mode_matches_its_reimplementation(tiny_model, tokenizer, text, window, bos):
     stream = tokenize(text, tokenizer, bos=bos, max_tokens=437)
-    result = perplexity(tiny_model, stream, window, stride=1, batch_size=4, mode="llama.cpp")
+    result = perplexity(tiny_model, stream, Windowing(window, stride=1, mode="llama.cpp"), batch_size=4)
     reference, count = llama_cpp_reference(tiny_model, stream.ids, window,
                                            tokenizer.bos_token_id if bos == "stream" else None)
     assert result.n_tokens == count == (437 // window) * (window - 1 - window // 2)
@@ -62,9 +63,10 @@ def test_llama_cpp_mode_matches_its_reimplementation(tiny_model, tokenizer, text
 
 def test_modes_refuse_too_short_streams_and_per_window_bos(tiny_model, tokenizer, text):
     with pytest.raises(InputError, match="needs at least one full window"):
-        perplexity(tiny_model, tokenize(text, tokenizer, max_tokens=20), 32, 16, mode="gptq")
+        perplexity(tiny_model, tokenize(text, tokenizer, max_tokens=20), Windowing(32, 16, mode="gptq"))
     with pytest.raises(InputError, match="does its own BOS handling"):
-        perplexity(tiny_model, tokenize(text, tokenizer, bos="window", max_tokens=200), 32, 16, mode="llama.cpp")
+        perplexity(tiny_model, tokenize(text, tokenizer, bos="window", max_tokens=200),
+                   Windowing(32, 16, mode="llama.cpp"))
 
 
 def full_vocabulary_kl(base, variant, stream, windows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,10 +93,10 @@ def test_engine_kl_from_a_stored_reference_against_a_full_vocabulary_reference(t
     stored, _ = stored_reference(base, stream, 64, 24, tiny_model_dir, "modes", batch_size=5)
     against = stored.baseline(str(tiny_model_dir), torch.device("cpu"))
 
-    itself = perplexity(base, stream, 64, 24, batch_size=3, reference=against).extra
+    itself = perplexity(base, stream, Windowing(64, 24), 3, ScoreOptions(reference=against)).extra
     assert float(itself["kl"].max()) < 1e-9 and float(itself["kl_reverse"].max()) < 1e-9 and itself["top1"].all()
 
-    measured = perplexity(variant, stream, 64, 24, batch_size=2, reference=against).extra
+    measured = perplexity(variant, stream, Windowing(64, 24), 2, ScoreOptions(reference=against)).extra
     torch.testing.assert_close(torch.from_numpy(measured["kl"]), forward, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.from_numpy(measured["kl_reverse"]), reverse, rtol=1e-5, atol=1e-7)
     assert (measured["top1"] == top1.numpy()).all()

@@ -11,6 +11,7 @@ import torch
 from tasks.core.errors import InputError, NumericalError
 from tasks.data.corpus import tokenize
 from tasks.engine.perplexity import perplexity, score_windows
+from tasks.engine.scoring_options import Feed, Windowing
 from tasks.engine.windows import plan_windows
 
 
@@ -41,7 +42,7 @@ def brute_force_nll_sum(model, stream, window: int, stride: int) -> tuple[float,
 def test_matches_brute_force_reference(tiny_model, tokenizer, text, bos, window, stride, batch_size):
     stream = tokenize(text, tokenizer, bos=bos, max_tokens=300)
     stride = min(stride, window - len(stream.prefix) - 1)  # S = L - 1 where the BOS takes a slot
-    result = perplexity(tiny_model, stream, window, stride, batch_size)
+    result = perplexity(tiny_model, stream, Windowing(window, stride), batch_size)
     reference, count = brute_force_nll_sum(tiny_model, stream, window, stride)
     assert result.n_tokens == count
     assert result.nll_sum == pytest.approx(reference, rel=1e-6)
@@ -53,11 +54,11 @@ def test_matches_brute_force_reference(tiny_model, tokenizer, text, bos, window,
 def test_result_does_not_depend_on_batch_size_or_window_order(tiny_model64, tokenizer, text, batch_size, shuffled):
     stream = tokenize(text, tokenizer, max_tokens=1500)
     windows = plan_windows(len(stream.ids), 64, 24, stream.first_scored)
-    reference = score_windows(tiny_model64, stream.ids, windows, batch_size=1)
+    reference = score_windows(tiny_model64, Feed(stream.ids, batch_size=1), windows)
     order = windows[:]
     if shuffled:
         random.Random(0).shuffle(order)
-    scores = score_windows(tiny_model64, stream.ids, order, batch_size=batch_size)
+    scores = score_windows(tiny_model64, Feed(stream.ids, batch_size=batch_size), order)
     assert float(scores.window_nll.sum()) == pytest.approx(float(reference.window_nll.sum()), rel=1e-12)
     assert torch.equal(scores.window_tokens, reference.window_tokens)
     torch.testing.assert_close(scores.token_nll, reference.token_nll, rtol=1e-6, atol=1e-6)
@@ -70,7 +71,8 @@ def test_matches_lm_evaluation_harness_in_its_convention(tiny_model64, tokenizer
 
     text = text[:6000]
     theirs, n_tokens = lm_eval_rolling(tiny_model64, tokenizer, text, max_length, batch_size)
-    ours = perplexity(tiny_model64, tokenize(text, tokenizer, bos="stream"), max_length + 1, max_length, batch_size)
+    ours = perplexity(tiny_model64, tokenize(text, tokenizer, bos="stream"), Windowing(max_length + 1, max_length),
+                      batch_size)
     assert ours.n_tokens == n_tokens
     assert ours.nll_sum == pytest.approx(theirs, rel=1e-9)
 
@@ -79,7 +81,7 @@ def test_mean_of_batch_means_drifts_with_batch_size_but_ours_does_not(tiny_model
     """The common bug: averaging per-batch mean NLL weighs a short last batch like a full one."""
     stream = tokenize(text, tokenizer, max_tokens=1000)
     windows = plan_windows(len(stream.ids), 64, 24, stream.first_scored)
-    scores = score_windows(tiny_model64, stream.ids, windows, batch_size=1)
+    scores = score_windows(tiny_model64, Feed(stream.ids, batch_size=1), windows)
     ours, naive = set(), set()
     for batch_size in (1, 2, 3, 7):
         batch_means = []
@@ -88,7 +90,7 @@ def test_mean_of_batch_means_drifts_with_batch_size_but_ours_does_not(tiny_model
             tokens = scores.window_tokens[b : b + batch_size].sum()
             batch_means.append(float(nll / tokens))
         naive.add(round(sum(batch_means) / len(batch_means), 9))
-        result = perplexity(tiny_model64, stream, 64, 24, batch_size)
+        result = perplexity(tiny_model64, stream, Windowing(64, 24), batch_size)
         ours.add(round(result.mean_nll, 9))
     assert len(naive) == 4, "the naive mean should differ for each batch size"
     assert len(ours) == 1
@@ -99,7 +101,7 @@ def test_mean_of_batch_means_drifts_with_batch_size_but_ours_does_not(tiny_model
 def test_scores_n_minus_one_tokens(tiny_model, tokenizer, text, n, window, stride):
     stream = tokenize(text, tokenizer, bos="none", max_tokens=n)
     assert len(stream.ids) == n
-    result = perplexity(tiny_model, stream, window, stride, batch_size=5)
+    result = perplexity(tiny_model, stream, Windowing(window, stride), batch_size=5)
     assert result.n_tokens == n - 1
     assert len(result.token_nll) == n - 1 and not any(math.isnan(x) for x in result.token_nll)
 
@@ -107,13 +109,13 @@ def test_scores_n_minus_one_tokens(tiny_model, tokenizer, text, n, window, strid
 def test_stride_must_leave_room_for_the_window_bos(tiny_model, tokenizer, text):
     stream = tokenize(text, tokenizer, bos="window", max_tokens=100)
     with pytest.raises(InputError, match="below 31 .the window of 32 less the BOS"):
-        perplexity(tiny_model, stream, window=32, stride=31)
+        perplexity(tiny_model, stream, Windowing(window=32, stride=31))
 
 
 def test_window_longer_than_model_positions_is_refused(tiny_model, tokenizer, text):
     stream = tokenize(text, tokenizer, max_tokens=600)
     with pytest.raises(InputError, match="longer than the model's 256 positions"):
-        perplexity(tiny_model, stream, window=512, stride=256)
+        perplexity(tiny_model, stream, Windowing(window=512, stride=256))
 
 
 def test_nan_weights_raise_numerical_error(tiny_model_dir, tokenizer, text):
@@ -123,12 +125,12 @@ def test_nan_weights_raise_numerical_error(tiny_model_dir, tokenizer, text):
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(NumericalError, match="non-finite"):
-        perplexity(model, tokenize(text, tokenizer, max_tokens=100), 32, 16)
+        perplexity(model, tokenize(text, tokenizer, max_tokens=100), Windowing(32, 16))
 
 
 def test_result_figures_are_consistent(tiny_model, tokenizer, text):
     stream = tokenize(text, tokenizer, max_tokens=400)
-    result = perplexity(tiny_model, stream, 64, 32, batch_size=4)
+    result = perplexity(tiny_model, stream, Windowing(64, 32), batch_size=4)
     nll = torch.tensor(result.token_nll, dtype=torch.float64)
     assert result.mean_nll == pytest.approx(result.nll_sum / result.n_tokens)
     assert result.stderr == pytest.approx(float(nll.std() / math.sqrt(len(nll))), rel=1e-5)
@@ -151,7 +153,7 @@ def test_models_load_with_sdpa_attention(tiny_model, tokenizer, text, monkeypatc
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     stream = tokenize(text, tokenizer, max_tokens=200)
     windows = plan_windows(len(stream.ids), 64, 32, stream.first_scored)[:3]
-    score_windows(tiny_model, stream.ids, windows, batch_size=3)  # one forward pass
+    score_windows(tiny_model, Feed(stream.ids, batch_size=3), windows)  # one forward pass
     layers, heads = tiny_model.config.num_hidden_layers, tiny_model.config.num_attention_heads
     assert len(calls) == layers, f"scaled_dot_product_attention ran {len(calls)} times in a {layers}-layer model"
     assert all(shape[:3] == (3, heads, 64) for shape in calls), calls  # [batch, heads, positions, head dim]
@@ -172,6 +174,6 @@ def test_a_run_nobody_waits_for_stops_after_the_batch_in_progress(tiny_model64, 
         return "nobody waits" if len(asked) == 3 else None
 
     with asking(why), pytest.raises(Abandoned, match="nobody waits"):
-        score_windows(tiny_model64, stream.ids, windows, batch_size=4)
+        score_windows(tiny_model64, Feed(stream.ids, batch_size=4), windows)
     assert len(asked) == 3 < len(windows) / 4
-    assert len(score_windows(tiny_model64, stream.ids, windows, batch_size=4).window_nll) == len(windows)
+    assert len(score_windows(tiny_model64, Feed(stream.ids, batch_size=4), windows).window_nll) == len(windows)

@@ -53,11 +53,12 @@ def test_a_model_whose_weights_are_streamed_in_by_hooks_scores_the_same(trained_
     from tasks.config import EvaluationConfig
     from tasks.data.evaluation import evaluation
     from tasks.engine.perplexity import score_part
+    from tasks.engine.scoring_options import Windowing
 
     scored = evaluation(corpus_path.read_text(), tokenizer, EvaluationConfig(window=64, stride=32, max_tokens=600))
 
     def token_nll(model):
-        return score_part(model, scored.stream, 64, 32, batch_size=4).scores.token_nll
+        return score_part(model, scored.stream, Windowing(64, 32), batch_size=4).scores.token_nll
 
     streamed = cpu_offload(AutoModelForCausalLM.from_pretrained(trained_model_dir), torch.device("cpu"))
     assert streamed.device == torch.device("meta")

@@ -25,6 +25,7 @@ from tasks.data.corpus import tokenize
 from tasks.data.evaluation import evaluation
 from tasks.engine.paired import divergence_summary
 from tasks.engine.perplexity import Baseline, hidden_states, perplexity
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.models.loading import load_model
 from tasks.record.verdict import comparison_row, format_stats, format_table, judge
 
@@ -47,8 +48,9 @@ def test_kl_top1_and_dp_from_a_reference_equal_lockstep(tiny_model_dir, tokenize
     variant = perturbed(tiny_model_dir, dtype)
     stream = tokenize(text, tokenizer, max_tokens=400)
     stored, scored = stored_reference(base, stream, 64, 24, tiny_model_dir, f"equal-{dtype}", batch_size=3)
-    from_reference = perplexity(variant, stream, 64, 24, 3, reference=stored.baseline(str(tiny_model_dir), CPU))
-    in_lockstep = perplexity(variant, stream, 64, 24, 3, reference=lockstep(base))
+    from_reference = perplexity(variant, stream, Windowing(64, 24), 3,
+                                ScoreOptions(reference=stored.baseline(str(tiny_model_dir), CPU)))
+    in_lockstep = perplexity(variant, stream, Windowing(64, 24), 3, ScoreOptions(reference=lockstep(base)))
     for key in ("kl", "kl_reverse"):
         assert relative(from_reference.extra[key], in_lockstep.extra[key]) <= tolerance, key
     assert (from_reference.extra["top1"] == in_lockstep.extra["top1"]).all()
@@ -58,7 +60,8 @@ def test_kl_top1_and_dp_from_a_reference_equal_lockstep(tiny_model_dir, tokenize
     for figure in ("dp_mean", "dp_rms", "kld_mean", "kld_reverse_mean", "top1_agreement", "kld_p99"):
         assert summary["reference"][figure] == pytest.approx(summary["lockstep"][figure], rel=tolerance, abs=1e-12)
     if dtype == torch.float64:  # another batch size pads differently: still the same numbers in float64
-        other = perplexity(variant, stream, 64, 24, 5, reference=stored.baseline(str(tiny_model_dir), CPU))
+        other = perplexity(variant, stream, Windowing(64, 24), 5,
+                           ScoreOptions(reference=stored.baseline(str(tiny_model_dir), CPU)))
         assert relative(other.extra["kl"], in_lockstep.extra["kl"]) <= tolerance
 
 
@@ -367,11 +370,12 @@ def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and
     against = {n: reference.slice_baseline(list(dict.fromkeys([slices[0], slices[n]])),
                                            shards[n].part.scores.token_nll, str(tiny_model_dir), CPU)
                for n in range(len(bounds))}
-    from_slices = [score_part(variant, scored.stream, 64, 32, 4, w, reference=against[n]) for n, w in enumerate(bounds)]
+    from_slices = [score_part(variant, scored.stream, Windowing(64, 32), 4, w, ScoreOptions(reference=against[n]))
+                   for n, w in enumerate(bounds)]
     said = scoring.join_reference(lookup, scoring.merge_shards(shards, scored), shards, scored)
     joined = reference.Reference.open(Path(said["path"])).baseline(str(tiny_model_dir), CPU)
     for w, part in zip(bounds, from_slices):
-        whole = score_part(variant, scored.stream, 64, 32, 4, w, reference=joined)
+        whole = score_part(variant, scored.stream, Windowing(64, 32), 4, w, ScoreOptions(reference=joined))
         assert part.scores.extra.keys() == whole.scores.extra.keys() and "kl" in whole.scores.extra
         for key in whole.scores.extra:
             assert torch.equal(part.scores.extra[key], whole.scores.extra[key]), key

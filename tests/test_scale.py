@@ -13,6 +13,7 @@ import tasks.engine.batching
 from tasks.data.corpus import cached_tokenize, tokenize
 from tasks.engine.batching import auto_batch_size
 from tasks.engine.perplexity import HEAD_CHUNK_BYTES, perplexity, score_windows, token_stats
+from tasks.engine.scoring_options import Windowing
 from tasks.engine.windows import plan
 
 
@@ -43,9 +44,9 @@ def test_batch_size_auto_is_searched_once_and_changes_nothing(cache, tiny_model6
     stream = tokenize(text, tokenizer, max_tokens=1200)
     measured = []
 
-    def spy(model, ids, windows, prefix=(), batch_size=1, **kwargs):
-        measured.append(batch_size)
-        return score_windows(model, ids, windows, prefix, batch_size=batch_size, **kwargs)
+    def spy(model, feed, windows, *args):
+        measured.append(feed.batch_size)
+        return score_windows(model, feed, windows, *args)
 
     monkeypatch.setattr(tasks.engine.batching, "score_windows", spy)
     chosen = auto_batch_size(tiny_model64, stream, 64, 32)
@@ -57,8 +58,8 @@ def test_batch_size_auto_is_searched_once_and_changes_nothing(cache, tiny_model6
     assert list(json.loads((cache / "batch_sizes.json").read_text())["sizes"].values()) == [chosen]
     monkeypatch.setattr(tasks.engine.batching, "score_windows", lambda *a, **k: pytest.fail("searched again"))
     assert auto_batch_size(tiny_model64, stream, 64, 32) == chosen
-    assert perplexity(tiny_model64, stream, 64, 32, chosen).nll_sum == \
-        pytest.approx(perplexity(tiny_model64, stream, 64, 32, 1).nll_sum, rel=1e-12)
+    assert perplexity(tiny_model64, stream, Windowing(64, 32), chosen).nll_sum == \
+        pytest.approx(perplexity(tiny_model64, stream, Windowing(64, 32), 1).nll_sum, rel=1e-12)
 
 
 def fake_device(monkeypatch, device: str, tokens_per_second: dict[int, float] | None = None,
@@ -68,7 +69,8 @@ def fake_device(monkeypatch, device: str, tokens_per_second: dict[int, float] | 
     clock = SimpleNamespace(now=0.0)
     tried = []
 
-    def score(model, ids, windows, prefix=(), batch_size=1, **kwargs):
+    def score(model, feed, windows, *args):
+        batch_size = feed.batch_size
         assert len(windows) == batch_size
         tried.append(batch_size)
         if windows_that_fit is not None and batch_size > windows_that_fit:

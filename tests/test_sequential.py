@@ -12,6 +12,7 @@ from tasks.config import Gate
 from tasks.data.corpus import tokenize
 from tasks.engine.paired import cluster_mean
 from tasks.engine.perplexity import Progress, perplexity, score_part, summarize
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence, window_order
 from tasks.engine.windows import plan
 
@@ -26,8 +27,9 @@ def stream(tokenizer, text):
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_the_whole_run_in_a_random_order_is_the_run_in_order_bit_for_bit(tiny_model, stream, batch_size):
     n = len(plan(stream, WINDOW, STRIDE))
-    in_order = perplexity(tiny_model, stream, WINDOW, STRIDE, batch_size)
-    part = score_part(tiny_model, stream, WINDOW, STRIDE, batch_size, order=window_order(n, 7), until=lambda _: False)
+    in_order = perplexity(tiny_model, stream, Windowing(WINDOW, STRIDE), batch_size)
+    part = score_part(tiny_model, stream, Windowing(WINDOW, STRIDE), batch_size,
+                      options=ScoreOptions(order=window_order(n, 7), until=lambda _: False))
     shuffled = summarize(part.scores, stream, model="m", window=WINDOW, stride=STRIDE, batch_size=batch_size,
                          mode="sliding", device="cpu", dtype="float32", wall_seconds=1.0, tokens_per_second=1.0,
                          peak_memory_bytes=0)
@@ -47,10 +49,10 @@ def test_a_run_stopped_after_a_batch_holds_the_windows_it_scored_as_the_whole_ru
         assert torch.equal(progress.sums["nll"][progress.order], whole.window_nll[progress.order])
         return len(looks) == 3
 
-    whole = perplexity(tiny_model, stream, WINDOW, STRIDE, 4)
+    whole = perplexity(tiny_model, stream, Windowing(WINDOW, STRIDE), 4)
     whole = type("W", (), {"window_nll": torch.as_tensor(whole.window_nll), "token_nll": whole.token_nll,
                            "window_tokens": whole.window_tokens})
-    part = score_part(tiny_model, stream, WINDOW, STRIDE, 4, order=order, until=until)
+    part = score_part(tiny_model, stream, Windowing(WINDOW, STRIDE), 4, options=ScoreOptions(order=order, until=until))
     assert [len(look) for look in looks] == [4, 8, 12] and looks[-1] == list(order[:12])
     kept = np.sort(order[:12])
     assert torch.equal(part.scores.windows, torch.as_tensor(kept))
@@ -80,10 +82,10 @@ def _decide(delta: np.ndarray, counts: np.ndarray, limit: float, seed: int, batc
 @pytest.fixture(scope="module")
 def variant_windows(tiny_model_dir, stream):
     """Real per-window ΔNLL sums: the tiny model against three variants of it with noise of growing scale."""
-    base = perplexity(perturbed(tiny_model_dir, torch.float32, 0.0), stream, WINDOW, STRIDE, 8)
+    base = perplexity(perturbed(tiny_model_dir, torch.float32, 0.0), stream, Windowing(WINDOW, STRIDE), 8)
     found = {}
     for scale in (0.01, 0.03, 0.1):
-        variant = perplexity(perturbed(tiny_model_dir, torch.float32, scale), stream, WINDOW, STRIDE, 8)
+        variant = perplexity(perturbed(tiny_model_dir, torch.float32, scale), stream, Windowing(WINDOW, STRIDE), 8)
         found[scale] = (variant.window_nll - base.window_nll, base.window_tokens,
                         cluster_mean(variant.token_nll.astype(np.float64) - base.token_nll, base.window_tokens))
     return found
@@ -141,7 +143,7 @@ def test_a_gate_settles_only_when_every_limit_is_inside_or_one_is_clearly_past()
 
 
 def test_the_watch_splits_the_level_over_the_gated_figures(stream, tiny_model):
-    base = perplexity(tiny_model, stream, WINDOW, STRIDE, 4)
+    base = perplexity(tiny_model, stream, Windowing(WINDOW, STRIDE), 4)
     assert Watch(Gate(max_ppl_increase_pct=5), base.window_nll, 0).alpha == pytest.approx(0.05)
     assert Watch(Gate(max_ppl_increase_pct=5, max_kld_mean=0.1, min_top1_agreement=0.5), base.window_nll, 0).alpha == \
         pytest.approx(0.05 / 3)

@@ -21,7 +21,7 @@ import pytest
 from helpers import free_port, make_text, place_prefect_database, wait_for, write_config
 
 from tasks.data.corpus import tokenize
-from tasks.models.quantize import draw_calibration, quantize
+from tasks.models.quantize import Scheme, draw_calibration, quantize
 
 pytestmark = pytest.mark.slow  # quick tier: pytest -m "not slow"
 
@@ -60,7 +60,7 @@ def gptq_checkpoint(tmp_path, trained_model_dir, tokenizer) -> Path:
     """A GPTQ 4-bit g32 checkpoint in a folder whose name says nothing of it (as in a job's cache)."""
     ids = tokenize(make_text(2000, seed=5), tokenizer, bos="none").ids
     out = tmp_path / "quantized" / "job-14968c37b68748e0"
-    quantize(str(trained_model_dir), "gptq", 4, 32, True, draw_calibration(ids, 4, 64, 0, "other", "x"), out)
+    quantize(str(trained_model_dir), Scheme("gptq", 4, 32, True), draw_calibration(ids, 4, 64, 0, "other", "x"), out)
     return out
 
 
@@ -233,9 +233,9 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
             "overrides": create("guarded", {"config": str(config.resolve()), "overrides": ["tracking.uri=http://elsewhere:5000"]}),
             "baseline alone": create("guarded", {"config": str(config.resolve()),
                                                  "event": {"baseline": str(tmp_path / "other")}}),
-            "quantize elsewhere": create("guarded-quantize", {"model": str(trained_model_dir), "method": "gptq",
-                                                               "out": str(tmp_path / "written-here"),
-                                                               "calibration": str(corpus_path)}),
+            "quantize elsewhere": create("guarded-quantize", {"request": {
+                "model": str(trained_model_dir), "method": "gptq", "out": str(tmp_path / "written-here"),
+                "calibration": {"corpus": {"source": str(corpus_path)}}}}),
         }
         expected = {
             "another config": f"refused: this serve runs {config.resolve()} only, not {other_config}",

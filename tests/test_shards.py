@@ -10,6 +10,7 @@ from helpers import perturbed, stored_reference
 
 from tasks.data.corpus import tokenize
 from tasks.engine.perplexity import combine, perplexity, score_part, shard_bounds
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.engine.windows import plan
 from tasks.models.loading import load_model
 
@@ -38,10 +39,11 @@ def test_shards_merged_equal_the_whole_run_bit_for_bit(tiny_model_dir, tokenizer
     stored, _ = stored_reference(base, stream, window, stride, tiny_model_dir, f"shards-{mode}-{bos}", batch)
     stored = stored if mode == "sliding" else None  # the helper stores the sliding plan's states
     against = stored and stored.baseline(str(tiny_model_dir), CPU)
-    whole = perplexity(variant, stream, window, stride, batch, mode=mode, reference=against)
+    whole = perplexity(variant, stream, Windowing(window, stride, mode=mode), batch, ScoreOptions(reference=against))
     bounds = shard_bounds(len(plan(stream, window, stride, mode)), shards, batch)
     assert len(bounds) == shards
-    parts = [score_part(variant, stream, window, stride, batch, windows, mode=mode, reference=against)
+    parts = [score_part(variant, stream, Windowing(window, stride, mode=mode), batch, windows,
+                        ScoreOptions(reference=against))
              for windows in reversed(bounds)]  # in any order: combine puts them in window order
     merged = combine(parts, stream, whole.model, window, stride, mode)
     assert (merged.nll_sum, merged.ppl, merged.stderr, merged.n_tokens) == (whole.nll_sum, whole.ppl, whole.stderr,
@@ -58,10 +60,10 @@ def test_shards_merged_equal_the_whole_run_bit_for_bit(tiny_model_dir, tokenizer
 
 def test_parts_that_leave_a_gap_or_overlap_are_refused(tiny_model, tokenizer, text):
     stream = tokenize(text, tokenizer, max_tokens=400)
-    part = {w: score_part(tiny_model, stream, 64, 32, 2, w) for w in [(0, 4), (4, 8), (6, 12)]}
+    part = {w: score_part(tiny_model, stream, Windowing(64, 32), 2, w) for w in [(0, 4), (4, 8), (6, 12)]}
     with pytest.raises(ValueError, match="do not cover"):
         combine([part[(0, 4)], part[(6, 12)]], stream, "m", 64, 32)
     with pytest.raises(ValueError, match="do not cover"):
         combine([part[(4, 8)]], stream, "m", 64, 32)
     with pytest.raises(ValueError, match="not a slice"):
-        score_part(tiny_model, stream, 64, 32, 2, (3, 99))
+        score_part(tiny_model, stream, Windowing(64, 32), 2, (3, 99))

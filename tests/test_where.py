@@ -16,6 +16,7 @@ from tasks.config import EvaluationConfig
 from tasks.data.corpus import tokenize
 from tasks.data.evaluation import evaluation
 from tasks.engine.perplexity import combine, perplexity, score_part, scored_positions, scored_targets
+from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.engine.sequential import window_order
 from tasks.engine.windows import plan
 from tasks.record.results import VariantResult
@@ -58,7 +59,7 @@ def test_each_model_s_top_token_and_the_baseline_s_confidence_equal_a_float64_br
     base, variant = models
     settings, _, against = scored
     stream = settings.stream
-    measured = perplexity(variant, stream, WINDOW, STRIDE, batch_size=2, reference=against).extra
+    measured = perplexity(variant, stream, Windowing(WINDOW, STRIDE), 2, ScoreOptions(reference=against)).extra
     truth = full_vocabulary_tops(base, variant, stream, plan(stream, WINDOW, STRIDE))
     assert measured["base_top_p"].dtype == np.float32 and measured["base_right"].dtype == bool
     assert measured["base_top"].dtype == measured["top"].dtype == np.int32
@@ -206,7 +207,8 @@ def test_a_stopped_variant_is_paired_with_the_baseline_s_tokens_of_its_windows(m
     settings, base_result, against = scored
     stream = settings.stream
     n = len(plan(stream, WINDOW, STRIDE))
-    part = score_part(variant, stream, WINDOW, STRIDE, 2, order=window_order(n, 5), stop_at=n // 2, reference=against)
+    part = score_part(variant, stream, Windowing(WINDOW, STRIDE), 2,
+                      options=ScoreOptions(reference=against, order=window_order(n, 5), stop_at=n // 2))
     stopped = combine([part], stream, "noisy", WINDOW, STRIDE)
     assert stopped.scored_windows is not None and stopped.n_tokens < base_result.n_tokens
     baseline = VariantResult("baseline", "baseline", "ok", result=base_result)

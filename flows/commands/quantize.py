@@ -40,23 +40,21 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flows.quantize import check_request, quantize_flow
+    from flows.quantize import quantize_flow
     from tasks.config import CalibrationConfig, CorpusConfig, parse
-    from tasks.models.quantize import calibration_of
+    from tasks.models.quantize_request import QuantizeRequest, open_quantize
 
     corpus = parse(CorpusConfig, {"source": args.calibration, "column": args.text_column}, "--calibration")
-    parse(CalibrationConfig, {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed}, "arguments")
+    calibration = parse(CalibrationConfig, {"corpus": corpus, "samples": args.samples, "seq_len": args.seq_len,
+                                            "seed": args.seed}, "arguments")
     if args.holdout_tokens < 0:
         raise InputError(f"--holdout-tokens {args.holdout_tokens}: give a number of tokens, 0 or more")
-    # checked here too, so that bad input ends before Prefect starts; drawing the calibration (cached tokens)
-    # refuses a corpus without room for --samples
-    out = check_request(args.model, args.method, args.out, args.name, args.group_size)
-    calibration_of(args.model, corpus, args.samples, args.seq_len, args.seed, args.holdout_tokens)
-    manifest = quantize_flow(model=args.model, method=args.method, out=str(out), calibration=args.calibration,
-                             bits=args.bits, group_size=args.group_size, sym=not args.asym, column=args.text_column,
-                             samples=args.samples, seq_len=args.seq_len, seed=args.seed,
-                             holdout_tokens=args.holdout_tokens, name=args.name)
-    print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint in {out} "
+    # opened here, so that bad input ends before Prefect starts, and only here: the flow takes it as it is
+    request = open_quantize(QuantizeRequest(model=args.model, method=args.method, bits=args.bits,
+                                            group_size=args.group_size, sym=not args.asym, calibration=calibration,
+                                            holdout_tokens=args.holdout_tokens, out=args.out, name=args.name))
+    manifest = quantize_flow(request)
+    print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint in {request.out} "
           f"({manifest['calibration']['samples']} calibration samples, {manifest['seconds']} s); "
           "emitted quantization.completed", file=console.out())
     return 0

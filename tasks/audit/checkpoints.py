@@ -22,8 +22,8 @@ from tasks.data.corpus import cached_tokenize, tokenizer_digest
 from tasks.data.evaluation import Evaluation
 from tasks.models.formats import detect
 from tasks.models.loading import check_checkpoint
-from tasks.models.quantize import (Calibration, check_group_fits, check_quantizable, checkpoint_damage, draw_calibration,
-                                   model_digest, quantize, read_manifest)
+from tasks.models.quantize import (Calibration, Scheme, check_group_fits, check_quantizable, checkpoint_damage,
+                                   draw_calibration, model_digest, quantize, read_manifest)
 from tasks.models.resolve import Located, model_files, read_tokenizer, resolve_model_path
 
 
@@ -180,7 +180,8 @@ def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluat
         if out.exists():  # a folder without its manifest is not a checkpoint: made again
             discard(out)
         try:
-            quantize(baseline, spec.method, bits, group_size, sym, calibration, out, name=spec.name, progress=progress)
+            quantize(baseline, Scheme(spec.method, bits, group_size, sym), calibration, out, name=spec.name,
+                     progress=progress)
         except FileExistsError:  # another audit made the same one meanwhile
             if read_manifest(str(out)) is None:
                 raise

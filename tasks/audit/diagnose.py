@@ -28,6 +28,7 @@ from tasks.engine.layers import LayerErrors, decoder_layers, layer_errors, recov
 from tasks.engine.model_facts import input_device
 from tasks.engine.paired import CONFIDENCE
 from tasks.engine.perplexity import Baseline, WindowScores, score_windows, token_slots
+from tasks.engine.scoring_options import Feed, ScoreOptions
 from tasks.engine.sequential import window_order
 from tasks.engine.windows import Window, plan
 from tasks.models.cost import decoder_layer_bytes, weight_bytes
@@ -95,18 +96,16 @@ def _tokens(windows: list[Window]) -> int:
     return sum(w.n_scored for w in windows)
 
 
-def _batching(evaluation_: Evaluation) -> tuple[int, int | None]:
-    """``(batch_size, first_token)`` the sample is scored with: the audit's batch size (1 for ``auto``: a sample
-    is small) and llama.cpp's BOS per chunk."""
-    settings, stream = evaluation_.settings, evaluation_.stream
+def _feed(evaluation_: Evaluation) -> Feed:
+    """What the sample is scored with: the audit's batch size (1 for ``auto``: a sample is small) and llama.cpp's BOS
+    per chunk."""
+    settings = evaluation_.settings
     batch_size = settings.batch_size if isinstance(settings.batch_size, int) else 1
-    return batch_size, stream.bos_id if settings.mode == "llama.cpp" and stream.bos != "none" else None
+    return Feed.of(evaluation_.stream, settings.mode, batch_size)
 
 
 def _scored(model, evaluation_: Evaluation, windows: list[Window], **options) -> WindowScores:
-    batch_size, first_token = _batching(evaluation_)
-    stream = evaluation_.stream
-    return score_windows(model, stream.ids, windows, stream.prefix, batch_size, first_token=first_token, **options)
+    return score_windows(model, _feed(evaluation_), windows, ScoreOptions(**options))
 
 
 class Bench:
@@ -190,8 +189,7 @@ def examine(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: E
     pair = bench.pair(checkpoint, lineup, evaluation_)
     base, against = pair.baseline_on(evaluation_, windows)
     scores = _scored(pair.variant, evaluation_, windows, reference=against)
-    stream = evaluation_.stream
-    errors = layer_errors(pair.baseline, pair.variant, stream.ids, windows, stream.prefix, *_batching(evaluation_))
+    errors = layer_errors(pair.baseline, pair.variant, _feed(evaluation_), windows)
     extra = {key: value.numpy() for key, value in scores.extra.items()}
     indices = np.array([w.index for w in windows])
     counts = np.array([w.n_scored for w in windows])
@@ -219,10 +217,8 @@ def restore(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: E
     models held on ``bench``)."""
     pair = bench.pair(checkpoint, lineup, evaluation_)
     _, against = pair.baseline_on(evaluation_, windows)
-    stream = evaluation_.stream
     label = f"{checkpoint.name}: restore {len(sets)} layer set(s)" if progress else None
-    found = restored_scores(pair.baseline, pair.variant, sets, stream.ids, windows, against, stream.prefix,
-                            *_batching(evaluation_), label=label)
+    found = restored_scores(pair.baseline, pair.variant, sets, _feed(evaluation_), windows, against, label)
     return [Restored(each.layers, each.nll.numpy(), each.kl.numpy()) for each in found]
 
 

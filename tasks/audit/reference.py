@@ -494,7 +494,8 @@ class Writer:
         """
         shape, dtype = self._closed()
         entry = head_entry(Path(manifest["source"]), head, self.staging)
-        return _finish(self.staging, key, manifest, result, self.targets, {"shape": shape, "dtype": dtype}, entry, replace)
+        manifest |= {"hidden": {"shape": shape, "dtype": dtype}, "head": entry}
+        return _finish(self.staging, key, manifest, result, self.targets, replace)
 
     def seal(self, head_of: dict | None, out: Path) -> Path:
         """Finish a slice: its hidden states and what it holds (``SLICE``; ``head_of``: the first slice's
@@ -508,14 +509,16 @@ class Writer:
         return out
 
 
-def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, targets: torch.Tensor, hidden: dict,
-            head: dict, replace: bool, known: dict[str, str] | None = None) -> Reference:
+def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, targets: torch.Tensor, replace: bool,
+            known: dict[str, str] | None = None) -> Reference:
     """Write the scores and the manifest beside ``staging``'s hidden states (and head), and rename it into place.
-    ``known``: the sha256 of files already hashed as they were written (not read again)."""
+    ``manifest`` holds the entries of the hidden states (``hidden``: shape, dtype) and of the head (``head``), and the
+    model's ``softcap``, which goes into the head's; ``known``: the sha256 of files already hashed as they were
+    written (not read again)."""
     save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
                 window_tokens=result.window_tokens, targets=targets.numpy().astype(np.int32))
-    manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(), "hidden": hidden,
-                 "head": head | {"softcap": manifest.pop("softcap")}}
+    manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(),
+                 "head": manifest["head"] | {"softcap": manifest.pop("softcap")}}
     manifest["files"] = sealed.files_entry(staging, [f.name for f in staging.iterdir()], known)
     manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
     manifest |= sealed.seal(manifest)
@@ -568,8 +571,8 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
     manifest["softcap"] = head.pop("softcap")
     if head["stored"]:
         shutil.copyfile(slices[0] / HEAD, staging / HEAD)
-    return _finish(staging, key, manifest, result, targets, {"shape": [rows, width], "dtype": dtype}, head, replace,
-                   {HIDDEN: joined.hexdigest()})
+    manifest |= {"hidden": {"shape": [rows, width], "dtype": dtype}, "head": head}
+    return _finish(staging, key, manifest, result, targets, replace, {HIDDEN: joined.hexdigest()})
 
 
 def building() -> AbstractContextManager[Path]:

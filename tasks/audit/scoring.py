@@ -33,6 +33,7 @@ from tasks.engine.batching import auto_batch_size
 from tasks.engine.body import speed_up
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import Part, PerplexityResult, combine, score_part, scored_targets
+from tasks.engine.scoring_options import ScoreOptions
 from tasks.engine.sequential import window_order
 from tasks.engine.windows import plan
 from tasks.models.placement import devices, is_split, main_device, run_on
@@ -53,8 +54,8 @@ def score_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool
                                      kv_cache=options.get("kv_cache"))
     while True:
         try:
-            return score_part(model, evaluation_.stream, settings.window, settings.stride, batch_size, windows,
-                              progress=progress, model_name=name, mode=settings.mode, **options)
+            return score_part(model, evaluation_.stream, settings.windowing, batch_size, windows,
+                              ScoreOptions(progress, name, **options))
         except torch.OutOfMemoryError:
             if batch_size == 1:
                 raise

@@ -22,6 +22,7 @@ from tasks.core.places import cache_dir
 from tasks.engine.kv_cache import KVCacheFormat
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import score_windows
+from tasks.engine.scoring_options import Feed, ScoreOptions
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import plan
 
@@ -67,7 +68,8 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
     while size <= min(cap, len(windows)):
         try:
             started = time.perf_counter()
-            score_windows(model, stream.ids, windows[:size], stream.prefix, batch_size=size, kv_cache=kv_cache)
+            score_windows(model, Feed(stream.ids, stream.prefix, batch_size=size), windows[:size],
+                          ScoreOptions(kv_cache=kv_cache))
             if cuda:
                 torch.cuda.synchronize(device)
             speed = sum(w.n_scored for w in windows[:size]) / (time.perf_counter() - started)

@@ -22,6 +22,7 @@ from tasks.core import console
 from tasks.engine.model_facts import input_device
 from tasks.engine.paired import t_quantile
 from tasks.engine.perplexity import Baseline, BaselineBatch, batch_inputs, hidden_states, token_stats
+from tasks.engine.scoring_options import Feed
 from tasks.engine.windows import Window
 
 # A variant layer identical to its baseline's has no error: an SQNR of infinity, shown as this. 200 dB is a noise
@@ -151,14 +152,13 @@ def _tapped(model, inputs: bool) -> Iterator[_Taps]:
 
 
 @torch.inference_mode()
-def layer_errors(baseline, variant, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
-                 batch_size: int = 1, first_token: int | None = None) -> LayerErrors:
+def layer_errors(baseline, variant, feed: Feed, windows: list[Window]) -> LayerErrors:
     """Every decoder layer's own and accumulated error of ``variant`` against ``baseline`` on ``windows``, and the
     LM head's own error, one batch at a time (memory: both models, and one batch's per-layer inputs and outputs).
 
     Args:
         baseline, variant: causal LMs of one architecture, on one device.
-        ids, windows, prefix, batch_size, first_token: as ``tasks.engine.perplexity.score_windows`` takes them.
+        feed, windows: as ``tasks.engine.perplexity.score_windows`` takes them.
     """
     layers = decoder_layers(variant)
     count = len(layers)
@@ -166,10 +166,10 @@ def layer_errors(baseline, variant, ids: torch.Tensor, windows: list[Window], pr
     base_head, head = baseline.get_output_embeddings(), variant.get_output_embeddings()
     base_softcap = getattr(baseline.config, "final_logit_softcapping", None)
     softcap = getattr(variant.config, "final_logit_softcapping", None)
-    prefix_ids = torch.tensor(prefix, dtype=torch.long)
-    for b in range(0, len(windows), batch_size):
-        batch = windows[b : b + batch_size]
-        input_ids, mask, row_index, columns, targets = batch_inputs(ids, batch, prefix_ids, first_token)
+    prefix_ids = torch.tensor(feed.prefix, dtype=torch.long)
+    for b in range(0, len(windows), feed.batch_size):
+        batch = windows[b : b + feed.batch_size]
+        input_ids, mask, row_index, columns, targets = batch_inputs(feed.ids, batch, prefix_ids, feed.first_token)
         with _tapped(baseline, inputs=True) as base:
             base_final = hidden_states(baseline, input_ids, mask, row_index, columns)
         with _tapped(variant, inputs=False) as run:
@@ -188,7 +188,7 @@ def layer_errors(baseline, variant, ids: torch.Tensor, windows: list[Window], pr
         errors.accumulated.tokens += tokens
         errors.embeddings.tokens += tokens
         stats = token_stats(head, base_final, targets.to(base_final.device), softcap,
-                            reference=BaselineBatch(base_head, base_final, base_softcap), stream_tokens=len(ids))
+                            reference=BaselineBatch(base_head, base_final, base_softcap), stream_tokens=len(feed.ids))
         errors.head_kl_sum += float(stats["kl"].sum())
         errors.head_top1_sum += float(stats["top1"].double().sum())
         errors.tokens += tokens
@@ -255,9 +255,8 @@ class RestoredScores:
 
 
 @torch.inference_mode()
-def restored_scores(baseline, variant, sets: list[tuple[int, ...]], ids: torch.Tensor, windows: list[Window],
-                    against: Baseline, prefix: tuple[int, ...] = (), batch_size: int = 1,
-                    first_token: int | None = None, label: str | None = None) -> list[RestoredScores]:
+def restored_scores(baseline, variant, sets: list[tuple[int, ...]], feed: Feed, windows: list[Window],
+                    against: Baseline, label: str | None = None) -> list[RestoredScores]:
     """Score ``windows`` with each set of the baseline's decoder layers in ``sets`` restored in the variant.
 
     Batch by batch, the variant runs once as it is and each layer's output is kept; a set whose first layer is
@@ -267,7 +266,7 @@ def restored_scores(baseline, variant, sets: list[tuple[int, ...]], ids: torch.T
 
     Args:
         against: the baseline's head and its final hidden states at the scored tokens (``Baseline.states``).
-        ids, windows, prefix, batch_size, first_token: as ``tasks.engine.perplexity.score_windows`` takes them.
+        feed, windows: as ``tasks.engine.perplexity.score_windows`` takes them.
         label: a progress bar's name (one step per set and batch); no bar when None.
     """
     head = variant.get_output_embeddings()
@@ -275,12 +274,12 @@ def restored_scores(baseline, variant, sets: list[tuple[int, ...]], ids: torch.T
     total = sum(w.n_scored for w in windows)
     scores = [RestoredScores(tuple(layers), torch.zeros(total, dtype=torch.float64), torch.zeros(total, dtype=torch.float64))
               for layers in sets]
-    prefix_ids = torch.tensor(prefix, dtype=torch.long)
+    prefix_ids = torch.tensor(feed.prefix, dtype=torch.long)
     done = 0
     with console.bar(len(sets) * len(windows), label or "restore", "window", enabled=label is not None) as bar:
-        for b in range(0, len(windows), batch_size):
-            batch = windows[b : b + batch_size]
-            inputs = batch_inputs(ids, batch, prefix_ids, first_token)
+        for b in range(0, len(windows), feed.batch_size):
+            batch = windows[b : b + feed.batch_size]
+            inputs = batch_inputs(feed.ids, batch, prefix_ids, feed.first_token)
             input_ids, mask, row_index, columns, targets = inputs
             slots = torch.arange(done, done + len(targets))
             done += len(targets)
@@ -292,7 +291,7 @@ def restored_scores(baseline, variant, sets: list[tuple[int, ...]], ids: torch.T
                     hidden = hidden_states(variant, input_ids, mask, row_index, columns)
                 stats = token_stats(head, hidden, targets.to(hidden.device), softcap,
                                     reference=dataclasses.replace(reference, hidden=reference.hidden.to(hidden.device)),
-                                    stream_tokens=len(ids))
+                                    stream_tokens=len(feed.ids))
                 found.nll[slots] = stats["nll"].double().cpu()
                 found.kl[slots] = stats["kl"].double().cpu()
                 bar.update(len(batch))

@@ -26,6 +26,7 @@ from tasks.engine import abandon, divergence
 from tasks.engine.kv_cache import KVCacheFormat, forward_arguments
 from tasks.engine.memory import PeakMemory
 from tasks.engine.model_facts import input_device, max_positions
+from tasks.engine.scoring_options import Feed, ScoreOptions, Windowing
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import Window, check_settings, plan, plan_chunks
 
@@ -352,31 +353,23 @@ def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row
 
 
 @torch.inference_mode()
-def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple[int, ...] = (),
-                  batch_size: int = 1, label: str | None = None, first_token: int | None = None,
-                  reference: Baseline | None = None, keep_hidden: Callable | None = None,
-                  until: Callable[[Progress], bool] | None = None, stop_at: int | None = None,
-                  kv_cache: KVCacheFormat | None = None) -> WindowScores:
-    """Score the windows of one stream, ``batch_size`` windows per forward pass, in the order given.
+def score_windows(model, feed: Feed, windows: list[Window], options: ScoreOptions = ScoreOptions(),
+                  label: str | None = None) -> WindowScores:
+    """Score the windows of one stream, ``feed.batch_size`` windows per forward pass, in the order given.
 
     Args:
         model: a Hugging Face causal LM (``base_model`` gives hidden states, the output embeddings
             give logits).
-        ids: ``[N]`` stream token ids.
+        feed: the stream's ids, the prefix and first token of every window, and the batch size.
         windows: from ``plan_windows`` or ``plan_chunks``, in any order.
-        prefix: ids put before every window (BOS under the ``window`` policy).
-        batch_size: windows per forward pass; results do not depend on it.
+        options: the baseline to measure against (``reference``), where the hidden states go (``keep_hidden``),
+            the order to score ``windows`` in and when to stop (``order``, ``until``, ``stop_at``); its
+            ``progress`` and ``model_name`` are ``score_part``'s, which names the bar.
         label: the progress bar's name (``score <model>``); no bar when None.
-        first_token: written over each window's first token (llama.cpp convention).
-        reference: the baseline, to measure each token's divergence from.
-        keep_hidden: called as ``keep_hidden(slots, hidden)`` with each batch's final hidden states
-            ``[T, H]`` (on the host, in the model's dtype) and their places in the token arrays: how a
-            baseline reference is written batch by batch, never held whole.
-        until: asked after each batch with the ``Progress`` so far; when it answers True the run stops there,
-            and the result holds the windows scored (``WindowScores.windows``).
-        stop_at: score only the first ``stop_at`` windows given (a sample of them, as ``until`` leaves).
-        kv_cache: the key/value cache format every forward pass stores keys and values in (None: as computed).
     """
+    reference, keep_hidden, until = options.reference, options.keep_hidden, options.until
+    if options.order is not None:
+        windows = [windows[i] for i in options.order]
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     counts = torch.zeros(len(windows) and max(w.index for w in windows) + 1, dtype=torch.long)
@@ -386,8 +379,8 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
     total = int(counts.sum())
     arrays: dict[str, torch.Tensor] = {}
     window_nll = torch.zeros(len(counts), dtype=torch.float64)
-    prefix_ids = torch.tensor(prefix, dtype=torch.long)
-    progress = Progress([], {}, counts, batch_size)
+    prefix_ids = torch.tensor(feed.prefix, dtype=torch.long)
+    progress = Progress([], {}, counts, feed.batch_size)
 
     def store(batch: list[Window], slots: torch.Tensor, host: dict[str, torch.Tensor], copied) -> None:
         if copied is not None:
@@ -413,23 +406,23 @@ def score_windows(model, ids: torch.Tensor, windows: list[Window], prefix: tuple
         bar.update(len(slots))
 
     pending = None  # the previous batch, whose results are read once this batch is queued
-    limit = len(windows) if stop_at is None else stop_at
+    limit = len(windows) if options.stop_at is None else options.stop_at
     scored = limit
     with console.bar(sum(w.n_scored for w in windows[:limit]), label or "score", "tok",
                      enabled=label is not None) as bar:
-        for b in range(0, limit, batch_size):
-            batch = windows[b : min(b + batch_size, limit)]
-            inputs = batch_inputs(ids, batch, prefix_ids, first_token)
+        for b in range(0, limit, feed.batch_size):
+            batch = windows[b : min(b + feed.batch_size, limit)]
+            inputs = batch_inputs(feed.ids, batch, prefix_ids, feed.first_token)
             input_ids, mask, row_index, columns, targets = inputs
             slots = torch.cat([torch.arange(int(offsets[w.index]), int(offsets[w.index]) + w.n_scored) for w in batch])
-            hidden = hidden_states(model, input_ids, mask, row_index, columns, kv_cache)
+            hidden = hidden_states(model, input_ids, mask, row_index, columns, options.kv_cache)
             against = None
             if reference is not None:
                 against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),
                                         reference.softcap, None if reference.nll is None else reference.nll(slots),
                                         reference.tolerance, reference.source)
             stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against,
-                                stream_tokens=len(ids))
+                                stream_tokens=len(feed.ids))
             if keep_hidden is not None:
                 stats["hidden"] = hidden
             if pending is not None:
@@ -575,12 +568,13 @@ def shard_bounds(n_windows: int, shards: int, batch_size: int) -> list[tuple[int
     return list(zip(bounds, bounds[1:]))
 
 
-def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: int):
-    """``reference`` and ``keep_hidden`` for a slice whose first scored token is token ``offset`` of the stream:
-    both address the stream's token arrays (a stored reference is read, or written, at the stream's places)."""
+def _shifted(options: ScoreOptions, offset: int) -> ScoreOptions:
+    """``options`` for a slice whose first scored token is token ``offset`` of the stream: its ``reference`` and
+    ``keep_hidden`` both address the stream's token arrays (a stored reference is read, or written, at the stream's
+    places)."""
     if not offset:
-        return reference, keep_hidden
-    whole = reference
+        return options
+    whole, keep_hidden = options.reference, options.keep_hidden
 
     def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
         return whole.states(slots + offset, inputs)
@@ -591,25 +585,24 @@ def _shifted(reference: Baseline | None, keep_hidden: Callable | None, offset: i
     def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
         keep_hidden(slots + offset, hidden)
 
+    reference = whole
     if whole is not None:
         reference = dataclasses.replace(whole, states=states, nll=nll if whole.nll is not None else None)
-    return reference, None if keep_hidden is None else keep
+    return dataclasses.replace(options, reference=reference, keep_hidden=None if keep_hidden is None else keep)
 
 
-def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
-               windows: tuple[int, int] | None = None, progress: bool = False, model_name: str = "",
-               mode: str = "sliding", reference: Baseline | None = None, keep_hidden: Callable | None = None,
-               order: np.ndarray | None = None, until: Callable[[Progress], bool] | None = None,
-               stop_at: int | None = None, kv_cache: KVCacheFormat | None = None) -> Part:
+def score_part(model, stream: TokenStream, windowing: Windowing = Windowing(), batch_size: int = 1,
+               windows: tuple[int, int] | None = None, options: ScoreOptions = ScoreOptions()) -> Part:
     """Score the windows ``windows = (first, stop)`` of the stream's plan (all of them when None).
 
     A slice is scored exactly as within the whole run: the same windows, the same context; ``combine``
-    joins the parts. ``reference`` and ``keep_hidden`` are as in ``score_windows``, at the stream's places.
-    ``order`` (a permutation of the slice's windows, numbered from 0) is the order they are scored in, and
+    joins the parts. ``options`` are as in ``score_windows``, ``reference`` and ``keep_hidden`` at the stream's
+    places; ``order`` (a permutation of the slice's windows, numbered from 0) is the order they are scored in, and
     ``until`` may stop the run after any batch, ``stop_at`` after that many windows of the order (a sample of
-    them: ``score_windows``); the figures do not depend on the order. ``kv_cache``: the key/value cache format the
-    model is scored with (``score_windows``).
+    them: ``score_windows``); the figures do not depend on the order; ``kv_cache`` is the key/value cache format the
+    model is scored with.
     """
+    window, stride, mode = windowing.window, windowing.stride, windowing.mode
     check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
     planned = plan(stream, window, stride, mode)
     first, stop = windows or (0, len(planned))
@@ -617,19 +610,14 @@ def score_part(model, stream: TokenStream, window: int = 512, stride: int = 256,
         raise ValueError(f"windows {first}..{stop} are not a slice of the plan's {len(planned)}")
     offset = sum(w.n_scored for w in planned[:first])
     mine = [dataclasses.replace(w, index=w.index - first) for w in planned[first:stop]]
-    if order is not None:
-        mine = [mine[i] for i in order]
-    reference, keep_hidden = _shifted(reference, keep_hidden, offset)
-    first_token = stream.bos_id if mode == "llama.cpp" and stream.bos != "none" else None
     device = input_device(model)
     with PeakMemory(device) as memory:
         started = time.perf_counter()
         label = None
-        if progress:
-            label = f"score {model_name or model.name_or_path}"
+        if options.progress:
+            label = f"score {options.model_name or model.name_or_path}"
             label += f" [windows {first}-{stop - 1}]" if windows else ""
-        scores = score_windows(model, stream.ids, mine, stream.prefix, batch_size, label, first_token,
-                               reference, keep_hidden, until, stop_at, kv_cache)
+        scores = score_windows(model, Feed.of(stream, mode, batch_size), mine, _shifted(options, offset), label)
         wall = time.perf_counter() - started
     return Part((first, stop), scores, wall, memory.peak_bytes, batch_size, str(device),
                 str(model.dtype).removeprefix("torch."))
@@ -690,17 +678,15 @@ def joined_samples(samples: list[WindowScores]) -> WindowScores:
     return joined
 
 
-def perplexity(model, stream: TokenStream, window: int = 512, stride: int = 256, batch_size: int = 1,
-               progress: bool = False, model_name: str = "", mode: str = "sliding", reference: Baseline | None = None,
-               keep_hidden: Callable | None = None, kv_cache: KVCacheFormat | None = None) -> PerplexityResult:
-    """Perplexity of ``model`` on ``stream`` with a sliding window of ``window`` tokens moving by ``stride``.
+def perplexity(model, stream: TokenStream, windowing: Windowing = Windowing(), batch_size: int = 1,
+               options: ScoreOptions = ScoreOptions()) -> PerplexityResult:
+    """Perplexity of ``model`` on ``stream`` with a sliding window of ``windowing.window`` tokens moving by
+    ``windowing.stride``.
 
     With the ``window`` BOS policy the BOS counts towards the window, so ``window - 1`` stream tokens fit.
-    ``mode`` selects a published convention instead (see ``plan_chunks``); ``reference`` (divergence from
-    a baseline), ``keep_hidden`` (writing a baseline reference) and ``kv_cache`` (the key/value cache's format) are
-    passed to ``score_windows``.
+    ``windowing.mode`` selects a published convention instead (see ``plan_chunks``); ``options`` (divergence from
+    a baseline, writing a baseline reference, another order, a stop) are passed to ``score_windows``.
     """
-    name = model_name or str(model.name_or_path)
-    part = score_part(model, stream, window, stride, batch_size, None, progress, name, mode, reference, keep_hidden,
-                      kv_cache=kv_cache)
-    return combine([part], stream, name, window, stride, mode)
+    name = options.model_name or str(model.name_or_path)
+    part = score_part(model, stream, windowing, batch_size, None, dataclasses.replace(options, model_name=name))
+    return combine([part], stream, name, windowing.window, windowing.stride, windowing.mode)

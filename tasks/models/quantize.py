@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.config import KERNEL_GROUP_SIZES, CorpusConfig
+from tasks.config import KERNEL_GROUP_SIZES, CalibrationConfig
 from tasks.core import console, sealed
 from tasks.core.errors import InputError
 from tasks.core.files import file_digest, publish, read_json, scratch, write_atomically
@@ -89,13 +89,15 @@ def draw_calibration(ids: torch.Tensor, samples: int, seq_len: int, seed: int, s
     return Calibration([ids[s:e].tolist() for s, e in chosen], source, corpus_digest, chosen, seq_len, seed)
 
 
-def calibration_of(model: str, corpus: CorpusConfig, samples: int, seq_len: int, seed: int,
-                   holdout_tokens: int = 0) -> Calibration:
-    """``samples`` × ``seq_len`` tokens of ``corpus`` drawn for quantizing ``model`` (``quantize``), never its first
-    ``holdout_tokens``; tokenizing is cached, so the command's check before Prefect starts costs the flow nothing."""
+def calibration_of(model: str, calibration: CalibrationConfig, holdout_tokens: int = 0) -> Calibration:
+    """``calibration.samples`` × ``seq_len`` tokens of its ``corpus`` drawn for quantizing ``model`` (``quantize``),
+    never its first ``holdout_tokens``; tokenizing is cached, so the command's check before Prefect starts costs the
+    flow nothing."""
+    corpus = calibration.corpus
     stream = cached_tokenize(corpus_text(corpus), load_tokenizer(model), bos="none", progress="tokenize calibration")
     holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
-    return draw_calibration(stream.ids, samples, seq_len, seed, corpus.source, stream.text_digest, holdout)
+    return draw_calibration(stream.ids, calibration.samples, calibration.seq_len, calibration.seed, corpus.source,
+                            stream.text_digest, holdout)
 
 
 def check_disjoint(manifest: dict, corpus_digest: str, evaluated: tuple[int, int], name: str) -> None:
@@ -195,14 +197,24 @@ def _layer_progress(quantizer, label: str, enabled: bool) -> Iterator[None]:
                 hook.remove()
 
 
-def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, calibration: Calibration,
-             out: Path, name: str | None = None, progress: bool = False) -> dict:
+@dataclass(frozen=True)
+class Scheme:
+    """How gptqmodel quantizes: ``method`` (``gptq`` or ``awq``), ``bits``, columns per group (``group_size``, which
+    must divide the layers' widths; -1: per channel), symmetric or not (``sym``)."""
+
+    method: str
+    bits: int
+    group_size: int
+    sym: bool
+
+
+def quantize(model: str, scheme: Scheme, calibration: Calibration, out: Path, name: str | None = None,
+             progress: bool = False) -> dict:
     """Quantize ``model`` with gptqmodel and save it to ``out`` with its manifest.
 
     Args:
         model: baseline folder (or ``embedded``).
-        method: ``gptq`` or ``awq``.
-        bits, group_size, sym: the quantization scheme (``group_size`` must divide the layers' widths).
+        scheme: the method and how it quantizes.
         calibration: samples drawn by ``draw_calibration``.
         out: folder for the checkpoint.
         name: the variant's name, recorded for audits triggered by this checkpoint's event.
@@ -214,6 +226,8 @@ def quantize(model: str, method: str, bits: int, group_size: int, sym: bool, cal
     """
     _prepare_gptqmodel()
     from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
+
+    method, bits, group_size, sym = scheme.method, scheme.bits, scheme.group_size, scheme.sym
 
     source = str(model_files(resolve_model_path(model), fetch=True))  # gptqmodel and the digest read its files
     device = "cuda" if torch.cuda.is_available() else "cpu"

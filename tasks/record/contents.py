@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import uuid
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,16 +61,29 @@ def arrays_file(outcome: VariantResult) -> str | None:
     return f"{outcome.name}.parquet" if outcome.result is not None else None
 
 
-def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
-                 results: list[VariantResult], started: datetime, where: dict[str, dict],
-                 diagnoses: dict[str, dict] | None = None, scheduled: bool = False) -> dict:
-    """An audit's record: everything it computed but the per-token arrays (``token_arrays``).
+@dataclass(frozen=True)
+class Started:
+    """When an audit began (``at``; its record's ``created``, when it ended, is taken as the record is made), and
+    whether Prefect's schedule started it (``ppl-audit compare`` says what moved from one scheduled run to the next)."""
 
-    ``started`` is when the audit began; ``created`` (now) is when it ended. ``where``: by variant, where in the
-    text it loses (``tasks.audit.where.where_of``), for the variants it was found for. ``diagnoses``: by variant,
-    the diagnosis the audit asked for (``diagnose``), or its ``problem``. ``scheduled``: Prefect's schedule started
-    it (``ppl-audit compare`` says what moved from one scheduled run to the next).
-    """
+    at: datetime
+    scheduled: bool = False
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What an audit found beyond its figures, by variant: where in the text it loses (``where``,
+    ``tasks.audit.where.where_of``), for the variants it was found for, and the diagnosis the audit asked for
+    (``diagnoses``, ``diagnose``), or its ``problem``."""
+
+    where: dict[str, dict] = field(default_factory=dict)
+    diagnoses: dict[str, dict] = field(default_factory=dict)
+
+
+def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
+                 results: list[VariantResult], started: Started, findings: Findings = Findings()) -> dict:
+    """An audit's record: everything it computed but the per-token arrays (``token_arrays``)."""
+    where, diagnoses = findings.where, findings.diagnoses
     created = datetime.now(timezone.utc)
     verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
     variants = []
@@ -90,15 +104,15 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
             entry["sequential"] = outcome.sequential
         if outcome.name in where:
             entry["where"] = where[outcome.name]
-        if outcome.name in (diagnoses or {}):
+        if outcome.name in diagnoses:
             entry["diagnosis"] = diagnoses[outcome.name]
         if entry["role"] == "baseline":
             entry["reference"] = outcome.reference
         variants.append(entry)
     stream = scored.stream
     return {
-        "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.isoformat(), "created": created.isoformat(),
-        "scheduled": scheduled,
+        "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.at.isoformat(),
+        "created": created.isoformat(), "scheduled": started.scheduled,
         "config": config.model_dump(mode="json"), "config_path": str(config_path),
         "config_text": Path(config_path).read_text() if Path(config_path).is_file() else "",
         "corpus": {"source": config.corpus.source, "location": corpus_location(config.corpus.source),

@@ -269,7 +269,6 @@ def _delete_partial(client, experiment_id: str, audit_id: str) -> str | None:
 def replay(folder: Path, uri: str | None = None, experiment: str | None = None) -> str:
     """Log a spooled audit record to MLflow; returns the parent run id. Raises if the server fails, leaving the
     parent run it made FAILED."""
-    import pandas as pd
     from mlflow import MlflowClient
 
     from tasks.record import plots
@@ -281,9 +280,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     done = _delete_partial(client, experiment_id, record["audit_id"])
     if done:
         return done
-    timestamp = _ms(pd.Timestamp(record["created"]).timestamp())
-    # the audit's own start and end, not the replay's (records from before "started" keep the end only)
-    started = _ms(pd.Timestamp(record.get("started", record["created"])).timestamp())
+    started, timestamp = _span(record)
     verdict = record["verdict"]
     dataset = _dataset_input(record)
     parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {said_as(verdict['status']).upper()}",
@@ -293,7 +290,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
                                      "mlflow.runColor": plots.COLOURS[verdict["status"]],
                                      **_baseline_tags(record)}).info.run_id
     try:
-        _log_children(client, experiment_id, parent, record, folder, dataset, started, timestamp)
+        _log_children(client, experiment_id, parent, record, folder, dataset)
     except BaseException:
         # else it stays RUNNING in the UI for good; the next replay deletes it (``_delete_partial``) and logs it whole
         with suppress(Exception):
@@ -304,8 +301,16 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     return parent
 
 
-def _log_children(client, experiment_id: str, parent: str, record: dict, folder: Path, dataset, started: int,
-                  timestamp: int) -> None:
+def _span(record: dict) -> tuple[int, int]:
+    """When the audit started and ended, in ms: its own, not the replay's (records from before "started" keep the end
+    only)."""
+    import pandas as pd
+
+    return (_ms(pd.Timestamp(record.get("started", record["created"])).timestamp()),
+            _ms(pd.Timestamp(record["created"]).timestamp()))
+
+
+def _log_children(client, experiment_id: str, parent: str, record: dict, folder: Path, dataset) -> None:
     """Everything of a replayed audit but its parent run: the parent's figures and artifacts, a run per model, history."""
     import pandas as pd
     from mlflow.entities import RunTag
@@ -314,6 +319,7 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
     from tasks.record.diagnosis import log_run
     from tasks.record.report import html_report
 
+    started, timestamp = _span(record)
     _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
     _log_dataset(client, parent, dataset)
     client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")

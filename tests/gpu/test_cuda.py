@@ -14,6 +14,7 @@ import torch
 from tasks.data.corpus import tokenize
 from tasks.engine.memory import PeakMemory
 from tasks.engine.perplexity import _chunk_rows, head_chunk_bytes, perplexity, score_windows
+from tasks.engine.scoring_options import Feed, ScoreOptions, Windowing
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import plan_windows
 
@@ -57,7 +58,7 @@ def test_bf16_result_does_not_depend_on_batch_size(bf16_model, tokenizer, text):
     rounding; the corpus figure, a float64 sum over thousands of tokens, must not move beyond that.
     """
     stream = tokenize(text, tokenizer, bos="stream", max_tokens=5000)
-    results = {b: perplexity(bf16_model, stream, window=256, stride=96, batch_size=b) for b in (1, 4, 16)}
+    results = {b: perplexity(bf16_model, stream, Windowing(window=256, stride=96), batch_size=b) for b in (1, 4, 16)}
     assert len({r.n_tokens for r in results.values()}) == 1
     assert results[1].device.startswith("cuda") and results[1].dtype == "bfloat16"
     for b in (4, 16):
@@ -65,7 +66,7 @@ def test_bf16_result_does_not_depend_on_batch_size(bf16_model, tokenizer, text):
         token_gap = abs(torch.from_numpy(results[b].token_nll) - torch.from_numpy(results[1].token_nll))
         assert float(token_gap.mean()) < 0.02, b
     # and a float64 run of the same weights: bf16 is near it, and its error is the same at every batch size
-    exact = perplexity(bf16_model.to(torch.float64), stream, window=256, stride=96, batch_size=4)
+    exact = perplexity(bf16_model.to(torch.float64), stream, Windowing(window=256, stride=96), batch_size=4)
     bf16_model.to(torch.bfloat16)
     assert results[1].mean_nll == pytest.approx(exact.mean_nll, rel=1e-2)
 
@@ -81,7 +82,7 @@ def test_head_chunks_bound_memory_at_a_128k_vocabulary():
     with PeakMemory(CUDA) as body, torch.inference_mode():
         model.base_model(input_ids=inputs, use_cache=False)
     with PeakMemory(CUDA) as engine:
-        perplexity(model, stream, window, stride, batch_size=batch)
+        perplexity(model, stream, Windowing(window, stride), batch_size=batch)
     body_growth, engine_growth = body.peak_bytes - idle.peak_bytes, engine.peak_bytes - idle.peak_bytes
     full_logits = batch * window * 128_256 * 4
     chunk = _chunk_rows(model.get_output_embeddings(), head_chunk_bytes(CUDA)) * 128_256 * 4  # float32-sized
@@ -107,12 +108,12 @@ def test_out_of_memory_halves_the_batch_size(tmp_path, monkeypatch):
                        tie_word_embeddings=False)
     window, stride = 2048, 1024
     stream = random_stream(128_256, window + 15 * stride)
-    reference = perplexity(model, stream, window, stride, batch_size=2)
+    reference = perplexity(model, stream, Windowing(window, stride), batch_size=2)
     torch.cuda.empty_cache()
     with PeakMemory(CUDA) as two:
-        perplexity(model, stream, window, stride, batch_size=2)
+        perplexity(model, stream, Windowing(window, stride), batch_size=2)
     with PeakMemory(CUDA) as sixteen:
-        perplexity(model, stream, window, stride, batch_size=16)
+        perplexity(model, stream, Windowing(window, stride), batch_size=16)
     torch.cuda.empty_cache()
     held = torch.cuda.memory_allocated(CUDA)
     total = torch.cuda.get_device_properties(CUDA).total_memory
@@ -121,7 +122,7 @@ def test_out_of_memory_halves_the_batch_size(tmp_path, monkeypatch):
     torch.cuda.set_per_process_memory_fraction((held + room) / total, CUDA)
     try:
         with pytest.raises(torch.OutOfMemoryError):
-            perplexity(model, stream, window, stride, batch_size=16)
+            perplexity(model, stream, Windowing(window, stride), batch_size=16)
         torch.cuda.empty_cache()
         evaluation = Evaluation(stream, "", (0, len(stream.ids)), EvaluationConfig(window=window, stride=stride, batch_size=16))
         result = perplexity_with_backoff(model, evaluation, "random", progress=False)
@@ -145,9 +146,9 @@ def test_copies_are_pinned_and_results_complete():
                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
     stream = random_stream(1000, 3000)
     windows = plan_windows(len(stream.ids), 256, 128)
-    score_windows(model, stream.ids, windows[:2], batch_size=2)  # warm-up: kernels, handles
+    score_windows(model, Feed(stream.ids, batch_size=2), windows[:2])  # warm-up: kernels, handles
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        scores = score_windows(model, stream.ids, windows, batch_size=3)
+        scores = score_windows(model, Feed(stream.ids, batch_size=3), windows)
     names = [event.name for event in prof.events()]
     copies = [name for name in names if name.startswith("Memcpy")]
     assert any("Pinned -> Device" in name for name in copies), copies
@@ -156,7 +157,7 @@ def test_copies_are_pinned_and_results_complete():
     assert int(scores.window_tokens.sum()) == len(stream.ids) - 1
     assert torch.isfinite(scores.token_nll).all() and bool((scores.token_nll > 0).all())
     assert math.isclose(float(scores.window_nll.sum()), float(scores.token_nll.double().sum()), rel_tol=1e-6)
-    plain = score_windows(model, stream.ids, windows, batch_size=1)
+    plain = score_windows(model, Feed(stream.ids, batch_size=1), windows)
     assert float(plain.window_nll.sum()) == pytest.approx(float(scores.window_nll.sum()), rel=2e-3)
 
 
@@ -186,9 +187,10 @@ def test_a_quantized_kv_cache_on_cuda_rounds_as_on_the_cpu_and_scores_near_it(bf
     torch.testing.assert_close(form.round_trip(keys.to(CUDA)).cpu(), form.round_trip(keys), rtol=0, atol=0)
     stream = tokenize(text, tokenizer, bos="stream", max_tokens=3000)
     try:
-        on_gpu = perplexity(bf16_model, stream, window=256, stride=96, batch_size=4, kv_cache=form)
-        on_cpu = perplexity(bf16_model.to("cpu", torch.float32), stream, window=256, stride=96, batch_size=4,
-                            kv_cache=form)
+        on_gpu = perplexity(bf16_model, stream, Windowing(window=256, stride=96), batch_size=4,
+                            options=ScoreOptions(kv_cache=form))
+        on_cpu = perplexity(bf16_model.to("cpu", torch.float32), stream, Windowing(window=256, stride=96),
+                            batch_size=4, options=ScoreOptions(kv_cache=form))
     finally:
         bf16_model.to(CUDA, torch.bfloat16)
     assert on_gpu.device.startswith("cuda") and on_gpu.mean_nll == pytest.approx(on_cpu.mean_nll, rel=1e-2)
@@ -203,10 +205,10 @@ def test_a_faster_body_scores_as_the_eager_one_within_bf16_noise(tokenizer, text
     shape = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.1)
     stream = tokenize(text, tokenizer, bos="stream", max_tokens=4000)
-    eager = perplexity(cuda_llama(**shape), stream, window=256, stride=128, batch_size=8)
+    eager = perplexity(cuda_llama(**shape), stream, Windowing(window=256, stride=128), batch_size=8)
     model = cuda_llama(**shape)
     speed_up(model, body)
-    fast = perplexity(model, stream, window=256, stride=128, batch_size=8)
+    fast = perplexity(model, stream, Windowing(window=256, stride=128), batch_size=8)
     assert fast.n_tokens == eager.n_tokens
     assert fast.mean_nll == pytest.approx(eager.mean_nll, rel=2e-3, abs=0)
     # single tokens move by bf16 rounding: 0.032-0.035 nats on average on an H200 (2026-11-26)

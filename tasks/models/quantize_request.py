@@ -1,0 +1,93 @@
+"""One gptq/awq checkpoint to make (``ppl-audit quantize``, or a run of the quantize deployment), as one value made
+and checked once: ``QuantizeRequest``, opened by ``open_quantize``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from tasks.config import (
+    DEFAULT_BITS,
+    DEFAULT_GROUP_SIZE,
+    QUANTIZED_BY_US,
+    CalibrationConfig,
+    Strict,
+    check_group_size,
+    check_name,
+)
+from tasks.core.errors import InputError
+from tasks.models.quantize import Scheme, calibration_of, check_destination, check_group_fits, check_quantizable
+
+
+class QuantizeRequest(Strict):
+    """A checkpoint to make with gptqmodel: from what, how, calibrated on what, and where it goes. A flow parameter:
+    Prefect shows its fields in its UI and takes them as a deployment's parameters.
+
+    Attributes:
+        model: the baseline's folder, Hub id, or ``embedded``.
+        method, bits, group_size, sym: the scheme (``scheme``); ``group_size`` -1: per channel.
+        calibration: the corpus (required) and the samples drawn from it.
+        holdout_tokens: never calibrate on the first N tokens of the calibration corpus (what an audit
+            with ``max_tokens: N`` on the same corpus scores).
+        out: the checkpoint's folder, new or empty.
+        name: the variant's name in audits of this checkpoint (it picks the gate); recorded in the
+            manifest and sent with the event.
+    """
+
+    model: str
+    method: str
+    out: str
+    calibration: CalibrationConfig
+    bits: Literal[2, 3, 4, 8] = DEFAULT_BITS
+    group_size: int = DEFAULT_GROUP_SIZE
+    sym: bool = True
+    holdout_tokens: int = Field(0, ge=0)
+    name: str | None = None
+    # set by ``open_quantize`` alone, never from a flow run's parameters: whether this machine checked it already
+    _opened: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _calibrated_on_a_corpus(self) -> QuantizeRequest:
+        if self.calibration.corpus is None:
+            raise ValueError("calibration.corpus: give the corpus to calibrate on (same forms as a corpus source)")
+        return self
+
+    @property
+    def scheme(self) -> Scheme:
+        return Scheme(self.method, self.bits, self.group_size, self.sym)
+
+    @property
+    def opened(self) -> bool:
+        return self._opened
+
+
+def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
+    """``request`` checked on this machine before anything loads, or one line saying which argument to change
+    (``InputError``); the request returned is ``opened``: its ``out`` the checkpoint's folder, new or empty.
+
+    ``ppl-audit quantize`` opens its request before Prefect starts; the flow opens one it was handed unopened (a run
+    of the deployment, whose parameters came through the API).
+    """
+    if request.method not in QUANTIZED_BY_US:
+        raise InputError(f"method {request.method} cannot be quantized here; use gptq or awq")
+    check_name(request.name)
+    check_quantizable(request.model)
+    try:
+        check_group_size(request.method, request.group_size)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    check_group_fits(request.model, request.method, request.group_size)
+    folder = Path(request.out)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"output folder {folder} is a file; give a new folder")
+    if folder.exists() and any(folder.iterdir()):
+        raise InputError(f"output folder {folder} is not empty; give a new folder")
+    check_destination(folder)
+    # drawing the calibration (cached tokens, so the flow's own draw costs nothing more) refuses a corpus without
+    # room for the samples
+    calibration_of(request.model, request.calibration, request.holdout_tokens)
+    opened = request.model_copy(update={"out": str(folder)})
+    opened._opened = True
+    return opened
