@@ -83,6 +83,7 @@ def make_models(folder: Path) -> None:
 
     from tasks.data.corpus import tokenize
     from tasks.models.quantize import Scheme, draw_calibration, quantize
+    from tasks.models.resolve import load_tokenizer, locate_model
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "corpus.txt").write_text(make_text(20000, seed=3))
@@ -93,7 +94,8 @@ def make_models(folder: Path) -> None:
     stream = tokenize(make_text(8000, seed=4), tokenizer)  # calibration: text the corpus does not hold
     calibration = draw_calibration(stream.ids, 32, 128, 0, "make_text(8000, seed=4)", stream.text_digest)
     for method in ("gptq", "awq"):
-        quantize(str(folder / "float"), Scheme(method, 4, 64, True), calibration, folder / method)
+        quantize(locate_model(str(folder / "float")), Scheme(method, 4, 64, True), calibration, folder / method,
+                 load_tokenizer(str(folder / "float")))
     for scheme in ("W4A16", "W8A8", "FP8_DYNAMIC"):
         make_compressed(folder / "float", folder / scheme.lower(), scheme)
     block_fp8(folder / "float", folder / "fp8")

@@ -104,8 +104,9 @@ def make(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> Che
 def quantize_model(request: QuantizeRequest) -> dict:
     """Make the gptq/awq checkpoint ``request`` asks for, calibrated on ``samples`` × ``seq_len`` tokens of its
     calibration corpus (never its first ``holdout_tokens``); returns its manifest."""
-    drawn = calibration_of(request.model, request.calibration, request.holdout_tokens)
-    return quantize(request.model, request.scheme, drawn, Path(request.out), name=request.name, progress=True)
+    model, tokenizer = request.found
+    drawn = calibration_of(tokenizer, request.calibration, request.holdout_tokens)
+    return quantize(model, request.scheme, drawn, Path(request.out), tokenizer, name=request.name, progress=True)
 
 
 @task(cache_policy=NO_CACHE)

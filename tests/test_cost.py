@@ -130,11 +130,13 @@ def test_gptq_and_awq_checkpoints_cost_their_files_layout(trained_model_dir, cor
     from tasks.audit.plan import open_audit
     from tasks.core.errors import InputError
     from tasks.models.quantize import Scheme, draw_calibration, quantize
+    from tasks.models.resolve import load_tokenizer, locate_model
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / method
-    quantize(str(trained_model_dir), Scheme(method, 4, 32, True),
-             draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), out)
+    quantize(locate_model(str(trained_model_dir)), Scheme(method, 4, 32, True),
+             draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), out,
+             load_tokenizer(str(trained_model_dir)))
     _, facts = load_variant(VariantSpec(name=method, method=method, path=str(out)), str(out))
     index = 32 if method == "gptq" else 0
     want = bits_of(linear_shapes(trained_model_dir),

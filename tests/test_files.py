@@ -130,9 +130,11 @@ def test_a_killed_quantization_leaves_nothing_in_tmp_and_its_scratch_goes_next_t
         "import sys, torch\n"
         "from pathlib import Path\n"
         "from tasks.models.quantize import Scheme, draw_calibration, quantize\n"
+        "from tasks.models.resolve import load_tokenizer, locate_model\n"
         "ids = torch.randint(0, 300, (64 * 256,))\n"
         "drawn = draw_calibration(ids, 64, 256, 0, 'random', 'none')\n"
-        "quantize(sys.argv[1], Scheme('gptq', 4, 32, True), drawn, Path(sys.argv[2]))\n"
+        "quantize(locate_model(sys.argv[1]), Scheme('gptq', 4, 32, True), drawn, Path(sys.argv[2]), "
+        "load_tokenizer(sys.argv[1]))\n"
     )
     env = {**os.environ, "TMPDIR": str(tmp), "PPL_AUDIT_CACHE": str(cache)}
     process = subprocess.Popen([sys.executable, "-c", script, str(trained_model_dir), str(tmp_path / "out")], env=env,

@@ -371,6 +371,7 @@ def test_quantizing_that_nobody_waits_for_stops_at_the_next_layer_and_leaves_not
     from tasks.core.errors import Abandoned
     from tasks.engine.abandon import asking
     from tasks.models.quantize import Scheme, draw_calibration, quantize
+    from tasks.models.resolve import load_tokenizer, locate_model
 
     monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
     asked = []
@@ -380,8 +381,9 @@ def test_quantizing_that_nobody_waits_for_stops_at_the_next_layer_and_leaves_not
         return "nobody waits" if len(asked) == 2 else None
 
     with asking(why), pytest.raises(Abandoned, match="nobody waits"):
-        quantize(str(trained_model_dir), Scheme("gptq", 4, 32, True),
-                 draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), tmp_path / "out")
+        quantize(locate_model(str(trained_model_dir)), Scheme("gptq", 4, 32, True),
+                 draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), tmp_path / "out",
+                 load_tokenizer(str(trained_model_dir)))
     assert len(asked) == 2
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
     assert not any((tmp_path / "cache" / "scratch").iterdir())

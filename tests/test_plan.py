@@ -3,10 +3,12 @@ each of its models once."""
 
 from __future__ import annotations
 
+import ast
 import sys
 import threading
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 
 from helpers import write_config
 
@@ -49,3 +51,32 @@ def test_an_audit_finds_each_model_once(tmp_path, cache, trained_model_dir, nois
     assert "verdict:" in capsys.readouterr().out
     # two models with files of their own (the baseline and `noisy`); `int8` is the baseline's, quantized as it loads
     assert dict(calls) == {"load_audit_config": 1, "resolve_model_path": 2, "read_config": 2, "read_tokenizer": 2}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+FINDERS = {"resolve_model_path", "read_config", "read_tokenizer", "load_config", "load_tokenizer", "locate_model"}
+# where a name may become a model: the lineup (an audit's models), the quantize command's request (its one model),
+# a name a tool or a test gives the loader (``as_located``; an audit hands it what the lineup found), and resolve.py
+FINDING = {"tasks/audit/checkpoints.py", "tasks/models/quantize_request.py", "tasks/models/loading.py",
+           "tasks/models/resolve.py"}
+
+
+def called(names: set[str]) -> dict[str, set[str]]:
+    """``{module: the names of ``names`` it calls}`` over flows/ and tasks/ (``Located.at`` counts as ``at``)."""
+    found = {}
+    for path in sorted([*ROOT.glob("flows/**/*.py"), *ROOT.glob("tasks/**/*.py")]):
+        calls = {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+                 and isinstance(node.func, (ast.Name, ast.Attribute))}
+        if calls & names:
+            found[str(path.relative_to(ROOT))] = calls & names
+    return found
+
+
+def test_only_the_lineup_finds_a_model_and_only_open_audit_reads_a_config():
+    """Before: ``resolve_model_path`` was called in 6 modules, ``load_config`` in 9, ``load_audit_config`` in 8."""
+    assert set(called(FINDERS | {"at"})) <= FINDING, called(FINDERS | {"at"})
+    assert set(called({"load_audit_config"})) == {"tasks/audit/plan.py"}, called({"load_audit_config"})
+    assert set(called({"open_audit"})) == {"tasks/steps.py", "flows/commands/audit.py",
+                                           "flows/commands/serve.py", "flows/commands/diagnose.py",
+                                           "flows/commands/reference.py", "flows/commands/compare.py"}

@@ -22,6 +22,7 @@ from helpers import free_port, make_text, place_prefect_database, wait_for, writ
 
 from tasks.data.corpus import tokenize
 from tasks.models.quantize import Scheme, draw_calibration, quantize
+from tasks.models.resolve import load_tokenizer, locate_model
 
 pytestmark = pytest.mark.slow  # quick tier: pytest -m "not slow"
 
@@ -60,7 +61,8 @@ def gptq_checkpoint(tmp_path, trained_model_dir, tokenizer) -> Path:
     """A GPTQ 4-bit g32 checkpoint in a folder whose name says nothing of it (as in a job's cache)."""
     ids = tokenize(make_text(2000, seed=5), tokenizer, bos="none").ids
     out = tmp_path / "quantized" / "job-14968c37b68748e0"
-    quantize(str(trained_model_dir), Scheme("gptq", 4, 32, True), draw_calibration(ids, 4, 64, 0, "other", "x"), out)
+    quantize(locate_model(str(trained_model_dir)), Scheme("gptq", 4, 32, True),
+             draw_calibration(ids, 4, 64, 0, "other", "x"), out, load_tokenizer(str(trained_model_dir)))
     return out
 
 

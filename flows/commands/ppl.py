@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         check_window(settings.window, max_positions((checkpoint.model or lineup.baseline.model).config))
     if spec.quantize_here:  # made from --model here: a group size no kernel could score is refused now
         try:
-            check_group_fits(args.model, spec.method, spec.quantization[1])
+            check_group_fits(lineup.baseline.model, spec.method, spec.quantization[1])
         except InputError as error:
             raise InputError(f"--method {spec.method} quantizes {args.model} here: {error} in --variant "
                              f"'{{name: {spec.method}, method: {spec.method}, group_size: N}}'; to measure a "

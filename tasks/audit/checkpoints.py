@@ -93,8 +93,8 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
 def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> Checkpoint:
     if spec.quantize_here:
         try:  # a served run's variants are not preflighted: refused here, before hours of quantizing
-            check_quantizable(baseline.source)
-            check_group_fits(baseline.source, spec.method, spec.quantization[1])
+            check_quantizable(baseline.model)
+            check_group_fits(baseline.model, spec.method, spec.quantization[1])
         except InputError as error:
             return Checkpoint(spec, "variant", problem=one_line(error))
         return Checkpoint(spec, "variant")
@@ -180,8 +180,8 @@ def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluat
         if out.exists():  # a folder without its manifest is not a checkpoint: made again
             discard(out)
         try:
-            quantize(baseline, Scheme(spec.method, bits, group_size, sym), calibration, out, name=spec.name,
-                     progress=progress)
+            quantize(lineup.baseline.model, Scheme(spec.method, bits, group_size, sym), calibration, out,
+                     lineup.tokenizer, name=spec.name, progress=progress)
         except FileExistsError:  # another audit made the same one meanwhile
             if read_manifest(str(out)) is None:
                 raise

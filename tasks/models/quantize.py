@@ -31,7 +31,7 @@ from tasks.engine import abandon
 from tasks.models.formats import import_package
 from tasks.models.loading import WEIGHT_SUFFIXES
 from tasks.models.patches import clip_search_by_matmul, logs_in
-from tasks.models.resolve import load_config, load_tokenizer, model_files, resolve_model_path
+from tasks.models.resolve import Located, model_files
 
 MANIFEST = "ppl-audit.json"
 
@@ -89,12 +89,12 @@ def draw_calibration(ids: torch.Tensor, samples: int, seq_len: int, seed: int, s
     return Calibration([ids[s:e].tolist() for s, e in chosen], source, corpus_digest, chosen, seq_len, seed)
 
 
-def calibration_of(model: str, calibration: CalibrationConfig, holdout_tokens: int = 0) -> Calibration:
-    """``calibration.samples`` × ``seq_len`` tokens of its ``corpus`` drawn for quantizing ``model`` (``quantize``),
-    never its first ``holdout_tokens``; tokenizing is cached, so the command's check before Prefect starts costs the
-    flow nothing."""
+def calibration_of(tokenizer, calibration: CalibrationConfig, holdout_tokens: int = 0) -> Calibration:
+    """``calibration.samples`` × ``seq_len`` tokens of its ``corpus`` drawn for quantizing a model of ``tokenizer``
+    (``quantize``), never its first ``holdout_tokens``; tokenizing is cached, so the command's check before Prefect
+    starts costs the flow nothing."""
     corpus = calibration.corpus
-    stream = cached_tokenize(corpus_text(corpus), load_tokenizer(model), bos="none", progress="tokenize calibration")
+    stream = cached_tokenize(corpus_text(corpus), tokenizer, bos="none", progress="tokenize calibration")
     holdout = (0, holdout_tokens) if holdout_tokens > 0 else None
     return draw_calibration(stream.ids, calibration.samples, calibration.seq_len, calibration.seed, corpus.source,
                             stream.text_digest, holdout)
@@ -208,8 +208,8 @@ class Scheme:
     sym: bool
 
 
-def quantize(model: str, scheme: Scheme, calibration: Calibration, out: Path, name: str | None = None,
-             progress: bool = False) -> dict:
+def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path, tokenizer,
+             name: str | None = None, progress: bool = False) -> dict:
     """Quantize ``model`` with gptqmodel and save it to ``out`` with its manifest.
 
     Args:
@@ -229,9 +229,8 @@ def quantize(model: str, scheme: Scheme, calibration: Calibration, out: Path, na
 
     method, bits, group_size, sym = scheme.method, scheme.bits, scheme.group_size, scheme.sym
 
-    source = str(model_files(resolve_model_path(model), fetch=True))  # gptqmodel and the digest read its files
+    source = str(model_files(model.source, fetch=True))  # gptqmodel and the digest read its files
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = load_tokenizer(source)
     started = time.perf_counter()
     # ours, so that a killed run's offloaded layers are removed next time (gptqmodel's own go to /tmp for good);
     # the checkpoint is made beside `out` (one rename away) and appears there whole, with its manifest, or not at all
@@ -254,7 +253,7 @@ def quantize(model: str, scheme: Scheme, calibration: Calibration, out: Path, na
             tokenizer.save_pretrained(made)
             manifest = {
                 "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
-                "source_model": model, "source_model_digest": model_digest(source),
+                "source_model": model.name, "source_model_digest": model_digest(source),
                 "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
                 "device": device, "seconds": round(time.perf_counter() - started, 2),
                 # what loading it reads, to be checked when a cached one is reused (``checkpoint_damage``)
@@ -274,26 +273,25 @@ def _partials(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
-def check_quantizable(model: str) -> None:
+def check_quantizable(model: Located) -> None:
     """Refuse a GGUF file as the model gptq or awq is made from, in one line before anything loads: gptqmodel
     quantizes a Hugging Face checkpoint; given a GGUF file it fails after the baseline is scored, and swaps the
     ``gguf`` module under transformers for its own, so that every GGUF model loaded in that process afterwards
     fails too."""
-    if resolve_model_path(model).endswith(".gguf"):
-        raise InputError(f"{model} is a GGUF file; gptq and awq are made from a Hugging Face checkpoint (a folder "
+    if model.source.endswith(".gguf"):
+        raise InputError(f"{model.name} is a GGUF file; gptq and awq are made from a Hugging Face checkpoint (a folder "
                          "with config.json, or a Hub id): give that model, or a gptq/awq checkpoint's path")
 
 
-def quantized_widths(model: str) -> list[int] | None:
+def quantized_widths(model: Located) -> list[int] | None:
     """The input widths of the linear layers gptqmodel quantizes in ``model``'s decoder layers (attention's inputs,
     its output projection's, the MLP's up and down projections'), from its config alone; None for a model whose
     config is not on this machine (a Hub id not fetched)."""
     from tasks.engine.kv_cache import head_dim
 
-    source = resolve_model_path(model)
-    if not (Path(source) / "config.json").is_file():
+    if not (Path(model.source) / "config.json").is_file():
         return None
-    config = load_config(source).get_text_config()
+    config = model.config.get_text_config()
     try:
         widths = {config.hidden_size, config.num_attention_heads * head_dim(config)}
     except AttributeError:  # not a decoder whose config names these: gptqmodel's own checks are all there is
@@ -302,7 +300,7 @@ def quantized_widths(model: str) -> list[int] | None:
     return sorted(widths | {getattr(config, key) for key in mlp if isinstance(getattr(config, key, None), int)})
 
 
-def check_group_fits(model: str, method: str, group_size: int) -> None:
+def check_group_fits(model: Located, method: str, group_size: int) -> None:
     """Refuse a group size that does not divide the input width of every linear layer gptq/awq quantizes, before
     anything loads: gptqmodel quantizes and saves such a checkpoint, and no kernel can then score it
     (``_weight_int4pack_mm_cpu: expect K to be divisible by qGroupSize``)."""
@@ -310,7 +308,7 @@ def check_group_fits(model: str, method: str, group_size: int) -> None:
     if not widths or all(width % group_size == 0 for width in widths):
         return
     fits = [size for size in KERNEL_GROUP_SIZES[method] if size < 0 or all(width % size == 0 for width in widths)]
-    raise InputError(f"group_size {group_size} does not divide the input widths of {model}'s layers "
+    raise InputError(f"group_size {group_size} does not divide the input widths of {model.name}'s layers "
                      f"({', '.join(map(str, widths))}); use one of {', '.join(map(str, fits))} (-1: per channel)")
 
 

@@ -19,6 +19,7 @@ from tasks.config import (
 )
 from tasks.core.errors import InputError
 from tasks.models.quantize import Scheme, calibration_of, check_destination, check_group_fits, check_quantizable
+from tasks.models.resolve import Located, locate_model, read_tokenizer
 
 
 class QuantizeRequest(Strict):
@@ -45,8 +46,9 @@ class QuantizeRequest(Strict):
     sym: bool = True
     holdout_tokens: int = Field(0, ge=0)
     name: str | None = None
-    # set by ``open_quantize`` alone, never from a flow run's parameters: whether this machine checked it already
-    _opened: bool = PrivateAttr(False)
+    # set by ``open_quantize`` alone, never from a flow run's parameters: the model as this machine found it (once),
+    # and its tokenizer; None: not checked here yet
+    _found: tuple[Located, object] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _calibrated_on_a_corpus(self) -> QuantizeRequest:
@@ -60,7 +62,14 @@ class QuantizeRequest(Strict):
 
     @property
     def opened(self) -> bool:
-        return self._opened
+        return self._found is not None
+
+    @property
+    def found(self) -> tuple[Located, object]:
+        """The model, found once by ``open_quantize``, and its tokenizer."""
+        if self._found is None:
+            raise RuntimeError("open_quantize(request) first: it finds the model once")
+        return self._found
 
 
 def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
@@ -73,12 +82,13 @@ def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
     if request.method not in QUANTIZED_BY_US:
         raise InputError(f"method {request.method} cannot be quantized here; use gptq or awq")
     check_name(request.name)
-    check_quantizable(request.model)
+    model = locate_model(request.model)  # the one place the quantize command finds its model
+    check_quantizable(model)
     try:
         check_group_size(request.method, request.group_size)
     except ValueError as error:
         raise InputError(str(error)) from None
-    check_group_fits(request.model, request.method, request.group_size)
+    check_group_fits(model, request.method, request.group_size)
     folder = Path(request.out)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"output folder {folder} is a file; give a new folder")
@@ -87,7 +97,8 @@ def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
     check_destination(folder)
     # drawing the calibration (cached tokens, so the flow's own draw costs nothing more) refuses a corpus without
     # room for the samples
-    calibration_of(request.model, request.calibration, request.holdout_tokens)
+    tokenizer = read_tokenizer(model.source, request.model)
+    calibration_of(tokenizer, request.calibration, request.holdout_tokens)
     opened = request.model_copy(update={"out": str(folder)})
-    opened._opened = True
+    opened._found = (model, tokenizer)
     return opened

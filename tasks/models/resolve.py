@@ -118,16 +118,18 @@ class Located:
         config: its transformers config (for a GGUF file, made from the file's header).
         files: its files on the machine that found it (the folder, the file, a Hub id's snapshot in the cache), else
             None. A worker that loads it looks again (``model_files``): a Hub snapshot may be fetched there.
+        name: what the user called it (``embedded``, a Hub id, a path as written): what messages and manifests say.
     """
 
     source: str
     config: object
     files: Path | None
+    name: str
 
     @classmethod
     def at(cls, source: str, name: str | None = None) -> Located:
-        """``source`` (already resolved) read: its config and where its files are; ``name`` is what errors call it."""
-        return cls(source, read_config(source, name or source), model_files(source))
+        """``source`` (already resolved) read: its config and where its files are; ``name`` is what the user called it."""
+        return cls(source, read_config(source, name or source), model_files(source), name or source)
 
 
 def locate_model(name: str, registry: str | None = None) -> Located:
