@@ -8,7 +8,7 @@ from prefect import flow
 from tasks.audit.preflight import preflight
 from tasks.config import load_audit_config
 from tasks.record.results import VariantResult
-from tasks.steps import prepare_models, read_corpus, score, tokenize_corpus
+from tasks.steps import prepare_models, read_corpus, score_baseline, tokenize_corpus
 
 
 @flow(name="ppl-audit-reference", flow_run_name="reference-{config}", log_prints=True)
@@ -19,4 +19,4 @@ def build_reference(config: str, overrides: list[str] | None = None) -> VariantR
     preflight(settings, variants=False)
     lineup = prepare_models(settings.model_copy(update={"variants": []}))
     scored = tokenize_corpus(read_corpus(settings.corpus), settings, lineup)
-    return score(lineup.baseline, lineup, scored)
+    return score_baseline(lineup.baseline, scored)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tasks.config import Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference
 from tasks.engine.perplexity import token_slots
+from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 
 
@@ -49,13 +50,13 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int)
                    model_bits_per_weight=facts.model_bits_per_weight, load_seconds=facts.load_seconds,
                    backend=facts.backend)
         if outcome is baseline:
-            said = outcome.reference
-            row.update(baseline=said.get("baseline"), reference=said.get("key"))
-            if said.get("removed"):
-                row["removed_references"] = said["removed"]
-            if said.get("drift"):
-                row.update(drift="environment drift" if said["drift"]["drift"] else "none",
-                           drift_from=said["drift"]["reference"])
+            said = outcome.reference or ReferenceSaid()
+            row.update(baseline=said.baseline, reference=said.key)
+            if said.removed:
+                row["removed_references"] = list(said.removed)
+            if said.drift:
+                row.update(drift="environment drift" if said.drift["drift"] else "none",
+                           drift_from=said.drift["reference"])
         row["scored_fraction"] = r.scored_fraction
         base = baseline.result if baseline.ok else None
         if base is not None and outcome is not baseline:
@@ -64,12 +65,12 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int)
                 token_slots(base.window_tokens, r.scored_windows)]
             if len(base_nll) == len(r.token_nll):  # the same tokens: pair them
                 row.update(paired_difference(base_nll, r.token_nll, r.window_tokens))
-                if "absent" in outcome.divergence:
-                    row["divergence_absent"] = outcome.divergence["absent"]
+                divergence = outcome.divergence or Divergence()
+                if divergence.absent is not None:
+                    row["divergence_absent"] = divergence.absent
                 if "kl" in r.extra:
                     row.update(divergence_summary(r.extra, base_nll, r.token_nll, r.window_tokens))
-                    row.update(reference=outcome.divergence.get("reference", ""),
-                               divergence_mib=outcome.divergence.get("memory_bytes", 0) / 2**20)
+                    row.update(reference=divergence.reference, divergence_mib=divergence.memory_bytes / 2**20)
             if outcome.sequential:
                 row.update(_sequential_figures(row, outcome.sequential, base.ppl))
     return row
