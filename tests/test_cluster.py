@@ -258,13 +258,13 @@ def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_
     rows, verdicts = {r["variant"]: r for r in summary["rows"]}, {v.name: v for v in summary["verdicts"]}
     clear, borderline = summary["results"][1], summary["results"][2]
     assert verdicts["clear"].status == "pass" and "stopped at" in verdicts["clear"].reason
-    assert rows["clear"]["scored_fraction"] < 1 and clear.sequential["decision"] == "pass"
-    assert minimum_windows(46, 4) <= len(clear.sequential["windows"]) < 46
+    assert rows["clear"]["scored_fraction"] < 1 and clear.sequential.decision == "pass"
+    assert minimum_windows(46, 4) <= len(clear.sequential.windows) < 46
     pieces = [row["sample"] for row in clear.shards]
     assert 1 < len(pieces) < 8 and {row["worker"] for row in clear.shards} <= set(workers)
-    assert sorted(w for piece in pieces for w in piece) == clear.sequential["windows"]  # each window once
+    assert sorted(w for piece in pieces for w in piece) == list(clear.sequential.windows)  # each window once
     assert verdicts["borderline"].status == "fail" and rows["borderline"]["scored_fraction"] == 1.0
-    assert len(borderline.shards) == 8 and borderline.sequential["stopped"] == "ran to the end"
+    assert len(borderline.shards) == 8 and borderline.sequential.stopped == "ran to the end"
     for key in ("ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean", "top1_agreement"):
         assert rows["borderline"][key] == pytest.approx(fixed[key], rel=1e-6, abs=1e-9), key
 
@@ -534,7 +534,7 @@ def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_pat
     state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
     assert state.is_completed(), state.message
     outcome = state.result()["results"][1]
-    assert outcome.sequential["decision"] == "pass" and outcome.result.scored_fraction < 1
+    assert outcome.sequential.decision == "pass" and outcome.result.scored_fraction < 1
     assert 1 < len(outcome.shards) < 8
     assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
 

@@ -261,6 +261,8 @@ def test_a_reference_a_variant_finds_damaged_is_removed_so_the_next_audit_scores
     assert base.reference.baseline == "reused" and not variant.ok
     assert "is damaged: its LM head on its hidden states" in variant.reason
     assert "the next audit scores the baseline again" in variant.reason
+    # failed while it scored: what its load measured stays in its record (the run's params say its backend, dtype...)
+    assert variant.facts is not None and variant.facts.backend == clean[1].facts.backend and not variant.retry_elsewhere
     assert not reference.folders()
     again = audit(tiny_model_dir, variant_dir, text)
     assert again[0].reference.baseline == "scored" and figures(*again) == figures(*clean)

@@ -87,7 +87,7 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
         if outcome.shards:  # where each slice of its windows ran, and any try that failed before
             entry["shards"] = list(outcome.shards)
         if outcome.sequential:  # the order's seed, how much was scored, the bounds at a stop
-            entry["sequential"] = outcome.sequential
+            entry["sequential"] = outcome.sequential.as_record()
         if outcome.name in where:
             entry["where"] = where[outcome.name]
         if outcome.name in (diagnoses or {}):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tasks.record.reference_said import Divergence, ReferenceSaid
+from tasks.record.sequential_said import SequentialSaid
 
 if TYPE_CHECKING:
     from tasks.engine.perplexity import Part, PerplexityResult
@@ -19,7 +20,7 @@ class VariantResult:
 
     ``divergence``: a variant's, what its KL was measured against (None: not asked for). ``reference``: the
     baseline's, what its stored reference says (``ReferenceSaid``). ``sequential``: a variant scored in a random
-    order that may stop once its verdict is settled (``tasks.audit.sequential.Watch.said``).
+    order that may stop once its verdict is settled (``SequentialSaid``).
     """
 
     name: str
@@ -33,7 +34,7 @@ class VariantResult:
     reference: ReferenceSaid | None = None
     part: Part | None = field(default=None, repr=False)  # a shard's windows, before they are merged
     shards: tuple[dict, ...] = ()  # per shard: windows, tokens, worker, seconds
-    sequential: dict | None = None
+    sequential: SequentialSaid | None = None
     retry_elsewhere: bool = False  # failed in a way another worker may not (out of memory, a crash)
     started: float | None = None  # epoch seconds: when it began and ended (quantizing and loading included)
     ended: float | None = None

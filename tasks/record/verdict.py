@@ -10,6 +10,7 @@ from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_differen
 from tasks.engine.perplexity import token_slots
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
+from tasks.record.sequential_said import SequentialSaid
 
 
 FRONT = "front of size against quality (bits per weight, ΔPPL and KLD)"
@@ -76,19 +77,19 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int)
     return row
 
 
-def _sequential_figures(row: dict, said: dict, base_ppl: float) -> dict:
+def _sequential_figures(row: dict, said: SequentialSaid, base_ppl: float) -> dict:
     """A sequential run's row: where it stopped early, the gated figures' bounds are their anytime-valid
     sequences' at the stop, and PPL is the baseline's (over every window) moved by the paired estimate of the
     change; a run that went to the end keeps its figures and intervals, judged as without ``sequential``."""
-    if said["stopped"] != "settled":
-        return {"sequential": f"scored every window: not settled earlier (order seed {said['seed']})"}
-    figures = {"sequential": f"stopped at {100 * said['scored_fraction']:.0f}% of tokens: settled "
-                             f"(anytime-valid {100 * said['level']:g}% bounds, order seed {said['seed']})"}
+    if said.stopped != "settled":
+        return {"sequential": f"scored every window: not settled earlier (order seed {said.seed})"}
+    figures = {"sequential": f"stopped at {100 * said.scored_fraction:.0f}% of tokens: settled "
+                             f"(anytime-valid {100 * said.level:g}% bounds, order seed {said.seed})"}
     if "delta_nll" in row:
         ppl = base_ppl * math.exp(row["delta_nll"])
         figures |= {"ppl": ppl, "ppl_stderr": ppl * row["delta_nll_stderr"], "delta_ppl": ppl - base_ppl,
                     "ppl_ratio": ppl / base_ppl}
-    for key, (low, high) in said["bounds"].items():
+    for key, (low, high) in said.bounds.items():
         figures |= {f"{key}_low": low, f"{key}_high": high}
     return figures
 
