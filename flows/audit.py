@@ -84,7 +84,7 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
             row["dominated_by"] = dominated[row["variant"]]
     stopped = sum(row.get("scored_fraction", 1.0) < 1 for row in rows[1:])
     front = [name for name, by in dominated.items() if by is None] if len(dominated) > 1 else []
-    verdict = overall(rows[0], verdicts, baseline.reference.get("drift"), stopped, front)
+    verdict = overall(rows[0], verdicts, baseline.reference.drift if baseline.reference else None, stopped, front)
     return {"name": config.name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
             "table": format_table(rows, {v.name: v for v in verdicts})}
 

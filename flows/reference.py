@@ -7,7 +7,7 @@ from prefect import flow
 
 from tasks.audit.plan import AuditPlan, baseline_alone
 from tasks.record.results import VariantResult
-from tasks.steps import open_plan, score
+from tasks.steps import open_plan, score_baseline
 
 
 @flow(name="ppl-audit-reference", flow_run_name="reference-{config}", log_prints=True)
@@ -21,4 +21,4 @@ def build_reference(config: str, overrides: list[str] | None = None, plan: Audit
     """
     if plan is None:
         plan = open_plan(config, overrides or [], narrow=baseline_alone)
-    return score(plan.lineup.baseline, plan.lineup, plan.evaluation)
+    return score_baseline(plan.lineup.baseline, plan.evaluation)

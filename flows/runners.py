@@ -15,15 +15,17 @@ from dataclasses import replace
 from prefect import get_run_logger
 
 from tasks.audit.checkpoints import Lineup
-from tasks.audit.scoring import Lookup, look_up, merge_shards
+from tasks.audit.pieces import Sample, Slices, Windows
+from tasks.audit.scoring import BaselineSlice, Lookup, look_up, merge_shards
 from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
 from tasks.core.places import cache_dir
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import shard_bounds
 from tasks.engine.windows import plan
+from tasks.record.reference_said import Divergence
 from tasks.record.results import VariantResult
-from tasks.steps import join_baseline_reference, look_up_baseline, make, score
+from tasks.steps import join_baseline_reference, look_up_baseline, make, score_baseline, score_variant
 
 RETRY_POLL_SECONDS = 2  # how often a retry held to other workers checks that one of them is still there
 
@@ -92,7 +94,7 @@ def _settled(future):
 def _outcome(checkpoint, value) -> VariantResult:
     """A task's result, or a failed result for a task that raised (retries exhausted)."""
     if isinstance(value, BaseException):
-        return VariantResult(checkpoint.spec.name, checkpoint.spec.method, "failed", _raised(value))
+        return VariantResult.failed(checkpoint.spec.name, checkpoint.spec.method, _raised(value))
     return value
 
 
@@ -114,7 +116,7 @@ def _held_to(workers: list[str] | None):
 
 
 def _nobody_left(failed: VariantResult) -> VariantResult:
-    return replace(failed, shards=[], reason=f"{failed.reason}; no other worker is left to run it again")
+    return replace(failed, shards=(), reason=f"{failed.reason}; no other worker is left to run it again")
 
 
 def _settled_on(runner, future, workers: list[str] | None, failed: VariantResult):
@@ -164,16 +166,16 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
     def reads(n: int, shards: list) -> dict:
         """What a variant's shard ``n`` is given of the baseline (``shards``: the outcomes of the baseline's)."""
         if done is not None:
-            return {"baseline_outcome": done}
-        return {"baseline_slices": [shards[m] for m in dict.fromkeys((0, n))]} if reading else {}
+            return {"against": done}
+        return {"against": Slices(tuple(shards[m] for m in dict.fromkeys((0, n))))} if reading else {}
 
     ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
     submitted, given = {}, {}  # by (variant, shard): its task, and what it was given of the baseline
 
     def shard(v: int, n: int, parameters: dict):
         given[v, n] = parameters
-        return runner.submit(score, {"checkpoint": ready[v], "lineup": lineup, "evaluation_": scored,
-                                     "windows": bounds[n], **parameters})
+        return runner.submit(score_variant, {"checkpoint": ready[v], "lineup": lineup, "evaluation_": scored,
+                                             "piece": Windows(*bounds[n]), **parameters})
 
     with _placement(config):
         first = [] if done is not None else [_baseline_shard(runner, lineup, scored, found, w) for w in bounds]
@@ -200,29 +202,28 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
         if done is None:
             tried, merged = _baseline_retried(runner, config, lineup, scored, found, bounds, tried)
             for v, n in [(v, n) for v in ready for n in range(len(bounds)) if (v, n) not in submitted]:
-                submitted[v, n] = shard(v, n, reads(n, tried) if merged.ok else {"baseline_outcome": merged})
+                submitted[v, n] = shard(v, n, reads(n, tried) if merged.ok else {"against": merged})
         outcomes = [[_outcome(c, _settled(submitted[v, n])) for n in range(len(bounds))]
                     for v, c in enumerate(lineup.variants)]
         _tried_again(runner, config, lineup.variants, outcomes, lambda v, n: shard(v, n, given[v, n]))
     if done is None:
         if not merged.ok:  # shards measured against the slices that were written would hold a part of its divergence
-            for v, n in [key for key, parameters in given.items() if "baseline_slices" in parameters]:
-                _without_divergence(outcomes[v][n])
+            for v, n in [key for key, parameters in given.items() if isinstance(parameters.get("against"), Slices)]:
+                outcomes[v][n] = _without_divergence(outcomes[v][n])
         done = _joined(runner, found, merged, tried, scored)
     return done, [merge_shards(shards, scored) for shards in outcomes]
 
 
-def _without_divergence(outcome: VariantResult) -> None:
+def _without_divergence(outcome: VariantResult) -> VariantResult:
     """A variant's shard as if it had been scored against a baseline that failed: no divergence."""
-    if outcome.part is not None:
-        outcome.part = replace(outcome.part, scores=replace(outcome.part.scores, extra={}))
-    outcome.divergence = {"absent": "the baseline was not scored"}
+    part = None if outcome.part is None else replace(outcome.part, scores=replace(outcome.part.scores, extra={}))
+    return replace(outcome, part=part, divergence=Divergence.missing("the baseline was not scored"))
 
 
 def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[list[VariantResult]], resubmit) -> None:
     """Each failed shard of ``outcomes`` (per model of ``checkpoints``, per shard) that another worker may not fail
     (``retry_elsewhere``) submitted once more (``resubmit(model, shard)`` in the context that holds it to the other workers), and its
-    outcome replaced by the new try's, which keeps the failed try's rows."""
+    outcome replaced by the new try's, which keeps the failed try's rows before its own."""
     again = {}
     for v, shards in enumerate(outcomes):
         for n, failed in enumerate(shards):
@@ -232,9 +233,10 @@ def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[
                     again[v, n] = (resubmit(v, n) if others != [] else None), others
     for (v, n), (future, others) in again.items():
         failed = outcomes[v][n]
-        outcomes[v][n] = (_nobody_left(failed) if future is None else
-                          _outcome(checkpoints[v], _settled_on(runner, future, others, failed)))
-        outcomes[v][n].shards[:0] = [row | {"failed": failed.reason} for row in failed.shards]
+        retried = (_nobody_left(failed) if future is None else
+                  _outcome(checkpoints[v], _settled_on(runner, future, others, failed)))
+        outcomes[v][n] = replace(retried, shards=(*(row | {"failed": failed.reason} for row in failed.shards),
+                                                 *retried.shards))
 
 
 def _baseline_found(runner, lineup: Lineup, scored: Evaluation) -> tuple[Lookup | None, VariantResult | None]:
@@ -243,7 +245,7 @@ def _baseline_found(runner, lineup: Lineup, scored: Evaluation) -> tuple[Lookup 
     where that is already settled (reused from its reference, or failed)."""
     baseline = lineup.baseline
     if baseline.problem:
-        return None, VariantResult(baseline.name, baseline.spec.method, "failed", baseline.problem)
+        return None, VariantResult.failed(baseline.name, baseline.spec.method, baseline.problem)
     try:
         found = look_up(baseline, scored)
     except Exception as error:  # noqa: BLE001 -- a damaged reference under rescore: never, say: the baseline fails
@@ -261,8 +263,8 @@ def _baseline_found(runner, lineup: Lineup, scored: Evaluation) -> tuple[Lookup 
 
 def _baseline_shard(runner, lineup: Lineup, scored: Evaluation, found: Lookup, windows: tuple[int, int]):
     """A task scoring the baseline's ``windows`` and writing their slice of its reference."""
-    return runner.submit(score, {"checkpoint": lineup.baseline, "lineup": lineup, "evaluation_": scored,
-                                 "windows": windows, "lookup": found})
+    return runner.submit(score_baseline, {"checkpoint": lineup.baseline, "evaluation_": scored,
+                                          "piece": BaselineSlice(Windows(*windows), found)})
 
 
 def _baseline_retried(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, found: Lookup,
@@ -281,14 +283,13 @@ def _joined(runner, found: Lookup, merged: VariantResult, shards: list[VariantRe
     """The baseline merged from its ``shards``, with the reference a worker joined from their slices (or why not)."""
     said = _settled(runner.submit(join_baseline_reference, {"lookup": found, "baseline": merged, "shards": shards,
                                                              "evaluation_": scored}))
-    if isinstance(said, BaseException):  # a failed baseline has no reference to speak of (join_reference's {})
-        said = found.scored(merged.result) | {"problem": f"its reference was not joined: {_raised(said)}"} \
-            if merged.ok else {}
-    merged.reference = said
-    return merged
+    if isinstance(said, BaseException):  # a failed baseline has no reference to speak of (join_reference's None)
+        said = replace(found.scored(merged.result), problem=f"its reference was not joined: {_raised(said)}") \
+            if merged.ok else None
+    return replace(merged, reference=said)
 
 
-def score_baseline(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> VariantResult:
+def baseline_alone(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> VariantResult:
     """The baseline alone on the cluster, for variants that need all of it before they start (a sequential run
     judges each piece against its windows): reused (``_baseline_found``), or scored in ``runner.shards`` tasks, each
     writing its slice of the reference, a failed one tried again elsewhere, merged here and joined by a worker."""
@@ -368,8 +369,8 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
 
     def submit(v: int) -> None:
         piece = queued[v].pop(0)
-        future = runner.submit(score, {"checkpoint": variants[v], "lineup": lineup, "evaluation_": scored,
-                                       "baseline_outcome": baseline, "sample": piece})
+        future = runner.submit(score_variant, {"checkpoint": variants[v], "lineup": lineup, "evaluation_": scored,
+                                               "against": baseline, "piece": Sample(tuple(piece))})
         running[future] = v
 
     with _placement(config):
@@ -397,7 +398,7 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
         failed = next((o for o in outcomes if not o.ok), None)
         outcome = merge_shards([failed] if failed else outcomes, scored)
         if outcome.ok and watches[v] is not None:
-            outcome.sequential = watches[v].said(outcome.result)
+            outcome = replace(outcome, sequential=watches[v].said(outcome.result))
         merged.append(outcome)
     return merged
 
@@ -407,15 +408,15 @@ def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[
     failed becomes a failed result."""
     runner = task_runner(config)
     if runner is None:
-        baseline = _outcome(lineup.baseline, score(lineup.baseline, lineup, scored, return_state=True)
+        baseline = _outcome(lineup.baseline, score_baseline(lineup.baseline, scored, return_state=True)
                             .result(raise_on_failure=False))
-        variants = [_outcome(checkpoint, score(checkpoint, lineup, scored, baseline, return_state=True)
+        variants = [_outcome(checkpoint, score_variant(checkpoint, lineup, scored, baseline, return_state=True)
                              .result(raise_on_failure=False)) for checkpoint in lineup.variants]
     else:
         with runner, _workers_report_here():
             making = submit_makes(runner, config, lineup, scored)
             if scored.settings.sequential and config.runner.shards > 1:
-                baseline = score_baseline(runner, config, lineup, scored)
+                baseline = baseline_alone(runner, config, lineup, scored)
                 variants = score_sampled(runner, config, lineup, scored, baseline, making)
             else:
                 baseline, variants = score_concurrently(runner, config, lineup, scored, making)

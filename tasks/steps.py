@@ -16,9 +16,11 @@ from prefect.states import Failed
 
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.cluster import let_go
+from tasks.audit import scoring
 from tasks.audit.diagnose import Bench, Examination, Restored, examine, restore
+from tasks.audit.pieces import WHOLE, Against, Piece, Whole
 from tasks.audit.plan import AuditPlan, Event, open_audit
-from tasks.audit.scoring import Lookup, join_reference, look_up, make_variant, score_variant
+from tasks.audit.scoring import BaselineSlice, Lookup, join_reference, look_up, make_variant
 from tasks.config import AuditConfig
 from tasks.core.errors import TransientError
 from tasks.core.places import spool_dir, synced_dir
@@ -29,6 +31,7 @@ from tasks.engine.windows import Window
 from tasks.models.quantize import calibration_of, quantize
 from tasks.models.quantize_request import QuantizeRequest
 from tasks.record.contents import token_arrays
+from tasks.record.reference_said import ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
 from tasks.record.tracking import is_tracking_outage, replay, track_diagnosis
@@ -49,33 +52,36 @@ def open_plan(path: str, overrides: list[str], event: Event | None = None,
 
 
 def _score_name() -> str:
-    """``score-<model>``, and a shard's windows after it."""
+    """``score-<model>``, and a shard's windows or a sequential run's sample after it."""
     from prefect.runtime import task_run
 
-    name, windows = task_run.parameters["checkpoint"].name, task_run.parameters.get("windows")
-    sample = task_run.parameters.get("sample")
-    if sample:
-        return f"score-{name}-sample-of-{len(sample)}-from-window-{sample[0]}"
-    return f"score-{name}" + (f"-windows-{windows[0]}-{windows[1] - 1}" if windows else "")
+    piece = task_run.parameters.get("piece") or WHOLE
+    return f"score-{task_run.parameters['checkpoint'].name}{piece.named()}"
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name=_score_name,
       retry_condition_fn=_transient)
-def score(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
-          baseline_outcome: VariantResult | None = None, windows: tuple[int, int] | None = None,
-          sample: list[int] | None = None, lookup: Lookup | None = None,
-          baseline_slices: list[VariantResult] | None = None) -> VariantResult:
-    """Load (or make) one model and score it, or only its ``windows`` (a shard) or ``sample`` (a piece of a
-    sequential run); a failure is a failed result, not a failed task.
+def score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, piece: Whole | BaselineSlice = WHOLE
+                   ) -> VariantResult:
+    """Load the baseline and score it, or read it from its stored reference; or score a shard of it (``piece``),
+    writing its slice of the reference under what ``look_up_baseline`` found. A failure is a failed result, not a
+    failed task."""
+    with asking(let_go):  # on a cluster, stops between batches once the audit no longer waits for it
+        return scoring.score_baseline(checkpoint, evaluation_, piece, progress=True)
 
-    Variants get the baseline's outcome, to measure their divergence from it, or, while it is scored in shards
-    beside them, the outcomes of the baseline's shards whose slices of its reference they read; a baseline's shard
-    gets what its ``look_up_baseline`` found, and writes its slice of the reference.
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name=_score_name,
+      retry_condition_fn=_transient)
+def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against = None,
+                  piece: Piece = WHOLE) -> VariantResult:
+    """Load (or make) one variant and score it, or only a ``piece`` of it (a shard's windows, a sequential run's
+    sample); a failure is a failed result, not a failed task.
+
+    It measures its divergence ``against`` the baseline's outcome or, while the baseline is scored in shards beside
+    it, the slices of its reference that the baseline's shards wrote (``Slices``).
     """
     with asking(let_go):  # on a cluster, stops between batches once the audit no longer waits for it
-        return score_variant(checkpoint, lineup, evaluation_, corpus_text_of=corpus_text, progress=True,
-                             baseline_outcome=baseline_outcome, windows=windows, sample=sample, lookup=lookup,
-                             baseline_slices=baseline_slices)
+        return scoring.score_variant(checkpoint, lineup, evaluation_, against, piece, corpus_text, progress=True)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
@@ -87,7 +93,7 @@ def look_up_baseline(checkpoint: Checkpoint, evaluation_: Evaluation) -> Lookup:
 
 @task(cache_policy=NO_CACHE, task_run_name="join-reference-{lookup.key}")
 def join_baseline_reference(lookup: Lookup, baseline: VariantResult, shards: list[VariantResult],
-                            evaluation_: Evaluation) -> dict:
+                            evaluation_: Evaluation) -> ReferenceSaid | None:
     """On a worker: the baseline reference joined from its shards' slices and put in place (what the record says)."""
     return join_reference(lookup, baseline, shards, evaluation_)
 

@@ -102,7 +102,7 @@ def test_an_audit_on_an_existing_dask_cluster_scores_as_sequential_and_names_eac
     ran_on = {outcome.name: outcome.facts.worker for outcome in on_cluster["results"]}
     assert set(ran_on.values()) <= set(workers)  # every model, the baseline too, ran on the cluster's workers
     baseline = on_cluster["results"][0]
-    assert baseline.reference["baseline"] == "scored" and baseline.shards[0]["worker"] == ran_on["baseline"]
+    assert baseline.reference.baseline == "scored" and baseline.shards[0]["worker"] == ran_on["baseline"]
 
 
 def prefect_servers_under(address: str) -> list:
@@ -192,7 +192,7 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "noisy", "path": str(noisy_model_dir)}]
     whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
                   return_state=True).result()
-    written = Path(whole["results"][0].reference["path"])
+    written = Path(whole["results"][0].reference.path)
     data = (reference.HIDDEN, reference.SCORES, reference.HEAD)  # the manifest says when; `used` is touched on reuse
     files = {name: (written / name).read_bytes() for name in data if (written / name).exists()}
     manifest = reference.Reference.open(written).manifest
@@ -217,7 +217,7 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     first = next(run for run in runs["baseline"] if run.name.endswith("-windows-0-15"))
     assert first.end_time <= runs["int8"][0].start_time
     assert len(runs["join"]) == 1 and max(run.end_time for run in runs["int8"]) <= runs["join"][0].start_time
-    assert baseline.reference["path"] == str(written) and baseline.reference["drift"]["max_abs_delta_nll"] == 0
+    assert baseline.reference.path == str(written) and baseline.reference.drift["max_abs_delta_nll"] == 0
     joined = reference.Reference.open(written)
     assert {name: (written / name).read_bytes() for name in data if (written / name).exists()} == files
     made = ("created", "facts", "result", "size_bytes", "digest")  # when, where and how long: not what
@@ -258,13 +258,13 @@ def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_
     rows, verdicts = {r["variant"]: r for r in summary["rows"]}, {v.name: v for v in summary["verdicts"]}
     clear, borderline = summary["results"][1], summary["results"][2]
     assert verdicts["clear"].status == "pass" and "stopped at" in verdicts["clear"].reason
-    assert rows["clear"]["scored_fraction"] < 1 and clear.sequential["decision"] == "pass"
-    assert minimum_windows(46, 4) <= len(clear.sequential["windows"]) < 46
+    assert rows["clear"]["scored_fraction"] < 1 and clear.sequential.decision == "pass"
+    assert minimum_windows(46, 4) <= len(clear.sequential.windows) < 46
     pieces = [row["sample"] for row in clear.shards]
     assert 1 < len(pieces) < 8 and {row["worker"] for row in clear.shards} <= set(workers)
-    assert sorted(w for piece in pieces for w in piece) == clear.sequential["windows"]  # each window once
+    assert sorted(w for piece in pieces for w in piece) == list(clear.sequential.windows)  # each window once
     assert verdicts["borderline"].status == "fail" and rows["borderline"]["scored_fraction"] == 1.0
-    assert len(borderline.shards) == 8 and borderline.sequential["stopped"] == "ran to the end"
+    assert len(borderline.shards) == 8 and borderline.sequential.stopped == "ran to the end"
     for key in ("ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean", "top1_agreement"):
         assert rows["borderline"][key] == pytest.approx(fixed[key], rel=1e-6, abs=1e-9), key
 
@@ -313,7 +313,7 @@ def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_i
     from tasks.audit.reference import HIDDEN
 
     whole = smollm2_int8_here
-    hidden = (Path(whole["results"][0].reference["path"]) / HIDDEN).read_bytes()
+    hidden = (Path(whole["results"][0].reference.path) / HIDDEN).read_bytes()
     killed: list[str] = []
 
     def kill_one_each(address: str) -> None:
@@ -334,7 +334,7 @@ def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_i
         assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
         assert outcome.result.nll_sum == alone.result.nll_sum
     baseline = state.result()["results"][0]
-    assert (Path(baseline.reference["path"]) / HIDDEN).read_bytes() == hidden
+    assert (Path(baseline.reference.path) / HIDDEN).read_bytes() == hidden
 
 
 def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path, two_workers):
@@ -419,7 +419,7 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
     assert failed, outcome.shards  # the hidden worker took shards
     for row in failed:
         assert row["worker"] == workers[-1]
-        assert row["failed"] == (f"the baseline reference {references_dir()}/{outcome.divergence['reference']} is "
+        assert row["failed"] == (f"the baseline reference {references_dir()}/{outcome.divergence.reference} is "
                                  f"not on {row['worker']}; every worker must see $PPL_AUDIT_REFERENCES at the same path")
     done = [row for row in outcome.shards if "failed" not in row]
     assert [row["windows"] for row in done] == [[0, 12], [12, 24], [24, 36], [36, 46]]
@@ -522,7 +522,7 @@ def test_an_audit_on_a_ray_cluster_in_shards_scores_as_sequential(tmp_path, trai
         assert os.getpid() not in {int(re.search(r"pid (\d+)", row["worker"]).group(1)) for row in outcome.shards}
     baseline, variant = state.result()["results"]
     assert np.array_equal(variant.result.extra["kl"], whole["results"][1].result.extra["kl"])
-    assert baseline.reference["drift"]["max_abs_delta_nll"] == 0 and "problem" not in baseline.reference
+    assert baseline.reference.drift["max_abs_delta_nll"] == 0 and baseline.reference.problem is None
 
 
 def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_path, trained_model_dir, corpus_path,
@@ -534,7 +534,7 @@ def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_pat
     state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
     assert state.is_completed(), state.message
     outcome = state.result()["results"][1]
-    assert outcome.sequential["decision"] == "pass" and outcome.result.scored_fraction < 1
+    assert outcome.sequential.decision == "pass" and outcome.result.scored_fraction < 1
     assert 1 < len(outcome.shards) < 8
     assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
 

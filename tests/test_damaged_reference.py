@@ -44,8 +44,8 @@ def audit(model_dir: Path, variant_dir: Path, text: str, rescore: str = "auto"):
                      [VariantSpec(name="noisy", path=str(variant_dir))])
     settings = parse(EvaluationConfig, {"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 500}, "test")
     scored = evaluation(text, lineup.tokenizer, settings)
-    base = scoring.score_variant(lineup.baseline, lineup, scored)
-    return base, scoring.score_variant(lineup.variants[0], lineup, scored, baseline_outcome=base)
+    base = scoring.score_baseline(lineup.baseline, scored)
+    return base, scoring.score_variant(lineup.variants[0], lineup, scored, against=base)
 
 
 def figures(base, variant) -> dict:
@@ -113,31 +113,31 @@ DAMAGE = {
 def test_a_damaged_reference_is_removed_and_the_audit_ends_as_a_clean_run(tiny_model_dir, variant_dir, text,
                                                                          references, damage, capfd):
     clean = audit(tiny_model_dir, variant_dir, text)
-    key, folder = clean[0].reference["key"], Path(clean[0].reference["path"])
+    key, folder = clean[0].reference.key, Path(clean[0].reference.path)
     DAMAGE[damage](folder)
     capfd.readouterr()
     again = audit(tiny_model_dir, variant_dir, text)
-    assert again[0].reference["baseline"] == "scored", damage
+    assert again[0].reference.baseline == "scored", damage
     assert figures(*again) == figures(*clean), damage
     warnings = [line for line in capfd.readouterr().err.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and ("is damaged" in warnings[0]) and (key in warnings[0] or str(folder) in warnings[0])
-    assert again[0].reference["removed"] == [f"{key}: {warnings[0].split(': ', 3)[3].split('; it is')[0]}"]
+    assert again[0].reference.removed == (f"{key}: {warnings[0].split(': ', 3)[3].split('; it is')[0]}",)
     [intact] = reference.stored()
     assert intact.key == key and intact.damage() is None and reference.verify(intact.folder) is None
     reused = audit(tiny_model_dir, variant_dir, text)
-    assert reused[0].reference["baseline"] == "reused" and figures(*reused) == figures(*clean)
+    assert reused[0].reference.baseline == "reused" and figures(*reused) == figures(*clean)
 
 
 @pytest.mark.parametrize("damage", ["hidden values reversed", "manifest edited", "scores bytes flipped"])
 def test_under_rescore_never_a_damaged_reference_stops_the_baseline_in_one_line(tiny_model_dir, variant_dir,
                                                                                  text, references, damage):
     clean = audit(tiny_model_dir, variant_dir, text)
-    DAMAGE[damage](Path(clean[0].reference["path"]))
+    DAMAGE[damage](Path(clean[0].reference.path))
     base, variant = audit(tiny_model_dir, variant_dir, text, rescore="never")
-    assert not base.ok and f"baseline reference {clean[0].reference['key']} is damaged" in base.reason
+    assert not base.ok and f"baseline reference {clean[0].reference.key} is damaged" in base.reason
     assert "\n" not in base.reason and "rescore: never" in base.reason
     assert "kl" not in variant.result.extra  # no KL against what cannot be trusted
-    assert [r.key for r in reference.stored()] == [clean[0].reference["key"]]  # kept, not rebuilt
+    assert [r.key for r in reference.stored()] == [clean[0].reference.key]  # kept, not rebuilt
 
 
 @pytest.mark.slow  # audits through the CLI
@@ -163,7 +163,7 @@ def test_each_batch_checks_the_reference_against_its_own_nll(tiny_model_dir, var
     """Damage that comes after the check on reuse (a worker's copy, a file changed mid-audit) fails the variant
     at its first batch, not with a wrong KL."""
     base, _ = audit(tiny_model_dir, variant_dir, text)
-    stored = reference.Reference.open(Path(base.reference["path"]))
+    stored = reference.Reference.open(Path(base.reference.path))
     lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)), [])
     scored = evaluation(text, lineup.tokenizer, parse(EvaluationConfig, {"window": 64, "stride": 32,
                                                                          "max_tokens": 500}, "test"))
@@ -184,8 +184,8 @@ def test_each_batch_checks_the_reference_against_its_own_nll(tiny_model_dir, var
 @pytest.mark.slow  # audits through the CLI
 def test_reference_verify_says_which_are_damaged(cli, tiny_model_dir, variant_dir, text, references, tmp_path):
     base, _ = audit(tiny_model_dir, variant_dir, text)
-    intact = base.reference["key"]
-    other = audit(tiny_model_dir, variant_dir, text.replace("the", "a"))[0].reference["key"]
+    intact = base.reference.key
+    other = audit(tiny_model_dir, variant_dir, text.replace("the", "a"))[0].reference.key
     code, out, err = cli("reference", "verify", "--all")
     assert code == 0 and out.count("intact: files, result and NLL check out") == 2, out
     # the libraries' noise (torchao's kernels that fail to load, torch's warnings) goes to the log, as every command's
@@ -211,24 +211,24 @@ def test_an_unreadable_manifest_fails_no_other_audit_and_reference_ls_and_rm_han
     lists it as damaged, `rm --older-than` and `rm KEY` work with it there."""
     from flows.cli import main
 
-    damaged = audit(tiny_model_dir, variant_dir, text)[0].reference["key"]
+    damaged = audit(tiny_model_dir, variant_dir, text)[0].reference.key
     DAMAGE[damage](references / damaged)
     capfd.readouterr()
     other = audit(tiny_model_dir, variant_dir, text.replace("the", "a"))
-    assert other[0].reference["baseline"] == "scored" and other[1].ok, other[1].reason
+    assert other[0].reference.baseline == "scored" and other[1].ok, other[1].reason
     assert "warning:" not in capfd.readouterr().err
     assert main(["reference", "ls"]) == 0
     listing = capfd.readouterr().out.splitlines()
     [line] = [line for line in listing if line.startswith(damaged)]
     assert f"DAMAGED: {reference.verify(references / damaged)}; the audit of its baseline replaces it" in line, line
-    assert any(line.startswith(other[0].reference["key"]) and "DAMAGED" not in line for line in listing), listing
+    assert any(line.startswith(other[0].reference.key) and "DAMAGED" not in line for line in listing), listing
     assert listing[-1].startswith("2 reference(s) (1 damaged), ")
     assert main(["reference", "rm", "--older-than", "30d"]) == 0 and sorted(reference.folders()) == sorted(
-        [damaged, other[0].reference["key"]])
+        [damaged, other[0].reference.key])
     capfd.readouterr()
     assert main(["reference", "rm", damaged]) == 0
     assert capfd.readouterr().out.splitlines()[1:] == [f"  {damaged}"]
-    assert list(reference.folders()) == [other[0].reference["key"]]
+    assert list(reference.folders()) == [other[0].reference.key]
 
 
 def test_a_manifest_swapped_with_another_reference_s_is_removed_and_its_reference_made_again(
@@ -236,7 +236,7 @@ def test_a_manifest_swapped_with_another_reference_s_is_removed_and_its_referenc
     """Swapped, each manifest is whole and sealed, but names the other folder's key: the audit of either baseline
     reads it as damaged, as `reference verify` says, replaces it, and names the reference it stored."""
     clean = audit(tiny_model_dir, variant_dir, text)
-    mine, theirs = clean[0].reference["key"], audit(tiny_model_dir, variant_dir, text.replace("the", "a"))[0].reference["key"]
+    mine, theirs = clean[0].reference.key, audit(tiny_model_dir, variant_dir, text.replace("the", "a"))[0].reference.key
     manifests = {key: (references / key / reference.MANIFEST).read_bytes() for key in (mine, theirs)}
     (references / mine / reference.MANIFEST).write_bytes(manifests[theirs])
     (references / theirs / reference.MANIFEST).write_bytes(manifests[mine])
@@ -246,7 +246,7 @@ def test_a_manifest_swapped_with_another_reference_s_is_removed_and_its_referenc
     again = audit(tiny_model_dir, variant_dir, text)
     warnings = [line for line in capfd.readouterr().err.splitlines() if "warning:" in line]
     assert warnings == [f"ppl-audit: warning: baseline reference {mine} is damaged: {verified}; it is removed and not used"]
-    assert again[0].reference["baseline"] == "scored" and again[0].reference["key"] == mine
+    assert again[0].reference.baseline == "scored" and again[0].reference.key == mine
     assert figures(*again) == figures(*clean)
     assert reference.verify(references / mine) is None and reference.verify(references / theirs) is not None
 
@@ -256,13 +256,15 @@ def test_a_reference_a_variant_finds_damaged_is_removed_so_the_next_audit_scores
     """Hidden states changed and every digest sealed again: only the variant's check of the head on them against the
     stored NLL tells. Its line says the next audit scores the baseline again: that audit does, and ends clean."""
     clean = audit(tiny_model_dir, variant_dir, text)
-    folder = Path(clean[0].reference["path"])
+    folder = Path(clean[0].reference.path)
     DAMAGE["hidden values reversed"](folder)
     _reseal(folder, lambda manifest: None)
     base, variant = audit(tiny_model_dir, variant_dir, text)
-    assert base.reference["baseline"] == "reused" and not variant.ok
+    assert base.reference.baseline == "reused" and not variant.ok
     assert "is damaged: its LM head on its hidden states" in variant.reason
     assert "the next audit scores the baseline again" in variant.reason
+    # failed while it scored: what its load measured stays in its record (the run's params say its backend, dtype...)
+    assert variant.facts is not None and variant.facts.backend == clean[1].facts.backend and not variant.retry_elsewhere
     assert not reference.folders()
     again = audit(tiny_model_dir, variant_dir, text)
-    assert again[0].reference["baseline"] == "scored" and figures(*again) == figures(*clean)
+    assert again[0].reference.baseline == "scored" and figures(*again) == figures(*clean)

@@ -61,7 +61,7 @@ def test_worse_in_nll_alone_is_not_enough_where_both_have_kl():
 
 def test_a_run_stopped_early_or_failed_or_not_costed_is_never_dominated():
     stopped = variant("stopped", 8.0, 0.5, 0.5, 1, scored_windows=np.arange(10))
-    failed = VariantResult("failed", "gptq", "failed", reason="out of memory")
+    failed = VariantResult.failed("failed", "gptq", "out of memory")
     uncosted = variant("uncosted", float("nan"), 0.5, 0.5, 5)
     assert dominated_by([stopped, failed, uncosted, variant("good", 4.0, 0.0, 0.01, 2)]) == {
         "stopped": None, "good": None}

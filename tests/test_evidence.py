@@ -34,8 +34,8 @@ def test_one_window_scored_anyway_is_judged_an_error_not_a_pass(tiny_model_dir, 
     lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)),
                      [VariantSpec(name="noisy", path=str(noisy_model_dir))])
     scored = evaluation(corpus_path.read_text(), lineup.tokenizer, parse(EvaluationConfig, ONE_CHUNK, "test"))
-    base = scoring.score_variant(lineup.baseline, lineup, scored)
-    variant = scoring.score_variant(lineup.variants[0], lineup, scored, baseline_outcome=base)
+    base = scoring.score_baseline(lineup.baseline, scored)
+    variant = scoring.score_variant(lineup.variants[0], lineup, scored, against=base)
     rows = [comparison_row(base, base, 64), comparison_row(variant, base, 64)]
     verdict = judge(rows[1], Thresholds(**GATE))
     assert rows[1]["windows"] == 1 and verdict.status == "error"

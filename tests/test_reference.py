@@ -19,6 +19,7 @@ from helpers import build_llama, perturbed, rewrite_scores, stored_reference, wr
 
 from tasks.audit import reference, scoring
 from tasks.audit.checkpoints import prepare
+from tasks.audit.pieces import Windows
 from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
 from tasks.core.errors import InputError
 from tasks.data.corpus import tokenize
@@ -74,7 +75,7 @@ def audit_parts(model_dir: Path, text: str, rescore: str = "auto", **evaluation_
 
 def score_baseline(model_dir: Path, text: str, rescore: str = "auto", **evaluation_settings):
     lineup, scored = audit_parts(model_dir, text, rescore, **evaluation_settings)
-    outcome = scoring.score_variant(lineup.baseline, lineup, scored)
+    outcome = scoring.score_baseline(lineup.baseline, scored)
     assert outcome.ok, outcome.reason
     return outcome
 
@@ -96,8 +97,8 @@ def test_a_reused_baseline_is_bit_identical_and_its_model_is_not_loaded(tiny_mod
     monkeypatch.setattr(scoring, "load_variant", counted)
     scored = score_baseline(tiny_model_dir, text)
     reused = score_baseline(tiny_model_dir, text)
-    assert (scored.reference["baseline"], reused.reference["baseline"]) == ("scored", "reused")
-    assert len(loads) == 1 and scored.reference["key"] == reused.reference["key"]
+    assert (scored.reference.baseline, reused.reference.baseline) == ("scored", "reused")
+    assert len(loads) == 1 and scored.reference.key == reused.reference.key
     assert reused.result.ppl == scored.result.ppl and reused.result.nll_sum == scored.result.nll_sum
     assert np.array_equal(reused.result.token_nll, scored.result.token_nll)
     assert np.array_equal(reused.result.window_nll, scored.result.window_nll)
@@ -116,12 +117,12 @@ def test_a_reference_of_another_model_tokenizer_stream_or_settings_is_never_used
                "stride": lambda: score_baseline(tiny_model_dir, text, stride=16),
                "mode": lambda: score_baseline(tiny_model_dir, text, mode="gptq"),
                "bos": lambda: score_baseline(tiny_model_dir, text, bos="none")}
-    keys = {first.reference["key"]}
+    keys = {first.reference.key}
     for what, run in changes.items():
         outcome = run()
-        assert outcome.reference["baseline"] == "scored", what
-        assert outcome.reference["key"] not in keys, what
-        keys.add(outcome.reference["key"])
+        assert outcome.reference.baseline == "scored", what
+        assert outcome.reference.key not in keys, what
+        keys.add(outcome.reference.key)
     # another tokenizer (the digest the audit computed of it) and another dtype: identities of their own
     lineup, scored = audit_parts(tiny_model_dir, text)
     base = lineup.baseline
@@ -133,8 +134,8 @@ def test_a_reference_of_another_model_tokenizer_stream_or_settings_is_never_used
     identity = reference.identity(Path(base.source), base.tokenizer, scored.stream, scored.settings, torch.float32)
     elsewhere = {**reference.environment(CPU), "torch": "0.0.1"}
     assert reference.find(identity, elsewhere, "auto")[0] is None
-    assert reference.find(identity, elsewhere, "auto")[1].key == first.reference["key"]  # compared with, for drift
-    assert reference.find(identity, elsewhere, "never")[0].key == first.reference["key"]
+    assert reference.find(identity, elsewhere, "auto")[1].key == first.reference.key  # compared with, for drift
+    assert reference.find(identity, elsewhere, "never")[0].key == first.reference.key
     assert len(reference.stored()) == len(keys)
 
 
@@ -164,7 +165,7 @@ def test_a_run_killed_while_writing_leaves_nothing_a_later_run_picks_up(tiny_mod
     assert any((staging / reference.HIDDEN).is_file() for staging in left)  # half written, in its scratch folder
     assert reference.stored() == []
     later = score_baseline(tiny_model_dir, text)
-    assert later.reference["baseline"] == "scored" and len(reference.stored()) == 1
+    assert later.reference.baseline == "scored" and len(reference.stored()) == 1
     assert list((references / ".building").iterdir()) == []  # the dead build's folder is gone too
 
 
@@ -198,20 +199,20 @@ def test_drift_is_flagged_when_the_baseline_s_numbers_move_and_not_on_a_clean_re
                                                                                       references):
     built = score_baseline(tiny_model_dir, text)
     clean = score_baseline(tiny_model_dir, text, rescore="always", batch_size=1)  # other padding: float noise only
-    drift = clean.reference["drift"]
-    assert drift["reference"] == built.reference["key"] and not drift["drift"]
+    drift = clean.reference.drift
+    assert drift["reference"] == built.reference.key and not drift["drift"]
     assert 0 <= drift["max_abs_delta_nll"] < 1e-4 and drift["changed"] == {}
     # as if the stored numbers came from a torch that computed this model differently
     def moved_by_another_torch(token_nll):
         token_nll[::7] += 0.01
         return token_nll
 
-    rewrite_scores(Path(clean.reference["path"]), moved_by_another_torch)
+    rewrite_scores(Path(clean.reference.path), moved_by_another_torch)
     moved = score_baseline(tiny_model_dir, text, rescore="always")
-    assert moved.reference["drift"]["drift"] and moved.reference["drift"]["max_abs_delta_nll"] == pytest.approx(0.01, rel=1e-3)
+    assert moved.reference.drift["drift"] and moved.reference.drift["max_abs_delta_nll"] == pytest.approx(0.01, rel=1e-3)
     # the rescore took the drifted reference's place: the next audit reuses the numbers of this environment
     again = score_baseline(tiny_model_dir, text)
-    assert again.reference["baseline"] == "reused" and again.result.ppl == moved.result.ppl
+    assert again.reference.baseline == "reused" and again.result.ppl == moved.result.ppl
 
 
 @pytest.mark.slow  # audits twice through the CLI
@@ -285,20 +286,20 @@ def test_a_reference_that_cannot_be_written_loses_the_kl_not_the_scores(tiny_mod
     lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)),
                      [VariantSpec(name="int8", method="torchao-int8")])
     scored = evaluation(text, lineup.tokenizer, parse(EvaluationConfig, {"window": 64, "max_tokens": 600}, "test"))
-    baseline = scoring.score_variant(lineup.baseline, lineup, scored)
-    assert baseline.ok and baseline.reference["key"] is None and "could not write the baseline reference" in \
-        baseline.reference["problem"]
-    variant = scoring.score_variant(lineup.variants[0], lineup, scored, baseline_outcome=baseline)
+    baseline = scoring.score_baseline(lineup.baseline, scored)
+    assert baseline.ok and baseline.reference.key is None and "could not write the baseline reference" in \
+        baseline.reference.problem
+    variant = scoring.score_variant(lineup.variants[0], lineup, scored, against=baseline)
     assert variant.ok and "kl" not in variant.result.extra
     verdict = judge(comparison_row(variant, baseline, 64), Thresholds(max_kld_mean=0.1))
     assert verdict.status == "error" and "could not write the baseline reference" in verdict.reason
     rows = [comparison_row(baseline, baseline, 64), comparison_row(variant, baseline, 64)]
     ungated = judge(rows[1], Thresholds())
-    assert rows[1]["divergence_absent"] == baseline.reference["problem"]
+    assert rows[1]["divergence_absent"] == baseline.reference.problem
     table = format_table(rows, {"int8": ungated}).splitlines()
-    assert table[-1].endswith(f"; no KLD: {baseline.reference['problem']}")  # the blank column says why
+    assert table[-1].endswith(f"; no KLD: {baseline.reference.problem}")  # the blank column says why
     assert format_stats(rows) == ("### int8 against baseline: no KL divergence statistics: "
-                                  f"{baseline.reference['problem']}")
+                                  f"{baseline.reference.problem}")
 
 
 
@@ -311,16 +312,16 @@ def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice
     from tasks.engine.windows import plan
 
     whole = score_baseline(tiny_model_dir, text)
-    folder = Path(whole.reference["path"])
+    folder = Path(whole.reference.path)
     files = {f.name: f.read_bytes() for f in folder.iterdir() if f.name != reference.MANIFEST}
     lineup, scored = audit_parts(tiny_model_dir, text, rescore="always")
     bounds = shard_bounds(len(plan(scored.stream, 64, 32)), 3, 4)
 
     def in_slices(damage=None):
         lookup = scoring.look_up(lineup.baseline, scored)
-        shards = [scoring.score_variant(lineup.baseline, lineup, scored, windows=w, lookup=lookup) for w in bounds]
+        shards = [scoring.score_baseline(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
         if damage is not None:
-            damage([Path(shard.reference["slice"]) for shard in shards])
+            damage([Path(shard.reference.slice) for shard in shards])
         merged = scoring.merge_shards(shards, scored)
         said = scoring.join_reference(lookup, merged, shards, scored)
         assert not scoring.slices_dir(lookup).exists()
@@ -328,7 +329,7 @@ def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice
 
     merged, said = in_slices()
     assert len(bounds) == 3 and np.array_equal(merged.result.token_nll, whole.result.token_nll)
-    assert said["path"] == str(folder) and said["drift"]["max_abs_delta_nll"] == 0
+    assert said.path == str(folder) and said.drift["max_abs_delta_nll"] == 0
     assert {f.name: f.read_bytes() for f in folder.iterdir() if f.name != reference.MANIFEST} == files
 
     def flip_a_byte(pieces: list[Path]) -> None:
@@ -349,7 +350,7 @@ def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice
             reference.remove(reference.Reference.open(folder))
         merged, said = in_slices(damage)
         assert merged.ok and np.array_equal(merged.result.token_nll, whole.result.token_nll)
-        assert says in said["problem"] and "path" not in said and not folder.exists(), said
+        assert says in said.problem and said.path is None and not folder.exists(), said
 
 
 def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and_refuses_a_damaged_one(
@@ -364,8 +365,8 @@ def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and
     lineup, scored = audit_parts(tiny_model_dir, text, rescore="always")
     bounds = shard_bounds(len(plan(scored.stream, 64, 32)), 3, 4)
     lookup = scoring.look_up(lineup.baseline, scored)
-    shards = [scoring.score_variant(lineup.baseline, lineup, scored, windows=w, lookup=lookup) for w in bounds]
-    slices = [Path(shard.reference["slice"]) for shard in shards]
+    shards = [scoring.score_baseline(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
+    slices = [Path(shard.reference.slice) for shard in shards]
     variant = perturbed(tiny_model_dir, torch.float32)
     against = {n: reference.slice_baseline(list(dict.fromkeys([slices[0], slices[n]])),
                                            shards[n].part.scores.token_nll, str(tiny_model_dir), CPU)
@@ -373,15 +374,34 @@ def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and
     from_slices = [score_part(variant, scored.stream, Windowing(64, 32), 4, w, ScoreOptions(reference=against[n]))
                    for n, w in enumerate(bounds)]
     said = scoring.join_reference(lookup, scoring.merge_shards(shards, scored), shards, scored)
-    joined = reference.Reference.open(Path(said["path"])).baseline(str(tiny_model_dir), CPU)
+    joined = reference.Reference.open(Path(said.path)).baseline(str(tiny_model_dir), CPU)
     for w, part in zip(bounds, from_slices):
         whole = score_part(variant, scored.stream, Windowing(64, 32), 4, w, ScoreOptions(reference=joined))
         assert part.scores.extra.keys() == whole.scores.extra.keys() and "kl" in whole.scores.extra
         for key in whole.scores.extra:
             assert torch.equal(part.scores.extra[key], whole.scores.extra[key]), key
-    shards = [scoring.score_variant(lineup.baseline, lineup, scored, windows=w, lookup=lookup) for w in bounds]
-    damaged = Path(shards[1].reference["slice"]) / reference.HIDDEN
+    shards = [scoring.score_baseline(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
+    damaged = Path(shards[1].reference.slice) / reference.HIDDEN
     damaged.write_bytes(damaged.read_bytes()[:-1] + bytes([damaged.read_bytes()[-1] ^ 1]))
     with pytest.raises(DamagedReference, match="does not hold what was written"):
-        reference.slice_baseline([Path(shards[0].reference["slice"]), damaged.parent],
+        reference.slice_baseline([Path(shards[0].reference.slice), damaged.parent],
                                  shards[1].part.scores.token_nll, str(tiny_model_dir), CPU)
+
+
+def test_the_record_says_the_baseline_s_reference_in_the_dict_it_always_held(tiny_model_dir, text, references):
+    """``ReferenceSaid.as_record``: a spooled record is replayed long after (``ppl-audit sync``), so the typed value
+    is written as the dict the audit wrote before it was typed: the same keys, in the same order, none added."""
+    from tasks.record.reference_said import ReferenceSaid
+
+    scored = score_baseline(tiny_model_dir, text).reference.as_record()
+    reused = score_baseline(tiny_model_dir, text).reference.as_record()
+    rescored = score_baseline(tiny_model_dir, text, rescore="always").reference.as_record()
+    assert list(scored) == ["baseline_key", "baseline", "key", "path"] and scored["baseline"] == "scored"
+    assert reused == scored | {"baseline": "reused"} and list(reused) == list(scored)
+    assert list(rescored) == ["baseline_key", "baseline", "key", "drift", "path"] and not rescored["drift"]["drift"]
+    assert json.loads(json.dumps(rescored)) == rescored  # plain data: what the spool writes is what it reads
+    unkept = ReferenceSaid(baseline="scored", problem="not on this machine").as_record()
+    assert list(unkept.items()) == [("baseline", "scored"), ("key", None), ("problem", "not on this machine")]
+    removed = ReferenceSaid("scored", None, None, "b", ("k: damaged",), {"drift": False}, "full").as_record()
+    assert list(removed) == ["baseline_key", "removed", "baseline", "key", "drift", "problem"]
+    assert removed["removed"] == ["k: damaged"] and ReferenceSaid().as_record() == {}

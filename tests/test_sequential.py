@@ -202,8 +202,8 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
     for key in ("ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean"):
         assert rows["noisy-borderline"][key] == fixed[key]  # judged exactly as without sequential
     said = next(r for r in on["results"] if r.name == "noisy-clear").sequential
-    assert said["seed"] == 5 and said["stopped"] == "settled" and said["decision"] == "pass"
-    assert len(said["windows"]) == rows["noisy-clear"]["windows"] >= minimum_windows(len(said["windows"]), 4)
+    assert said.seed == 5 and said.stopped == "settled" and said.decision == "pass"
+    assert len(said.windows) == rows["noisy-clear"]["windows"] >= minimum_windows(len(said.windows), 4)
     models = {m["variant"]: m for m in json.loads(summary_json(on))["models"]}
     assert models["baseline"]["scored_fraction"] == 1.0 and models["noisy-clear"]["scored_fraction"] < 1
     client = MlflowClient(tracking_uri(None))
@@ -225,3 +225,21 @@ def test_a_passing_audit_says_how_many_variants_stopped_early():
     assert overall({"status": "ok"}, passing).reason == "all 2 variant(s) passed"
     assert overall({"status": "ok"}, passing, stopped=1).reason == \
         "all 2 variant(s) passed (1 stopped early, settled: sequential)"
+
+
+def test_the_record_keeps_a_sequential_run_in_the_dict_it_always_held():
+    """``SequentialSaid.as_record``: the record's dict of a run, key for key and in order (``ppl-audit sync`` replays
+    records spooled long before); the decision, bounds and windows only at a stop."""
+    import json
+
+    from tasks.record.sequential_said import SequentialSaid
+
+    ran = SequentialSaid(5, 0.95, 0.025, 1.0, 46, "ran to the end")
+    assert list(ran.as_record().items()) == [("seed", 5), ("level", 0.95), ("alpha_each", 0.025),
+                                             ("scored_fraction", 1.0), ("windows_scored", 46),
+                                             ("stopped", "ran to the end")]
+    stopped = SequentialSaid(5, 0.95, 0.025, 0.5, 23, "settled", "pass", {"delta_ppl_pct": (-1.0, 2.0)}, (3, 1, 2))
+    record = stopped.as_record()
+    assert list(record)[6:] == ["decision", "bounds", "windows"] and record["decision"] == "pass"
+    assert record["bounds"] == {"delta_ppl_pct": [-1.0, 2.0]} and record["windows"] == [3, 1, 2]
+    assert json.loads(json.dumps(record)) == record

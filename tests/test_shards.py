@@ -29,6 +29,19 @@ def test_shard_bounds_cover_every_window_once_on_whole_batches(n_windows, shards
     assert max(sizes, default=0) - min(sizes, default=0) <= batch  # as even as whole batches allow
 
 
+def test_each_piece_names_its_task_and_its_row_of_where_it_ran():
+    """What one scoring task scores says its task run's name (``score-<model>`` and this) and the row the record keeps
+    of it; a whole model has none."""
+    from tasks.audit.cluster import worker
+    from tasks.audit.pieces import WHOLE, Sample, Windows
+
+    assert (WHOLE.named(), WHOLE.row()) == ("", None)
+    assert Windows(16, 32).named() == "-windows-16-31" and Windows(16, 32).bounds == (16, 32)
+    assert Windows(16, 32).row() == {"windows": [16, 32], "worker": worker()}
+    assert Sample((5, 2, 9)).named() == "-sample-of-3-from-window-5"
+    assert Sample((5, 2, 9)).row() == {"sample": [5, 2, 9], "worker": worker()}
+
+
 @pytest.mark.parametrize("mode, bos, shards", [("sliding", "none", 3), ("sliding", "window", 2), ("sliding", "stream", 5),
                                                ("gptq", "stream", 2), ("llama.cpp", "stream", 3)])
 def test_shards_merged_equal_the_whole_run_bit_for_bit(tiny_model_dir, tokenizer, text, mode, bos, shards):

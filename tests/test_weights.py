@@ -12,7 +12,7 @@ from helpers import build_llama, make_text, rewrite_gguf
 from safetensors.torch import load_file, save_file
 
 from tasks.audit.checkpoints import prepare
-from tasks.audit.scoring import score_variant
+from tasks.audit.scoring import score_baseline, score_variant
 from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
 from tasks.core.errors import InputError
 from tasks.data.embedded import embedded_gguf
@@ -63,7 +63,7 @@ def test_a_checkpoint_whose_weights_do_not_load_fails_alone(tmp_path, tokenizer,
     assert [o.status for o in outcomes] == ["failed", "ok"]
     assert outcomes[0].reason == f"model {broken}: {RENAMED}, with the config.json of the model its tensors are for"
     lineup = prepare(BaselineSpec(name="baseline", path=broken), [])
-    outcome = score_variant(lineup.baseline, lineup, scored)
+    outcome = score_baseline(lineup.baseline, scored)
     assert not outcome.ok and RENAMED in outcome.reason
 
 

@@ -229,5 +229,5 @@ def test_a_stopped_variant_is_paired_with_the_baseline_s_tokens_of_its_windows(m
     stopped.extra["top"][found["top_kl"][0]["token"]] = past
     again = where_of(VariantResult("noisy", "x", "ok", result=stopped), baseline, settings, tokenizer)
     assert again["top_kl"][0]["top_text"] == f"<id {past}>"
-    unscored = VariantResult("noisy", "x", "failed", reason="out of memory")
+    unscored = VariantResult.failed("noisy", "x", "out of memory")
     assert where_of(unscored, baseline, settings, tokenizer) is None

@@ -51,12 +51,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
             return 1
         said, result = outcome.reference, outcome.result
-        where = f"reference {said['key']} in {said['path']}" if said.get("path") else f"no reference: {said['problem']}"
-        print(f"baseline {said['baseline']}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} "
+        where = f"reference {said.key} in {said.path}" if said.path else f"no reference: {said.problem}"
+        print(f"baseline {said.baseline}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} "
               f"tokens; {where}", file=say)
-        if said.get("drift"):
-            print(drift_text(said["drift"]), file=say)
-        return 0 if said.get("path") else 1
+        if said.drift:
+            print(drift_text(said.drift), file=say)
+        return 0 if said.path else 1
     if args.action == "ls":
         found = reference.listed()
         print(f"{'key':<17}{'created':<17}{'last used':<17}{'size':>10}  {'tokens':>8}  {'dtype':<9}{'device':<12}"

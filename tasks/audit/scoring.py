@@ -1,8 +1,8 @@
 """Score one model of an audit: make or load it, check it is comparable, and measure it.
 
-``score_variant`` never raises but for a transient failure: a model that cannot be loaded, is
-refused, runs out of memory or produces NaN ends as a failed ``VariantResult`` with a one-line reason,
-so the others carry on.
+The baseline (``score_baseline``) and a variant (``score_variant``), whole or in a piece, never raise but for a
+transient failure: a model that cannot be loaded, is refused, runs out of memory or produces NaN ends as a failed
+``VariantResult`` with a one-line reason (``tasks.audit.failures``), so the others carry on.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,10 +23,11 @@ import torch
 from tasks.audit import reference
 from tasks.audit.checkpoints import Checkpoint, Lineup, loading_from, quantized_checkpoint
 from tasks.audit.cluster import worker
+from tasks.audit.failures import Failure, attempt
+from tasks.audit.pieces import WHOLE, Against, Piece, Sample, Slices, Whole, Windows
 from tasks.audit.sequential import Watch
 from tasks.config import Gate, VariantSpec
-from tasks.core.errors import (Abandoned, DamagedReference, InputError, NumericalError, TransientError, WorkerError,
-                               one_line)
+from tasks.core.errors import DamagedReference, InputError, WorkerError, one_line
 from tasks.core.places import references_dir
 from tasks.data.evaluation import Evaluation
 from tasks.engine import kv_cache
@@ -40,6 +42,7 @@ from tasks.models.placement import devices, is_split, main_device, run_on
 from tasks.models.quantize import check_disjoint
 from tasks.models.resolve import Located, device_and_dtype, model_files
 from tasks.models.variants import VariantFacts, cache_format, check_same_tokenizer, load_variant
+from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 
 
@@ -150,7 +153,7 @@ class Lookup:
     ``manifest`` it starts from, the reference a rescore is compared with (``previous``), and, for the record,
     ``said`` (``baseline_key``, damaged references ``removed``)."""
 
-    said: dict
+    said: ReferenceSaid
     reused: tuple[PerplexityResult, VariantFacts] | None = None
     key: str | None = None
     manifest: dict = field(default_factory=dict)
@@ -170,47 +173,45 @@ class Lookup:
             self.problem = f"could not write the baseline reference in {references_dir()}: {error}"
             return None
 
-    def scored(self, result: PerplexityResult) -> dict:
+    def scored(self, result: PerplexityResult) -> ReferenceSaid:
         """What the record says of a baseline scored to ``result`` before its reference is put in place."""
-        said = self.said | {"baseline": "scored", "key": None}
-        if self.previous is not None:
-            said["drift"] = reference.drift(self.previous, result, self.manifest["environment"])
-        return said | ({"problem": self.problem} if self.problem else {})
+        drift = None if self.previous is None else reference.drift(self.previous, result, self.manifest["environment"])
+        return replace(self.said, baseline="scored", key=None, drift=drift, problem=self.problem or None)
 
-    def publish(self, write, said: dict) -> dict:
+    def publish(self, write, said: ReferenceSaid) -> ReferenceSaid:
         """``said`` with the reference ``write()`` puts in place, or the problem that kept it from being written. A
         rescore in this environment takes the old one's place; a race with another audit keeps theirs."""
         if self.problem:
             return said
         try:
             stored = write(self.previous is not None and self.previous.key == self.key)
-            return said | {"key": stored.key, "path": str(stored.folder)}
+            return replace(said, key=stored.key, path=str(stored.folder))
         except (OSError, DamagedReference) as error:  # a Writer's own problem (no errno) already says what it is
             problem = str(error) if getattr(error, "errno", 0) is None else f"could not write the baseline reference: {error}"
-            return said | {"problem": problem}
+            return replace(said, problem=problem)
 
 
 def look_up(checkpoint: Checkpoint, evaluation_: Evaluation) -> Lookup:
     """The baseline's ``Lookup``: its reference found (checked; a damaged one removed) or the key to write one under."""
     folder, identity, environment = baseline_identity(checkpoint, evaluation_)
     if identity is None:
-        return Lookup({}, problem=f"{checkpoint.source} is not on this machine: nothing identifies it well enough to "
-                                  "keep a reference")
+        return Lookup(ReferenceSaid(), problem=f"{checkpoint.source} is not on this machine: nothing identifies it "
+                                               "well enough to keep a reference")
     reuse, previous, removed = reference.find_intact(identity, environment, checkpoint.spec.rescore)
-    said = {"baseline_key": reference.baseline_key(identity)} | ({"removed": removed} if removed else {})
+    said = ReferenceSaid(baseline_key=reference.baseline_key(identity), removed=tuple(removed))
     if reuse is not None:
         result, facts = _reuse(reuse, checkpoint.model)
         facts.worker = worker()
-        return Lookup(said | {"baseline": "reused", "key": reuse.key, "path": str(reuse.folder)}, reused=(result, facts))
+        return Lookup(replace(said, baseline="reused", key=reuse.key, path=str(reuse.folder)), reused=(result, facts))
     return Lookup(said, key=reference.key_of(identity, environment), previous=previous,
                   manifest={"identity": identity, "environment": environment, "source": str(folder)})
 
 
 def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: bool
-                    ) -> tuple[PerplexityResult, VariantFacts, dict]:
+                    ) -> tuple[PerplexityResult, VariantFacts, ReferenceSaid]:
     """The baseline's result, from its stored reference or scored (writing one), and what happened, for
-    the record: ``baseline`` (``reused``/``scored``), ``key`` and ``path`` of the reference, ``drift``
-    (a rescore against the reference stored before), ``problem`` (why there is no reference), ``removed``
+    the record (``ReferenceSaid``): ``baseline`` (``reused``/``scored``), ``key`` and ``path`` of the reference,
+    ``drift`` (a rescore against the reference stored before), ``problem`` (why there is no reference), ``removed``
     (damaged references found and removed, ``reference.find_intact``), ``baseline_key`` (which audits compare with
     this one, ``reference.baseline_key``)."""
     settings = evaluation_.settings
@@ -238,7 +239,7 @@ def slices_dir(lookup: Lookup) -> Path:
 
 
 def _baseline_slice(checkpoint: Checkpoint, evaluation_: Evaluation, lookup: Lookup, windows: tuple[int, int],
-                    progress: bool) -> tuple[Part, VariantFacts, dict]:
+                    progress: bool) -> tuple[Part, VariantFacts, ReferenceSaid | None]:
     """A shard of the baseline: its windows scored and their slice of the reference written (``slice``: its folder),
     or the problem that kept it from being written."""
     settings = evaluation_.settings
@@ -250,60 +251,39 @@ def _baseline_slice(checkpoint: Checkpoint, evaluation_: Evaluation, lookup: Loo
         writer = lookup.writer(stack, targets[first:stop], first)
         part = score_with_backoff(model, evaluation_, checkpoint.spec.name, progress, windows, keep_hidden=writer)
         if writer is None:
-            return part, facts, {"problem": lookup.problem} if lookup.problem else {}
+            return part, facts, ReferenceSaid(problem=lookup.problem) if lookup.problem else None
         try:
             head = None if windows[0] else reference.head_entry(
                 Path(lookup.manifest["source"]), model.get_output_embeddings(), writer.staging) | {"softcap": softcap(model)}
             out = slices_dir(lookup) / f"windows-{windows[0]}-{windows[1] - 1}-{uuid.uuid4().hex[:8]}"
-            return part, facts, {"slice": str(writer.seal(head, out)), "key": lookup.key}
+            return part, facts, ReferenceSaid(key=lookup.key, slice=str(writer.seal(head, out)))
         except OSError as error:
-            return part, facts, {"problem": writer.problem or f"could not write the baseline reference: {error}"}
+            return part, facts, ReferenceSaid(problem=writer.problem or f"could not write the baseline reference: {error}")
 
 
-def join_reference(lookup: Lookup, baseline: VariantResult, shards: list[VariantResult], evaluation_: Evaluation) -> dict:
+def join_reference(lookup: Lookup, baseline: VariantResult, shards: list[VariantResult], evaluation_: Evaluation
+                   ) -> ReferenceSaid | None:
     """What the record says of a baseline scored in ``shards`` (merged into ``baseline``): its reference joined from
     their slices and put in place whole (``reference.assemble``), or the problem that kept it from being; the
-    audit's slices removed either way."""
+    audit's slices removed either way. None for a baseline that failed: it has no reference to speak of."""
     settings = evaluation_.settings
     try:
         if not baseline.ok:
-            return {}
+            return None
         said = lookup.scored(baseline.result)
-        problem = next((s.reference["problem"] for s in shards if "problem" in s.reference), None)
+        problem = next((s.reference.problem for s in shards if s.reference is not None and s.reference.problem), None)
         if problem or lookup.problem:
-            return said | {"problem": problem or lookup.problem}
+            return replace(said, problem=problem or lookup.problem)
         targets = scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode)
         manifest = lookup.manifest | {"facts": baseline.facts.summary()}
         with reference.building() as scratch:
             staging = scratch / lookup.key
             staging.mkdir()
             return lookup.publish(lambda replace: reference.assemble(
-                [Path(s.reference["slice"]) for s in shards], staging, lookup.key, manifest, baseline.result, targets,
+                [Path(s.reference.slice) for s in shards], staging, lookup.key, manifest, baseline.result, targets,
                 replace), said)
     finally:
         shutil.rmtree(slices_dir(lookup), ignore_errors=True)
-
-
-@contextmanager
-def failing_alone(outcome: VariantResult):
-    """Turn a failure of one model into ``outcome.reason`` (one line), so that the others carry on; only a
-    ``TransientError`` (network, remote storage) escapes, for the caller to retry. A failure that another
-    worker may not meet (out of memory, an unexpected error) marks the outcome ``retry_elsewhere``."""
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        outcome.reason = "out of memory at batch size 1; use a smaller window or a larger device"
-        outcome.retry_elsewhere = True
-    except TransientError:
-        raise
-    except (InputError, NumericalError, Abandoned) as error:
-        outcome.reason = one_line(error)
-    except WorkerError as error:
-        outcome.reason = one_line(error)
-        outcome.retry_elsewhere = True
-    except Exception as error:  # any other failure of one model must not lose the others
-        outcome.reason = f"{type(error).__name__}: {one_line(error)}"
-        outcome.retry_elsewhere = True
 
 
 def made(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
@@ -319,115 +299,185 @@ def made(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus
 def make_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
                  progress: bool = False) -> Checkpoint:
     """``made``, with a failure to make it as the checkpoint's ``problem``: once, before its shards load it."""
-    outcome = VariantResult(checkpoint.name, checkpoint.spec.method, "failed")
-    with failing_alone(outcome):
-        return made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
-    return replace(checkpoint, problem=outcome.reason)
+    done = attempt(lambda: made(checkpoint, lineup, evaluation_, corpus_text_of, progress))
+    return replace(checkpoint, problem=done.reason) if isinstance(done, Failure) else done
 
 
-def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
-                  progress: bool = False, baseline_outcome: VariantResult | None = None,
-                  windows: tuple[int, int] | None = None, sample: list[int] | None = None,
-                  lookup: Lookup | None = None, baseline_slices: list[VariantResult] | None = None) -> VariantResult:
-    """Score one model on the audit's stream; failures become a failed result, never an exception.
+@dataclass(frozen=True)
+class BaselineSlice:
+    """A shard of the baseline: its ``windows`` scored and their slice of its reference written under the key its
+    ``look_up`` found (``lookup``), for ``join_reference`` to join."""
 
-    The baseline is read from its stored reference when one matches (``tasks.audit.reference``), else scored
-    and its reference written; a variant measures its divergence from the baseline (``baseline_outcome``)
-    through that reference: the baseline's LM head and hidden states, never the baseline model.
+    windows: Windows
+    lookup: Lookup
 
-    Only a ``TransientError`` (network, remote storage) is raised, for the caller to retry. Out of
-    memory is not retried at the same batch size: the batch size is halved until it fits.
+    def row(self) -> dict:
+        return self.windows.row()
+
+    def named(self) -> str:
+        return self.windows.named()
+
+
+def score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, piece: Whole | BaselineSlice = WHOLE,
+                   progress: bool = False) -> VariantResult:
+    """The audit's baseline, whole or a shard of it (``piece``); a failure is a failed result, never an exception.
+
+    Whole, it is read from its stored reference when one matches (``tasks.audit.reference``), else scored and its
+    reference written; a shard writes its slice of the reference (its ``reference`` says its ``slice`` or
+    ``problem``; ``join_reference``). Only a ``TransientError`` (network, remote storage) is raised, for the caller
+    to retry; out of memory is not retried at the same batch size: the batch size is halved until it fits.
+    """
+    if isinstance(piece, BaselineSlice):
+        return _timed(lambda: _baseline_shard(checkpoint, evaluation_, piece, progress))
+    return _timed(lambda: _whole_baseline(checkpoint, evaluation_, progress))
+
+
+def _whole_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: bool) -> VariantResult:
+    spec = checkpoint.spec
+    if checkpoint.problem:
+        return _failed(spec, _refused(checkpoint.problem))
+    scored = attempt(lambda: _score_baseline(checkpoint, evaluation_, progress))
+    if isinstance(scored, Failure):
+        return _failed(spec, scored, manifest=checkpoint.manifest)
+    result, facts, said = scored
+    return VariantResult(spec.name, spec.method, "ok", result=result, facts=replace(facts, worker=worker()),
+                         manifest=checkpoint.manifest, reference=said)
+
+
+def _baseline_shard(checkpoint: Checkpoint, evaluation_: Evaluation, piece: BaselineSlice, progress: bool
+                    ) -> VariantResult:
+    spec, rows = checkpoint.spec, (piece.row(),)
+    if checkpoint.problem:
+        return _failed(spec, _refused(checkpoint.problem), shards=rows)
+    scored = attempt(lambda: _baseline_slice(checkpoint, evaluation_, piece.lookup, piece.windows.bounds, progress))
+    if isinstance(scored, Failure):
+        return _failed(spec, scored, manifest=checkpoint.manifest, shards=rows)
+    part, facts, said = scored
+    return VariantResult(spec.name, spec.method, "ok", facts=replace(facts, worker=worker()),
+                         manifest=checkpoint.manifest, reference=said, part=part, shards=_done(rows, part))
+
+
+def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against = None,
+                  piece: Piece = WHOLE, corpus_text_of=None, progress: bool = False) -> VariantResult:
+    """One variant made (gptq/awq made here), checked, loaded and scored on the audit's stream, whole or in a piece
+    (``piece``: a shard's windows, a sequential run's sample); a failure is a failed result, never an exception.
+
+    It measures its divergence from the baseline through its reference, ``against``: the baseline's outcome (the
+    stored reference its ``reference`` names), or the slices the baseline's shards wrote (``Slices``): the baseline's
+    LM head and hidden states, never the baseline model. Whole and against a scored baseline, a sequential run stops
+    itself once its verdict is settled.
+
+    Only a ``TransientError`` (network, remote storage) is raised, for the caller to retry. Out of memory is not
+    retried at the same batch size: the batch size is halved until it fits.
 
     Args:
         corpus_text_of: maps a calibration ``CorpusConfig`` to its text (gptq/awq made here).
-        windows: a variant's shard: only these windows ``(first, stop)`` are scored; the outcome holds them
-            as its ``part`` (no ``result``), for ``merge_shards``.
-        sample: a piece of a sequential run on a cluster: only these windows of the plan, in this order, as
-            a ``part``; without it, a sequential run stops itself once its verdict is settled.
-        lookup: a baseline's shard (``windows``): what its ``look_up`` found, which names the slice of its
-            reference that the shard writes (its ``reference``: ``slice`` or ``problem``; ``join_reference``).
-        baseline_slices: a variant's shard (``windows``) scored while the baseline's reference is still in slices:
-            the outcomes of the baseline's first shard (its LM head) and of the shard over the same windows, whose
-            slice it measures its divergence against (``reference.slice_baseline``), instead of ``baseline_outcome``.
     """
-    spec = checkpoint.spec
-    outcome = VariantResult(spec.name, spec.method, "failed", started=time.time())
-    if windows is not None:
-        outcome.shards = [{"windows": list(windows), "worker": worker()}]
-    if sample is not None:
-        outcome.shards = [{"sample": [int(w) for w in sample], "worker": worker()}]
+    return _timed(lambda: _variant(checkpoint, lineup, evaluation_, against, piece, corpus_text_of, progress))
+
+
+def _timed(measure: Callable[[], VariantResult]) -> VariantResult:
+    """``measure()``'s outcome, with when it began and ended (quantizing and loading included)."""
+    started = time.time()
     try:
-        with failing_alone(outcome):
-            if checkpoint.problem:
-                raise InputError(checkpoint.problem)
-            outcome.manifest, part = checkpoint.manifest, None
-            if checkpoint.role == "baseline" and windows is None:
-                outcome.result, outcome.facts, outcome.reference = _score_baseline(checkpoint, evaluation_, progress)
-            elif checkpoint.role == "baseline":
-                part, outcome.facts, outcome.reference = _baseline_slice(checkpoint, evaluation_, lookup, windows,
-                                                                         progress)
-            else:
-                part = _scored_variant(outcome, checkpoint, lineup, evaluation_, corpus_text_of, progress,
-                                       baseline_outcome, windows, sample, baseline_slices)
-            outcome.facts.worker = worker()
-            if windows is not None or sample is not None:
-                outcome.part = part
-                outcome.shards[0] |= {"tokens": int(part.scores.window_tokens.sum()), "seconds": part.wall_seconds}
-            outcome.status = "ok"
+        outcome = measure()
     finally:  # the model, loaded in a function of its own, is gone: its memory is handed back now
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        outcome.ended = time.time()
-    return outcome
+    return replace(outcome, started=started, ended=time.time())
 
 
-def _scored_variant(outcome: VariantResult, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation,
-                    corpus_text_of, progress: bool, baseline_outcome: VariantResult | None,
-                    windows: tuple[int, int] | None, sample: list[int] | None,
-                    baseline_slices: list[VariantResult] | None = None) -> Part:
-    """``score_variant`` of a variant: made, checked, loaded and scored, its facts and divergence in ``outcome``, and
-    its ``result`` too when it scored every window it was to; returns what it scored."""
-    spec, settings = checkpoint.spec, evaluation_.settings
-    checkpoint = made(checkpoint, lineup, evaluation_, corpus_text_of, progress)
-    outcome.manifest = checkpoint.manifest
-    if outcome.manifest:
-        check_disjoint(outcome.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, spec.name)
-    check_same_tokenizer(spec.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
-    model, outcome.facts = _loaded(spec, checkpoint.model, evaluation_)
+def _failed(spec: VariantSpec, failure: Failure, **known) -> VariantResult:
+    return VariantResult.failed(spec.name, spec.method, failure.reason, failure.retry_elsewhere, **known)
+
+
+def _refused(problem: str) -> Failure:
+    """A checkpoint's ``problem``, found as it was prepared or made, as its failure."""
+    return Failure(one_line(InputError(problem)))
+
+
+def _done(rows: tuple[dict, ...], part: Part) -> tuple[dict, ...]:
+    """A piece's row (none for a whole model) with what it scored."""
+    return tuple(row | {"tokens": int(part.scores.window_tokens.sum()), "seconds": part.wall_seconds} for row in rows)
+
+
+def _variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against, piece: Piece,
+             corpus_text_of, progress: bool) -> VariantResult:
+    """``score_variant``'s outcome but for its times: what was known of the variant when it failed is kept (its
+    manifest once made, its facts once loaded)."""
+    spec, rows = checkpoint.spec, tuple(filter(None, [piece.row()]))
+    if checkpoint.problem:
+        return _failed(spec, _refused(checkpoint.problem), shards=rows)
+    ready = attempt(lambda: made(checkpoint, lineup, evaluation_, corpus_text_of, progress))
+    if isinstance(ready, Failure):
+        return _failed(spec, ready, manifest=checkpoint.manifest, shards=rows)
+    loaded = attempt(lambda: _checked_and_loaded(ready, lineup, evaluation_))
+    if isinstance(loaded, Failure):
+        return _failed(spec, loaded, manifest=ready.manifest, shards=rows)
+    model, facts = loaded
+    measured = attempt(lambda: _measured(model, ready, lineup, evaluation_, against, piece, progress))
+    if isinstance(measured, Failure):
+        return _failed(spec, measured, manifest=ready.manifest, facts=facts, shards=rows)
+    part, result, divergence, sequential = measured
+    return VariantResult(spec.name, spec.method, "ok", result=result, facts=replace(facts, worker=worker()),
+                         manifest=ready.manifest, divergence=divergence,
+                         part=None if isinstance(piece, Whole) else part, shards=_done(rows, part),
+                         sequential=sequential)
+
+
+def _checked_and_loaded(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation) -> tuple:
+    """A made variant checked (its calibration disjoint from the evaluated text, the baseline's tokenizer) and loaded:
+    ``(model, facts)``."""
+    if checkpoint.manifest:
+        check_disjoint(checkpoint.manifest, evaluation_.stream.text_digest, evaluation_.evaluated, checkpoint.spec.name)
+    check_same_tokenizer(checkpoint.spec.name, lineup.baseline.tokenizer, checkpoint.tokenizer)
+    model, facts = _loaded(checkpoint.spec, checkpoint.model, evaluation_)
     if checkpoint.detected:
-        outcome.facts.quantization["detected"] = checkpoint.detected
-    against, stored = None, None
-    baseline_said = baseline_outcome.reference if baseline_outcome is not None and baseline_outcome.ok else {}
-    if settings.divergence and baseline_slices is not None:
-        against = _read_slices(outcome, baseline_slices, lineup.baseline.source, input_device(model))
-    elif settings.divergence and baseline_said.get("path"):
-        stored = reference.Reference.open(Path(baseline_said["path"]))
+        facts = replace(facts, quantization=facts.quantization | {"detected": checkpoint.detected})
+    return model, facts
+
+
+def _measured(model, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against, piece: Piece,
+              progress: bool) -> tuple[Part, PerplexityResult | None, Divergence | None, dict | None]:
+    """A loaded variant scored: ``(part, result, divergence, sequential)``; a piece has no ``result`` (its ``part``
+    is merged with the others'), and ``sequential`` is a run's that may stop once its verdict is settled."""
+    spec, settings = checkpoint.spec, evaluation_.settings
+    baseline, divergence, stored = None, None, None
+    said = against.reference if isinstance(against, VariantResult) and against.ok else None
+    if settings.divergence and isinstance(against, Slices):
+        baseline, divergence = _read_slices(against.shards, lineup.baseline.source, input_device(model))
+    elif settings.divergence and said is not None and said.path:
+        stored = reference.Reference.open(Path(said.path))
         if stored is None:
-            raise WorkerError(f"the baseline reference {baseline_said['path']} is not on {worker()}; every "
+            raise WorkerError(f"the baseline reference {said.path} is not on {worker()}; every "
                               "worker must see $PPL_AUDIT_REFERENCES at the same path")
         with _removed_when_damaged(stored):
-            against = stored.baseline(lineup.baseline.source, input_device(model))
-        outcome.divergence = {"reference": baseline_said["key"],
-                              "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
+            baseline = stored.baseline(lineup.baseline.source, input_device(model))
+        divergence = Divergence(said.key, _head_bytes(baseline))
     elif settings.divergence:
-        outcome.divergence = {"absent": baseline_said.get("problem", "the baseline was not scored")}
+        divergence = Divergence.missing((said is not None and said.problem) or "the baseline was not scored")
     watch, sequence = None, {}
     n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
-    if sample is not None:
-        rest = np.setdiff1d(np.arange(n_windows), sample)
-        sequence = {"order": np.concatenate([np.asarray(sample, np.int64), rest]), "stop_at": len(sample)}
-    elif settings.sequential and windows is None and baseline_outcome is not None and baseline_outcome.ok:
-        watch = Watch(checkpoint.gate or Gate(), baseline_outcome.result.window_nll, settings.order_seed)
+    if isinstance(piece, Sample):
+        rest = np.setdiff1d(np.arange(n_windows), piece.windows)
+        sequence = {"order": np.concatenate([np.asarray(piece.windows, np.int64), rest]), "stop_at": len(piece.windows)}
+    elif settings.sequential and isinstance(piece, Whole) and isinstance(against, VariantResult) and against.ok:
+        watch = Watch(checkpoint.gate or Gate(), against.result.window_nll, settings.order_seed)
         sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
+    bounds = piece.bounds if isinstance(piece, Windows) else None
     with _removed_when_damaged(stored):
-        part = score_with_backoff(model, evaluation_, spec.name, progress, windows, reference=against,
+        part = score_with_backoff(model, evaluation_, spec.name, progress, bounds, reference=baseline,
                                   kv_cache=cache_format(spec), **sequence)
-    if windows is None and sample is None:
-        outcome.result = combined([part], evaluation_, spec.name)
-        if watch:
-            outcome.sequential = watch.said(outcome.result)
-    return part
+    if not isinstance(piece, Whole):
+        return part, None, divergence, None
+    result = combined([part], evaluation_, spec.name)
+    return part, result, divergence, watch.said(result) if watch else None
+
+
+def _head_bytes(baseline) -> int:
+    """The memory the baseline's LM head takes beside the variant."""
+    return sum(t.nbytes for t in baseline.head.parameters())
 
 
 @contextmanager
@@ -443,21 +493,19 @@ def _removed_when_damaged(stored: reference.Reference | None):
         raise
 
 
-def _read_slices(outcome: VariantResult, shards: list[VariantResult], source: str, device: torch.device):
+def _read_slices(shards: tuple[VariantResult, ...], source: str, device: torch.device) -> tuple:
     """The baseline a variant's shard measures its divergence against while its reference is in slices (the outcomes
-    of the baseline's ``shards`` that wrote them), its divergence recorded; None, and why, where they wrote none."""
+    of the baseline's ``shards`` that wrote them), and its ``Divergence``; None, and why, where they wrote none."""
     said = [shard.reference for shard in shards]
-    problem = next((s["problem"] for s in said if "problem" in s), None)
-    if problem or not all("slice" in s for s in said):
-        outcome.divergence = {"absent": problem or "the baseline's shards wrote no reference"}
-        return None
-    folders = [Path(s["slice"]) for s in said]
+    problem = next((s.problem for s in said if s is not None and s.problem), None)
+    if problem or not all(s is not None and s.slice for s in said):
+        return None, Divergence.missing(problem or "the baseline's shards wrote no reference")
+    folders = [Path(s.slice) for s in said]
     if not all(folder.is_dir() for folder in folders):
         raise WorkerError(f"the baseline reference's slices in {folders[0].parent} are not on {worker()}; every "
                           "worker must see $PPL_AUDIT_REFERENCES at the same path")
     against = reference.slice_baseline(folders, shards[-1].part.scores.token_nll, source, device)
-    outcome.divergence = {"reference": said[0]["key"], "memory_bytes": sum(t.nbytes for t in against.head.parameters())}
-    return against
+    return against, Divergence(said[0].key, _head_bytes(against))
 
 
 def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> VariantResult:
@@ -465,20 +513,21 @@ def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> Varian
     (``tasks.engine.perplexity.combine``: bit for bit what one worker scoring every window gives), every worker named.
     It fails, with the first failed shard's reason, when a shard failed."""
     first = shards[0]
-    merged = VariantResult(first.name, first.method, "failed", manifest=first.manifest, facts=first.facts,
-                           divergence=first.divergence, shards=[row for s in shards for row in s.shards],
-                           # a task that raised before it started (e.g. on a worker that cannot reach
-                           # Prefect's API) has no times
-                           started=min((s.started for s in shards if s.started), default=None),
-                           ended=max((s.ended for s in shards if s.ended), default=None))
+    known = {"manifest": first.manifest, "facts": first.facts, "divergence": first.divergence,
+             "shards": tuple(row for s in shards for row in s.shards),
+             # a task that raised before it started (e.g. on a worker that cannot reach
+             # Prefect's API) has no times
+             "started": min((s.started for s in shards if s.started), default=None),
+             "ended": max((s.ended for s in shards if s.ended), default=None)}
     failed = next((n for n, shard in enumerate(shards) if not shard.ok), None)
     if failed is not None:
-        merged.reason = shards[failed].reason
+        reason = shards[failed].reason
         if len(shards) > 1:
-            merged.reason = f"shard {failed + 1} of {len(shards)}: {merged.reason}"
-        return merged
-    with failing_alone(merged):
-        merged.result = combined([shard.part for shard in shards], evaluation_, first.name)
-        merged.facts.worker = ", ".join(dict.fromkeys(row["worker"] for row in merged.shards))
-        merged.status = "ok"
-    return merged
+            reason = f"shard {failed + 1} of {len(shards)}: {reason}"
+        return VariantResult.failed(first.name, first.method, reason, **known)
+    result = attempt(lambda: combined([shard.part for shard in shards], evaluation_, first.name))
+    if isinstance(result, Failure):
+        return VariantResult.failed(first.name, first.method, result.reason, result.retry_elsewhere, **known)
+    workers = ", ".join(dict.fromkeys(row["worker"] for row in known["shards"]))
+    return VariantResult(first.name, first.method, "ok", result=result, **known | {"facts": replace(first.facts,
+                                                                                                  worker=workers)})

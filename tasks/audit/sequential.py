@@ -10,6 +10,7 @@ or one entirely past it (fail). A run that never settles scores every window and
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from tasks.config import Gate
 from tasks.engine.paired import CONFIDENCE, Estimate
 from tasks.engine.perplexity import PROGRESS_FIGURES, PerplexityResult, Progress, WindowScores
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence
+from tasks.record.sequential_said import SequentialSaid
 from tasks.record.verdict import GATES
 
 # each gated figure from per-window sums: which sum, and the map from the mean per token to the figure
@@ -86,17 +88,15 @@ class Watch:
         self.decision = settled(self.bounds, self.gate)
         return self.decision is not None
 
-    def said(self, result: PerplexityResult) -> dict:
+    def said(self, result: PerplexityResult) -> SequentialSaid:
         """What the record keeps of the run: the order's seed, how much was scored, and at a stop, the decision
         and the sequences' bounds it rested on."""
-        stopped = result.scored_windows is not None
-        said = {"seed": self.seed, "level": CONFIDENCE, "alpha_each": self.alpha,
-                "scored_fraction": result.scored_fraction, "windows_scored": len(result.window_tokens),
-                "stopped": "settled" if stopped else "ran to the end"}
-        if stopped:
-            said |= {"decision": self.decision, "bounds": {key: list(b) for key, b in self.bounds.items()},
-                     "windows": [int(w) for w in result.scored_windows]}
-        return said
+        said = SequentialSaid(self.seed, CONFIDENCE, self.alpha, result.scored_fraction, len(result.window_tokens),
+                              "ran to the end")
+        if result.scored_windows is None:
+            return said
+        return replace(said, stopped="settled", decision=self.decision, bounds=dict(self.bounds),
+                       windows=tuple(int(w) for w in result.scored_windows))
 
 
 def progress_of(samples: list[WindowScores], tokens: torch.Tensor, batch_size: int) -> Progress:

@@ -99,15 +99,15 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
         if arrays_file(outcome):
             entry["arrays"] = arrays_file(outcome)
         if outcome.shards:  # where each slice of its windows ran, and any try that failed before
-            entry["shards"] = outcome.shards
+            entry["shards"] = list(outcome.shards)
         if outcome.sequential:  # the order's seed, how much was scored, the bounds at a stop
-            entry["sequential"] = outcome.sequential
+            entry["sequential"] = outcome.sequential.as_record()
         if outcome.name in where:
             entry["where"] = where[outcome.name]
         if outcome.name in diagnoses:
             entry["diagnosis"] = diagnoses[outcome.name]
-        if entry["role"] == "baseline":
-            entry["reference"] = outcome.reference
+        if entry["role"] == "baseline":  # the record's dict of it, as it has always been written
+            entry["reference"] = outcome.reference.as_record() if outcome.reference else {}
         variants.append(entry)
     stream = scored.stream
     return {

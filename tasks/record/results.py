@@ -5,20 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tasks.record.reference_said import Divergence, ReferenceSaid
+from tasks.record.sequential_said import SequentialSaid
+
 if TYPE_CHECKING:
     from tasks.engine.perplexity import Part, PerplexityResult
     from tasks.models.variants import VariantFacts
 
 
-@dataclass
+@dataclass(frozen=True)
 class VariantResult:
-    """One model's outcome.
+    """One model's outcome, built once from what was measured (a failed one by ``failed``); a value derived from it
+    (shards merged, a retry's, a joined reference) is a new one (``dataclasses.replace``).
 
-    ``divergence``: a variant's, the reference its KL was measured against and the memory its LM head
-    took. ``reference``: the baseline's, whether it was ``scored`` or ``reused`` from its stored
-    reference (``key``, ``path``), the ``drift`` of a rescore from the reference before, or the
-    ``problem`` that left it without one (``tasks.audit.scoring``). ``sequential``: a variant scored in a random
-    order that may stop once its verdict is settled (``tasks.audit.sequential.Watch.said``).
+    ``divergence``: a variant's, what its KL was measured against (None: not asked for). ``reference``: the
+    baseline's, what its stored reference says (``ReferenceSaid``). ``sequential``: a variant scored in a random
+    order that may stop once its verdict is settled (``SequentialSaid``).
     """
 
     name: str
@@ -28,11 +30,11 @@ class VariantResult:
     result: PerplexityResult | None = None
     facts: VariantFacts | None = None
     manifest: dict | None = field(default=None, repr=False)
-    divergence: dict = field(default_factory=dict)
-    reference: dict = field(default_factory=dict)
+    divergence: Divergence | None = None
+    reference: ReferenceSaid | None = None
     part: Part | None = field(default=None, repr=False)  # a shard's windows, before they are merged
-    shards: list[dict] = field(default_factory=list)  # per shard: windows, tokens, worker, seconds
-    sequential: dict = field(default_factory=dict)
+    shards: tuple[dict, ...] = ()  # per shard: windows, tokens, worker, seconds
+    sequential: SequentialSaid | None = None
     retry_elsewhere: bool = False  # failed in a way another worker may not (out of memory, a crash)
     started: float | None = None  # epoch seconds: when it began and ended (quantizing and loading included)
     ended: float | None = None
@@ -40,3 +42,9 @@ class VariantResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @classmethod
+    def failed(cls, name: str, method: str, reason: str, retry_elsewhere: bool = False, **known) -> VariantResult:
+        """A model that could not be scored, with ``reason`` (one line) and what was ``known`` of it before it failed
+        (its manifest, facts, shards' rows, times)."""
+        return cls(name, method, "failed", reason, retry_elsewhere=retry_elsewhere, **known)

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from tasks.config import Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference
 from tasks.engine.perplexity import token_slots
+from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
+from tasks.record.sequential_said import SequentialSaid
 
 
 FRONT = "front of size against quality (bits per weight, ΔPPL and KLD)"
@@ -49,13 +51,13 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int)
                    model_bits_per_weight=facts.model_bits_per_weight, load_seconds=facts.load_seconds,
                    backend=facts.backend)
         if outcome is baseline:
-            said = outcome.reference
-            row.update(baseline=said.get("baseline"), reference=said.get("key"))
-            if said.get("removed"):
-                row["removed_references"] = said["removed"]
-            if said.get("drift"):
-                row.update(drift="environment drift" if said["drift"]["drift"] else "none",
-                           drift_from=said["drift"]["reference"])
+            said = outcome.reference or ReferenceSaid()
+            row.update(baseline=said.baseline, reference=said.key)
+            if said.removed:
+                row["removed_references"] = list(said.removed)
+            if said.drift:
+                row.update(drift="environment drift" if said.drift["drift"] else "none",
+                           drift_from=said.drift["reference"])
         row["scored_fraction"] = r.scored_fraction
         base = baseline.result if baseline.ok else None
         if base is not None and outcome is not baseline:
@@ -64,30 +66,30 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int)
                 token_slots(base.window_tokens, r.scored_windows)]
             if len(base_nll) == len(r.token_nll):  # the same tokens: pair them
                 row.update(paired_difference(base_nll, r.token_nll, r.window_tokens))
-                if "absent" in outcome.divergence:
-                    row["divergence_absent"] = outcome.divergence["absent"]
+                divergence = outcome.divergence or Divergence()
+                if divergence.absent is not None:
+                    row["divergence_absent"] = divergence.absent
                 if "kl" in r.extra:
                     row.update(divergence_summary(r.extra, base_nll, r.token_nll, r.window_tokens))
-                    row.update(reference=outcome.divergence.get("reference", ""),
-                               divergence_mib=outcome.divergence.get("memory_bytes", 0) / 2**20)
+                    row.update(reference=divergence.reference, divergence_mib=divergence.memory_bytes / 2**20)
             if outcome.sequential:
                 row.update(_sequential_figures(row, outcome.sequential, base.ppl))
     return row
 
 
-def _sequential_figures(row: dict, said: dict, base_ppl: float) -> dict:
+def _sequential_figures(row: dict, said: SequentialSaid, base_ppl: float) -> dict:
     """A sequential run's row: where it stopped early, the gated figures' bounds are their anytime-valid
     sequences' at the stop, and PPL is the baseline's (over every window) moved by the paired estimate of the
     change; a run that went to the end keeps its figures and intervals, judged as without ``sequential``."""
-    if said["stopped"] != "settled":
-        return {"sequential": f"scored every window: not settled earlier (order seed {said['seed']})"}
-    figures = {"sequential": f"stopped at {100 * said['scored_fraction']:.0f}% of tokens: settled "
-                             f"(anytime-valid {100 * said['level']:g}% bounds, order seed {said['seed']})"}
+    if said.stopped != "settled":
+        return {"sequential": f"scored every window: not settled earlier (order seed {said.seed})"}
+    figures = {"sequential": f"stopped at {100 * said.scored_fraction:.0f}% of tokens: settled "
+                             f"(anytime-valid {100 * said.level:g}% bounds, order seed {said.seed})"}
     if "delta_nll" in row:
         ppl = base_ppl * math.exp(row["delta_nll"])
         figures |= {"ppl": ppl, "ppl_stderr": ppl * row["delta_nll_stderr"], "delta_ppl": ppl - base_ppl,
                     "ppl_ratio": ppl / base_ppl}
-    for key, (low, high) in said["bounds"].items():
+    for key, (low, high) in said.bounds.items():
         figures |= {f"{key}_low": low, f"{key}_high": high}
     return figures
 
