@@ -9,12 +9,11 @@ here, sharing the models loaded once).
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from functools import partial
 
 from prefect import flow
 
-from flows.runners import task_runner
+from flows.scheduler import Scheduler
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.diagnose import Bench, Restored, narrowed, report, sample, search
 from tasks.audit.plan import AuditPlan
@@ -34,26 +33,25 @@ def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoin
     windows = sample(scored, settings.windows, settings.seed)
     print(f"diagnosing {checkpoint.name} on {len(windows)} windows ({sum(w.n_scored for w in windows)} tokens), "
           f"restoring up to {settings.restore} layers")
-    runner = task_runner(config)
     # run here, the tasks share this diagnosis's bench (one load of the pair, let go at the end); on a cluster each
     # worker's tasks share its own (tasks.steps.WorkerBench): a bench sent with a task would reach it as a copy
     bench = Bench()
-
-    def evaluate(sets: list[tuple[int, ...]]) -> list[Restored]:
-        if runner is None:
-            return restore_layers(checkpoint, lineup, scored, windows, sets, bench)
-        # a task per worker: each runs the variant once per batch and every set of its share from there
-        shares = [sets[i :: config.runner.workers] for i in range(min(config.runner.workers, len(sets)))]
-        futures = [runner.submit(restore_layers, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
-                                                  "windows": windows, "sets": share}) for share in shares]
-        found = {each.layers: each for future in futures for each in future.result()}
-        return [found[tuple(layers)] for layers in sets]
-
     try:
-        with runner or nullcontext():  # on a cluster, this process loads no model: a worker examines both
-            seen = examine_variant(checkpoint, lineup, scored, windows, bench) if runner is None else runner.submit(
-                examine_variant, {"checkpoint": checkpoint, "lineup": lineup, "evaluation_": scored,
-                                  "windows": windows}).result()
+        with Scheduler.started(config.runner) as scheduler:  # on a cluster, this process loads no model
+
+            def evaluate(sets: list[tuple[int, ...]]) -> list[Restored]:
+                if scheduler is None:
+                    return restore_layers(checkpoint, lineup, scored, windows, sets, bench)
+                # a task per worker: each runs the variant once per batch and every set of its share from there
+                shares = [sets[i :: config.runner.workers] for i in range(min(config.runner.workers, len(sets)))]
+                futures = [scheduler.submit(restore_layers, checkpoint=checkpoint, lineup=lineup, evaluation_=scored,
+                                            windows=windows, sets=share) for share in shares]
+                found = {each.layers: each for future in futures for each in future.result()}
+                return [found[tuple(layers)] for layers in sets]
+
+            seen = examine_variant(checkpoint, lineup, scored, windows, bench) if scheduler is None else \
+                scheduler.submit(examine_variant, checkpoint=checkpoint, lineup=lineup, evaluation_=scored,
+                                 windows=windows).result()  # a worker examines both
             alone, curve = search(seen, evaluate, settings.restore)
     finally:
         bench.forget()

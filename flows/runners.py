@@ -3,75 +3,28 @@
 Sequential is the default: one device, one model in memory at a time. Dask and Ray run variants
 concurrently, one per worker, on a local cluster started for the audit or on an existing one
 (``runner.address``); with ``gpus_per_variant`` each variant asks its worker for GPUs, and with ``shards``
-each variant's windows are split across workers and merged exactly.
+each variant's windows are split across workers and merged exactly. The workers are reached through one
+``flows.scheduler.Scheduler``: this module says what is scored where and in which order, never how Dask or Ray do it.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import nullcontext
 from dataclasses import replace
 
 from prefect import get_run_logger
 
+from flows.scheduler import Scheduler
 from tasks.audit.checkpoints import Lineup
 from tasks.audit.pieces import Sample, Slices, Windows
 from tasks.audit.scoring import BaselineSlice, Lookup, look_up, merge_shards
 from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
-from tasks.core.places import cache_dir
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import shard_bounds
 from tasks.engine.windows import plan
 from tasks.record.reference_said import Divergence
 from tasks.record.results import VariantResult
 from tasks.steps import join_baseline_reference, look_up_baseline, make, score_baseline, score_variant
-
-RETRY_POLL_SECONDS = 2  # how often a retry held to other workers checks that one of them is still there
-
-
-def dask_cluster(workers: int, resources: dict) -> dict:
-    """A local Dask cluster reachable from this machine only (its dashboard binds every interface by default)."""
-    return {"n_workers": workers, "threads_per_worker": 1, "resources": resources, "host": "127.0.0.1",
-            "dashboard_address": "127.0.0.1:8787",
-            "local_directory": str(cache_dir() / "dask-scratch")}  # not the working directory's default
-
-
-def task_runner(config: AuditConfig):
-    runner = config.runner
-    if runner.kind == "dask":
-        from prefect_dask import DaskTaskRunner
-
-        if runner.address:  # the user's cluster: its workers declare their own resources
-            return DaskTaskRunner(address=runner.address)
-        resources = {"GPU": runner.gpus_per_variant} if runner.gpus_per_variant else {}
-        return DaskTaskRunner(cluster_kwargs=dask_cluster(runner.workers, resources))
-    if runner.kind == "ray":
-        from prefect_ray import RayTaskRunner
-
-        from flows.ray_runner import ConnectedRayTaskRunner
-
-        quiet = {"logging_level": "WARNING"}
-        if runner.address:  # `auto`: the cluster `ray start` runs on this machine, never a new one
-            return ConnectedRayTaskRunner(address=runner.address, init_kwargs=quiet)
-        # a local instance of `workers` CPUs (it finds the GPUs itself), no dashboard listening on every interface
-        return RayTaskRunner(init_kwargs=quiet | {"num_cpus": runner.workers, "include_dashboard": False})
-    return None
-
-
-def _placement(config: AuditConfig):
-    """What each variant asks of its worker: GPUs, where configured."""
-    gpus = config.runner.gpus_per_variant
-    if not gpus:
-        return nullcontext()
-    if config.runner.kind == "dask":
-        import dask
-
-        return dask.annotate(resources={"GPU": gpus})
-    from prefect_ray.context import remote_options
-
-    return remote_options(num_gpus=gpus)
-
 
 def _raised(error: BaseException) -> str:
     return one_line(error) if isinstance(error, InputError) else f"{type(error).__name__}: {one_line(error)}"
@@ -82,15 +35,6 @@ def _made(checkpoint, value):
     return replace(checkpoint, problem=_raised(value)) if isinstance(value, BaseException) else value
 
 
-def _settled(future):
-    """A future's result, or what its task raised: also an error raised before Prefect recorded any state (a
-    worker that cannot reach the Prefect API), which ``result`` raises whatever ``raise_on_failure`` says."""
-    try:
-        return future.result(raise_on_failure=False)
-    except Exception as error:  # noqa: BLE001 -- one variant's failure, whatever it is, must not lose the others
-        return error
-
-
 def _outcome(checkpoint, value) -> VariantResult:
     """A task's result, or a failed result for a task that raised (retries exhausted)."""
     if isinstance(value, BaseException):
@@ -98,48 +42,20 @@ def _outcome(checkpoint, value) -> VariantResult:
     return value
 
 
-def _elsewhere(runner, config: AuditConfig, shard: VariantResult) -> list[str] | None:
-    """The workers a failed shard runs again on: on Dask, any but the one it failed on; None: anywhere."""
-    if config.runner.kind != "dask" or not shard.shards:
-        return None
-    return sorted(set(runner.client.scheduler_info()["workers"]) - {shard.shards[0]["worker"]})
-
-
-def _held_to(workers: list[str] | None):
-    """Tasks submitted in this context run on ``workers`` only. Strictly: Dask's work stealing moves a task with a
-    loose restriction (``allow_other_workers``) to any idle worker, the one it failed on included."""
-    if workers is None:
-        return nullcontext()
-    import dask
-
-    return dask.annotate(workers=workers, allow_other_workers=False)
-
-
 def _nobody_left(failed: VariantResult) -> VariantResult:
     return replace(failed, shards=(), reason=f"{failed.reason}; no other worker is left to run it again")
 
 
-def _settled_on(runner, future, workers: list[str] | None, failed: VariantResult):
-    """``_settled`` for a task held to ``workers``: should every one of them leave the cluster, Dask would keep it
-    waiting for one forever; it fails instead."""
-    while workers is not None and not future.wrapped_future.done():
-        if not set(workers) & set(runner.client.scheduler_info()["workers"]):
-            future.wrapped_future.cancel()
-            return _nobody_left(failed)
-        time.sleep(RETRY_POLL_SECONDS)
-    return _settled(future)
-
-
-def submit_makes(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> dict:
+def submit_makes(scheduler: Scheduler, lineup: Lineup, scored: Evaluation) -> dict:
     """A ``make`` task for each variant quantized here, by its place in the lineup: submitted before the baseline is
     scored, they quantize on the workers it leaves free (its shards need the GPUs a variant asks for, and so do
     they)."""
-    with _placement(config):
-        return {v: runner.submit(make, {"checkpoint": c, "lineup": lineup, "evaluation_": scored})
+    with scheduler.placed():
+        return {v: scheduler.submit(make, checkpoint=c, lineup=lineup, evaluation_=scored)
                 for v, c in enumerate(lineup.variants) if c.source is None and not c.problem}
 
 
-def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, making: dict
+def score_concurrently(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, making: dict
                        ) -> tuple[VariantResult, list[VariantResult]]:
     """The baseline and every variant at once on a started Dask or Ray task runner, each as ``runner.shards`` tasks
     over contiguous slices of its windows (one by default), merged exactly; a variant made here is quantized once
@@ -153,14 +69,12 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
     without divergence, as they are anywhere else.
 
     A task that failed in a way another worker may not (out of memory, a crash, a file missing there) is tried
-    once more, elsewhere; the model fails only when it fails again. Tasks go to the runner itself, not
+    once more, elsewhere; the model fails only when it fails again. Tasks go to the scheduler's runner, not
     through a subflow: a subflow's parameters (the corpus text among them) are stored with its run, and
     Prefect refuses more than 512 KB of them.
     """
-    from prefect.futures import as_completed
-
-    bounds, baseline = _bounds(config, scored), lineup.baseline
-    found, done = _baseline_found(runner, lineup, scored)
+    bounds, baseline = _bounds(scheduler.settings.shards, scored), lineup.baseline
+    found, done = _baseline_found(scheduler, lineup, scored)
     reading = done is None and scored.settings.divergence
 
     def reads(n: int, shards: list) -> dict:
@@ -174,11 +88,11 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
 
     def shard(v: int, n: int, parameters: dict):
         given[v, n] = parameters
-        return runner.submit(score_variant, {"checkpoint": ready[v], "lineup": lineup, "evaluation_": scored,
-                                             "piece": Windows(*bounds[n]), **parameters})
+        return scheduler.submit(score_variant, checkpoint=ready[v], lineup=lineup, evaluation_=scored,
+                                piece=Windows(*bounds[n]), **parameters)
 
-    with _placement(config):
-        first = [] if done is not None else [_baseline_shard(runner, lineup, scored, found, w) for w in bounds]
+    with scheduler.placed():
+        first = [] if done is not None else [_baseline_shard(scheduler, lineup, scored, found, w) for w in bounds]
         tried = [None] * len(first)  # the outcomes of the baseline's shards' first tries
 
         def submit_ready() -> None:
@@ -192,25 +106,25 @@ def score_concurrently(runner, config: AuditConfig, lineup: Lineup, scored: Eval
         waiting = {future: ("baseline", n) for n, future in enumerate(first)} | \
                   {future: ("make", v) for v, future in making.items()}
         while waiting:  # each variant's shards start once it is made and the baseline's slices they read are in
-            future = next(as_completed(list(waiting)))
+            future = scheduler.first_done(waiting)
             kind, i = waiting.pop(future)
             if kind == "baseline":
-                tried[i] = _outcome(baseline, _settled(future))
+                tried[i] = _outcome(baseline, Scheduler.settled(future))
             else:
-                ready[i] = _made(lineup.variants[i], _settled(future))
+                ready[i] = _made(lineup.variants[i], Scheduler.settled(future))
             submit_ready()
         if done is None:
-            tried, merged = _baseline_retried(runner, config, lineup, scored, found, bounds, tried)
+            tried, merged = _baseline_retried(scheduler, lineup, scored, found, bounds, tried)
             for v, n in [(v, n) for v in ready for n in range(len(bounds)) if (v, n) not in submitted]:
                 submitted[v, n] = shard(v, n, reads(n, tried) if merged.ok else {"against": merged})
-        outcomes = [[_outcome(c, _settled(submitted[v, n])) for n in range(len(bounds))]
+        outcomes = [[_outcome(c, Scheduler.settled(submitted[v, n])) for n in range(len(bounds))]
                     for v, c in enumerate(lineup.variants)]
-        _tried_again(runner, config, lineup.variants, outcomes, lambda v, n: shard(v, n, given[v, n]))
+        _tried_again(scheduler, lineup.variants, outcomes, lambda v, n: shard(v, n, given[v, n]))
     if done is None:
         if not merged.ok:  # shards measured against the slices that were written would hold a part of its divergence
             for v, n in [key for key, parameters in given.items() if isinstance(parameters.get("against"), Slices)]:
                 outcomes[v][n] = _without_divergence(outcomes[v][n])
-        done = _joined(runner, found, merged, tried, scored)
+        done = _joined(scheduler, found, merged, tried, scored)
     return done, [merge_shards(shards, scored) for shards in outcomes]
 
 
@@ -220,7 +134,7 @@ def _without_divergence(outcome: VariantResult) -> VariantResult:
     return replace(outcome, part=part, divergence=Divergence.missing("the baseline was not scored"))
 
 
-def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[list[VariantResult]], resubmit) -> None:
+def _tried_again(scheduler: Scheduler, checkpoints: list, outcomes: list[list[VariantResult]], resubmit) -> None:
     """Each failed shard of ``outcomes`` (per model of ``checkpoints``, per shard) that another worker may not fail
     (``retry_elsewhere``) submitted once more (``resubmit(model, shard)`` in the context that holds it to the other workers), and its
     outcome replaced by the new try's, which keeps the failed try's rows before its own."""
@@ -228,18 +142,18 @@ def _tried_again(runner, config: AuditConfig, checkpoints: list, outcomes: list[
     for v, shards in enumerate(outcomes):
         for n, failed in enumerate(shards):
             if failed.retry_elsewhere:
-                others = _elsewhere(runner, config, failed)
-                with _held_to(others):  # none left: fail now, not hold it to nobody (Dask reads [] as anyone)
+                others = scheduler.elsewhere(failed.shards[0]["worker"]) if failed.shards else None
+                with scheduler.held_to(others):  # none left: fail now, not hold it to nobody (Dask reads [] as anyone)
                     again[v, n] = (resubmit(v, n) if others != [] else None), others
     for (v, n), (future, others) in again.items():
         failed = outcomes[v][n]
-        retried = (_nobody_left(failed) if future is None else
-                  _outcome(checkpoints[v], _settled_on(runner, future, others, failed)))
+        ran, settled = (False, None) if future is None else scheduler.settled_on(future, others)
+        retried = _outcome(checkpoints[v], settled) if ran else _nobody_left(failed)
         outcomes[v][n] = replace(retried, shards=(*(row | {"failed": failed.reason} for row in failed.shards),
                                                  *retried.shards))
 
 
-def _baseline_found(runner, lineup: Lineup, scored: Evaluation) -> tuple[Lookup | None, VariantResult | None]:
+def _baseline_found(scheduler: Scheduler, lineup: Lineup, scored: Evaluation) -> tuple[Lookup | None, VariantResult | None]:
     """What the stored references say of the baseline, looked up here (its files digested, the references read: no
     model loaded), or by a worker where this process cannot see the model's files: its ``Lookup``, and its outcome
     where that is already settled (reused from its reference, or failed)."""
@@ -251,7 +165,7 @@ def _baseline_found(runner, lineup: Lineup, scored: Evaluation) -> tuple[Lookup 
     except Exception as error:  # noqa: BLE001 -- a damaged reference under rescore: never, say: the baseline fails
         return None, _outcome(baseline, error)
     if found.key is None and found.reused is None:  # a worker may see the files this process does not
-        found = _settled(runner.submit(look_up_baseline, {"checkpoint": baseline, "evaluation_": scored}))
+        found = Scheduler.settled(scheduler.submit(look_up_baseline, checkpoint=baseline, evaluation_=scored))
         if isinstance(found, BaseException):
             return None, _outcome(baseline, found)
     if found.reused is not None:
@@ -261,85 +175,62 @@ def _baseline_found(runner, lineup: Lineup, scored: Evaluation) -> tuple[Lookup 
     return found, None
 
 
-def _baseline_shard(runner, lineup: Lineup, scored: Evaluation, found: Lookup, windows: tuple[int, int]):
+def _baseline_shard(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, found: Lookup,
+                    windows: tuple[int, int]):
     """A task scoring the baseline's ``windows`` and writing their slice of its reference."""
-    return runner.submit(score_baseline, {"checkpoint": lineup.baseline, "evaluation_": scored,
-                                          "piece": BaselineSlice(Windows(*windows), found)})
+    return scheduler.submit(score_baseline, checkpoint=lineup.baseline, evaluation_=scored,
+                            piece=BaselineSlice(Windows(*windows), found))
 
 
-def _baseline_retried(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, found: Lookup,
+def _baseline_retried(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, found: Lookup,
                       bounds: list[tuple[int, int]], tried: list[VariantResult]
                       ) -> tuple[list[VariantResult], VariantResult]:
     """The baseline's shards (over ``bounds``) once each of ``tried`` (their first tries' outcomes) that failed where
     another worker may not has been tried again elsewhere, and the baseline merged from them."""
     outcomes = [list(tried)]
-    _tried_again(runner, config, [lineup.baseline], outcomes,
-                 lambda _, n: _baseline_shard(runner, lineup, scored, found, bounds[n]))
+    _tried_again(scheduler, [lineup.baseline], outcomes,
+                 lambda _, n: _baseline_shard(scheduler, lineup, scored, found, bounds[n]))
     return outcomes[0], merge_shards(outcomes[0], scored)
 
 
-def _joined(runner, found: Lookup, merged: VariantResult, shards: list[VariantResult], scored: Evaluation
+def _joined(scheduler: Scheduler, found: Lookup, merged: VariantResult, shards: list[VariantResult], scored: Evaluation
             ) -> VariantResult:
     """The baseline merged from its ``shards``, with the reference a worker joined from their slices (or why not)."""
-    said = _settled(runner.submit(join_baseline_reference, {"lookup": found, "baseline": merged, "shards": shards,
-                                                             "evaluation_": scored}))
+    said = Scheduler.settled(scheduler.submit(join_baseline_reference, lookup=found, baseline=merged, shards=shards,
+                                              evaluation_=scored))
     if isinstance(said, BaseException):  # a failed baseline has no reference to speak of (join_reference's None)
         said = replace(found.scored(merged.result), problem=f"its reference was not joined: {_raised(said)}") \
             if merged.ok else None
     return replace(merged, reference=said)
 
 
-def baseline_alone(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation) -> VariantResult:
+def baseline_alone(scheduler: Scheduler, lineup: Lineup, scored: Evaluation) -> VariantResult:
     """The baseline alone on the cluster, for variants that need all of it before they start (a sequential run
     judges each piece against its windows): reused (``_baseline_found``), or scored in ``runner.shards`` tasks, each
     writing its slice of the reference, a failed one tried again elsewhere, merged here and joined by a worker."""
-    found, done = _baseline_found(runner, lineup, scored)
+    found, done = _baseline_found(scheduler, lineup, scored)
     if done is not None:
         return done
-    bounds = _bounds(config, scored)
-    with _placement(config):
-        futures = [_baseline_shard(runner, lineup, scored, found, windows) for windows in bounds]  # all submitted first
-        tried, merged = _baseline_retried(runner, config, lineup, scored, found, bounds,
-                                          [_outcome(lineup.baseline, _settled(future)) for future in futures])
-    return _joined(runner, found, merged, tried, scored)
+    bounds = _bounds(scheduler.settings.shards, scored)
+    with scheduler.placed():
+        futures = [_baseline_shard(scheduler, lineup, scored, found, windows) for windows in bounds]  # all first
+        tried, merged = _baseline_retried(scheduler, lineup, scored, found, bounds,
+                                          [_outcome(lineup.baseline, Scheduler.settled(future)) for future in futures])
+    return _joined(scheduler, found, merged, tried, scored)
 
 
-def _bounds(config: AuditConfig, scored: Evaluation) -> list[tuple[int, int]]:
-    """The windows of each of a model's ``runner.shards`` shards (aligned to the batch size)."""
+def _bounds(shards: int, scored: Evaluation) -> list[tuple[int, int]]:
+    """The windows of each of a model's ``shards`` shards (``runner.shards``; aligned to the batch size)."""
     settings = scored.settings
     batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
     return shard_bounds(len(plan(scored.stream, settings.window, settings.stride, settings.mode)),
-                        config.runner.shards, batch)
-
-
-def _workers_report_here():
-    """Settings naming the API this flow reports to, which every task carries to its worker (Prefect serializes
-    the settings with each task). Without PREFECT_API_URL the flow's API is a temporary server whose address is
-    in no setting: each worker then found no API and started a temporary server of its own, which nobody read
-    and which outlived the worker. Now a worker reports to the flow's API, or, where it cannot reach it, fails."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    if PREFECT_API_URL.value():
-        return nullcontext()
-    return temporary_settings(updates={PREFECT_API_URL: str(get_client(sync_client=True).api_url)})
+                        shards, batch)
 
 
 PIECES_PER_SHARD = 4  # a sequential run on a cluster: its windows in this many pieces per shard, judged as each returns
 
 
-def _cancel(future) -> None:
-    """Stop a task that is no longer needed: Dask drops it (or its result), Ray interrupts it."""
-    wrapped = future.wrapped_future
-    if hasattr(wrapped, "cancel"):
-        wrapped.cancel()
-    else:
-        import ray
-
-        ray.cancel(wrapped)
-
-
-def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluation, baseline: VariantResult,
+def score_sampled(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, baseline: VariantResult,
                   making: dict) -> list[VariantResult]:
     """A sequential audit on a cluster: each variant's windows, in its seeded random order, cut into
     ``PIECES_PER_SHARD × shards`` pieces, at most ``shards`` of them running at once; after each piece returns, the
@@ -348,19 +239,18 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
     quantized once first, all of them at once."""
     import numpy as np
     import torch
-    from prefect.futures import as_completed
 
     from tasks.audit.sequential import Watch, progress_of
     from tasks.config import Gate
     from tasks.engine.sequential import window_order
 
-    settings = scored.settings
+    settings, shards = scored.settings, scheduler.settings.shards
     planned = plan(scored.stream, settings.window, settings.stride, settings.mode)
     tokens = torch.tensor([w.n_scored for w in planned])
     batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
     pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),
-                                                         PIECES_PER_SHARD * config.runner.shards) if len(piece)]
-    variants = [_made(c, _settled(making[v])) if v in making else c for v, c in enumerate(lineup.variants)]
+                                                         PIECES_PER_SHARD * shards) if len(piece)]
+    variants = [_made(c, Scheduler.settled(making[v])) if v in making else c for v, c in enumerate(lineup.variants)]
     watches = [Watch(c.gate or Gate(), baseline.result.window_nll, settings.order_seed) if baseline.ok else None
                for c in variants]
     returned: list[list[VariantResult]] = [[] for _ in variants]
@@ -369,18 +259,18 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
 
     def submit(v: int) -> None:
         piece = queued[v].pop(0)
-        future = runner.submit(score_variant, {"checkpoint": variants[v], "lineup": lineup, "evaluation_": scored,
-                                               "against": baseline, "piece": Sample(tuple(piece))})
+        future = scheduler.submit(score_variant, checkpoint=variants[v], lineup=lineup, evaluation_=scored,
+                                  against=baseline, piece=Sample(tuple(piece)))
         running[future] = v
 
-    with _placement(config):
+    with scheduler.placed():
         for v in range(len(variants)):
-            for _ in range(min(config.runner.shards, len(queued[v]))):
+            for _ in range(min(shards, len(queued[v]))):
                 submit(v)
         while running:
-            future = next(as_completed(list(running)))
+            future = scheduler.first_done(running)
             v = running.pop(future)
-            outcome = _outcome(variants[v], _settled(future))
+            outcome = _outcome(variants[v], Scheduler.settled(future))
             returned[v].append(outcome)
             done = not outcome.ok
             if outcome.ok and watches[v] is not None:
@@ -389,7 +279,7 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
             if done:
                 queued[v].clear()
                 for other in [f for f, owner in running.items() if owner == v]:
-                    _cancel(other)
+                    scheduler.cancel(other)
                     del running[other]
             elif queued[v]:
                 submit(v)
@@ -406,23 +296,22 @@ def score_sampled(runner, config: AuditConfig, lineup: Lineup, scored: Evaluatio
 def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
     """Score the baseline, then every variant against it, here or on the cluster's workers; a model whose task
     failed becomes a failed result."""
-    runner = task_runner(config)
-    if runner is None:
-        baseline = _outcome(lineup.baseline, score_baseline(lineup.baseline, scored, return_state=True)
-                            .result(raise_on_failure=False))
-        variants = [_outcome(checkpoint, score_variant(checkpoint, lineup, scored, baseline, return_state=True)
-                             .result(raise_on_failure=False)) for checkpoint in lineup.variants]
-    else:
-        with runner, _workers_report_here():
-            making = submit_makes(runner, config, lineup, scored)
-            if scored.settings.sequential and config.runner.shards > 1:
-                baseline = baseline_alone(runner, config, lineup, scored)
-                variants = score_sampled(runner, config, lineup, scored, baseline, making)
-            else:
-                baseline, variants = score_concurrently(runner, config, lineup, scored, making)
-        logger = get_run_logger()
-        for outcome in [baseline, *variants]:
-            logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")
+    with Scheduler.started(config.runner) as scheduler:
+        if scheduler is None:  # one after another, here
+            baseline = _outcome(lineup.baseline, score_baseline(lineup.baseline, scored, return_state=True)
+                                .result(raise_on_failure=False))
+            variants = [_outcome(checkpoint, score_variant(checkpoint, lineup, scored, baseline, return_state=True)
+                                 .result(raise_on_failure=False)) for checkpoint in lineup.variants]
+            return baseline, variants
+        making = submit_makes(scheduler, lineup, scored)
+        if scored.settings.sequential and config.runner.shards > 1:
+            baseline = baseline_alone(scheduler, lineup, scored)
+            variants = score_sampled(scheduler, lineup, scored, baseline, making)
+        else:
+            baseline, variants = score_concurrently(scheduler, lineup, scored, making)
+    logger = get_run_logger()
+    for outcome in [baseline, *variants]:
+        logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")
     return baseline, variants
 
 

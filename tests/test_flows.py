@@ -352,7 +352,7 @@ def test_dask_cluster_listens_on_loopback_only():
     import psutil
     from distributed import LocalCluster
 
-    from flows.runners import dask_cluster
+    from flows.scheduler import dask_cluster
 
     with LocalCluster(**dask_cluster(1, {})) as cluster:  # the scheduler here, a worker process beside it
         assert cluster.dashboard_link.startswith("http://127.0.0.1:")
