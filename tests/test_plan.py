@@ -80,3 +80,16 @@ def test_only_the_lineup_finds_a_model_and_only_open_audit_reads_a_config():
     assert set(called({"open_audit"})) == {"tasks/steps.py", "flows/commands/audit.py",
                                            "flows/commands/serve.py", "flows/commands/diagnose.py",
                                            "flows/commands/reference.py", "flows/commands/compare.py"}
+
+
+def test_a_command_narrows_the_plan_to_what_it_needs(tmp_path, trained_model_dir, corpus_path):
+    """``reference build`` and ``compare CONFIG`` open the baseline alone: a config no whole audit could run (no
+    variants), which the plan holds as its command narrowed it (both commands crashed on it before)."""
+    from tasks.audit.plan import baseline_alone, open_audit
+
+    config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}])
+    plan = open_audit(str(config), [], narrow=baseline_alone)
+    assert plan.config.variants == [] and plan.lineup.variants == [] and plan.path == str(config)
+    assert plan.model_dump() == {"audit": plan.name, "config": str(config), "baseline": str(trained_model_dir),
+                                 "variants": [], "tokens": len(plan.evaluation.stream.ids),
+                                 "window": plan.config.evaluation.window, "stride": plan.config.evaluation.stride}

@@ -54,10 +54,11 @@ class AuditPlan(BaseModel):
         said: a triggered audit's line on what it audits and why; "" otherwise.
     """
 
-    # the lineup and the stream are the library's own frozen values, held as they are (validated by type only)
+    # every part is a value already validated where it was made, held as it is (checked by type only): a config
+    # narrowed by a command (a reference's: no variants) is not what a whole audit's must be
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
-    config: AuditConfig
+    config: InstanceOf[AuditConfig]
     path: str
     lineup: InstanceOf[Lineup]
     evaluation: InstanceOf[Evaluation]
