@@ -114,15 +114,17 @@ def quantized_row(shape: str, like: Path, kernel: str | None, stream: TokenStrea
     """Load a synthesized checkpoint of ``shape`` in ``like``'s format as an audit loads a variant, and time it."""
     from tasks.config import VariantSpec
     from tasks.models.formats import detect
+    from tasks.models.resolve import locate_model
     from tasks.models.variants import load_variant
 
     with tempfile.TemporaryDirectory(prefix="synthetic-") as folder:
         try:
             config = build(shape, dtype, torch.device("meta")).config
             synthesize(like, config, Path(folder))
-            spec = VariantSpec(name="synthetic", method=detect(folder)[0], path=folder, device=str(device),
+            found = locate_model(folder)  # as an audit's lineup finds it, once
+            spec = VariantSpec(name="synthetic", method=detect(found)[0], path=folder, device=str(device),
                                dtype=str(dtype).removeprefix("torch."), kernel=kernel)
-            model, facts = load_variant(spec, folder)
+            model, facts = load_variant(spec, found)
             first = TokenStream(stream.ids[: L + (b - 1) * S], (), "none", 0, 0, "random tokens")
             perplexity(model, first, Windowing(L, S), b)  # warm-up: kernels, autotuning
             result, seconds, peak_bytes = timed(device, lambda m=model: perplexity(m, stream, Windowing(L, S), b),

@@ -722,3 +722,18 @@ def test_a_task_that_fails_before_prefect_records_it_fails_its_variant_not_the_a
     assert re.fullmatch(r"shard 1 of 2: RuntimeError: Failed to reach API at http://127\.0\.0\.1:\d+/api/",
                         variant.reason), variant.reason
 
+
+
+def test_the_scheduler_always_sees_every_worker():
+    """Which workers a retry may go to is asked of the cluster each time; the client's cached view, which its own
+    periodic refresh empties, said at times that a cluster of two had none, and a shard's retry was given up as
+    having no other worker (a full-suite run, 2026-11-27). The refresh made frequent, to make the race likely."""
+    import dask
+
+    from flows.scheduler import Scheduler
+    from tasks.config import Runner
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}), \
+            Scheduler.started(Runner(kind="dask", workers=2)) as scheduler:
+        seen = [scheduler.elsewhere("no such worker") for _ in range(300)]
+    assert all(len(workers) == 2 for workers in seen), sum(len(workers) != 2 for workers in seen)
