@@ -116,24 +116,23 @@ class Located:
     Attributes:
         source: a local folder, a ``.gguf`` file or a Hub id (``resolve_model_path``).
         config: its transformers config (for a GGUF file, made from the file's header).
-        files: its files on the machine that found it (the folder, the file, a Hub id's snapshot in the cache), else
-            None. A worker that loads it looks again (``model_files``): a Hub snapshot may be fetched there.
         name: what the user called it (``embedded``, a Hub id, a path as written): what messages and manifests say.
     """
 
     source: str
     config: object
-    files: Path | None
     name: str
 
     @classmethod
     def at(cls, source: str, name: str | None = None) -> Located:
-        """``source`` (already resolved) read: its config and where its files are; ``name`` is what the user called it."""
-        return cls(source, read_config(source, name or source), model_files(source), name or source)
+        """``source`` (already resolved) with its config read; ``name`` is what the user called it. Where its files
+        lie is not kept: each machine that reads them looks (``model_files``), as a worker may hold a Hub snapshot
+        the machine that found the model does not."""
+        return cls(source, read_config(source, name or source), name or source)
 
 
 def locate_model(name: str, registry: str | None = None) -> Located:
-    """``name`` resolved and read once (``resolve_model_path``, its config, its files)."""
+    """``name`` resolved and read once (``resolve_model_path``, its config)."""
     return Located.at(resolve_model_path(name, registry), name)
 
 

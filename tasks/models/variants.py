@@ -28,7 +28,7 @@ from tasks.models.formats import describe, distributions, ready, require
 from tasks.models import kernel_start
 from tasks.models.loading import WEIGHT_SUFFIXES, as_located, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
-from tasks.models.resolve import Located, device_and_dtype
+from tasks.models.resolve import Located, device_and_dtype, model_files
 
 
 @dataclass
@@ -176,7 +176,7 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
     facts = VariantFacts(
         method=spec.method, source=source, device=",".join(devices(model)) if split else str(device),
         dtype=str(dtype).removeprefix("torch."),
-        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(str(found.files or source)),
+        load_seconds=load_seconds, size_on_disk_bytes=size_on_disk(str(model_files(source) or source)),
         weight_memory_bytes=weights, bits_per_weight=quantized_bits(model, spec, source, list(kernels))
         or whole, model_bits_per_weight=whole, quantized_layers=quantized,
         linear_layers=linear, backend=backend, versions=versions(*distributions(spec.method)),
