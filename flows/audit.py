@@ -8,6 +8,7 @@ The flow ends Completed when every variant passes its gate, Failed with a one-li
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from prefect import flow
@@ -16,15 +17,17 @@ from prefect.states import Completed
 
 from flows.answers import failed
 from flows.diagnose import diagnoses
-from flows.runners import score_all
-from tasks.audit.plan import AuditPlan, Event
+from flows.runners import score_domains
+from tasks.audit.checkpoints import Lineup
+from tasks.audit.plan import AuditPlan, Domain, Event
 from tasks.audit.served import Refused
 from tasks.audit.where import where_of
 from tasks.config import AuditConfig
 from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.core.places import tracking_uri
-from tasks.record.contents import Findings, Started, audit_record
+from tasks.record.contents import Findings, Started, audit_record, token_arrays
+from tasks.record.domains import DomainSummary, combined, domain_arrays, domains_record
 from tasks.record.results import VariantResult
 from tasks.record.spool import record_json
 from tasks.record.tracking import run_link
@@ -53,16 +56,24 @@ def summary_of(state) -> dict | None:
 
 
 def summary_json(summary: dict) -> str:
-    """One JSON line of what an audit found: its verdict and each model's row with its verdict."""
+    """One JSON line of what an audit found: its verdict and each model's row with its verdict; an audit of several
+    corpora gives each model's worst domain's row (``domain``) and, under ``domains``, each domain's verdict and
+    rows."""
     def plain(row: dict, **verdict) -> dict:  # JSON has no NaN
         return {k: None if isinstance(v, float) and v != v else v for k, v in row.items()} | verdict
 
-    baseline, *variants = summary["rows"]
-    models = [plain(baseline, verdict="baseline")] + [plain(row, verdict=v.status, verdict_reason=v.reason)
-                                                       for row, v in zip(variants, summary["verdicts"])]
+    def models(judged: dict) -> list[dict]:
+        baseline, *variants = judged["rows"]
+        return [plain(baseline, verdict="baseline")] + [plain(row, verdict=v.status, verdict_reason=v.reason)
+                                                         for row, v in zip(variants, judged["verdicts"])]
+
     verdict = summary["verdict"]
-    return json.dumps({"audit": summary["name"], "verdict": verdict.status, "reason": verdict.reason,
-                       "mlflow_run_id": summary.get("mlflow_run_id"), "record": summary["record"], "models": models})
+    said = {"audit": summary["name"], "verdict": verdict.status, "reason": verdict.reason,
+            "mlflow_run_id": summary.get("mlflow_run_id"), "record": summary["record"], "models": models(summary)}
+    if "domains" in summary:
+        said["domains"] = {name: {"verdict": domain["verdict"].status, "reason": domain["verdict"].reason,
+                                  "models": models(domain)} for name, domain in summary["domains"].items()}
+    return json.dumps(said)
 
 
 def _scheduled() -> bool:
@@ -89,6 +100,45 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
             "table": format_table(rows, {v.name: v for v in verdicts})}
 
 
+@dataclass(frozen=True)
+class Judged:
+    """One domain of an audit scored and judged as its one-corpus audit would be: its ``summary`` (``report``), its
+    models' ``results`` and what the audit found beyond the figures (``findings``)."""
+
+    domain: Domain
+    results: list[VariantResult]
+    summary: dict
+    findings: Findings
+
+    def record(self, path: str, started: Started) -> dict:
+        """The domain's record, as its one-corpus audit's."""
+        return audit_record(self.domain.config, path, self.domain.evaluation, self.summary, self.results, started,
+                            self.findings)
+
+
+def judge_domain(domain: Domain, lineup: Lineup, baseline: VariantResult, variants: list[VariantResult]) -> Judged:
+    """A domain's comparison and verdicts (its own gates: ``Domain.config``) and where each variant loses in its
+    text."""
+    scored = domain.evaluation
+    summary = report(domain.config, baseline, variants)
+    lost = {v.name: found for v in variants if (found := where_of(v, baseline, scored, lineup.tokenizer))}
+    return Judged(domain, [baseline, *variants], summary, Findings(lost))
+
+
+def diagnosed(judged: list[Judged], lineup: Lineup, summary: dict) -> list[Judged]:
+    """Each domain with the diagnoses its config asks for (after the verdict: they never change it) of the variants
+    whose verdict it decides (their worst domain's, in an audit of several: diagnosed once, where they lose most)."""
+    done = []
+    for domain in judged:
+        name = domain.domain.name
+        picked = [(c, v) for c, v, row in zip(lineup.variants, summary["verdicts"], summary["rows"][1:])
+                  if row.get("domain", name) == name]
+        found = diagnoses(domain.domain.config, replace(lineup, variants=[c for c, _ in picked]),
+                          domain.domain.evaluation, [v for _, v in picked])
+        done.append(replace(domain, findings=replace(domain.findings, diagnoses=found)))
+    return done
+
+
 @flow(name="ppl-audit", flow_run_name="audit-{config}", log_prints=True)
 def audit(config: str, overrides: list[str] | None = None, event: Event | None = None, plan: AuditPlan | None = None):
     """Audit a baseline and its variants by perplexity.
@@ -110,15 +160,24 @@ def audit(config: str, overrides: list[str] | None = None, event: Event | None =
             return failed(f"{'refused' if isinstance(plan, Refused) else 'error'}: {plan}")
     if plan.said:
         print(plan.said)
-    settings, scored, lineup = plan.config, plan.evaluation, plan.lineup
-    baseline_result, variant_results = score_all(settings, lineup, scored)
-    results = [baseline_result, *variant_results]
-    summary = report(settings, baseline_result, variant_results)
+    settings, lineup = plan.config, plan.lineup
+    judged = [judge_domain(domain, lineup, *scored)
+              for domain, scored in zip(plan.domains, score_domains(settings, lineup, plan.domains))]
+    if plan.by_domain:
+        summary = combined(settings.name, [DomainSummary(d.domain.name, d.summary) for d in judged])
+        results = {d.domain.name: d.results for d in judged}
+    else:
+        summary, results = judged[0].summary, judged[0].results
     print(summary["table"])
-    lost = {v.name: found for v in variant_results if (found := where_of(v, baseline_result, scored, lineup.tokenizer))}
-    found = diagnoses(settings, lineup, scored, summary["verdicts"])  # after the verdict: it never changes it
-    record = audit_record(settings, plan.path, scored, summary, results, Started(started, _scheduled()), Findings(lost, found))
-    spooled = spool_audit(record, results, return_state=True)  # first: tracking and artifacts can fill a disk too
+    judged = diagnosed(judged, lineup, summary)
+    when = Started(started, _scheduled())
+    records = {d.domain.name: d.record(plan.path, when) for d in judged}
+    if plan.by_domain:
+        record = domains_record(settings.model_dump(mode="json"), records, summary)
+        arrays = domain_arrays({d.domain.name: token_arrays(d.results) for d in judged})
+    else:
+        record, arrays = records[judged[0].domain.name], token_arrays(results)
+    spooled = spool_audit(record, arrays, return_state=True)  # first: tracking and artifacts can fill a disk too
     if not spooled.is_completed():
         return _unspooled(record, spooled.message)
     folder = spooled.result()
@@ -132,7 +191,7 @@ def audit(config: str, overrides: list[str] | None = None, event: Event | None =
         where = f"kept in {folder} (tracking failed: {tracked.message}); run `ppl-audit sync` later"
     print(f"record: {where}")
     summary["record"] = where
-    summary["results"] = results
+    summary["results"] = results  # a one-corpus audit's models; of several, each domain's, in the config's order
     verdict = summary["verdict"]
     create_markdown_artifact(
         key=f"{settings.name}-comparison".lower().replace("_", "-").replace(".", "-"),

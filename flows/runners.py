@@ -15,6 +15,7 @@ from prefect import get_run_logger
 
 from flows.scheduler import Scheduler
 from tasks.audit.checkpoints import Lineup
+from tasks.audit.plan import Domain
 from tasks.audit.pieces import Sample, Slices, Windows
 from tasks.audit.scoring import BaselineSlice, Lookup, look_up, merge_shards
 from tasks.config import AuditConfig
@@ -293,22 +294,31 @@ def score_sampled(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, base
     return merged
 
 
-def score_all(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
-    """Score the baseline, then every variant against it, here or on the cluster's workers; a model whose task
-    failed becomes a failed result."""
+def score_domains(config: AuditConfig, lineup: Lineup, domains: tuple[Domain, ...]
+                  ) -> list[tuple[VariantResult, list[VariantResult]]]:
+    """Each domain's baseline and variants, one domain after another on one scheduler (started once): every domain
+    scored as its one-corpus audit (``Domain.config``) would be, its variants watched against its own gates."""
     with Scheduler.started(config.runner) as scheduler:
-        if scheduler is None:  # one after another, here
-            baseline = _outcome(lineup.baseline, score_baseline(lineup.baseline, scored, return_state=True)
-                                .result(raise_on_failure=False))
-            variants = [_outcome(checkpoint, score_variant(checkpoint, lineup, scored, baseline, return_state=True)
-                                 .result(raise_on_failure=False)) for checkpoint in lineup.variants]
-            return baseline, variants
-        making = submit_makes(scheduler, lineup, scored)
-        if scored.settings.sequential and config.runner.shards > 1:
-            baseline = baseline_alone(scheduler, lineup, scored)
-            variants = score_sampled(scheduler, lineup, scored, baseline, making)
-        else:
-            baseline, variants = score_concurrently(scheduler, lineup, scored, making)
+        return [score_all(scheduler, domain.config, lineup.gated(domain.config.thresholds), domain.evaluation)
+                for domain in domains]
+
+
+def score_all(scheduler: Scheduler | None, config: AuditConfig, lineup: Lineup, scored: Evaluation
+              ) -> tuple[VariantResult, list[VariantResult]]:
+    """Score the baseline, then every variant against it, here (``scheduler`` None) or on the cluster's workers; a
+    model whose task failed becomes a failed result."""
+    if scheduler is None:  # one after another, here
+        baseline = _outcome(lineup.baseline, score_baseline(lineup.baseline, scored, return_state=True)
+                            .result(raise_on_failure=False))
+        variants = [_outcome(checkpoint, score_variant(checkpoint, lineup, scored, baseline, return_state=True)
+                             .result(raise_on_failure=False)) for checkpoint in lineup.variants]
+        return baseline, variants
+    making = submit_makes(scheduler, lineup, scored)
+    if scored.settings.sequential and config.runner.shards > 1:
+        baseline = baseline_alone(scheduler, lineup, scored)
+        variants = score_sampled(scheduler, lineup, scored, baseline, making)
+    else:
+        baseline, variants = score_concurrently(scheduler, lineup, scored, making)
     logger = get_run_logger()
     for outcome in [baseline, *variants]:
         logger.info(f"{outcome.name}: {where_it_ran(outcome.shards)}")

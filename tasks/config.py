@@ -72,6 +72,19 @@ class CorpusConfig(Strict):
         return source
 
 
+class Corpus(CorpusConfig):
+    """One domain of an audit with several (``corpora:``): a corpus by its ``name`` (English prose, code, a
+    language), scored as its own token stream (its first ``max_tokens``, else ``evaluation.max_tokens``), judged by
+    its own gate (``thresholds.per_corpus``); the audit's verdict of a variant is its worst domain's."""
+
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
+    max_tokens: int | None = Field(None, ge=2)
+
+    def alone(self) -> CorpusConfig:
+        """The corpus as a one-corpus audit's ``corpus:`` holds it."""
+        return CorpusConfig(**self.model_dump(exclude={"name", "max_tokens"}))
+
+
 class CalibrationConfig(Strict):
     """Calibration text for GPTQ/AWQ: ``samples`` sequences of ``seq_len`` tokens drawn with ``seed``.
 
@@ -344,17 +357,39 @@ class Gate(Strict):
     min_top1_agreement: float | None = Field(None, gt=0, le=1)
 
 
-class Thresholds(Gate):
-    """The gate for every variant, with per-variant overrides by name."""
+class CorpusGate(Gate):
+    """A domain's limits (``thresholds.per_corpus.NAME``), with per-variant overrides within that domain."""
 
     per_variant: dict[str, Gate] = {}
 
+
+class Thresholds(Gate):
+    """The gate for every variant, with per-variant overrides by name and, in an audit of several corpora, per-domain
+    overrides (``per_corpus``). On a domain, its own limits replace the audit's (per-variant ones too), and its own
+    per-variant limits replace those: a variant's gate there is, each limit taken from the first that sets it,
+    ``per_corpus.D.per_variant.V``, ``per_corpus.D``, ``per_variant.V``, the audit's."""
+
+    per_variant: dict[str, Gate] = {}
+    per_corpus: dict[str, CorpusGate] = {}
+
     def for_variant(self, name: str) -> Gate:
         override = self.per_variant.get(name)
-        merged = self.model_dump(exclude={"per_variant"})
+        merged = self.model_dump(exclude={"per_variant", "per_corpus"})
         if override:
             merged.update(override.model_dump(exclude_none=True))
         return Gate(**merged)
+
+    def for_corpus(self, corpus: str) -> Thresholds:
+        """The thresholds of a one-corpus audit of the domain ``corpus``: what this audit judges that domain by."""
+        domain = self.per_corpus.get(corpus)
+        if domain is None:
+            return self.model_copy(update={"per_corpus": {}})
+        limits = domain.model_dump(exclude={"per_variant"}, exclude_none=True)
+        names = set(self.per_variant) | set(domain.per_variant)
+        per_variant = {name: Gate(**self.per_variant.get(name, Gate()).model_dump(exclude_none=True) | limits
+                                  | domain.per_variant.get(name, Gate()).model_dump(exclude_none=True))
+                       for name in names}
+        return Thresholds(**self.model_dump(exclude={"per_variant", "per_corpus"}) | limits, per_variant=per_variant)
 
 
 class Schedule(Strict):
@@ -508,7 +543,8 @@ class AuditConfig(Strict):
 
     name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
     baseline: BaselineSpec
-    corpus: CorpusConfig
+    corpus: CorpusConfig | None = None
+    corpora: list[Corpus] | None = None
     evaluation: EvaluationConfig = EvaluationConfig()
     variants: list[VariantSpec] = []
     thresholds: Thresholds = Thresholds()
@@ -539,7 +575,42 @@ class AuditConfig(Strict):
         unknown = sorted(set(self.thresholds.per_variant) - set(names))
         if unknown:
             raise ValueError(f"thresholds.per_variant names no variant: {', '.join(unknown)}")
+        self._one_source_of_text()
+        for domain, gate in self.thresholds.per_corpus.items():
+            unknown = sorted(set(gate.per_variant) - set(names))
+            if unknown:
+                raise ValueError(f"thresholds.per_corpus.{domain}.per_variant names no variant: {', '.join(unknown)}")
         return self
+
+    def _one_source_of_text(self) -> None:
+        """``corpus`` (one) or ``corpora`` (several, each named once); ``per_corpus`` names only those."""
+        if (self.corpus is None) == (self.corpora is None):
+            raise ValueError("give corpus (one text) or corpora (several domains, each with a name), one of them")
+        if self.corpora is not None and not self.corpora:
+            raise ValueError("corpora is empty: list the domains to audit (name and source each), or give corpus")
+        names = [c.name for c in self.corpora or []]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"corpora names must be unique: {', '.join(repeated)} repeats")
+        unknown = sorted(set(self.thresholds.per_corpus) - set(names))
+        if unknown:
+            known = f"the corpora are {', '.join(names)}" if names else "the audit has one corpus: use corpora to name several"
+            raise ValueError(f"thresholds.per_corpus names no corpus: {', '.join(unknown)} ({known})")
+
+    @property
+    def domains(self) -> list[Corpus]:
+        """The corpora the audit scores, each named: a one-corpus audit's is ``corpus``."""
+        return list(self.corpora) if self.corpora is not None else [Corpus(name="corpus", **self.corpus.model_dump())]
+
+    def for_domain(self, domain: Corpus) -> AuditConfig:
+        """The one-corpus audit of ``domain``: its text, its ``max_tokens``, its gates. Each domain of an audit of
+        several is scored and judged as this config's audit would be, figure for figure."""
+        if self.corpora is None:
+            return self
+        evaluation = self.evaluation if domain.max_tokens is None else EvaluationConfig.model_validate(
+            self.evaluation.model_dump() | {"max_tokens": domain.max_tokens})
+        return self.model_copy(update={"corpus": domain.alone(), "corpora": None, "evaluation": evaluation,
+                                       "thresholds": self.thresholds.for_corpus(domain.name)})
 
 
 def _index(override: str, part: str, items: list) -> int:

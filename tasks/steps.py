@@ -30,7 +30,6 @@ from tasks.engine.abandon import asking
 from tasks.engine.windows import Window
 from tasks.models.quantize import calibration_of, quantize
 from tasks.models.quantize_request import QuantizeRequest
-from tasks.record.contents import token_arrays
 from tasks.record.reference_said import ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
@@ -116,14 +115,15 @@ def quantize_model(request: QuantizeRequest) -> dict:
 
 
 @task(cache_policy=NO_CACHE)
-def spool_audit(record: dict, results: list[VariantResult]) -> Path:
-    """Write the audit's record locally first: nothing computed is lost if tracking fails.
+def spool_audit(record: dict, arrays: dict) -> Path:
+    """Write the audit's record and its per-token ``arrays`` (by file name) locally first: nothing computed is lost if
+    tracking fails.
 
     A record that cannot be written (disk full, read-only, ...) ends the task Failed with one line
     naming the folder and the OS error, not a traceback: the flow then prints the record instead.
     """
     try:
-        return write_record(record, token_arrays(results))
+        return write_record(record, arrays)
     except OSError as error:
         return Failed(message=f"could not write the audit's record in {spool_dir()}: {error}")
 

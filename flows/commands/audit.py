@@ -17,6 +17,9 @@ def add(commands) -> None:
     run.add_argument("--sequential", action="store_true",
                      help="stop scoring each variant once its verdict is settled (evaluation.sequential: on)")
     run.add_argument("--json", action="store_true", help="end stdout with one JSON line of the audit's result")
+    run.add_argument("--by-domain", action="store_true",
+                     help="an audit of several corpora: every domain's full table, not one line per model with its "
+                          "worst domain")
     run.add_argument("--stats", choices=("summary", "full"), default="summary",
                      help="full: after the table, llama-perplexity's statistics block for each variant (KL both "
                           "ways, its percentiles, Δp, same top token)")
@@ -35,11 +38,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"ppl-audit: audit failed: {state.message}", file=console.err())
         return 1
     verdict, say = summary["verdict"], console.out()
-    print(summary["table"], file=say)
+    domains = summary.get("domains", {})
+    if args.by_domain and domains:
+        from tasks.record.domains import by_domain_table
+
+        print(by_domain_table(summary), file=say)
+    else:
+        print(summary["table"], file=say)
     if args.stats == "full":
         from tasks.record.verdict import format_stats
 
-        print(f"\n{format_stats(summary['rows'])}\n", file=say)
+        for name, judged in domains.items() or [("", summary)]:
+            title = f"domain {name}:\n" if name else ""
+            print(f"\n{title}{format_stats(judged['rows'])}\n", file=say)
     print(f"verdict: {verdict.said.upper()} — {verdict.reason}", file=say)
     print(f"record: {summary['record']}", file=say)
     if args.json:

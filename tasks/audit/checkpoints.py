@@ -72,6 +72,10 @@ class Lineup:
     variants: list[Checkpoint]
     tokenizer: object
 
+    def gated(self, thresholds: Thresholds) -> Lineup:
+        """The lineup with each variant's gate as ``thresholds`` set it (a domain's, ``Thresholds.for_corpus``)."""
+        return replace(self, variants=[replace(c, gate=thresholds.for_variant(c.name)) for c in self.variants])
+
 
 def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str | None = None,
             thresholds: Thresholds | None = None) -> Lineup:
@@ -150,6 +154,7 @@ def calibration_for(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, 
         corpus_text_of: maps a calibration ``CorpusConfig`` to its text (only called when one is given).
     """
     settings = spec.calibration or DEFAULT_CALIBRATION
+    evaluation_ = evaluation_.calibration  # an audit of several corpora calibrates on its first, for every domain
     if settings.corpus:
         text, source = corpus_text_of(settings.corpus), settings.corpus.source
     else:

@@ -10,6 +10,7 @@ and checked, every model is found once (``tasks.audit.checkpoints.prepare``), th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, InstanceOf, model_serializer
 
@@ -22,7 +23,17 @@ from tasks.audit.served import Policy, Refused
 from tasks.config import AuditConfig, load_audit_config
 from tasks.core.errors import InputError
 from tasks.data.corpus import corpus_text
-from tasks.data.evaluation import Evaluation, evaluation
+from tasks.data.evaluation import Evaluation, check_encodable, evaluation
+
+
+@dataclass(frozen=True)
+class Domain:
+    """One corpus of an audit, resolved: its ``name``, the one-corpus audit it is scored and judged as (``config``:
+    ``AuditConfig.for_domain``) and its token stream and settings (``evaluation``)."""
+
+    name: str
+    config: AuditConfig
+    evaluation: Evaluation
 
 
 class Event(BaseModel):
@@ -50,7 +61,7 @@ class AuditPlan(BaseModel):
         config: the validated config, overrides applied (a triggered audit's: narrowed to its checkpoint).
         path: the YAML it was read from.
         lineup: the baseline and its variants, each found once, with its gate.
-        evaluation: the token stream, the corpus text and the evaluation settings (the window plan's).
+        domains: each corpus's token stream, text and settings, in the config's order (one for ``corpus:``).
         said: a triggered audit's line on what it audits and why; "" otherwise.
     """
 
@@ -61,12 +72,30 @@ class AuditPlan(BaseModel):
     config: InstanceOf[AuditConfig]
     path: str
     lineup: InstanceOf[Lineup]
-    evaluation: InstanceOf[Evaluation]
+    domains: tuple[InstanceOf[Domain], ...]
     said: str = ""
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def evaluation(self) -> Evaluation:
+        """The first domain's evaluation: a one-corpus audit's, and what variants made here are calibrated on."""
+        return self.domains[0].evaluation
+
+    @property
+    def by_domain(self) -> bool:
+        """Whether the audit names its domains (``corpora:``), each judged and shown on its own."""
+        return self.config.corpora is not None
+
+    def domain(self, name: str) -> Domain:
+        """The domain called ``name``; an ``InputError`` naming the audit's when it has none of that name."""
+        found = next((d for d in self.domains if d.name == name), None)
+        if found is None:
+            raise InputError(f"--corpus {name}: the audit {self.name} has no corpus of that name; its corpora are "
+                             f"{', '.join(d.name for d in self.domains)}")
+        return found
 
     @model_serializer
     def _shown(self) -> dict:
@@ -74,8 +103,9 @@ class AuditPlan(BaseModel):
         tokens (the plan holds the whole corpus text and token stream)."""
         settings = self.evaluation.settings
         return {"audit": self.name, "config": self.path, "baseline": self.lineup.baseline.source,
-                "variants": [c.name for c in self.lineup.variants], "tokens": len(self.evaluation.stream.ids),
-                "window": settings.window, "stride": settings.stride}
+                "variants": [c.name for c in self.lineup.variants],
+                "tokens": {d.name: len(d.evaluation.stream.ids) for d in self.domains} if self.by_domain
+                else len(self.evaluation.stream.ids), "window": settings.window, "stride": settings.stride}
 
 
 def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Event | None = None,
@@ -101,10 +131,34 @@ def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Ev
     registry = check_settings(config)
     lineup = prepare(config.baseline, config.variants, registry, config.thresholds)
     preflight(config, lineup, strict)
-    scored = evaluation(corpus_text(config.corpus), lineup.tokenizer, config.evaluation, progress=True)
-    check_calibration_room(config, lineup, scored)
-    check_stream(config, lineup, scored)
-    return AuditPlan(config=config, path=path, lineup=lineup, evaluation=scored, said=said)
+    domains = read_domains(config, lineup.tokenizer)
+    check_calibration_room(config, lineup, domains[0].evaluation)
+    for domain in domains:
+        _within(domain.name, config, lambda d=domain: check_stream(d.config, lineup, d.evaluation))
+    return AuditPlan(config=config, path=path, lineup=lineup, domains=domains, said=said)
+
+
+def read_domains(config: AuditConfig, tokenizer) -> tuple[Domain, ...]:
+    """Each corpus of ``config`` read and tokenized once (cached on disk) as its one-corpus audit would, and checked:
+    the baseline's tokenizer can encode it. Every domain's variants made here are calibrated on the first's."""
+    domains = []
+    for corpus in config.domains:
+        alone = config.for_domain(corpus)
+        scored = _within(corpus.name, config, lambda a=alone: evaluation(corpus_text(a.corpus), tokenizer,
+                                                                          a.evaluation, progress=True))
+        _within(corpus.name, config, lambda s=scored: check_encodable(s.stream, tokenizer, "corpus"))
+        domains.append(Domain(corpus.name, alone, scored if not domains else scored.calibrating(domains[0].evaluation)))
+    return tuple(domains)
+
+
+def _within(name: str, config: AuditConfig, check: Callable):
+    """``check()``, its refusal naming the domain ``name`` in an audit of several (``corpora.NAME: ...``)."""
+    try:
+        return check()
+    except InputError as error:
+        if config.corpora is None:
+            raise
+        raise type(error)(f"corpora.{name}: {error}") from None
 
 
 def baseline_alone(config: AuditConfig) -> AuditConfig:

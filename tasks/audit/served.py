@@ -40,7 +40,7 @@ class Policy:
     def of(cls, config_path: str, config: AuditConfig, allow: list[str]) -> Policy:
         """The policy of serving ``config`` (read from ``config_path``), with ``allow`` added to its roots."""
         paths = [spec.path for spec in (config.baseline, *config.variants) if spec.path and spec.path != "embedded"]
-        paths += [config.corpus.source, str(cache_dir() / "quantized")]
+        paths += [corpus.source for corpus in config.domains] + [str(cache_dir() / "quantized")]
         roots = [str(Path(path).expanduser().resolve()) for path in [*paths, *allow] if _local(path)]
         return cls(str(Path(config_path).resolve()), tuple(dict.fromkeys(roots)), config.schedule.event_baseline)
 

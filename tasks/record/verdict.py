@@ -206,6 +206,9 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
     interval rests on."""
     columns = [("variant", "<16"), ("method", "<16"), ("PPL", ">12"), ("± err", ">10"), ("ΔPPL % [95% CI]", ">24"),
                ("win", ">6"), ("KLD", ">9"), ("top-1", ">8"), ("bits/B", ">8"), ("tok/s", ">8"), ("bpw", ">7"), ("MiB", ">7")]
+    domains = any("domain" in row for row in rows)  # an audit of several corpora: each row its worst domain's
+    if domains:
+        columns.insert(2, ("domain", "<10"))
     body = []
     for row in rows:
         verdict = verdicts.get(row["variant"])
@@ -216,12 +219,14 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             said += f"; dominated by {row['dominated_by']}"
         if row.get("kv_cache"):
             said += f"; {kv_cache_text(row)}"
-        cells = [row["variant"], row["method"]] + [""] * (len(columns) - 2)
+        cells = [row["variant"], row["method"]] + ([row.get("domain", "")] if domains else [])
+        cells += [""] * (len(columns) - len(cells))
+        first = len(cells) - 10  # where the figures start
         if row["status"] == "ok":
             delta = f"{row['delta_ppl_pct']:+z.2f}" if "delta_ppl_pct" in row else ""
             if "delta_ppl_pct_low" in row:
                 delta += f" [{row['delta_ppl_pct_low']:+z.2f},{row['delta_ppl_pct_high']:+z.2f}]"
-            cells[2:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta, str(row.get("windows", "")),
+            cells[first:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta, str(row.get("windows", "")),
                          f"{row['kld_mean']:z.4f}" if "kld_mean" in row else "",
                          f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "",
                          f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "",
@@ -229,7 +234,7 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
                          f"{row['bits_per_weight']:.2f}" if math.isfinite(row.get("bits_per_weight", math.nan)) else "",
                          f"{row['weight_mib']:.0f}"]
         else:
-            cells[2] = "—"
+            cells[first] = "—"
         body.append((cells, said))
     return fixed_width(columns, body, "verdict")
 

@@ -1,0 +1,149 @@
+"""An audit of several corpora judged as one: each variant by its worst domain, the audit by its variants.
+
+Each domain was scored and judged as its one-corpus audit would be (its own token stream, reference and gates), so
+its figures and its verdict are that audit's. A variant passes only when it passes on every domain: the audit's
+claim "within the limits everywhere" is the intersection of the per-domain claims, each shown at 95% on the
+pessimistic end of its interval, which keeps the chance of passing a variant that breaks a limit on some domain
+at most 5% with no correction for the number of domains (an intersection-union test: docs/statistics.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tasks.record.verdict import Verdict, format_table, overall
+
+# how bad a domain's verdict is, worst first: what decides a variant's verdict across domains
+SEVERITY = {"fail": 0, "error": 1, "pass": 2, "ungated": 3}
+
+
+@dataclass(frozen=True)
+class DomainSummary:
+    """One domain's comparison, as its one-corpus audit's summary holds it (``rows``, ``verdicts``, ``verdict``,
+    ``table``)."""
+
+    name: str
+    summary: dict
+
+
+def _pessimistic(row: dict) -> float:
+    """A row's ΔPPL at the pessimistic end of its interval (its estimate where it has none): what ranks domains."""
+    for key in ("delta_ppl_pct_high", "delta_ppl_pct"):
+        if isinstance(row.get(key), float) and math.isfinite(row[key]):
+            return row[key]
+    return -math.inf
+
+
+def worst_domain(domains: list[DomainSummary], v: int) -> str:
+    """The domain that decides variant ``v``'s verdict: its worst verdict, and among equals the largest ΔPPL at the
+    pessimistic end of its interval."""
+    def badness(domain: DomainSummary) -> tuple:
+        verdict = domain.summary["verdicts"][v]
+        return SEVERITY[verdict.status], -_pessimistic(domain.summary["rows"][v + 1])
+
+    return min(domains, key=badness).name
+
+
+def across(domains: list[DomainSummary], v: int) -> Verdict:
+    """Variant ``v``'s verdict over every domain: its worst domain's, naming it, and the others that fail with it;
+    its ΔPPL on each domain after."""
+    by_name = {d.name: d.summary["verdicts"][v] for d in domains}
+    worst = worst_domain(domains, v)
+    decided = by_name[worst]
+    statuses = {verdict.status for verdict in by_name.values()}
+    each = "; ΔPPL by domain: " + ", ".join(_delta(d.name, d.summary["rows"][v + 1]) for d in domains)
+    if statuses == {"ungated"}:
+        return Verdict(decided.name, "ungated", f"no limit on any of the {len(domains)} domains{each}")
+    if decided.status in ("pass", "ungated"):
+        ungated = [name for name, verdict in by_name.items() if verdict.status == "ungated"]
+        judged = len(domains) - len(ungated)
+        unjudged = f" (no limit on {', '.join(ungated)})" if ungated else ""
+        return Verdict(decided.name, "pass", f"passes on all {judged} gated domains{unjudged}; worst, {worst}: "
+                                             f"{decided.reason}{each}")
+    others = [name for name, verdict in by_name.items() if name != worst and verdict.status in ("fail", "error")]
+    also = f"; also {'/'.join(sorted({by_name[n].status for n in others}))} on {', '.join(others)}" if others else ""
+    return Verdict(decided.name, decided.status, f"{decided.status}s on {worst}: {decided.reason}{also}{each}")
+
+
+def _delta(name: str, row: dict) -> str:
+    value = row.get("delta_ppl_pct")
+    return f"{name} {value:+.2f}%" if isinstance(value, float) and math.isfinite(value) else f"{name} —"
+
+
+def combined(name: str, domains: list[DomainSummary]) -> dict:
+    """The summary of an audit of several domains: per variant its worst domain's row (``domain`` names it) and its
+    verdict across domains (``across``); the audit's verdict from those; ``table``, one line per model;
+    ``domains``, each domain's own summary."""
+    first = domains[0].summary
+    failed_baseline = next((d for d in domains if d.summary["rows"][0]["status"] != "ok"), None)
+    base = failed_baseline or domains[0]
+    rows = [base.summary["rows"][0] | {"domain": base.name}]
+    verdicts = []
+    for v in range(len(first["verdicts"])):
+        worst = worst_domain(domains, v)
+        rows.append(next(d for d in domains if d.name == worst).summary["rows"][v + 1] | {"domain": worst})
+        verdicts.append(across(domains, v))
+    drifted = [d.name for d in domains if d.summary["rows"][0].get("drift") == "environment drift"]
+    stopped = sum(any(d.summary["rows"][v + 1].get("scored_fraction", 1.0) < 1 for d in domains)
+                  for v in range(len(verdicts)))
+    verdict = overall(rows[0], verdicts, None, stopped)
+    if verdict.status == "pass":
+        verdict = Verdict("audit", "pass", f"{verdict.reason} on every one of {len(domains)} domains "
+                                           f"({', '.join(d.name for d in domains)})")
+    if drifted:  # each variant was compared with the baseline in this environment: its verdict stands
+        verdict = Verdict("audit", verdict.status, f"environment drift of the baseline on {', '.join(drifted)} "
+                                                   f"(its table says how much); {verdict.reason}")
+    return {"name": name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
+            "table": format_table(rows, {v.name: v for v in verdicts}),
+            "domains": {d.name: d.summary for d in domains}}
+
+
+def by_domain_table(summary: dict) -> str:
+    """Every domain's full table, each under a line naming it and its verdict (``run --by-domain``, the report)."""
+    blocks = []
+    for name, domain in summary["domains"].items():
+        verdict = domain["verdict"]
+        blocks.append(f"domain {name}: {verdict.said.upper()} — {verdict.reason}\n{domain['table']}")
+    return "\n\n".join(blocks)
+
+
+# what every domain's record shares with the audit's: said once, at the top
+SHARED = ("audit_id", "name", "started", "created", "scheduled", "config_path", "config_text", "environment")
+
+
+def domains_record(config: dict, records: dict[str, dict], summary: dict) -> dict:
+    """The record of an audit of several domains, from each domain's own (``audit_record``: what its one-corpus audit
+    would record, under ``domains``): at the top, each model's worst domain's entry (``domain`` names it) with its
+    verdict across domains, and the corpus as the sum of the domains'. ``config``: the audit's, every corpus in it.
+    A domain's per-token arrays are named ``DOMAIN.MODEL.parquet`` (``domain_arrays``)."""
+    import hashlib
+
+    for name, record in records.items():
+        for entry in record["variants"]:
+            if entry.get("arrays"):
+                entry["arrays"] = f"{name}.{entry['arrays']}"
+    first = next(iter(records.values()))
+    rows = {row["variant"]: row for row in summary["rows"]}
+    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
+    variants = []
+    for entry in first["variants"]:
+        worst = rows[entry["name"]]["domain"]
+        chosen = next(e for e in records[worst]["variants"] if e["name"] == entry["name"])
+        variants.append(chosen | {"domain": worst, "row": rows[entry["name"]], "verdict": verdicts.get(entry["name"])})
+    corpora = [record["corpus"] for record in records.values()]
+    corpus = {"source": ", ".join(f"{name} {c['source']}" for name, c in zip(records, corpora)),
+              "location": ", ".join(c["location"] for c in corpora),
+              "digest": hashlib.sha256(" ".join(c["digest"] for c in corpora).encode()).hexdigest(),
+              "n_tokens": sum(c["n_tokens"] for c in corpora), "n_bytes": sum(c["n_bytes"] for c in corpora),
+              "bos": first["corpus"]["bos"], "hf_config": None, "hf_split": None, "domains": list(records)}
+    verdict = summary["verdict"]
+    return first | {"config": config, "corpus": corpus, "verdict": {"status": verdict.status, "reason": verdict.reason},
+                    "table": summary["table"], "variants": variants,
+                    "domains": {name: {k: v for k, v in record.items() if k not in SHARED}
+                                for name, record in records.items()}}
+
+
+def domain_arrays(arrays: dict[str, dict]) -> dict:
+    """Every domain's per-token tables (by domain, by file name) under the record's names for them."""
+    return {f"{name}.{file}": table for name, tables in arrays.items() for file, table in tables.items()}
