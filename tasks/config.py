@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.core.errors import InputError
+from tasks.core.places import embedded_corpus_name
 from tasks.engine.scoring_options import Windowing
 from tasks.engine.settings import BosPolicy, Mode
 from tasks.engine.windows import check_plan, chunk_limit
@@ -47,7 +48,8 @@ class CorpusConfig(Strict):
     """A corpus source and how its documents are read and joined (``tasks.data.corpus`` reads it).
 
     Attributes:
-        source: a text file, a folder of .txt, a .jsonl/.parquet file, ``hf:NAME`` or ``embedded``.
+        source: a text file, a folder of .txt, a .jsonl/.parquet file, ``hf:NAME``, ``embedded`` (Austen) or
+            ``embedded:NAME`` (another embedded corpus: python, russian, chinese; ``tasks.data.embedded``).
         column: the text column of JSONL, Parquet and Hugging Face sources.
     """
 
@@ -69,6 +71,7 @@ class CorpusConfig(Strict):
         if source.startswith("hf:") and not source[3:].strip():
             raise ValueError("source 'hf:' names no dataset; give hf:NAME, e.g. hf:wikitext with hf_config "
                              "wikitext-2-raw-v1")
+        embedded_corpus_name(source)  # an unknown embedded:NAME, refused before anything loads
         return source
 
 

@@ -23,7 +23,8 @@ def add(commands) -> None:
     ppl = commands.add_parser(NAME, help="perplexity of one model on one corpus")
     ppl.add_argument("--model", required=True, help="model folder, Hugging Face Hub id, or 'embedded'")
     ppl.add_argument("--corpus", required=True,
-                     help="text file, folder of .txt, .jsonl/.parquet file, hf:DATASET, or 'embedded'")
+                     help="text file, folder of .txt, .jsonl/.parquet file, hf:DATASET, 'embedded' (Austen) or "
+                          "embedded:NAME (python, russian, chinese)")
     option("--text-column", CorpusConfig, "column", help="text column of JSONL/Parquet/HF sources")
     option("--hf-config", CorpusConfig, "hf_config", help="Hugging Face dataset config (e.g. wikitext-2-raw-v1)")
     option("--hf-split", CorpusConfig, "hf_split", help="Hugging Face dataset split")

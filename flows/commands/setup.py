@@ -1,4 +1,4 @@
-"""``ppl-audit setup``: build the embedded model and corpus (once; cached)."""
+"""``ppl-audit setup``: build the embedded model and corpora (once; cached)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ NAME, LOGGED = "setup", True
 
 
 def add(commands) -> None:
-    commands.add_parser(NAME, help="build the embedded model and corpus (once; cached)")
+    commands.add_parser(NAME, help="build the embedded model and corpora (once; cached)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from tasks.data.embedded import ensure_embedded_corpus, ensure_embedded_model
+    from tasks.data.embedded import EMBEDDED_CORPORA, ensure_embedded_corpus, ensure_embedded_model
 
     print(f"embedded model:  {ensure_embedded_model()}", file=console.out())
-    print(f"embedded corpus: {ensure_embedded_corpus()}", file=console.out())
+    for name in EMBEDDED_CORPORA:
+        print(f"embedded corpus {name}: {ensure_embedded_corpus(name)}", file=console.out())
     return 0

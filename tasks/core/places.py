@@ -17,6 +17,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PPL_AUDIT_CACHE", Path.home() / ".cache" / "ppl-audit"))
 
 
+# the embedded corpora, each built into <cache>/corpora/NAME by tasks.data.embedded (its EMBEDDED_CORPORA says from
+# what); a corpus source names one as ``embedded`` (austen) or ``embedded:NAME``
+EMBEDDED_CORPUS_NAMES = ("austen", "python", "russian", "chinese")
+
+
+def embedded_corpus_name(source: str) -> str | None:
+    """The embedded corpus a corpus source names (``embedded`` is austen), or None for a source of another kind.
+    An unknown ``embedded:NAME`` is an InputError of one line naming the known corpora."""
+    from tasks.core.errors import InputError
+
+    if source == "embedded":
+        return "austen"
+    if not source.startswith("embedded:"):
+        return None
+    name = source.removeprefix("embedded:")
+    if name not in EMBEDDED_CORPUS_NAMES:
+        raise InputError(f"no embedded corpus '{name}'; give embedded (austen) or embedded:NAME with NAME one of "
+                         f"{', '.join(EMBEDDED_CORPUS_NAMES)}")
+    return name
+
+
 def references_dir() -> Path:
     """Stored baseline references (``tasks.audit.reference``): ``$PPL_AUDIT_REFERENCES``, default
     ``<cache>/references``. A 70B baseline's takes gigabytes: put them on a disk that has room."""

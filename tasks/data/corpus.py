@@ -2,7 +2,8 @@
 
 A source is a text file (one document), a folder of ``.txt`` files (sorted by name), a JSONL or
 Parquet file with a text column, a Hugging Face dataset (``hf:NAME`` with config, split and column),
-or ``embedded`` (the Austen novels, see ``tasks.data.embedded``). Documents are joined with ``joiner``.
+``embedded`` (the Austen novels) or ``embedded:NAME`` (another embedded corpus: python, russian, chinese; see
+``tasks.data.embedded``). Documents are joined with ``joiner``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from tasks.core import console, sealed
 from tasks.core.errors import InputError, one_line
 from tasks.core.files import prune
+from tasks.core.places import embedded_corpus_name
 from tasks.engine.settings import BOS_POLICIES, BosPolicy
 from tasks.engine.stream import TokenStream
 
@@ -114,15 +116,18 @@ def _read_hf(spec: CorpusConfig) -> list[str]:
 
 def load_documents(spec: CorpusConfig) -> list[str]:
     """Read the documents of a corpus source, in order."""
-    if spec.source == "embedded":
+    embedded = embedded_corpus_name(spec.source)
+    if embedded is not None:
         from tasks.data.embedded import ensure_embedded_corpus
 
-        return load_documents(spec.model_copy(update={"source": str(ensure_embedded_corpus())}))
+        # built as UTF-8, whatever encoding the audit gives its own files
+        folder = str(ensure_embedded_corpus(embedded))
+        return load_documents(spec.model_copy(update={"source": folder, "encoding": "utf-8"}))
     if spec.source.startswith("hf:"):
         return _read_hf(spec)
     path = Path(spec.source)
     if not path.exists():
-        raise InputError(f"corpus not found: {path} (give a .txt/.jsonl/.parquet file, a folder of .txt, hf:NAME or embedded)")
+        raise InputError(f"corpus not found: {path} (give a .txt/.jsonl/.parquet file, a folder of .txt, hf:NAME, embedded or embedded:NAME)")
     try:
         if path.is_dir():
             files = sorted(path.glob("*.txt"))

