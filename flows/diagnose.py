@@ -78,25 +78,46 @@ def diagnoses(config: AuditConfig, lineup: Lineup, scored: Evaluation, verdicts:
     return found
 
 
+def on_domain(plan: AuditPlan, corpus: str | None) -> tuple[AuditPlan, str | None]:
+    """The plan of the one domain a diagnosis reads, and its name: ``corpus`` of an audit of several corpora (the
+    first when None); an audit of one corpus is its own (None). A name the audit lacks is one line naming its
+    corpora, as is a name given for an audit of one corpus (it names none: ``corpus:``)."""
+    if not plan.by_domain:
+        if corpus is not None:
+            raise InputError(f"--corpus {corpus}: the audit {plan.name} has one corpus (corpus:), not several named "
+                             "ones (corpora:); leave --corpus out")
+        return plan, None
+    name = plan.domains[0].name if corpus is None else corpus
+    return plan.alone(name), name
+
+
 @flow(name="ppl-audit-diagnose", flow_run_name="diagnose-{variant}", log_prints=True)
-def diagnose(config: str, variant: str, overrides: list[str] | None = None, plan: AuditPlan | None = None) -> dict:
+def diagnose(config: str, variant: str, overrides: list[str] | None = None, plan: AuditPlan | None = None,
+             corpus: str | None = None) -> dict:
     """Diagnose the variant ``variant`` of the audit ``config`` against its baseline, and log it to MLflow (a child
     of the audit's latest run, when there is one).
 
     Args:
         plan: the audit opened for that variant alone (``open_audit`` with ``narrowed``: the CLI makes it); without
             it, made here once.
+        corpus: in an audit of several corpora, the domain whose stream and settings it is diagnosed on (default: the
+            first); ``found["domain"]`` names it.
 
     Returns:
         the diagnosis, with ``record``: where it was logged, or kept when tracking failed.
     """
     if plan is None:
         plan = open_plan(config, overrides or [], narrow=partial(narrowed, variant=variant))
+    plan, domain = on_domain(plan, corpus)
     settings, lineup, scored = plan.config, plan.lineup, plan.evaluation
     [checkpoint] = lineup.variants
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
+    if domain is not None:
+        print(f"on the domain {domain}")
     found = diagnosed(settings, lineup, scored, checkpoint) | {"audit": settings.name}
+    if domain is not None:
+        found["domain"] = domain
     kept = keep(found)
     tracking = settings.tracking
     logged = log_diagnosis(found, tracking.uri, tracking.experiment, return_state=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.core import console
@@ -19,7 +20,8 @@ def add(commands) -> None:
     compare = commands.add_parser(NAME, help="every variant audited against a baseline, across audits: size "
                                              "against quality, what dominates what, what changed")
     compare.add_argument("config", nargs="?", help="an audit YAML: its baseline, corpus and evaluation settings say "
-                                                   "which audits compare, its tracking where they are")
+                                                   "which audits compare, its tracking where they are; with corpora, "
+                                                   "one history per domain (each with its own baseline key)")
     compare.add_argument("--baseline", metavar="KEY", help="instead of a config: a baseline key (this command prints "
                                                            "it; the ppl_audit.baseline_key tag of an audit's run) or a "
                                                            "reference key (ppl-audit reference ls)")
@@ -27,28 +29,29 @@ def add(commands) -> None:
                                               f"else {config_field(Tracking, 'experiment')[0]})")
     compare.add_argument("--tracking-uri", help="default: the config's, MLFLOW_TRACKING_URI, or the local store")
     compare.add_argument("--chart", type=Path, metavar="PNG", help="where to write the chart of them all "
-                                                                 "(default: <home>/compare/<key>.png)")
-    compare.add_argument("--json", action="store_true", help="end stdout with one JSON line of the variants")
+                                                                 "(default: <home>/compare/<key>.png; a config with "
+                                                                 "corpora: PNG's name with .<domain> before .png)")
+    compare.add_argument("--json", action="store_true", help="end stdout with one JSON line of the variants (a config "
+                                                            "with corpora: {\"domains\": {NAME: ...}})")
 
 
 def run(args: argparse.Namespace) -> int:
     from tasks.config import Tracking, check_tracking
     from tasks.core.places import default_uri, home
-    from tasks.record.history import audited, experiment_of, format_history, history_chart
-    from tasks.record.tracking import ui_link
+    from tasks.record.history import experiment_of
 
     if (args.config is None) == (args.baseline is None):
         raise InputError("give an audit config or --baseline KEY, one of them")
     given = args.tracking_uri is not None
     plan = None
     if args.config is not None:  # its baseline, found and digested with its token stream: what names its audits
-        from tasks.audit.plan import baseline_alone, baseline_key_of, open_audit
+        from tasks.audit.plan import baseline_alone, open_audit
 
         plan = open_audit(args.config, [], narrow=baseline_alone, strict=False)
     tracking = plan.config.tracking if plan else Tracking()
     uri = check_tracking(args.tracking_uri if given else tracking.uri, "--tracking-uri" if given else "tracking.uri")
     chart = _chart(args.chart)
-    key = baseline_key_of(plan) if plan else args.baseline
+    keys = _keys(plan) if plan else {None: args.baseline}
     if uri == default_uri() and not (home() / "mlflow.db").exists():  # reading it would make an empty one
         raise InputError(f"no audits yet: the local MLflow store {uri} does not exist; run an audit first, or give "
                          "--tracking-uri")
@@ -56,31 +59,76 @@ def run(args: argparse.Namespace) -> int:
 
     client = MlflowClient(tracking_uri=uri)
     experiment = args.experiment or tracking.experiment
-    experiment_id = experiment_of(client, experiment, uri)
-    rows = audited(client, experiment_id, key)
+    where = Where(client, experiment_of(client, experiment, uri), experiment, uri)
+    if None in keys:  # one corpus: one history, as before corpora
+        said = _history(where, keys[None], chart, None)
+        if said is None:
+            raise InputError(f"no audit of baseline {keys[None]} in experiment '{experiment}' ({uri}); check the key "
+                             "(ppl-audit reference ls, or a parent run's ppl_audit.baseline_key tag) or the experiment")
+    else:
+        said = {"domains": {name: _history(where, key, chart and chart.with_name(f"{chart.stem}.{name}.png"), name)
+                            for name, key in keys.items()}}
+        if not any(said["domains"].values()):
+            raise InputError(f"no audit of any domain of {plan.name} ({', '.join(f'{n} baseline {k}' for n, k in keys.items())}) "
+                             f"in experiment '{experiment}' ({uri}); check the experiment")
+        said["domains"] = {name: found or {"baseline_key": keys[name], "experiment": experiment, "chart": None,
+                                           "variants": []} for name, found in said["domains"].items()}
+    if args.json:
+        print(json.dumps(said), file=console.out())
+    return 0
+
+
+def _keys(plan) -> dict[str | None, str]:
+    """The baseline key of each domain of the audit ``plan`` (by name), or of its one corpus (under None): each
+    domain's from its own token stream, as its one-corpus audit's."""
+    from tasks.audit.plan import baseline_key_of
+
+    if not plan.by_domain:
+        return {None: baseline_key_of(plan)}
+    return {domain.name: baseline_key_of(plan.alone(domain.name)) for domain in plan.domains}
+
+
+@dataclass(frozen=True)
+class Where:
+    """The store and experiment the histories are read from."""
+
+    client: object
+    experiment_id: str
+    experiment: str
+    uri: str
+
+
+def _history(where: Where, key: str, chart: Path | None, domain: str | None) -> dict | None:
+    """Print the history of the baseline ``key`` (of the domain ``domain`` in an audit of several corpora) and write
+    its chart (``chart``, else ``<home>/compare/<key>.png``); its JSON, or None when no audit has that key."""
+    from tasks.core.places import home
+    from tasks.record.history import audited, format_history, history_chart
+    from tasks.record.tracking import ui_link
+
+    say = console.out()
+    rows = audited(where.client, where.experiment_id, key)
     if not rows:
-        raise InputError(f"no audit of baseline {key} in experiment '{experiment}' ({uri}); check the key (ppl-audit "
-                         "reference ls, or a parent run's ppl_audit.baseline_key tag) or the experiment")
-    if uri.startswith(("http://", "https://")):
+        if domain is not None:  # the others' histories are still shown
+            print(f"domain {domain}, baseline {key}: no audit in experiment '{where.experiment}'\n", file=say)
+        return None
+    if where.uri.startswith(("http://", "https://")):
         for row in rows:
-            row.link = ui_link(uri, experiment_id, row.run_id)
+            row.link = ui_link(where.uri, where.experiment_id, row.run_id)
     chart = chart or home() / "compare" / f"{key}.png"
     chart.parent.mkdir(parents=True, exist_ok=True)
     try:
-        history_chart(rows, key).savefig(chart)
+        history_chart(rows, key, domain).savefig(chart)
     except OSError as error:  # a full or read-only disk, a device such as /dev/full.png
         raise InputError(f"cannot write the chart {chart} ({error.strerror or error}); give --chart a file in a folder you "
                          "can write") from None
-    say = console.out()
     audits = len({row.parent_run_id for row in rows})
-    print(f"baseline {key}: {len(rows)} variant run(s) in {audits} audit(s) of experiment '{experiment}', newest first",
+    named = f"domain {domain}, baseline {key}" if domain else f"baseline {key}"
+    print(f"{named}: {len(rows)} variant run(s) in {audits} audit(s) of experiment '{where.experiment}', newest first",
           file=say)
     print(format_history(rows), file=say)
-    print(f"chart: {chart}", file=say)
-    if args.json:
-        print(json.dumps({"baseline_key": key, "experiment": experiment, "chart": str(chart),
-                          "variants": [row.json() for row in rows]}), file=say)
-    return 0
+    print(f"chart: {chart}" + ("\n" if domain else ""), file=say)
+    return {"baseline_key": key, "experiment": where.experiment, "chart": str(chart),
+            "variants": [row.json() for row in rows]}
 
 
 def _chart(path: Path | None) -> Path | None:

@@ -17,6 +17,9 @@ def add(commands) -> None:
     diagnose = commands.add_parser(NAME, help="where a variant loses: per-layer errors, restoring layers, the text")
     diagnose.add_argument("config", help="the audit YAML the variant is in, e.g. configs/demo.yaml")
     diagnose.add_argument("--variant", required=True, help="the name of the variant to diagnose")
+    diagnose.add_argument("--corpus", metavar="NAME",
+                          help="in a config with corpora: the domain whose text and settings the variant is diagnosed "
+                               "on (default: the first; the output names it)")
     diagnose.add_argument("--windows", type=int, metavar="N",
                           help=f"windows of the audit's stream to score, a seeded sample (default: diagnosis.windows, "
                                f"{config_field(Diagnosis, 'windows')[0]})")
@@ -37,13 +40,14 @@ def overrides(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from functools import partial
 
-    from flows.diagnose import diagnose
+    from flows.diagnose import diagnose, on_domain
     from tasks.audit.diagnose import narrowed
     from tasks.audit.plan import open_audit
     from tasks.record.diagnosis import diagnosis_json, format_table
 
     plan = open_audit(args.config, overrides(args), narrow=partial(narrowed, variant=args.variant))  # before any model loads
-    found = diagnose(config=args.config, variant=args.variant, overrides=overrides(args), plan=plan)
+    on_domain(plan, args.corpus)  # an unknown --corpus too: refused before Prefect starts the flow
+    found = diagnose(config=args.config, variant=args.variant, overrides=overrides(args), plan=plan, corpus=args.corpus)
     say = console.out()
     print(format_table(found), file=say)
     print(f"record: {found['record']}", file=say)

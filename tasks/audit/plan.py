@@ -97,6 +97,13 @@ class AuditPlan(BaseModel):
                              f"{', '.join(d.name for d in self.domains)}")
         return found
 
+    def alone(self, name: str) -> AuditPlan:
+        """The plan of the one-corpus audit of the domain ``name`` (its ``config`` and stream alone): what a command
+        that works on one stream reads (a diagnosis, a baseline's key). Its variants made here are still calibrated
+        on the first domain's corpus, as in the audit of all of them."""
+        domain = self.domain(name)
+        return self.model_copy(update={"config": domain.config, "domains": (domain,)})
+
     @model_serializer
     def _shown(self) -> dict:
         """What Prefect stores and shows of a plan handed to a flow (its UI's parameters): which audit, not its

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from tasks.core.places import home
 from tasks.record.plots import COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
+from tasks.record.tags import DOMAIN
 
 WORST = 3  # layers marked in the console table: those that win back most
 OWN, ACCUMULATED, RECOVERY = "#c62828", "#1565c0", "#9e9e9e"
@@ -33,8 +34,9 @@ def format_table(found: dict) -> str:
     """A row per decoder layer (own and accumulated SQNR, what restoring it alone wins back, its cost), the
     layers that win back most marked; then the LM head's own error and the greedy restore curve."""
     marked = set(found["ranking"][:WORST])
+    domain = f" of the domain {found['domain']}" if found.get("domain") else ""  # an audit of several corpora's
     lines = [f"{found['variant']} ({found['method']}): ΔPPL {found['delta_ppl_pct']:+.2f}%, KL {found['kl']:.5f} on "
-             f"{found['windows']} windows ({found['tokens']} tokens)",
+             f"{found['windows']} windows{domain} ({found['tokens']} tokens)",
              f"  {'layer':>5}  {'own SQNR':>9}  {'acc. SQNR':>9}  {'own cos err':>11}  "
              f"{'restore wins back (KL, 95%)':>28}  {'ΔNLL':>7}  {'MiB':>6}"]
     for row in found["layers"]:
@@ -110,7 +112,8 @@ def keep(found: dict) -> Path:
     """Write the diagnosis to ``<home>/diagnoses`` first: nothing computed is lost if tracking fails."""
     folder = home() / "diagnoses"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{datetime.now():%Y%m%dT%H%M%S}-{found.get('audit', 'audit')}-{found['variant']}.json"
+    domain = f".{found['domain']}" if found.get("domain") else ""  # two domains' diagnoses in one second: two files
+    path = folder / f"{datetime.now():%Y%m%dT%H%M%S}-{found.get('audit', 'audit')}-{found['variant']}{domain}.json"
     path.write_text(diagnosis_json(found) + "\n")
     return path
 
@@ -135,10 +138,13 @@ def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> st
     Returns its id."""
     from mlflow.entities import Metric
 
+    on = f" on the domain {found['domain']}" if found.get("domain") else ""
     tags = tags | {"ppl_audit.kind": "diagnosis", "ppl_audit.variant": found["variant"],
-                   "mlflow.note.content": f"Where `{found['variant']}` loses, layers most responsible first: "
+                   "mlflow.note.content": f"Where `{found['variant']}` loses{on}, layers most responsible first: "
                                           f"{found['ranking']}"}
-    run = client.create_run(experiment_id, run_name=f"diagnose {found['variant']}", tags=tags).info.run_id
+    if found.get("domain"):  # which of its audit's corpora it was diagnosed on
+        tags[DOMAIN] = found["domain"]
+    run = client.create_run(experiment_id, run_name=f"diagnose {found['variant']}{on}", tags=tags).info.run_id
     now = int(time.time() * 1000)
     metrics = [Metric(key, float(found[key]), now, 0) for key in ("delta_nll", "delta_ppl_pct", "kl")]
     metrics += [Metric("head_kl", float(found["head"]["kl"]), now, 0)]

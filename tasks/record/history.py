@@ -4,7 +4,9 @@ another beats, and which moved since the previous scheduled run of the same vari
 Audits are comparable when their baseline scored the same tokens the same way: the same model files, tokenizer,
 token stream, window, stride, BOS and dtype (``tasks.audit.reference.baseline_key``; the reference's own key adds the
 library versions, which change with every upgrade while the audits stay comparable). Each audit's parent run carries
-that key as a tag.
+that key as a tag. An audit of several corpora (domains) names each domain's key on its parent run
+(``ppl_audit.domain_keys``, ``NAME=KEY`` pairs) and each domain's figures on its variants' runs (``METRIC.NAME``): a
+domain of such an audit and a one-corpus audit of the same text are one history.
 
 Dominance across audits: within one audit a variant's dominator is the audit's own, decided on the paired
 per-token differences (``tasks.record.dominance``). Two variants of different audits were scored in different runs,
@@ -23,7 +25,8 @@ from matplotlib.patches import Patch
 
 from tasks.core.errors import InputError
 from tasks.record.dominance import no_larger
-from tasks.record.tags import BASELINE_KEY, COMPLETE, DOMINATED_BY, REFERENCE, SCHEDULED
+from tasks.record.tags import (BASELINE_KEY, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_REFERENCES, DOMAINS, DOMINATED_BY,
+                               REFERENCE, SCHEDULED)
 from tasks.record.plots import COLOURS, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured, size_quality_figure, titled
 from tasks.record.verdict import said as said_as
 
@@ -52,6 +55,7 @@ class Audited:
     mib: float
     kv_bytes_per_token: float
     own_dominator: str | None  # within its own audit (paired)
+    domain: str | None = None  # the domain of an audit of several corpora whose figures these are; None: one corpus
     dominated_by: str | None = None
     changed: str | None = None
     past: bool = False  # not of the newest audit
@@ -75,38 +79,67 @@ def _all_runs(client, experiment_id: str, where: str) -> list:
             return runs
 
 
-def _audits(client, experiment_id: str, key: str, also: str | None) -> list:
+def _pairs(said: str) -> dict[str, str]:
+    """A tag of ``NAME=KEY`` pairs, space-separated, as {NAME: KEY}."""
+    return dict(pair.partition("=")[::2] for pair in said.split() if "=" in pair)
+
+
+def _audits(client, experiment_id: str, key: str, also: str | None) -> list[tuple]:
     """The parent runs of the complete audits (and of the one ``also`` names) whose baseline has ``key``: a baseline
-    key or a reference key. Each names the other on the runs that have both, so the search follows them: a baseline
-    key finds the references made of it (one per environment), and through them the audits from before baseline keys
-    were tagged; all of one baseline, as a reference's key digests the baseline key's facts and more."""
+    key or a reference key, each with the domain whose key it is (None: an audit of one corpus). Each names the other
+    on the runs that have both, so the search follows them: a baseline key finds the references made of it (one per
+    environment), and through them the audits from before baseline keys were tagged; all of one baseline, as a
+    reference's key digests the baseline key's facts and more."""
     found, keys, searched = {}, {key}, set()
     while keys - searched:
         named = (keys - searched).pop()
         searched.add(named)
         for tag in (BASELINE_KEY, REFERENCE):
             for run in _all_runs(client, experiment_id, f"tags.`ppl_audit.kind` = 'audit' and tags.`{tag}` = '{named}'"):
-                found[run.info.run_id] = run
+                if DOMAINS in run.data.tags:  # its unsuffixed figures are its worst domains', not this key's text's
+                    continue
+                found[(run.info.run_id, None)] = run
                 keys |= {run.data.tags[tag] for tag in (BASELINE_KEY, REFERENCE) if tag in run.data.tags}
-    return [run for run in found.values() if run.data.tags.get(COMPLETE) == "true" or run.info.run_id == also]
+        for tag in (DOMAIN_KEYS, DOMAIN_REFERENCES):
+            # LIKE narrows the search; the pairs, read exactly, decide (a key may begin another)
+            for run in _all_runs(client, experiment_id, f"tags.`ppl_audit.kind` = 'audit' and "
+                                                        f"tags.`{tag}` LIKE '%={named}%'"):
+                own = [_pairs(run.data.tags.get(each, "")) for each in (DOMAIN_KEYS, DOMAIN_REFERENCES)]
+                for domain in set(own[0]) | set(own[1]):
+                    if named in (own[0].get(domain), own[1].get(domain)):
+                        found[(run.info.run_id, domain)] = run
+                        keys |= {mine[domain] for mine in own if domain in mine}
+    return [(run, domain) for (run_id, domain), run in found.items()
+            if run.data.tags.get(COMPLETE) == "true" or run_id == also]
 
 
-def _figure(run, key: str) -> float:
-    return float(run.data.metrics.get(key, NAN))
+def _figure(run, key: str, domain: str | None = None) -> float:
+    return float(run.data.metrics.get(key if domain is None else f"{key}.{domain}", NAN))
 
 
-def _row(child, parent) -> Audited:
+def _domain_tag(tags: dict, tag: str, domain: str | None, unknown: str | None) -> str | None:
+    """A variant's tag on ``domain``: its own (``TAG.DOMAIN``) when logged, else the run's when the domain is the
+    variant's worst (its verdict and figures across domains are that domain's), else ``unknown``."""
+    if domain is None:
+        return tags.get(tag)
+    if f"{tag}.{domain}" in tags:
+        return tags[f"{tag}.{domain}"]
+    return tags.get(tag) if tags.get(DOMAIN) == domain else unknown
+
+
+def _row(child, parent, domain: str | None = None) -> Audited:
+    """``child``'s row: its figures on ``domain`` in an audit of several corpora (its sizes are the model's own)."""
     metrics, tags = child.data.metrics, child.data.tags
     return Audited(
         name=tags.get("ppl_audit.variant", child.info.run_name), method=child.data.params.get("method", "?"),
         audit=parent.data.tags.get("ppl_audit.audit", "?"), run_id=child.info.run_id, parent_run_id=parent.info.run_id,
         started=datetime.fromtimestamp(parent.info.start_time / 1000, timezone.utc),
-        scheduled=parent.data.tags.get(SCHEDULED) == "true", verdict=tags.get("audit.verdict", "?"),
-        **{key: _figure(child, key) for key in ("delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean",
-                                                 "kld_mean_low", "kld_mean_high")},
+        scheduled=parent.data.tags.get(SCHEDULED) == "true", verdict=_domain_tag(tags, "audit.verdict", domain, "?"),
+        **{key: _figure(child, key, domain) for key in ("delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high",
+                                                         "kld_mean", "kld_mean_low", "kld_mean_high")},
         bpw=_figure(child, "bits_per_weight"), kv_bytes_per_token=_figure(child, "kv_bytes_per_token"),
         mib=metrics["weight_memory_bytes"] / 2**20 if "weight_memory_bytes" in metrics else NAN,
-        own_dominator=tags.get(DOMINATED_BY))
+        own_dominator=_domain_tag(tags, DOMINATED_BY, domain, None), domain=domain)
 
 
 def audited(client, experiment_id: str, key: str, also: str | None = None) -> list[Audited]:
@@ -117,10 +150,10 @@ def audited(client, experiment_id: str, key: str, also: str | None = None) -> li
         also: the parent run id of an audit being logged (not complete yet), to include.
     """
     rows = []
-    for parent in _audits(client, experiment_id, key, also):
+    for parent, domain in _audits(client, experiment_id, key, also):
         children = _all_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and "
                                                     "tags.`ppl_audit.kind` = 'variant'")
-        rows += [_row(child, parent) for child in children]
+        rows += [_row(child, parent, domain) for child in children]
     rows.sort(key=lambda row: (row.started, row.name), reverse=True)
     newest = rows[0].parent_run_id if rows else None
     for row in rows:
@@ -189,17 +222,19 @@ def format_history(rows: list[Audited]) -> str:
         said = said_as(row.verdict).upper() + "".join(f"; {note}" for note in (
             row.dominated_by and f"dominated by {row.dominated_by}", row.changed) if note)
         figures = vars(row)  # named as a comparison row's: the audit table's own formatting
-        body.append(([row.name, row.method, row.audit, f"{row.started:%Y-%m-%d %H:%M}",
+        audit = f"{row.audit}/{row.domain}" if row.domain else row.audit  # which of its corpora, in an audit of several
+        body.append(([row.name, row.method, audit, f"{row.started:%Y-%m-%d %H:%M}",
                       figure_text(figures, "bpw", ".2f"), figure_text(figures, "mib", ".0f"), delta_text(figures),
                       figure_text(figures, "kld_mean", "z.4f")],
                      f"{said}  {row.link or row.run_id}"))
     return fixed_width(columns, body, "verdict, run")
 
 
-def history_chart(rows: list[Audited], key: str) -> Figure:
+def history_chart(rows: list[Audited], key: str, domain: str | None = None) -> Figure:
     """Size against quality of every audited variant of the baseline: the newest audit's in their verdicts' colours,
     earlier audits' grey and labelled with their date (not drawn again where a newer point stands); dominated ones
-    hollow, the front of all joined."""
+    hollow, the front of all joined. ``domain``: the corpus of an audit of several whose history it is (its title
+    names it)."""
     points = [SizePoint(f"{row.name} {row.started:%m-%d}" if row.past else row.name, row.bpw, row.mib,
                         (row.delta_ppl_pct, row.delta_ppl_pct_low, row.delta_ppl_pct_high),
                         (row.kld_mean, row.kld_mean_low, row.kld_mean_high), COLOURS.get(row.verdict, COLOURS["error"]),
@@ -208,5 +243,6 @@ def history_chart(rows: list[Audited], key: str) -> Figure:
                if any(row.verdict == v and not row.past for row in rows)]
     handles += [Patch(color=PAST_COLOUR, label="earlier audits")] if any(row.past for row in rows) else []
     audits = len({row.parent_run_id for row in rows})
-    return titled(size_quality_figure(points), f"baseline {key}: {len(rows)} variant runs in {audits} audit(s), "
+    named = f"domain {domain}, baseline {key}" if domain else f"baseline {key}"
+    return titled(size_quality_figure(points), f"{named}: {len(rows)} variant runs in {audits} audit(s), "
                    f"newest {rows[0].started:%Y-%m-%d %H:%M} UTC", handles + FRONT_HANDLES)
