@@ -11,9 +11,11 @@ from tasks.steps import open_plan, score_baseline
 
 
 @flow(name="ppl-audit-reference", flow_run_name="reference-{config}", log_prints=True)
-def build_reference(config: str, overrides: list[str] | None = None, plan: AuditPlan | None = None) -> VariantResult:
+def build_reference(config: str, overrides: list[str] | None = None, plan: AuditPlan | None = None
+                    ) -> dict[str, VariantResult]:
     """Score the baseline of the audit ``config`` (with ``overrides``) as the audit would, or find its
-    reference already stored (``baseline.rescore`` decides); returns the baseline's outcome.
+    reference already stored (``baseline.rescore`` decides), on each of its corpora (one reference per domain);
+    returns the baseline's outcome by domain (a one-corpus audit's: ``corpus``).
 
     Args:
         plan: the audit opened for its baseline alone (``open_audit`` with ``baseline_alone``: the CLI makes it);
@@ -21,4 +23,4 @@ def build_reference(config: str, overrides: list[str] | None = None, plan: Audit
     """
     if plan is None:
         plan = open_plan(config, overrides or [], narrow=baseline_alone)
-    return score_baseline(plan.lineup.baseline, plan.evaluation)
+    return {domain.name: score_baseline(plan.lineup.baseline, domain.evaluation) for domain in plan.domains}

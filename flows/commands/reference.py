@@ -46,17 +46,22 @@ def run(args: argparse.Namespace) -> int:
         from tasks.audit.plan import baseline_alone, open_audit
 
         plan = open_audit(args.config, args.set, narrow=baseline_alone)  # before Prefect starts: the baseline only
-        outcome = build_reference(config=args.config, overrides=args.set, plan=plan)
-        if not outcome.ok:
-            print(f"ppl-audit: failed: {outcome.name}: {outcome.reason}", file=console.err())
-            return 1
-        said, result = outcome.reference, outcome.result
-        where = f"reference {said.key} in {said.path}" if said.path else f"no reference: {said.problem}"
-        print(f"baseline {said.baseline}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over {result.n_tokens} "
-              f"tokens; {where}", file=say)
-        if said.drift:
-            print(drift_text(said.drift), file=say)
-        return 0 if said.path else 1
+        outcomes = build_reference(config=args.config, overrides=args.set, plan=plan)
+        stored = True
+        for domain, outcome in outcomes.items():
+            on = f" on {domain}" if plan.by_domain else ""
+            if not outcome.ok:
+                print(f"ppl-audit: failed: {outcome.name}{on}: {outcome.reason}", file=console.err())
+                stored = False
+                continue
+            said, result = outcome.reference, outcome.result
+            where = f"reference {said.key} in {said.path}" if said.path else f"no reference: {said.problem}"
+            print(f"baseline {said.baseline}{on}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over "
+                  f"{result.n_tokens} tokens; {where}", file=say)
+            if said.drift:
+                print(drift_text(said.drift), file=say)
+            stored = stored and bool(said.path)
+        return 0 if stored else 1
     if args.action == "ls":
         found = reference.listed()
         print(f"{'key':<17}{'created':<17}{'last used':<17}{'size':>10}  {'tokens':>8}  {'dtype':<9}{'device':<12}"

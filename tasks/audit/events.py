@@ -64,8 +64,13 @@ def event_config(config: AuditConfig, model_path: str, method: str | None = None
                  name: str | None = None) -> tuple[AuditConfig, str]:
     """The config narrowed to the one variant an event names, with that variant's own gate."""
     variant, why = name_event_variant(config, model_path, method, name)
-    gates = {k: v for k, v in config.thresholds.per_variant.items() if k == variant.name}
-    update = {"variants": [variant], "thresholds": config.thresholds.model_copy(update={"per_variant": gates})}
+    thresholds = config.thresholds
+    gates = {k: v for k, v in thresholds.per_variant.items() if k == variant.name}
+    domains = {domain: gate.model_copy(update={"per_variant": {k: v for k, v in gate.per_variant.items()
+                                                               if k == variant.name}})
+               for domain, gate in thresholds.per_corpus.items()}
+    update = {"variants": [variant], "thresholds": thresholds.model_copy(update={"per_variant": gates,
+                                                                                 "per_corpus": domains})}
     if baseline:
         update["baseline"] = config.baseline.model_copy(update={"path": baseline})
     return parse(AuditConfig, config.model_copy(update=update).model_dump(), "quantization.completed event"), why
