@@ -27,7 +27,7 @@ from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.core.places import tracking_uri
 from tasks.record.contents import Findings, Started, audit_record, token_arrays
-from tasks.record.domains import DomainSummary, combined, domain_arrays, domains_record
+from tasks.record.domains import DomainSummary, by_domain_table, combined, domain_arrays, domains_record
 from tasks.record.results import VariantResult
 from tasks.record.spool import record_json
 from tasks.record.tracking import run_link
@@ -196,7 +196,9 @@ def audit(config: str, overrides: list[str] | None = None, event: Event | None =
     create_markdown_artifact(
         key=f"{settings.name}-comparison".lower().replace("_", "-").replace(".", "-"),
         markdown=f"# Audit {settings.name}: {verdict.status}\n\n{verdict.reason}\n\n"
-                 f"```\n{summary['table']}\n```\n\nRecord: {where}\n",
+                 f"```\n{summary['table']}\n```\n\n"
+                 + (f"## By domain\n\n```\n{by_domain_table(summary)}\n```\n\n" if plan.by_domain else "")
+                 + f"Record: {where}\n",
         description=f"ppl-audit {settings.name}",
     )
     if verdict.status in ("pass", "ungated"):
