@@ -7,3 +7,8 @@ REFERENCE = "ppl_audit.reference"  # the baseline reference's key
 SCHEDULED = "ppl_audit.scheduled"  # Prefect's schedule started the audit
 DOMINATED_BY = "ppl_audit.dominated_by"  # a variant's, within its audit
 CHANGED = "ppl_audit.changed"  # ΔPPL moved since the previous scheduled run
+# an audit of several domains: its parent has these instead of BASELINE_KEY and REFERENCE (each names one token stream)
+DOMAINS = "ppl_audit.domains"  # the domains' names, space-separated, in the config's order
+DOMAIN_KEYS = "ppl_audit.domain_keys"  # NAME=BASELINE_KEY pairs, space-separated
+DOMAIN_REFERENCES = "ppl_audit.domain_references"  # NAME=REFERENCE_KEY pairs, space-separated
+DOMAIN = "ppl_audit.domain"  # a model's run: the domain its unsuffixed figures are of (its worst)
