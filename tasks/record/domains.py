@@ -147,3 +147,14 @@ def domains_record(config: dict, records: dict[str, dict], summary: dict) -> dic
 def domain_arrays(arrays: dict[str, dict]) -> dict:
     """Every domain's per-token tables (by domain, by file name) under the record's names for them."""
     return {f"{name}.{file}": table for name, tables in arrays.items() for file, table in tables.items()}
+
+
+def domain_view(record: dict, name: str) -> dict:
+    """Domain ``name`` of an audit's record as its one-corpus audit's record (the shared fields put back), with
+    ``domain`` naming it: what the one-corpus charts, report and metrics are drawn from."""
+    return {key: record[key] for key in SHARED if key in record} | record["domains"][name] | {"domain": name}
+
+
+def entry_on(record: dict, name: str, model: str) -> dict:
+    """Model ``model``'s entry in domain ``name`` of an audit's record."""
+    return next(entry for entry in record["domains"][name]["variants"] if entry["name"] == model)

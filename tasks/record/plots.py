@@ -42,7 +42,11 @@ def verdict_of(entry: dict) -> str:
 
 
 def ppl_limit(record: dict, name: str) -> float | None:
-    """The gate's ``max_ppl_increase_pct`` for variant ``name`` (its own override, else the audit's), or None."""
+    """The gate's ``max_ppl_increase_pct`` for variant ``name`` (its own override, else the audit's), or None. In an
+    audit of several domains, the gate of the variant's worst domain: the one its figures at the top come from."""
+    entry = next((v for v in record["variants"] if v["name"] == name), {})
+    if entry.get("domain") in record.get("domains", {}):  # a domain's config holds its own gate (``per_corpus``)
+        record = record["domains"][entry["domain"]]
     return Thresholds.model_validate(record["config"]["thresholds"]).for_variant(name).max_ppl_increase_pct
 
 
@@ -67,8 +71,22 @@ def charts(record: dict, folder: Path) -> dict[str, Figure]:
 
 def pictures(record: dict, folder: Path) -> dict[str, bytes]:
     """Every chart of ``charts`` as PNG bytes, in the same order: drawn once for the audit's run and its report
-    (drawing them is about a third of the CPU that recording an audit takes)."""
-    return {name: png(figure) for name, figure in charts(record, folder).items()}
+    (drawing them is about a third of the CPU that recording an audit takes). An audit of several domains has
+    ``delta_ppl_by_domain.png`` first, then each domain's charts under ``DOMAIN/``: each domain is its own token
+    stream, so every chart of a one-corpus audit is drawn for each."""
+    from tasks.record.domains import domain_view
+
+    if "domains" not in record:
+        return {name: png(figure) for name, figure in charts(record, folder).items()}
+    found = {"delta_ppl_by_domain.png": png(delta_ppl_by_domain_chart(record))}
+    for domain in record["domains"]:
+        found |= {f"{domain}/{name}": png(figure) for name, figure in charts(domain_view(record, domain), folder).items()}
+    return found
+
+
+def title_name(record: dict) -> str:
+    """The audit's name as a chart's title says it: with the domain, for one domain's of an audit of several."""
+    return f"{record['name']} · {record['domain']}" if record.get("domain") else record["name"]
 
 
 def png(figure: Figure) -> bytes:
@@ -92,31 +110,81 @@ def delta_ppl_chart(record: dict) -> Figure:
     low, high = _delta_range(record, variants)
     shown = set()  # what the legend explains: only what the chart holds
     for y, entry in enumerate(variants):
-        row, verdict, limit = entry["row"], verdict_of(entry), ppl_limit(record, entry["name"])
-        limit_text = _draw_limit(axis, y, limit, high, shown)
-        if not measured(row.get("delta_ppl_pct")):
-            axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4)
-            _note(axis, y, f"{verdict}: {_why(entry)} · {limit_text}", verdict)
+        _delta_slot(axis, y, record, entry, (high, shown))
+    handles = _verdict_handles(variants) + _delta_marks(shown)
+    axis.axvline(0, color="black", linewidth=1)
+    axis.set_xlim(low, high)
+    axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
+    return titled(figure, f"{title_name(record)}: ΔPPL % per variant · "
+                          f"{said_as(record['verdict']['status']).upper()}", handles)
+
+
+def delta_ppl_by_domain_chart(record: dict) -> Figure:
+    """ΔPPL % of each variant on each domain of an audit of several: a group per domain (its name in bold, its
+    verdict), in it a slot per variant, top to bottom in the config's order, as ``delta_ppl_chart`` draws it but
+    with no bar: a diamond for the estimate, whiskers for its paired 95% interval, coloured by the variant's verdict
+    on that domain, and that domain's gate limit for the variant (``per_corpus`` may change it). Returns the figure.
+    """
+    from tasks.record.domains import domain_view
+
+    views = [domain_view(record, name) for name in record["domains"]]
+    slots = []  # (domain's record, variant's entry there, or None for the domain's header)
+    for view in views:
+        slots += [(view, None)] + [(view, v) for v in view["variants"] if v["role"] == "variant"]
+    figure, axis = _rows_figure([{"name": view["domain"] if entry is None else entry["name"]} for view, entry in slots])
+    ranges = [_delta_range(view, [v for v in view["variants"] if v["role"] == "variant"]) for view in views]
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    shown = set()
+    for y, (view, entry) in enumerate(slots):
+        if entry is not None:
+            _delta_slot(axis, y, view, entry, (high, shown), bar=False)
             continue
-        delta = row["delta_ppl_pct"]
-        interval = row.get("delta_ppl_pct_low", delta), row.get("delta_ppl_pct_high", delta)
+        axis.get_yticklabels()[y].set_fontweight("bold")
+        verdict = view["verdict"]["status"]
+        axis.text(0.005, y, f"domain {view['domain']}: {said_as(verdict).upper()}", transform=axis.get_yaxis_transform(),
+                  va="center", fontsize=SMALL, fontweight="bold", color=COLOURS[verdict], parse_math=False)
+        if y:  # a rule between domains
+            axis.axhline(y - 0.55, color="#9e9e9e", linewidth=1)
+    handles = _verdict_handles([entry for _, entry in slots if entry is not None]) + _delta_marks(shown)
+    axis.axvline(0, color="black", linewidth=1)
+    axis.set_xlim(low, high)
+    axis.set_xlabel("ΔPPL % against the baseline on the domain (diamond: estimate, whiskers: paired 95% interval)",
+                    fontsize=TEXT)
+    return titled(figure, f"{record['name']}: ΔPPL % by domain · {said_as(record['verdict']['status']).upper()}",
+                  handles)
+
+
+def _delta_slot(axis: Axes, y: int, record: dict, entry: dict, drawn: tuple[float, set], bar: bool = True) -> None:
+    """Slot ``y`` of a ΔPPL chart: ``entry``'s estimate (a bar unless ``bar`` is false) and interval, its gate limit
+    in ``record`` and a line of text above; ``drawn``: the axis's right end and the set of what the legend explains,
+    added to."""
+    high, shown = drawn
+    row, verdict, limit = entry["row"], verdict_of(entry), ppl_limit(record, entry["name"])
+    limit_text = _draw_limit(axis, y, limit, high, shown)
+    if not measured(row.get("delta_ppl_pct")):
+        axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4)
+        _note(axis, y, f"{verdict}: {_why(entry)} · {limit_text}", verdict)
+        return
+    delta = row["delta_ppl_pct"]
+    interval = row.get("delta_ppl_pct_low", delta), row.get("delta_ppl_pct_high", delta)
+    if bar:
         axis.barh(y + 0.2, delta, height=0.4, color=COLOURS[verdict], zorder=2)
-        axis.errorbar(delta, y + 0.2, xerr=[[delta - interval[0]], [interval[1] - delta]], fmt="D", markersize=7,
-                      color=COLOURS[verdict], markeredgecolor="black", ecolor="black", capsize=6, linewidth=1.6,
-                      zorder=3)  # the diamond shows an estimate too close to zero for its bar to be seen
-        shown.add("interval")
-        _note(axis, y, f"{delta:+z.2f}% [{interval[0]:+z.2f}, {interval[1]:+z.2f}]   {verdict}, {limit_text}", verdict)
+    axis.errorbar(delta, y + 0.2, xerr=[[delta - interval[0]], [interval[1] - delta]], fmt="D", markersize=7,
+                  color=COLOURS[verdict], markeredgecolor="black", ecolor="black", capsize=6, linewidth=1.6,
+                  zorder=3)  # the diamond shows an estimate too close to zero for its bar to be seen
+    shown.add("interval")
+    _note(axis, y, f"{delta:+z.2f}% [{interval[0]:+z.2f}, {interval[1]:+z.2f}]   {verdict}, {limit_text}", verdict)
+
+
+def _delta_marks(shown: set) -> list:
+    """The legend's lines for what a ΔPPL chart drew (``shown``): the interval, the limit, a limit beyond the axis."""
     marks = {"interval": Line2D([], [], color="black", marker="D", markerfacecolor="white", markersize=7,
                                 linewidth=1.6, label="estimate, paired 95% interval"),
              "limit": Line2D([], [], color=LIMIT_COLOUR, linestyle="--", linewidth=2.2,
                              label="gate limit (max ΔPPL %)"),
              "beyond": Line2D([], [], color=LIMIT_COLOUR, marker=">", linestyle="none", markersize=9,
                               label="gate limit beyond the axis")}
-    handles = _verdict_handles(variants) + [line for key, line in marks.items() if key in shown]
-    axis.axvline(0, color="black", linewidth=1)
-    axis.set_xlim(low, high)
-    axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
-    return titled(figure, f"{record['name']}: ΔPPL % per variant · {said_as(record['verdict']['status']).upper()}", handles)
+    return [line for key, line in marks.items() if key in shown]
 
 
 def size_quality_chart(record: dict) -> Figure:
@@ -130,7 +198,7 @@ def size_quality_chart(record: dict) -> Figure:
                         COLOURS[verdict_of(v)], bool(v["row"].get("dominated_by")),
                         kv=v["row"].get("kv_bytes_per_token", math.nan)) for v in variants]
     sizes = SIZES + (KV_SIZE,) * any(v["row"].get("kv_cache") for v in variants)  # where a variant sets a cache
-    return titled(size_quality_figure(points, sizes), f"{record['name']}: size against quality · "
+    return titled(size_quality_figure(points, sizes), f"{title_name(record)}: size against quality · "
                    f"{said_as(record['verdict']['status']).upper()}", _verdict_handles(variants) + FRONT_HANDLES)
 
 
@@ -253,7 +321,7 @@ def ppl_chart(record: dict) -> Figure:
         handles.append(Line2D([], [], color=COLOURS["baseline"], linestyle="--", label="baseline PPL"))
     axis.set_xlim(0, 1.1 * top or 1)  # zero-based: a bar's length is its perplexity
     axis.set_xlabel("perplexity (whiskers: ± 1 standard error)", fontsize=TEXT)
-    return titled(figure, f"{record['name']}: perplexity per model", handles)
+    return titled(figure, f"{title_name(record)}: perplexity per model", handles)
 
 
 def delta_nll_per_window(record: dict, folder: Path) -> Figure:
@@ -272,7 +340,7 @@ def delta_nll_per_window(record: dict, folder: Path) -> Figure:
     axis.set_xlabel("window", fontsize=TEXT)
     axis.set_ylabel("ΔNLL against the baseline (nats/token)", fontsize=TEXT)
     axis.tick_params(labelsize=TEXT)
-    return titled(figure, f"{record['name']}: change per window against the baseline",
+    return titled(figure, f"{title_name(record)}: change per window against the baseline",
                    axis.get_legend_handles_labels()[0])
 
 
@@ -295,7 +363,7 @@ def kld_histogram(record: dict, folder: Path) -> Figure:
     axis.set_xlabel("KL(baseline ‖ variant) per token (nats)", fontsize=TEXT)
     axis.set_ylabel("tokens", fontsize=TEXT)
     axis.tick_params(labelsize=TEXT)
-    return titled(figure, f"{record['name']}: per-token KL divergence", axis.get_legend_handles_labels()[0])
+    return titled(figure, f"{title_name(record)}: per-token KL divergence", axis.get_legend_handles_labels()[0])
 
 
 def _rows_figure(entries: list[dict]) -> tuple[Figure, Axes]:
@@ -355,11 +423,11 @@ def _window_nll(folder: Path, entry: dict):
     return pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
 
 
-def where_chart(entry: dict) -> Figure:
+def where_chart(entry: dict, domain: str | None = None) -> Figure:
     """Where a variant loses (``entry["where"]``, ``tasks.record.where``): its ΔNLL (top) and KL (bottom) against
     the baseline by the token's position in its window (left) and by the baseline's top-1 probability (right); a bar
     per bin in the variant's verdict colour, whiskers its 95% interval (over windows), its tokens under it. A variant
-    without KL has ΔNLL by position only. Returns the figure."""
+    without KL has ΔNLL by position only. ``domain``: the text's, in an audit of several. Returns the figure."""
     where, colour = entry["where"], COLOURS[verdict_of(entry)]
     groups = (("position in the window (tokens of context)", where["by_position"], position_label),
               ("baseline's top-1 probability", where.get("by_confidence", []), confidence_label))
@@ -376,7 +444,8 @@ def where_chart(entry: dict) -> Figure:
             axis.set_xlabel(title, fontsize=SMALL)
     handles = [Patch(color=colour, label=f"{entry['name']} ({verdict_of(entry)}): mean over the bin's tokens"),
                Line2D([], [], color="black", linewidth=1.6, label=where["interval"])]
-    return titled(figure, f"{entry['name']}: where in the text it loses against the baseline", handles)
+    on = f" on {domain}" if domain else ""
+    return titled(figure, f"{entry['name']}: where in the text{on} it loses against the baseline", handles)
 
 
 def position_label(row: dict) -> str:

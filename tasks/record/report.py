@@ -2,7 +2,9 @@
 can download and mail.
 
 The verdict, the comparison table, the charts, where in the text each variant loses, the settings and the lineage
-of every model, in that order. The file stands alone: CSS inline, charts as base64 PNG, no script and no outside
+of every model, in that order. An audit of several domains has a summary first (each model on its worst domain, the
+domains' verdicts, ΔPPL by domain), then a section per domain as its one-corpus audit's report shows it (table, charts,
+where it loses, settings and gate), then the lineage once. The file stands alone: CSS inline, charts as base64 PNG, no script and no outside
 address. Every text from the record is escaped, so a path or a reason cannot inject markup.
 """
 
@@ -49,8 +51,14 @@ def html_report(record: dict, pictures: dict[str, bytes], diagnoses: dict[str, s
     Returns the HTML text.
     """
     title = f"ppl-audit {record['name']}: {said_as(record['verdict']['status']).upper()}"
-    body = [_verdict(record), _comparison(record), _diagnoses(record, diagnoses or {}), _charts(pictures),
-            _where(record), _settings(record), _lineage(record)]
+    if "domains" in record:
+        summary = {name: picture for name, picture in pictures.items() if "/" not in name}  # a domain's: DOMAIN/
+        body = [_verdict(record), _comparison(record), _domains(record), _charts(summary),
+                _diagnoses(record, diagnoses or {}), *(_domain(record, name, pictures) for name in record["domains"]),
+                _lineage(record)]
+    else:
+        body = [_verdict(record), _comparison(record), _diagnoses(record, diagnoses or {}), _charts(pictures),
+                _where(record), _settings(record), _lineage(record)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
@@ -68,7 +76,9 @@ def _verdict(record: dict) -> str:
 def _comparison(record: dict) -> str:
     """A row per model: its verdict (first, where a narrow viewer still shows it), PPL ± s.e., ΔPPL % with its
     paired 95% interval, KLD, top-1, the gate's limit and bits per weight (the figures as the run's description
-    prints them), then the verdict's reason across the table, with the variant that dominates it."""
+    prints them), then the verdict's reason across the table, with the variant that dominates it. In an audit of
+    several domains, each model's row is its worst domain's, which a column names."""
+    several = "domains" in record
     rows = []
     for entry in record["variants"]:
         row, verdict = entry["row"], plots.verdict_of(entry)
@@ -81,14 +91,44 @@ def _comparison(record: dict) -> str:
                  "—" if limit is None else f"≤ {limit:g}", figure_text(row, "bits_per_weight", ".2f")]
         if row.get("dominated_by"):
             reason = f"{reason}; dominated by {row['dominated_by']}"
-        rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>'
+        domain = f'<td>{escape(entry.get("domain") or "—")}</td>' if several else ""
+        rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>{domain}'
                     f'<td>{escape(row.get("method") or entry["spec"]["method"])}</td>'
                     + "".join(f'<td class="n">{escape(c)}</td>' for c in cells) + "</tr>")
         if reason:  # under its model, across the table: a reason is too long for a column
-            rows.append(f'<tr><td class="reason" colspan="9">{escape(reason)}</td></tr>')
-    return ('<h2>Comparison with the baseline</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
-            "<th>method</th><th>PPL ± s.e.</th><th>ΔPPL % [95% CI]</th><th>KLD</th><th>top-1</th>"
+            rows.append(f'<tr><td class="reason" colspan="{9 + several}">{escape(reason)}</td></tr>')
+    title = "Each model on its worst domain" if several else "Comparison with the baseline"
+    return (f'<h2>{title}</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
+            + "<th>worst domain</th>" * several + "<th>method</th><th>PPL ± s.e.</th><th>ΔPPL % [95% CI]</th><th>KLD</th><th>top-1</th>"
             "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + "</table></div>")
+
+
+def _domains(record: dict) -> str:
+    """A line per domain of an audit of several: its verdict, its text and how many tokens of it were scored, why."""
+    rows = "".join(f'<tr><th><a href="#domain-{escape(name)}">{escape(name)}</a></th>'
+                   f'<td>{_badge(domain["verdict"]["status"])}</td><td class="long">{escape(domain["corpus"]["source"])}</td>'
+                   f'<td class="n">{domain["corpus"]["n_tokens"]:,}</td>'
+                   f'<td class="reason">{escape(domain["verdict"]["reason"])}</td></tr>'
+                   for name, domain in record["domains"].items())
+    return ('<h2>Domains</h2><p class="meta">Each scored and judged as its own audit; a variant passes only where it '
+            'passes on every domain.</p><div class="wide"><table><tr><th>domain</th><th>verdict</th><th>text</th>'
+            f"<th>tokens</th><th>why</th></tr>{rows}</table></div>")
+
+
+def _domain(record: dict, name: str, pictures: dict[str, bytes]) -> str:
+    """Domain ``name``'s section: its verdict, then its one-corpus audit's table, charts, where each variant loses,
+    its corpus and its gate, as a one-corpus report shows them, a heading level down."""
+    from tasks.record.domains import domain_view
+
+    view = domain_view(record, name)
+    verdict = view["verdict"]
+    own = {chart.removeprefix(f"{name}/"): picture for chart, picture in pictures.items()
+           if chart.startswith(f"{name}/")}
+    inner = "".join([_comparison(view), _charts(own), _where(view), _settings(view)])
+    # the record's texts are escaped, so the only headings in ``inner`` are its own markup
+    inner = inner.replace("<h3>", "<h4>").replace("</h3>", "</h4>").replace("<h2>", "<h3>").replace("</h2>", "</h3>")
+    return (f'<section><h2 id="domain-{escape(name)}">Domain {escape(name)} {_badge(verdict["status"])}</h2>'
+            f'<p class="lead">{escape(verdict["reason"])}</p>{inner}</section>')
 
 
 def _charts(pictures: dict[str, bytes]) -> str:

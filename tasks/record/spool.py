@@ -100,19 +100,35 @@ ENTRY_TYPES = {"name": str, "role": str, "status": str, "row": dict, "spec": dic
 OPTIONAL_ENTRY_TYPES = {"verdict": (dict, type(None)), "result": (dict, type(None)), "facts": (dict, type(None)),
                         "manifest": (dict, type(None)), "arrays": (str, type(None))}
 FILES = "files.json"  # the per-token arrays' sizes and sha256 (``write_record``)
+# what replaying reads of each domain's record in an audit of several (``record["domains"]``: the rest is the top's)
+DOMAIN_TYPES = {"verdict": dict, "variants": list, "config": dict, "table": str, "corpus": dict}
+
+
+def _entries(record: dict) -> list:
+    """Every model's entry a replay reads: the top's and, in an audit of several domains, each domain's."""
+    domains = record.get("domains", {})
+    return list(record["variants"]) + [entry for domain in domains.values() if isinstance(domain.get("variants"), list)
+                                       for entry in domain["variants"]]
 
 
 def _wrong_fields(record: dict) -> str | None:
     """The fields a replay reads that are missing or of another type, in words; None when all are there."""
+    domains = record.get("domains", {})  # an audit of several domains: each one's record
+    if not isinstance(domains, dict) or not all(isinstance(domain, dict) for domain in domains.values()):
+        return "record.json holds a value of the wrong type in domains"
     missing = [key for key in RECORD_TYPES if key not in record]
+    missing += sorted(f"domains.{name}.{key}" for name, domain in domains.items() for key in DOMAIN_TYPES
+                      if key not in domain)
     if not missing and isinstance(record["variants"], list):
-        missing = sorted({f"variants[].{key}" for entry in record["variants"] for key in ENTRY_TYPES
+        missing = sorted({f"variants[].{key}" for entry in _entries(record) for key in ENTRY_TYPES
                           if not isinstance(entry, dict) or key not in entry})
     if missing:
         return f"record.json lacks {', '.join(missing)}"
     wrong = [key for key, kind in RECORD_TYPES.items() if not isinstance(record[key], kind)]
+    wrong += sorted(f"domains.{name}.{key}" for name, domain in domains.items() for key, kind in DOMAIN_TYPES.items()
+                    if not isinstance(domain[key], kind))
     if not wrong:
-        wrong = sorted({f"variants[].{key}" for entry in record["variants"]
+        wrong = sorted({f"variants[].{key}" for entry in _entries(record)
                         for key, kind in (ENTRY_TYPES | OPTIONAL_ENTRY_TYPES).items()
                         if not isinstance(entry.get(key), kind)})
     if not wrong and not isinstance(record["config"].get("tracking"), dict):
@@ -129,7 +145,7 @@ def _wrong_fields(record: dict) -> str | None:
 def _arrays_damage(folder: Path, record: dict) -> str | None:
     """What is wrong with a record's per-token arrays: against their sizes and sha256 (``FILES``), or for a record
     spooled before those were kept, whether each is there and a Parquet file."""
-    named = {entry["arrays"] for entry in record["variants"] if entry.get("arrays")}
+    named = {entry["arrays"] for entry in _entries(record) if entry.get("arrays")}  # every domain's: ``DOMAIN.MODEL``
     if (folder / FILES).is_file():
         kept = sealed.read_entry(folder / FILES)
         return sealed.damage(kept, FILES) or sealed.files_damage(folder, kept.get("files"), named)

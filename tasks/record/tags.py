@@ -7,9 +7,8 @@ REFERENCE = "ppl_audit.reference"  # the baseline reference's key
 SCHEDULED = "ppl_audit.scheduled"  # Prefect's schedule started the audit
 DOMINATED_BY = "ppl_audit.dominated_by"  # a variant's, within its audit
 CHANGED = "ppl_audit.changed"  # ΔPPL moved since the previous scheduled run
-# an audit of several corpora (domains): its parent run names them and each one's keys, as NAME=KEY pairs; a variant's
-# run holds each domain's figures as METRIC.NAME and, unsuffixed, its worst domain's (named by DOMAIN)
-DOMAINS = "ppl_audit.domains"
-DOMAIN_KEYS = "ppl_audit.domain_keys"
-DOMAIN_REFERENCES = "ppl_audit.domain_references"
-DOMAIN = "ppl_audit.domain"
+# an audit of several domains: its parent has these instead of BASELINE_KEY and REFERENCE (each names one token stream)
+DOMAINS = "ppl_audit.domains"  # the domains' names, space-separated, in the config's order
+DOMAIN_KEYS = "ppl_audit.domain_keys"  # NAME=BASELINE_KEY pairs, space-separated
+DOMAIN_REFERENCES = "ppl_audit.domain_references"  # NAME=REFERENCE_KEY pairs, space-separated
+DOMAIN = "ppl_audit.domain"  # a model's run: the domain its unsuffixed figures are of (its worst)

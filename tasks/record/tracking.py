@@ -16,7 +16,8 @@ from tasks.config import EvaluationConfig
 from tasks.core.places import home, tracking_uri
 from tasks.data.registry import is_registered, tag_version
 from tasks.record.spool import read_record
-from tasks.record.tags import AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMINATED_BY, REFERENCE, SCHEDULED
+from tasks.record.tags import (AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_REFERENCES,
+                               DOMAINS, DOMINATED_BY, REFERENCE, SCHEDULED)
 from tasks.record.verdict import said as said_as
 
 EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
@@ -88,6 +89,16 @@ def _experiment(client, name: str, uri: str) -> str:
     return found.experiment_id
 
 
+def _datasets(record: dict) -> list:
+    """The corpus a run was scored on as MLflow inputs: each domain's, in an audit of several (their sum, the
+    record's ``corpus``, names no one source)."""
+    from tasks.record.domains import domain_view
+
+    if "domains" not in record:
+        return [_dataset_input(record)]
+    return [_dataset_input(domain_view(record, name)) for name in record["domains"]]
+
+
 def _dataset_input(record: dict):
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
@@ -104,20 +115,22 @@ def _dataset_input(record: dict):
         with warnings.catch_warnings():  # MLflow warns that resolving by registry will change one day
             warnings.simplefilter("ignore")
             source = resolve_dataset_source(corpus.get("location") or source_name)
-    dataset = MetaDataset(source=source, name=Path(source_name).name or source_name, digest=corpus["digest"][:16])
+    name = Path(source_name).name or source_name
+    name = f"{record['domain']}: {name}" if record.get("domain") else name  # two domains may share a file name
+    dataset = MetaDataset(source=source, name=name, digest=corpus["digest"][:16])
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "evaluation")])
 
 
-def _log_dataset(client, run_id: str, dataset) -> None:
+def _log_dataset(client, run_id: str, datasets: list) -> None:
     """Log the corpus as the run's input. MLflow's store looks the dataset up and inserts it if absent, so a
     concurrent sync or audit of the same corpus can insert it in between and this insert then breaks the store's
     unique constraint; the second try finds the dataset and links it."""
     from mlflow.exceptions import MlflowException
 
     try:
-        client.log_inputs(run_id, datasets=[dataset])
+        client.log_inputs(run_id, datasets=datasets)
     except MlflowException:
-        client.log_inputs(run_id, datasets=[dataset])
+        client.log_inputs(run_id, datasets=datasets)
 
 
 def _params(values: dict) -> list:
@@ -135,6 +148,10 @@ def _audit_params(record: dict) -> dict:
               "corpus.digest": corpus["digest"], "corpus.tokens": corpus["n_tokens"], "hardware": env["hardware"],
               "baseline": config["baseline"]["path"]}
     params.update({f"version.{k}": v for k, v in env["versions"].items()})
+    for name, domain in record.get("domains", {}).items():  # the top's corpus is the domains' sum: each one's own
+        params.update({f"corpus.source.{name}": domain["corpus"]["source"], f"corpus.digest.{name}": domain["corpus"]["digest"],
+                       f"corpus.tokens.{name}": domain["corpus"]["n_tokens"],
+                       f"max_tokens.{name}": domain["config"]["evaluation"]["max_tokens"]})
     return params
 
 
@@ -158,29 +175,52 @@ def _variant_params(record: dict, entry: dict) -> dict:
     # a sequential run: the order's seed and whether it stopped (its bounds at the stop are the row's)
     params.update({f"sequential.{key}": entry["sequential"][key] for key in ("seed", "stopped", "decision")
                    if key in entry.get("sequential", {})})
+    for name, own in _on_domains(record, entry).items():  # each domain's KL came from its own reference
+        params[f"reference.{name}"] = own["row"].get("reference")
     return params
 
 
-def _metrics(entry: dict, folder: Path, timestamp: int) -> list:
+def _on_domains(record: dict, entry: dict) -> dict[str, dict]:
+    """The model's entry on each domain of an audit of several, by domain; {} for a one-corpus audit."""
+    from tasks.record.domains import entry_on
+
+    return {name: entry_on(record, name, entry["name"]) for name in record.get("domains", {})}
+
+
+def _metrics(record: dict, entry: dict, folder: Path, timestamp: int) -> list:
+    """A model's run's metrics: its figures (of its worst domain, in an audit of several), the facts of the model
+    and, in an audit of several, each domain's figures as ``<metric>.<DOMAIN>``."""
+    from mlflow.entities import Metric
+
+    from tasks.record.plots import measured
+
+    facts = entry["facts"] or {}
+    metrics = _figures(entry, folder, timestamp)
+    metrics += [Metric(key, float(facts[key]), timestamp, 0) for key in FACT_METRICS if measured(facts.get(key))]
+    for name, own in _on_domains(record, entry).items():
+        metrics += _figures(own, folder, timestamp, f".{name}")
+    return metrics
+
+
+def _figures(entry: dict, folder: Path, timestamp: int, suffix: str = "") -> list:
+    """What scoring the model on one token stream gave: its result's figures, its comparison with the baseline, its
+    mean NLL per window (``window_nll``, a step per window), each name ending in ``suffix``."""
     import pyarrow.parquet as pq
     from mlflow.entities import Metric
 
     from tasks.record.plots import measured
 
     metrics = []
-    result, facts, row = entry["result"] or {}, entry["facts"] or {}, entry["row"]
+    result, row = entry["result"] or {}, entry["row"]
     for key in METRICS:
         if result.get(key) is not None:
-            metrics.append(Metric(key, float(result[key]), timestamp, 0))
-    for key in FACT_METRICS:
-        if measured(facts.get(key)):
-            metrics.append(Metric(key, float(facts[key]), timestamp, 0))
+            metrics.append(Metric(key + suffix, float(result[key]), timestamp, 0))
     for key, value in row.items():
         if key.startswith(COMPARISON_PREFIXES) and measured(value):
-            metrics.append(Metric(key, float(value), timestamp, 0))
+            metrics.append(Metric(key + suffix, float(value), timestamp, 0))
     if entry.get("arrays"):
         per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
-        metrics += [Metric("window_nll", float(v), timestamp, int(k)) for k, v in per_window.items()]
+        metrics += [Metric("window_nll" + suffix, float(v), timestamp, int(k)) for k, v in per_window.items()]
     return metrics
 
 
@@ -207,8 +247,9 @@ def description(record: dict) -> str:
     from tasks.record.plots import ppl_limit, verdict_of
     from tasks.record.report import delta_text, figure_text
 
-    lines = ["| model | verdict | ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 | bpw |",
-             "|---|---|---|---|---|---|---|---|"]
+    several = "domains" in record  # each row's figures are its worst domain's: a column names it
+    lines = ["| model | verdict |" + " domain |" * several + " ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 | bpw |",
+             "|---|---|" + "---|" * several + "---|---|---|---|---|---|"]
     for entry in sorted(record["variants"], key=lambda entry: DESCRIPTION_ORDER[verdict_of(entry)]):
         row, status = entry["row"], verdict_of(entry)
         top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
@@ -216,7 +257,8 @@ def description(record: dict) -> str:
         scored = row.get("scored_fraction", 1.0)
         said = said_as(status).upper() + (f" at {100 * scored:.0f}%" if scored < 1 else "")  # a sequential run's stop
         said += f", dominated by {row['dominated_by']}" if row.get("dominated_by") else ""
-        lines.append(f"| {entry['name']} | {said} | {delta_text(row)} | "
+        domain = f" {entry.get('domain') or '—'} |" if several else ""
+        lines.append(f"| {entry['name']} | {said} |{domain} {delta_text(row)} | "
                      f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
                      f"{figure_text(row, 'kld_mean', '.4f')} | {top1} | {figure_text(row, 'bits_per_weight', '.2f')} |")
     return "\n".join(lines)
@@ -227,16 +269,20 @@ def _glance_metrics(record: dict, timestamp: int) -> list:
 
     from tasks.record.plots import measured
 
-    return [Metric(f"{entry['name']}.{key}", float(entry["row"][key]), timestamp, 0)
-            for entry in record["variants"] for key in AT_A_GLANCE
-            if measured(entry["row"].get(key))]
+    entries = [(entry, "") for entry in record["variants"]]
+    entries += [(own, f".{name}") for entry in record["variants"] for name, own in _on_domains(record, entry).items()]
+    return [Metric(f"{entry['name']}.{key}{suffix}", float(entry["row"][key]), timestamp, 0)
+            for entry, suffix in entries for key in AT_A_GLANCE if measured(entry["row"].get(key))]
 
 
 def _baseline_tags(record: dict) -> dict[str, str]:
     """How the audit had its baseline: ``ppl_audit.baseline`` scored or reused, the reference's key, the baseline's
     key (``tasks.record.history``), whether Prefect's schedule started it, and for a rescore with a reference before it, ``ppl_audit.drift`` (``environment drift`` or ``none``)
-    and the drift's line."""
-    said = next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"), {})
+    and the drift's line. An audit of several domains has a baseline key and a reference per domain (each its own
+    token stream): ``_domain_tags`` instead."""
+    if "domains" in record:
+        return _domain_tags(record)
+    said = _baseline_said(record)
     tags = {"ppl_audit.baseline": said.get("baseline"), REFERENCE: said.get("key"),
             "ppl_audit.reference_problem": said.get("problem"), BASELINE_KEY: said.get("baseline_key"),
             SCHEDULED: "true" if record.get("scheduled") else None}
@@ -246,6 +292,33 @@ def _baseline_tags(record: dict) -> dict[str, str]:
         drift = said["drift"]
         tags |= {"ppl_audit.drift": "environment drift" if drift["drift"] else "none",
                  "ppl_audit.drift_detail": drift_text(drift)}
+    return {key: value for key, value in tags.items() if value}
+
+
+def _baseline_said(record: dict) -> dict:
+    """How the baseline was had on the record's token stream (its entry's ``reference``)."""
+    return next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"), {})
+
+
+def _domain_tags(record: dict) -> dict[str, str]:
+    """``_baseline_tags`` of an audit of several domains: ``ppl_audit.domains`` (their names in the config's order),
+    ``ppl_audit.domain_keys`` and ``ppl_audit.domain_references`` (``NAME=KEY`` pairs, a domain without one left
+    out), no ``ppl_audit.baseline_key`` nor ``ppl_audit.reference`` (each names one token stream); the baseline scored
+    or reused (``NAME=HOW`` pairs where domains differ), the reference's problems and drift on each domain."""
+    said = {name: _baseline_said(domain) for name, domain in record["domains"].items()}
+    how = {s.get("baseline") for s in said.values()}
+    tags = {DOMAINS: " ".join(said),
+            DOMAIN_KEYS: " ".join(f"{name}={s['baseline_key']}" for name, s in said.items() if s.get("baseline_key")),
+            DOMAIN_REFERENCES: " ".join(f"{name}={s['key']}" for name, s in said.items() if s.get("key")),
+            "ppl_audit.baseline": how.pop() if len(how) == 1 else " ".join(f"{n}={s.get('baseline')}" for n, s in said.items()),
+            "ppl_audit.reference_problem": "; ".join(f"{n}: {s['problem']}" for n, s in said.items() if s.get("problem")),
+            SCHEDULED: "true" if record.get("scheduled") else None}
+    drifts = {name: s["drift"] for name, s in said.items() if s.get("drift")}
+    if drifts:
+        from tasks.record.verdict import drift_text
+
+        tags |= {"ppl_audit.drift": "environment drift" if any(d["drift"] for d in drifts.values()) else "none",
+                 "ppl_audit.drift_detail": "; ".join(f"{name}: {drift_text(d)}" for name, d in drifts.items())}
     return {key: value for key, value in tags.items() if value}
 
 
@@ -282,7 +355,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
         return done
     started, timestamp = _span(record)
     verdict = record["verdict"]
-    dataset = _dataset_input(record)
+    datasets = _datasets(record)
     parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {said_as(verdict['status']).upper()}",
                                tags={AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"],
                                      "audit.reason": verdict["reason"][:5000], "ppl_audit.kind": "audit",
@@ -290,7 +363,7 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
                                      "mlflow.runColor": plots.COLOURS[verdict["status"]],
                                      **_baseline_tags(record)}).info.run_id
     try:
-        _log_children(client, experiment_id, parent, record, folder, dataset)
+        _log_children(client, experiment_id, parent, record, folder, datasets)
     except BaseException:
         # else it stays RUNNING in the UI for good; the next replay deletes it (``_delete_partial``) and logs it whole
         with suppress(Exception):
@@ -310,7 +383,7 @@ def _span(record: dict) -> tuple[int, int]:
             _ms(pd.Timestamp(record["created"]).timestamp()))
 
 
-def _log_children(client, experiment_id: str, parent: str, record: dict, folder: Path, dataset) -> None:
+def _log_children(client, experiment_id: str, parent: str, record: dict, folder: Path, datasets: list) -> None:
     """Everything of a replayed audit but its parent run: the parent's figures and artifacts, a run per model, history."""
     import pandas as pd
     from mlflow.entities import RunTag
@@ -321,15 +394,18 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
 
     started, timestamp = _span(record)
     _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
-    _log_dataset(client, parent, dataset)
+    _log_dataset(client, parent, datasets)
     client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")
     client.log_text(parent, record["table"], "comparison.txt")
+    for name, domain in record.get("domains", {}).items():  # each domain's full table, beside its charts
+        client.log_text(parent, domain["table"], f"{name}/comparison.txt")
     table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
              for entry in record["variants"]]
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
     pictures = plots.pictures(record, folder)
     with tempfile.TemporaryDirectory() as drawn:
         for name, picture in pictures.items():  # their names sort in reading order: the ΔPPL chart first
+            (Path(drawn) / name).parent.mkdir(exist_ok=True)  # a domain's charts: DOMAIN/
             (Path(drawn) / name).write_bytes(picture)
         client.log_artifacts(parent, drawn)
     diagnosed = {entry["name"]: log_run(client, experiment_id, entry["diagnosis"],
@@ -347,14 +423,11 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
             "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
             **{f"absent.{figure}": why for figure, why in _absent(entry).items()}}).info.run_id
         own = [RunTag(DOMINATED_BY, entry["row"]["dominated_by"])] if entry["row"].get("dominated_by") else []
-        _log_batches(client, child, _metrics(entry, folder, timestamp), _params(_variant_params(record, entry)),
+        own += [RunTag(DOMAIN, entry["domain"])] if entry.get("domain") else []  # what its unsuffixed figures are of
+        _log_batches(client, child, _metrics(record, entry, folder, timestamp), _params(_variant_params(record, entry)),
                      [RunTag("ppl_audit.status", entry["status"]), *own])
-        _log_dataset(client, child, dataset)
-        if entry.get("arrays"):
-            client.log_artifact(child, str(folder / entry["arrays"]), "nll")
-        if entry.get("where"):  # where in the text it loses: the figures, and a chart of them
-            client.log_dict(child, entry["where"], "where.json")
-            client.log_figure(child, plots.where_chart(entry), "where.png")
+        _log_dataset(client, child, datasets)
+        _log_streams(client, child, folder, _on_domains(record, entry) or {None: entry})
         client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED",
                               end_time=_ms(entry["ended"]) if entry.get("ended") else timestamp)
         if is_registered(entry["spec"]["path"]):
@@ -363,7 +436,26 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
     _log_history(client, experiment_id, parent, record)
 
 
+def _log_streams(client, child: str, folder: Path, entries: dict) -> None:
+    """A model's artifacts of each token stream it was scored on (``entries``, by domain; None for a one-corpus
+    audit's): its per-token table under ``nll/``, and where in the text it loses, its figures and their chart (a
+    domain's under ``DOMAIN/``)."""
+    from tasks.record import plots
+
+    for domain, entry in entries.items():
+        if entry.get("arrays"):
+            client.log_artifact(child, str(folder / entry["arrays"]), "nll")
+        if entry.get("where"):
+            under = f"{domain}/" if domain else ""
+            client.log_dict(child, entry["where"], f"{under}where.json")
+            client.log_figure(child, plots.where_chart(entry, domain), f"{under}where.png")
+
+
 def _baseline_key(record: dict) -> str | None:
+    """The key of the audit's baseline on its token stream; None for an audit of several domains: the history of
+    audits (``tasks.record.history``) sets audits of one stream side by side, and one of several has no one key."""
+    if "domains" in record:
+        return None
     return next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"),
                 {}).get("baseline_key")
 
