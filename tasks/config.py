@@ -587,8 +587,12 @@ class AuditConfig(Strict):
 
     def _one_source_of_text(self) -> None:
         """``corpus`` (one) or ``corpora`` (several, each named once); ``per_corpus`` names only those."""
-        if (self.corpus is None) == (self.corpora is None):
-            raise ValueError("give corpus (one text) or corpora (several domains, each with a name), one of them")
+        # one line for each mistake, saying which it is: "one of them" left a user who gave both guessing
+        if self.corpus is not None and self.corpora is not None:
+            raise ValueError("corpus and corpora are both given: keep corpus (one text) or corpora (several domains, "
+                             "each with a name), not both")
+        if self.corpus is None and self.corpora is None:
+            raise ValueError("no text to score: give corpus (one text) or corpora (several domains, each with a name)")
         if self.corpora is not None and not self.corpora:
             raise ValueError("corpora is empty: list the domains to audit (name and source each), or give corpus")
         names = [c.name for c in self.corpora or []]

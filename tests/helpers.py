@@ -16,12 +16,12 @@ WORDS = ("the a of and to in was her it his she he that with had for not be as a
          "said thought felt could would must very much little great good dear").split()
 
 
-def make_text(n_words: int, seed: int = 0) -> str:
-    """Deterministic English-like text: sentences of common words, paragraphs between."""
+def make_text(n_words: int, seed: int = 0, vocabulary: tuple[str, ...] | list[str] = WORDS) -> str:
+    """Deterministic English-like text: sentences of common words (``vocabulary``'s), paragraphs between."""
     rng = random.Random(seed)
     sentences = []
     for _ in range(n_words // 8):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 12))]
+        words = [rng.choice(vocabulary) for _ in range(rng.randint(4, 12))]
         sentences.append(" ".join(words).capitalize() + rng.choice([".", ".", ",", "!", "?"]))
     paragraphs = [" ".join(sentences[i : i + 5]) for i in range(0, len(sentences), 5)]
     return "\n\n".join(paragraphs)
@@ -58,9 +58,11 @@ def build_llama(folder: Path, tokenizer, dtype: torch.dtype = torch.float32, see
     return model
 
 
-def train_briefly(model, tokenizer, steps: int = 150, seed: int = 2) -> None:
-    """A few hundred steps of next-token training, so that the model predicts better than chance."""
-    ids = torch.tensor(tokenizer(make_text(20000, seed=seed), add_special_tokens=False).input_ids)
+def train_briefly(model, tokenizer, steps: int = 150, seed: int = 2, text: str | None = None) -> None:
+    """A few hundred steps of next-token training on ``text`` (English-like words by default), so that the model
+    predicts better than chance."""
+    text = make_text(20000, seed=seed) if text is None else text
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()

@@ -153,7 +153,8 @@ def read_domains(config: AuditConfig, tokenizer) -> tuple[Domain, ...]:
         alone = config.for_domain(corpus)
         scored = _within(corpus.name, config, lambda a=alone: evaluation(corpus_text(a.corpus), tokenizer,
                                                                           a.evaluation, progress=True))
-        _within(corpus.name, config, lambda s=scored: check_encodable(s.stream, tokenizer, "corpus"))
+        # named as the key holding the text: _within's "corpora.NAME: " before "corpus: " read as two keys
+        check_encodable(scored.stream, tokenizer, "corpus" if config.corpora is None else f"corpora.{corpus.name}")
         domains.append(Domain(corpus.name, alone, scored if not domains else scored.calibrating(domains[0].evaluation)))
     return tuple(domains)
 
