@@ -427,7 +427,7 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
         _log_batches(client, child, _metrics(record, entry, folder, timestamp), _params(_variant_params(record, entry)),
                      [RunTag("ppl_audit.status", entry["status"]), *own])
         _log_dataset(client, child, datasets)
-        _log_streams(client, child, folder, _on_domains(record, entry) or {None: entry})
+        _log_streams(client, child, folder, _on_domains(record, entry) or {None: entry}, entry.get("domain"))
         client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED",
                               end_time=_ms(entry["ended"]) if entry.get("ended") else timestamp)
         if is_registered(entry["spec"]["path"]):
@@ -436,10 +436,11 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
     _log_history(client, experiment_id, parent, record)
 
 
-def _log_streams(client, child: str, folder: Path, entries: dict) -> None:
+def _log_streams(client, child: str, folder: Path, entries: dict, worst: str | None = None) -> None:
     """A model's artifacts of each token stream it was scored on (``entries``, by domain; None for a one-corpus
-    audit's): its per-token table under ``nll/``, and where in the text it loses, its figures and their chart (a
-    domain's under ``DOMAIN/``)."""
+    audit's): its per-token table under ``nll/``, and where in the text it loses, its figures (a domain's under
+    ``DOMAIN/``) and their chart, drawn for its ``worst`` domain only (in an audit of several: a chart is a second
+    of a warm demo's three minutes; the report's tables show every domain's)."""
     from tasks.record import plots
 
     for domain, entry in entries.items():
@@ -448,7 +449,8 @@ def _log_streams(client, child: str, folder: Path, entries: dict) -> None:
         if entry.get("where"):
             under = f"{domain}/" if domain else ""
             client.log_dict(child, entry["where"], f"{under}where.json")
-            client.log_figure(child, plots.where_chart(entry, domain), f"{under}where.png")
+            if domain == worst:
+                client.log_figure(child, plots.where_chart(entry, domain), f"{under}where.png")
 
 
 def _baseline_key(record: dict) -> str | None:
