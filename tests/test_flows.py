@@ -341,7 +341,7 @@ def test_set_overrides_and_missing_config(capsys, tmp_path):
     assert main(["run", str(tmp_path / "none.yaml")]) == 2
     assert "config not found" in capsys.readouterr().err
     assert main(["run", "configs/demo.yaml", "--set", "evaluation.stride=9999"]) == 2
-    assert "stride 9999 must be at least 1 and below 512" in capsys.readouterr().err
+    assert "stride 9999 must be at least 1 and below 256" in capsys.readouterr().err  # the demo's window
     assert main(["run", "configs/demo.yaml", "--set", "variants.9.bits=4"]) == 2
     assert "variants.9.bits=4: 9 is not an index of that list (it has 4 items: 0 to 3)" in capsys.readouterr().err
     assert main(["run", "configs/demo.yaml", "--set", "variants.x.name=x"]) == 2

@@ -62,7 +62,9 @@ def across(domains: list[DomainSummary], v: int) -> Verdict:
         return Verdict(decided.name, "pass", f"passes on all {judged} gated domains{unjudged}; worst, {worst}: "
                                              f"{decided.reason}{each}")
     others = [name for name, verdict in by_name.items() if name != worst and verdict.status in ("fail", "error")]
-    also = f"; also {'/'.join(sorted({by_name[n].status for n in others}))} on {', '.join(others)}" if others else ""
+    said = {"fail": "fails", "error": "errs"}
+    also = (f"; also {' or '.join(sorted({said[by_name[n].status] for n in others}))} on {', '.join(others)}"
+            if others else "")
     return Verdict(decided.name, decided.status, f"{decided.status}s on {worst}: {decided.reason}{also}{each}")
 
 
