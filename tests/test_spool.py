@@ -165,7 +165,7 @@ def test_syncs_logging_the_same_new_corpus_at_once_all_link_it(tmp_path):
             own = MlflowClient(uri)  # a client each, as separate syncs have
             start.wait()
             try:
-                _log_dataset(own, run_id, DatasetInput(corpus._to_mlflow_entity()))
+                _log_dataset(own, run_id, [DatasetInput(corpus._to_mlflow_entity())])
             except Exception as error:  # noqa: BLE001 -- collected and shown by the assert below
                 errors.append(error)
 
