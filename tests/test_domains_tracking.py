@@ -78,6 +78,7 @@ def test_each_model_run_has_its_worst_domains_figures_and_each_domains_own(audit
                             "scored_fraction"):
                     assert metrics[f"{key}.{domain}"] == own["row"][key], (entry["name"], key, domain)
                 assert run.data.params[f"reference.{domain}"] == own["row"]["reference"]
+                assert run.data.tags[f"audit.verdict.{domain}"] == own["verdict"]["status"]  # compare's per domain
                 artifacts = {a.path for a in client.list_artifacts(run.info.run_id, domain)}
                 # the chart of where it loses for its worst domain only; the figures for every domain
                 chart = {f"{domain}/where.png"} if domain == entry["domain"] else set()

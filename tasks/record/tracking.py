@@ -424,6 +424,10 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
             **{f"absent.{figure}": why for figure, why in _absent(entry).items()}}).info.run_id
         own = [RunTag(DOMINATED_BY, entry["row"]["dominated_by"])] if entry["row"].get("dominated_by") else []
         own += [RunTag(DOMAIN, entry["domain"])] if entry.get("domain") else []  # what its unsuffixed figures are of
+        for domain, on in _on_domains(record, entry).items():  # each domain's verdict and dominator: compare's rows
+            own.append(RunTag(f"audit.verdict.{domain}", plots.verdict_of(on)))
+            if on["row"].get("dominated_by"):
+                own.append(RunTag(f"{DOMINATED_BY}.{domain}", on["row"]["dominated_by"]))
         _log_batches(client, child, _metrics(record, entry, folder, timestamp), _params(_variant_params(record, entry)),
                      [RunTag("ppl_audit.status", entry["status"]), *own])
         _log_dataset(client, child, datasets)
