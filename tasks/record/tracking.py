@@ -195,33 +195,32 @@ def _metrics(record: dict, entry: dict, folder: Path, timestamp: int) -> list:
     from tasks.record.plots import measured
 
     facts = entry["facts"] or {}
-    metrics = _figures(entry, folder, timestamp)
-    metrics += [Metric(key, float(facts[key]), timestamp, 0) for key in FACT_METRICS if measured(facts.get(key))]
-    for name, own in _on_domains(record, entry).items():
-        metrics += _figures(own, folder, timestamp, f".{name}")
+    metrics = [Metric(key, float(facts[key]), timestamp, 0) for key in FACT_METRICS if measured(facts.get(key))]
+    domains = _on_domains(record, entry)
+    if not domains:
+        return _figures(entry, folder, timestamp) + metrics
+    for name, own in domains.items():  # the worst domain's figures are also the run's own, unsuffixed: read once
+        metrics += _figures(own, folder, timestamp, (f".{name}", "") if name == entry.get("domain") else (f".{name}",))
     return metrics
 
 
-def _figures(entry: dict, folder: Path, timestamp: int, suffix: str = "") -> list:
+def _figures(entry: dict, folder: Path, timestamp: int, suffixes: tuple[str, ...] = ("",)) -> list:
     """What scoring the model on one token stream gave: its result's figures, its comparison with the baseline, its
-    mean NLL per window (``window_nll``, a step per window), each name ending in ``suffix``."""
+    mean NLL per window (``window_nll``, a step per window), under each name ending in each of ``suffixes``."""
     import pyarrow.parquet as pq
     from mlflow.entities import Metric
 
     from tasks.record.plots import measured
 
-    metrics = []
+    figures = []  # (name, value, step)
     result, row = entry["result"] or {}, entry["row"]
-    for key in METRICS:
-        if result.get(key) is not None:
-            metrics.append(Metric(key + suffix, float(result[key]), timestamp, 0))
-    for key, value in row.items():
-        if key.startswith(COMPARISON_PREFIXES) and measured(value):
-            metrics.append(Metric(key + suffix, float(value), timestamp, 0))
+    figures += [(key, float(result[key]), 0) for key in METRICS if result.get(key) is not None]
+    figures += [(key, float(value), 0) for key, value in row.items()
+                if key.startswith(COMPARISON_PREFIXES) and measured(value)]
     if entry.get("arrays"):
         per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
-        metrics += [Metric("window_nll" + suffix, float(v), timestamp, int(k)) for k, v in per_window.items()]
-    return metrics
+        figures += [("window_nll", float(v), int(k)) for k, v in per_window.items()]
+    return [Metric(key + suffix, value, timestamp, step) for suffix in suffixes for key, value, step in figures]
 
 
 # what a reviewer compares across variants: on the parent as ``<variant>.<figure>``, columns of the runs table
