@@ -135,6 +135,23 @@ def test_a_build_gives_the_same_bytes_every_time(corpora, tmp_path, monkeypatch)
         assert not list((tmp_path / build / "corpora").glob(".build-*"))  # nothing half built left behind
 
 
+def test_a_damaged_corpus_is_built_again_not_read(corpora, tmp_path, monkeypatch, capsys):
+    """Each corpus keeps the sizes and sha256 of its files, checked when it is read: a file changed or added is never
+    scored; the corpus is built again from its package, with one line saying so."""
+    deb = sorted((cache_dir() / "downloads").glob(f"{EMBEDDED_CORPORA['russian'].package}_*.deb"))[-1]
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
+    (tmp_path / "downloads").mkdir()
+    shutil.copy(deb, tmp_path / "downloads" / deb.name)
+    folder = ensure_embedded_corpus("russian")
+    for damage in (lambda: (folder / "life.txt").write_text("Жизнь — штука короткая.\n", encoding="utf-8"),
+                   lambda: (folder / "extra.txt").write_text("не отсюда\n", encoding="utf-8")):
+        damage()
+        assert ensure_embedded_corpus("russian") == folder
+        assert "embedded corpus" in capsys.readouterr().err  # the one warning line
+        assert {f.name: f.read_bytes() for f in sorted(folder.glob("*.txt"))} == corpora["russian"]
+    assert ensure_embedded_corpus("russian") == folder and capsys.readouterr().err == ""  # intact: read as it is
+
+
 def test_embedded_name_reads_that_corpus_and_records_its_folder(corpora):
     for name in EMBEDDED_CORPORA:
         source = "embedded" if name == "austen" else f"embedded:{name}"

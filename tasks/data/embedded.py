@@ -10,6 +10,7 @@ fetched with ``apt-get download`` and read straight out of the .deb, no R needed
 
 from __future__ import annotations
 
+import json
 import lzma
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from tasks.core import sealed
 from tasks.core.errors import InputError, one_line
 from tasks.core.places import cache_dir
 from tasks.data import domains
@@ -170,8 +172,12 @@ def _download_deb(package: str, into: Path) -> Path:
 def ensure_embedded_corpus(name: str = "austen") -> Path:
     """Return the embedded corpus folder ``name`` (``.txt`` files), building it from its package on first use."""
     corpus, final = _corpus(name), embedded_corpus_dir(name)
-    if final.is_dir() and any(final.glob("*.txt")):
-        return final
+    if final.is_dir():
+        problem = _corpus_damage(final)
+        if problem is None:
+            return final
+        sealed.warn_remade("embedded corpus", final, problem, "it is built again from its package")
+        shutil.rmtree(final, ignore_errors=True)
     downloads = cache_dir() / "downloads"
     debs = sorted(downloads.glob(f"{corpus.package}_*.deb"))
     deb = debs[-1] if debs else _download_deb(corpus.package, downloads)
@@ -186,5 +192,25 @@ def ensure_embedded_corpus(name: str = "austen") -> Path:
     build = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     for stem, text in files.items():
         (build / f"{stem}.txt").write_bytes(text.encode("utf-8"))
+    names = sorted(f"{stem}.txt" for stem in files)
+    (build / CORPUS_FILES).write_text(json.dumps(sealed.seal({"package": deb.name,
+                                                              "files": sealed.files_entry(build, names)})))
     _publish(build, final)
     return final
+
+
+CORPUS_FILES = "files.json"  # an embedded corpus's files: sizes and sha256, checked each time it is read
+
+
+def _corpus_damage(folder: Path) -> str | None:
+    """What is wrong with a built embedded corpus, None when its ``.txt`` files are the ones written: a file changed,
+    missing or added (every ``.txt`` of the folder is read as the corpus), or no sealed list of them (a folder built
+    before they were listed, or half copied)."""
+    entry = sealed.read_entry(folder / CORPUS_FILES)
+    problem = sealed.damage(entry, f"its {CORPUS_FILES}")
+    if problem is not None:
+        return problem
+    listed, present = set(entry.get("files") or {}), {file.name for file in folder.glob("*.txt")}
+    if present != listed:
+        return f"it holds {', '.join(sorted(present ^ listed))} beside or instead of the files it was built with"
+    return sealed.files_damage(folder, entry["files"])
