@@ -29,6 +29,7 @@ from tasks.core.places import tracking_uri
 from tasks.record.contents import Findings, Started, audit_record, token_arrays
 from tasks.record.domains import DomainSummary, by_domain_table, combined, domain_arrays, domains_record
 from tasks.record.results import VariantResult
+from tasks.record.runtime_cost import runtime_cost_lines, runtime_costs, stream_line
 from tasks.record.spool import record_json
 from tasks.record.tracking import run_link
 from tasks.record.dominance import dominated_by
@@ -69,10 +70,12 @@ def summary_json(summary: dict) -> str:
 
     verdict = summary["verdict"]
     said = {"audit": summary["name"], "verdict": verdict.status, "reason": verdict.reason,
-            "mlflow_run_id": summary.get("mlflow_run_id"), "record": summary["record"], "models": models(summary)}
+            "mlflow_run_id": summary.get("mlflow_run_id"), "record": summary["record"], "models": models(summary),
+            "runtime_costs": summary.get("runtime_costs", [])}
     if "domains" in summary:
         said["domains"] = {name: {"verdict": domain["verdict"].status, "reason": domain["verdict"].reason,
-                                  "models": models(domain)} for name, domain in summary["domains"].items()}
+                                  "models": models(domain), "runtime_costs": domain.get("runtime_costs", [])}
+                           for name, domain in summary["domains"].items()}
     return json.dumps(said)
 
 
@@ -96,8 +99,10 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
     stopped = sum(row.get("scored_fraction", 1.0) < 1 for row in rows[1:])
     front = [name for name, by in dominated.items() if by is None] if len(dominated) > 1 else []
     verdict = overall(rows[0], verdicts, baseline.reference.drift if baseline.reference else None, stopped, front)
-    return {"name": config.name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
-            "table": format_table(rows, {v.name: v for v in verdicts})}
+    costs = runtime_costs(variants)
+    table = "\n".join([format_table(rows, {v.name: v for v in verdicts}), *runtime_cost_lines(costs)])
+    return {"name": config.name, "rows": rows, "verdicts": verdicts, "verdict": verdict, "table": table,
+            "runtime_costs": costs}
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,9 @@ def judge_domain(domain: Domain, lineup: Lineup, baseline: VariantResult, varian
     text."""
     scored = domain.evaluation
     summary = report(domain.config, baseline, variants)
+    if scored.tokens_differ:
+        summary |= {"table": "\n".join([summary["table"], *stream_line(scored.tokens_differ)]),
+                    "tokens_differ": scored.tokens_differ}
     lost = {v.name: found for v in variants if (found := where_of(v, baseline, scored, lineup.tokenizer))}
     return Judged(domain, [baseline, *variants], summary, Findings(lost))
 

@@ -103,6 +103,26 @@ class CalibrationConfig(Strict):
 DEFAULT_CALIBRATION = CalibrationConfig()  # what `quantize` and a variant without calibration settings use
 
 
+class LlamaCppSettings(Strict):
+    """What llama.cpp runs a ``runtime: llama.cpp`` variant with, as a deployment sets it (``tasks.models.llama_cpp``):
+    ``threads`` (default: llama.cpp's), ``batch`` (llama.cpp's n_batch), the key/value cache types ``type_k`` and
+    ``type_v`` (llama.cpp's own: f16, q8_0, q4_0, ...; a quantized V cache needs flash attention), ``flash_attn``
+    (``auto``, as llama-perplexity, lets llama.cpp decide), ``gpu_layers`` (a CUDA build: layers offloaded)."""
+
+    threads: int | None = Field(None, ge=1)
+    batch: int = Field(512, ge=1)
+    type_k: str = Field("f16", pattern=r"^[a-z0-9_]+$")
+    type_v: str = Field("f16", pattern=r"^[a-z0-9_]+$")
+    flash_attn: Literal["auto", "on", "off"] = "auto"
+    gpu_layers: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _a_quantized_v_cache_needs_flash_attention(self) -> LlamaCppSettings:
+        if self.type_v not in ("f16", "bf16", "f32") and self.flash_attn == "off":
+            raise ValueError(f"type_v {self.type_v} needs flash attention in llama.cpp: set flash_attn on or auto")
+        return self
+
+
 class KVCache(Strict):
     """The key/value cache a variant is scored with (``tasks.engine.kv_cache``): ``dtype`` ``int8`` (llama.cpp's
     q8_0), ``int4`` (q4_0), ``fp8_e4m3``/``fp8_e5m2`` (vLLM's fp8 caches) or a float type; ``group_size``: the
@@ -173,6 +193,12 @@ class VariantSpec(Strict):
     kv_cache: KVCache | None = None
     kernel: str | None = Field(None, min_length=1, description="gptq/awq: the gptqmodel kernel that runs it (marlin, "
                                "triton, torch, exllama_v2, gemm, ...) instead of the one gptqmodel picks")
+    runtime: Literal["transformers", "llama.cpp"] = Field(
+        "transformers", description="what scores it: transformers (a GGUF file dequantized: what its weights lost), "
+        "or llama.cpp's own kernels and tokenizer (a GGUF file as it is served)")
+    llama_cpp: LlamaCppSettings | None = None
+    type: str | None = Field(None, pattern=r"^[A-Za-z0-9_]+$", description="method gguf without a path: the GGUF "
+                             "type llama.cpp's quantizer makes from the baseline's GGUF file (Q4_K_M, Q8_0, F32, ...)")
 
     @field_validator("path", "gguf_file")
     @classmethod
@@ -211,8 +237,20 @@ class VariantSpec(Strict):
                 and not self.path.endswith(".gguf")):
             raise ValueError(f"method gguf loads a .gguf file, and {self.path} is not one: give the file as path, "
                              "or its folder as path and the file's name as gguf_file")
-        if self.method in ("auto", "gguf", "compressed-tensors", "fp8") and self.path is None:
+        if self.type is not None and (self.method != "gguf" or self.path is not None):
+            raise ValueError("type is the GGUF type llama.cpp's quantizer makes from the baseline: give it with method "
+                             "gguf and no path")
+        if self.method == "gguf" and self.path is None and self.type is None:
+            raise ValueError("method gguf loads a .gguf file (path) or makes one from the baseline (type: Q4_K_M, ...)")
+        if self.method in ("auto", "compressed-tensors", "fp8") and self.path is None:
             raise ValueError(f"method {self.method} loads a checkpoint: give its path")
+        if self.runtime == "llama.cpp" and not (self.method == "gguf" or (self.method == "auto" and self.path.endswith(".gguf"))):
+            raise ValueError(f"runtime llama.cpp runs a GGUF file, and this variant is {self.method}"
+                             f"{'' if self.path is None else ' ' + self.path}: use method gguf with a .gguf path or a type")
+        if self.llama_cpp is not None and self.runtime != "llama.cpp":
+            raise ValueError("llama_cpp sets how llama.cpp runs a variant: give it with runtime llama.cpp")
+        if self.kv_cache is not None and self.runtime == "llama.cpp":
+            raise ValueError("kv_cache emulates a cache in transformers; in llama.cpp set llama_cpp.type_k and type_v")
         if self.kernel is not None and self.method not in ("gptq", "awq", "auto"):
             raise ValueError(f"kernel picks gptqmodel's kernel for a gptq or awq checkpoint, not for method {self.method}")
         if self.kernel is not None and self.path is None:
@@ -228,6 +266,16 @@ class VariantSpec(Strict):
                 if not (isinstance(device, int) or device in ("cpu", "disk", "cuda") or re.fullmatch(r"cuda:\d+", device)):
                     raise ValueError(f"device_map puts '{module}' on '{device}': use a GPU index (0), cuda:N, cpu or disk")
         return self
+
+    @property
+    def llama_cpp_settings(self) -> LlamaCppSettings:
+        """How llama.cpp runs it: its own settings, or the defaults (llama-perplexity's)."""
+        return self.llama_cpp or LlamaCppSettings()
+
+    @property
+    def label(self) -> str:
+        """What scored it, where that is not transformers: ``@llama.cpp``, appended to its method in the table."""
+        return " @llama.cpp" if self.runtime == "llama.cpp" else ""
 
     @property
     def quantize_here(self) -> bool:

@@ -44,6 +44,8 @@ def add(commands) -> None:
            help="sliding window (default), or a published convention: gptq (GPTQ/AWQ papers), llama.cpp")
     option("--device", VariantSpec, "device", help="cpu, cuda, cuda:N or auto")
     option("--dtype", VariantSpec, "dtype", help="weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    option("--runtime", VariantSpec, "runtime", help="what scores a .gguf file: transformers (dequantized) or "
+           "llama.cpp (its own kernels and tokenizer, as served)")
     ppl.add_argument("--method", choices=config_field(VariantSpec, "method")[1],
                      help="measure --model quantized this way (bnb/torchao/hqq at load, gptq/awq on the spot); "
                           "default auto: read from the checkpoint (a .gguf file, a quantization_config, or float)")
@@ -66,7 +68,8 @@ def _variant(args: argparse.Namespace):
         return parse(VariantSpec, data, "--variant")
     method = args.method or "auto"
     name = (Path(args.model).name or args.model) if method in ("auto", "baseline") else method
-    spec = {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype, "device": args.device}
+    spec = {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype, "device": args.device,
+            "runtime": args.runtime}
     if method not in QUANTIZED_BY_US + QUANTIZED_AT_LOAD:  # a checkpoint measured as it is, not made from --model
         spec["path"] = args.model
     return parse(VariantSpec, spec, "arguments")
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
     check_checkpoint(checkpoint.model or lineup.baseline.model)  # the files it loads: made from --model, or its own
-    scored = evaluation(text, lineup.tokenizer, settings, progress=True)
+    scored = evaluation(text, _stream_tokenizer(lineup, checkpoint, settings.mode), settings, progress=True)
     outcome = score_variant(checkpoint, lineup, scored, progress=True)
     if not outcome.ok:
         print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=console.err())
@@ -133,3 +136,19 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**result.summary(), "name": spec.name, "model": spec.path or args.model,
                           "method": spec.method, "variant": outcome.facts.summary()}), file=say)
     return 0
+
+
+def _stream_tokenizer(lineup, checkpoint, mode: str):
+    """What tokenizes the corpus: llama.cpp's tokenizer of a GGUF file that llama.cpp runs or that ``--mode llama.cpp``
+    scores (llama-perplexity's stream, on any text), else the model's transformers tokenizer. Without the llama.cpp
+    runtime installed, ``--mode llama.cpp`` keeps transformers' and says so."""
+    from tasks.models import llama_cpp
+
+    source = checkpoint.model.source if checkpoint.model is not None else ""
+    if lineup.transformers_tokenizer is not None or mode != "llama.cpp" or not source.endswith(".gguf"):
+        return lineup.tokenizer
+    if llama_cpp.version() is None:
+        print(f"ppl-audit: note: {source} is tokenized by transformers, whose stream can differ from "
+              f"llama-perplexity's on runs of whitespace; `{llama_cpp.SETUP}` installs llama.cpp's", file=console.err())
+        return lineup.tokenizer
+    return llama_cpp.Tokenizer(Path(source), checkpoint.tokenizer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 from tasks.config import DEFAULT_CALIBRATION, BaselineSpec, Gate, Thresholds, VariantSpec
@@ -71,6 +72,9 @@ class Lineup:
     baseline: Checkpoint
     variants: list[Checkpoint]
     tokenizer: object
+    # where the stream is llama.cpp's tokenization (a variant runs in llama.cpp), the baseline's transformers
+    # tokenizer, to say where the two part; else None
+    transformers_tokenizer: object = None
 
     def gated(self, thresholds: Thresholds) -> Lineup:
         """The lineup with each variant's gate as ``thresholds`` set it (a domain's, ``Thresholds.for_corpus``)."""
@@ -90,11 +94,27 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
     tokenizer = _tokenizer(model)
     lead = Checkpoint(baseline, "baseline", model, tokenizer_digest(tokenizer), read_manifest(model.source))
     gates = thresholds or Thresholds()
-    return Lineup(lead, [replace(_variant(spec, lead, registry), gate=gates.for_variant(spec.name))
-                         for spec in variants], tokenizer)
+    found = [replace(_variant(spec, lead, registry), gate=gates.for_variant(spec.name)) for spec in variants]
+    served = next((c for c in found if c.spec.runtime == "llama.cpp" and not c.problem), None)
+    if served is None:
+        return Lineup(lead, found, tokenizer)
+    # the stream as served: llama.cpp's tokenizer of the file it runs; every model scores that one stream
+    from tasks.models import llama_cpp
+
+    return Lineup(lead, found, llama_cpp.Tokenizer(Path(served.model.source), lead.tokenizer), tokenizer)
 
 
 def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> Checkpoint:
+    if spec.method == "gguf" and spec.type is not None:  # made from the baseline's GGUF file by llama.cpp's quantizer
+        from tasks.models import llama_cpp
+
+        try:
+            llama_cpp.require(f"variant '{spec.name}'")
+            made = llama_cpp.made_file(baseline_gguf(baseline.model), spec.type)
+        except (InputError, RuntimeError) as error:
+            return Checkpoint(spec, "variant", problem=one_line(error))
+        return Checkpoint(spec, "variant", Located.at(str(made), f"{baseline.model.name} as {spec.type}"),
+                          baseline.tokenizer)
     if spec.quantize_here:
         try:  # a served run's variants are not preflighted: refused here, before hours of quantizing
             check_quantizable(baseline.model)
@@ -144,6 +164,18 @@ def locate(spec: VariantSpec, registry: str | None = None) -> str:
 
         return str(embedded_gguf())
     return resolve_model_path(spec.location, registry)
+
+
+def baseline_gguf(model: Located) -> Path:
+    """The GGUF file a baseline is (or, ``embedded``, is dequantized from): what ``type:`` variants are made from."""
+    if model.name == "embedded":
+        from tasks.data.embedded import embedded_gguf
+
+        return embedded_gguf()
+    if model.source.endswith(".gguf"):
+        return Path(model.source)
+    raise InputError(f"type: makes a GGUF file from the baseline's, and the baseline {model.name} is not a .gguf file: "
+                     "convert it with llama.cpp's convert_hf_to_gguf.py and give that file as the baseline's path")
 
 
 def calibration_for(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, corpus_text_of,

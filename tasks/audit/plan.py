@@ -10,7 +10,7 @@ and checked, every model is found once (``tasks.audit.checkpoints.prepare``), th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, InstanceOf, model_serializer
 
@@ -24,6 +24,7 @@ from tasks.config import AuditConfig, load_audit_config
 from tasks.core.errors import InputError
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import Evaluation, check_encodable, evaluation
+from tasks.models.llama_cpp import stream_difference
 
 
 @dataclass(frozen=True)
@@ -138,21 +139,27 @@ def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Ev
     registry = check_settings(config)
     lineup = prepare(config.baseline, config.variants, registry, config.thresholds)
     preflight(config, lineup, strict)
-    domains = read_domains(config, lineup.tokenizer)
+    domains = read_domains(config, lineup.tokenizer, lineup.transformers_tokenizer)
     check_calibration_room(config, lineup, domains[0].evaluation)
     for domain in domains:
         _within(domain.name, config, lambda d=domain: check_stream(d.config, lineup, d.evaluation))
     return AuditPlan(config=config, path=path, lineup=lineup, domains=domains, said=said)
 
 
-def read_domains(config: AuditConfig, tokenizer) -> tuple[Domain, ...]:
+def read_domains(config: AuditConfig, tokenizer, compared_with=None) -> tuple[Domain, ...]:
     """Each corpus of ``config`` read and tokenized once (cached on disk) as its one-corpus audit would, and checked:
-    the baseline's tokenizer can encode it. Every domain's variants made here are calibrated on the first's."""
+    the baseline's tokenizer can encode it. Every domain's variants made here are calibrated on the first's.
+    ``compared_with``: where ``tokenizer`` is llama.cpp's, transformers' tokenizer of the baseline, whose stream of
+    each domain is compared with it (``Evaluation.tokens_differ``)."""
     domains = []
     for corpus in config.domains:
         alone = config.for_domain(corpus)
         scored = _within(corpus.name, config, lambda a=alone: evaluation(corpus_text(a.corpus), tokenizer,
                                                                           a.evaluation, progress=True))
+        if compared_with is not None:
+            theirs = evaluation(scored.text, compared_with, alone.evaluation)
+            scored = replace(scored, tokens_differ=stream_difference(theirs.stream.ids.tolist(),
+                                                                     scored.stream.ids.tolist()))
         # named as the key holding the text: _within's "corpora.NAME: " before "corpus: " read as two keys
         check_encodable(scored.stream, tokenizer, "corpus" if config.corpora is None else f"corpora.{corpus.name}")
         domains.append(Domain(corpus.name, alone, scored if not domains else scored.calibrating(domains[0].evaluation)))

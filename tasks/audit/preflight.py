@@ -19,6 +19,7 @@ from tasks.engine.kv_cache import INTS, head_dim
 from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window, plan
+from tasks.models import llama_cpp
 from tasks.models.formats import check_compressed, check_kernel, detect, require
 from tasks.models.loading import check_checkpoint
 from tasks.models.resolve import resolve_device
@@ -45,6 +46,10 @@ def check_settings(config: AuditConfig) -> str:
         if "liger" in config.evaluation.body and device.type != "cuda":
             raise InputError(f"evaluation.body {config.evaluation.body}: liger-kernel's fused ops run on CUDA, and "
                              f"{spec.name} runs on {device.type}; use compile (or eager) there")
+    for spec in config.variants:  # llama.cpp runs it or makes its file: installed, and its types ones it has
+        if spec.runtime == "llama.cpp" or spec.type is not None:
+            settings = spec.llama_cpp_settings
+            llama_cpp.check_settings(f"variant '{spec.name}'", settings.type_k, settings.type_v, spec.type)
     if "liger" in config.evaluation.body and importlib.util.find_spec("liger_kernel") is None:
         raise InputError(f"evaluation.body {config.evaluation.body} needs liger-kernel: pip install liger-kernel")
     return registry

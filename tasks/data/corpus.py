@@ -200,7 +200,10 @@ def encode(tokenizer, text: str, chunk_chars: int = 1 << 18, progress: str | Non
 
 
 def tokenizer_digest(tokenizer) -> str:
-    """sha256 of what decides token ids: vocabulary, merges and added/special tokens."""
+    """sha256 of what decides token ids: vocabulary, merges and added/special tokens. A tokenizer that names itself
+    (llama.cpp's, ``tasks.models.llama_cpp.Tokenizer``) gives its own ``digest``."""
+    if isinstance(getattr(tokenizer, "digest", None), str):
+        return tokenizer.digest
     if getattr(tokenizer, "is_fast", False):
         state = json.loads(tokenizer.backend_tokenizer.to_str())
         model = state.get("model", {})

@@ -30,6 +30,9 @@ class Evaluation:
     evaluated: tuple[int, int]
     settings: EvaluationConfig
     calibrated_on: Evaluation | None = None
+    # where the stream is llama.cpp's tokenization: how transformers' tokenizer of the same text parts from it
+    # (``tasks.models.llama_cpp.stream_difference``), None where they agree or were not compared
+    tokens_differ: dict | None = None
 
     @property
     def calibration(self) -> Evaluation:

@@ -343,7 +343,11 @@ def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
 def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns,
                   kv_cache: KVCacheFormat | None = None) -> torch.Tensor:
     """The final hidden states ``[T, H]`` at the scored positions, keys and values kept in ``kv_cache``'s format
-    (None: as computed)."""
+    (None: as computed). A model another runtime runs (``tasks.models.llama_cpp``) gives its logits at the scored
+    positions itself (``scored_logits``), and its head is the identity."""
+    runtime = getattr(model, "scored_logits", None)
+    if runtime is not None:
+        return runtime(input_ids, mask, row_index, columns)
     device = input_device(model)
     padding = None if mask is None else _to_device(mask, device)
     hidden = model.base_model(input_ids=_to_device(input_ids, device), use_cache=False,

@@ -168,7 +168,7 @@ def gguf_facts(path: Path) -> dict:
     weights = sum(tensor.n_elements for tensor in header.tensors)
     field = header.field("general.file_type")
     if field is not None:
-        file_type = LlamaFileType(int(field)).name.removeprefix("MOSTLY_")
+        file_type = LlamaFileType(int(field)).name.removeprefix("MOSTLY_").removeprefix("ALL_")  # ALL_F32: F32
     else:  # older files: the type most of the weights have
         file_type = max((n, name) for name, n in types.items() if name not in ("F32", "F16"))[1]
     return {"file_type": file_type, "tensor_types": dict(types.most_common()),

@@ -25,6 +25,7 @@ from tasks.engine import kv_cache
 from tasks.engine.kv_cache import KVCacheFormat
 from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
+from tasks.models.gguf import gguf_facts
 from tasks.models import kernel_start
 from tasks.models.loading import WEIGHT_SUFFIXES, as_located, load_model
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
@@ -141,6 +142,8 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
         (``cache_format(spec)``) goes to the engine beside it.
     """
     found = as_located(model)
+    if spec.runtime == "llama.cpp":
+        return load_served(spec, found, window)
     source = found.source
     device, dtype = device_and_dtype(spec)
     require(spec.method, device.type)
@@ -185,6 +188,34 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
             form, model.config.get_text_config(), torch.finfo(model.dtype).bits, window),
     )
     return model, facts
+
+
+def load_served(spec: VariantSpec, model: Located, window: int | None):
+    """``spec``'s GGUF file as llama.cpp runs it (``runtime: llama.cpp``), with a context of the audit's window:
+    ``(LlamaCppModel, VariantFacts)``. Its figures are the file's (``gguf_facts``), its backend llama.cpp's."""
+    from tasks.models import llama_cpp
+
+    file = Path(model.source)
+    if file.suffix != ".gguf" or not file.is_file():
+        raise InputError(f"variant '{spec.name}': runtime llama.cpp runs a .gguf file, and {model.name} is not one")
+    settings = spec.llama_cpp_settings
+    started = time.perf_counter()
+    served = llama_cpp.open_model(file, spec.name, settings, (window or 4096) + 1)  # + a BOS prefix
+    facts = gguf_facts(file)
+    said = served.facts
+    bits = facts["bits_per_weight"]
+    return served, VariantFacts(
+        method=spec.method, source=model.source, device="cpu" if not settings.gpu_layers else "cuda", dtype="gguf",
+        load_seconds=time.perf_counter() - started, size_on_disk_bytes=file.stat().st_size,
+        weight_memory_bytes=said["size"], quantized_layers=sum(n for t, n in facts["tensor_types"].items()
+                                                                if t not in ("F32", "F16", "BF16")),
+        linear_layers=0, backend=f"llama.cpp ({said['desc']})",
+        versions=versions("llama_cpp_python", "gguf"),
+        quantization=facts | {"runtime": "llama.cpp", "label": f"{facts['label']} @llama.cpp",
+                              "llama_cpp": llama_cpp.described(settings), "system_info": said["system_info"]},
+        bits_per_weight=bits, model_bits_per_weight=bits,
+        kv_cache="" if (settings.type_k, settings.type_v) == ("f16", "f16") else f"llama.cpp K {settings.type_k} V {settings.type_v}",
+    )
 
 
 def check_same_tokenizer(name: str, baseline_digest: str, digest: str) -> None:

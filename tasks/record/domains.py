@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tasks.record.runtime_cost import runtime_cost_lines, stream_line
 from tasks.record.verdict import Verdict, format_table, overall
 
 # how bad a domain's verdict is, worst first: what decides a variant's verdict across domains
@@ -96,8 +97,11 @@ def combined(name: str, domains: list[DomainSummary]) -> dict:
     if drifted:  # each variant was compared with the baseline in this environment: its verdict stands
         verdict = Verdict("audit", verdict.status, f"environment drift of the baseline on {', '.join(drifted)} "
                                                    f"(its table says how much); {verdict.reason}")
+    # each domain's runtime cost and tokenization, under the table of worst domains, named by their domain
+    said = [f"{d.name}: {line}" for d in domains
+            for line in [*runtime_cost_lines(d.summary.get("runtime_costs", [])), *stream_line(d.summary.get("tokens_differ"))]]
     return {"name": name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
-            "table": format_table(rows, {v.name: v for v in verdicts}),
+            "table": "\n".join([format_table(rows, {v.name: v for v in verdicts}), *said]),
             "domains": {d.name: d.summary for d in domains}}
 
 

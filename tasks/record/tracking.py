@@ -171,7 +171,11 @@ def _variant_params(record: dict, entry: dict) -> dict:
     # the format's own facts: a GGUF's file type and bits per weight, a compressed-tensors scheme and whether
     # its activations were quantized, how method auto found the method
     params.update({f"format.{key}": value if isinstance(value, (str, int, float)) else str(value)
-                   for key, value in (facts.get("quantization") or {}).items()})
+                   for key, value in (facts.get("quantization") or {}).items() if key != "llama_cpp"})
+    # what llama.cpp ran it with (runtime: llama.cpp): threads, batch, type_k, type_v, flash_attn, gpu_layers
+    params.update({f"llama_cpp.{key}": value for key, value in
+                   ((facts.get("quantization") or {}).get("llama_cpp") or {}).items()})
+    params["runtime"] = spec.get("runtime", "transformers")
     # a sequential run: the order's seed and whether it stopped (its bounds at the stop are the row's)
     params.update({f"sequential.{key}": entry["sequential"][key] for key in ("seed", "stopped", "decision")
                    if key in entry.get("sequential", {})})

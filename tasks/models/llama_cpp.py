@@ -1,0 +1,389 @@
+"""llama.cpp as a runtime: a GGUF file scored by llama.cpp's own kernels and tokenizer (``runtime: llama.cpp``).
+
+Transformers dequantizes a GGUF file and measures what its weights lost. A user who ships the file runs it in
+llama.cpp, whose quantized matmuls also round each activation row to 8 bits and whose tokenizer splits runs of
+whitespace its own way; this module runs llama.cpp itself (llama-cpp-python's bindings of the llama.cpp it was built
+from, ``.ci/llama-cpp``) in a process of its own (``tasks.models.llama_cpp_worker``), so that a native crash fails
+that variant alone and every way of stopping ends it.
+
+What the engine gets is a model whose logits llama.cpp computes: ``LlamaCppModel.scored_logits`` gives them at the
+positions a batch scores, each window evaluated as a fresh sequence, and its head is the identity. Every figure after
+that (float64 sums, KL against the baseline's reference, top-1, the statistics block) is the audit's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.core.errors import InputError
+from tasks.models import llama_cpp_worker as wire
+
+SETUP = "bash .ci/llama-cpp"  # builds llama.cpp once per machine and installs its bindings into .venv
+CLOSE_SECONDS = 2.0  # a worker asked to close gets this long before it is killed
+
+
+def version() -> str | None:
+    """llama-cpp-python's version where it is installed, else None (nothing native is loaded to find out)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+    from importlib.util import find_spec
+
+    try:
+        if find_spec("llama_cpp") is None:
+            return None
+        return installed("llama_cpp_python")
+    except (ImportError, ValueError, PackageNotFoundError):
+        return None
+
+
+def require(where: str) -> None:
+    """Refuse, in one line, a use of the llama.cpp runtime where it is not installed."""
+    if version() is None:
+        raise InputError(f"{where}: the llama.cpp runtime is not installed; run `{SETUP}` (it builds llama.cpp once, "
+                         "about 10 minutes on 2 cores, then installs in a second)")
+
+
+def _constants(prefix: str) -> dict[str, int]:
+    import llama_cpp
+
+    return {name.removeprefix(prefix): getattr(llama_cpp, name) for name in dir(llama_cpp)
+            if name.startswith(prefix) and isinstance(getattr(llama_cpp, name), int)}
+
+
+def cache_types() -> list[str]:
+    """The key/value cache types llama.cpp has (``type_k``/``type_v``: f16, q8_0, q4_0, ...), lower case."""
+    return sorted(name.lower() for name in _constants("GGML_TYPE_") if name != "COUNT")
+
+
+def file_types() -> dict[str, int]:
+    """The file types llama.cpp's quantizer makes, as llama-quantize names them (``Q4_K_M``, ``Q8_0``, ``F32``)."""
+    found = {name.removeprefix("MOSTLY_"): value for name, value in _constants("LLAMA_FTYPE_").items()
+             if name.startswith("MOSTLY_") or name == "ALL_F32"}
+    found["F32"] = found.pop("ALL_F32")
+    return found
+
+
+def check_settings(where: str, type_k: str, type_v: str, file_type: str | None = None) -> None:
+    """Refuse, in one line, a cache type or a file type llama.cpp lacks (the runtime installed)."""
+    require(where)
+    known = cache_types()
+    for key, value in (("type_k", type_k), ("type_v", type_v)):
+        if value not in known:
+            raise InputError(f"{where}: {key} {value} is not a llama.cpp cache type; use one of f16, bf16, f32, q8_0, "
+                             "q5_1, q5_0, q4_1, q4_0, iq4_nl")
+    if file_type is not None and file_type not in file_types():
+        raise InputError(f"{where}: type {file_type} is not a type llama.cpp's quantizer makes; use one of "
+                         f"{', '.join(sorted(file_types()))}")
+
+
+class RuntimeCrash(RuntimeError):
+    """The llama.cpp process ended without answering: a native crash, or it was killed."""
+
+
+class Process:
+    """One llama.cpp worker process and its requests, one at a time."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-cpp-", suffix=".log", delete=False)  # noqa: SIM115
+        self.child = subprocess.Popen([sys.executable, wire.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self.log, env=os.environ | {"PYTHONNOUSERSITE": "1"})
+        self.lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _end, self.child, self.log.name)
+
+    def request(self, header: dict, payload: bytes = b"") -> tuple[dict, bytes]:
+        with self.lock:
+            try:
+                wire.send(self.child.stdin, header, payload)
+                reply, data = wire.receive(self.child.stdout)
+            except (EOFError, BrokenPipeError, OSError):
+                raise RuntimeCrash(self._crash(header["op"])) from None
+        if not reply.pop("ok"):
+            raise RuntimeError(f"llama.cpp ({self.what}): {reply['error']}")
+        return reply, data
+
+    def _crash(self, op: str) -> str:
+        try:
+            code = self.child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}" if code is not None else "stopped answering")
+        last = [line for line in Path(self.log.name).read_text(errors="replace").splitlines() if line.strip()][-1:]
+        return f"llama.cpp {how} during {op} of {self.what}" + (f"; its last words: {last[0].strip()}" if last else "")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _end(child: subprocess.Popen, log: str) -> None:
+    """Ask the worker to close, and kill it if it does not within ``CLOSE_SECONDS``; remove its log."""
+    try:
+        if child.poll() is None:
+            try:
+                wire.send(child.stdin, {"op": "close"})
+                child.stdin.close()
+            except OSError:
+                pass
+            try:
+                child.wait(timeout=CLOSE_SECONDS)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    finally:
+        Path(log).unlink(missing_ok=True)
+
+
+def described(settings) -> dict:
+    """What llama.cpp ran a file with (``LlamaCppSettings``), as the record and MLflow's params keep it."""
+    return {"threads": settings.threads or "default", "batch": settings.batch, "type_k": settings.type_k,
+            "type_v": settings.type_v, "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers}
+
+
+class _Identity(torch.nn.Module):
+    """The head of a model whose runtime gives logits: they pass through as they are."""
+
+    def __init__(self, vocabulary: int):
+        super().__init__()
+        self.out_features = vocabulary
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class _Inputs(torch.nn.Module):
+    """Where the engine puts input ids for this model: host memory (llama.cpp takes them from there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(0), persistent=False)
+
+
+class _NoConfig:
+    """The engine reads a softcap off a model's config: llama.cpp has applied it to the logits it gives."""
+
+    final_logit_softcapping = None
+
+
+class LlamaCppModel(torch.nn.Module):
+    """A GGUF file run by llama.cpp, as the engine scores it (``tasks.engine.perplexity.hidden_states`` asks
+    ``scored_logits``). ``facts``: what llama.cpp said of it when it opened."""
+
+    def __init__(self, process: Process, facts: dict, settings):
+        super().__init__()
+        self.process, self.facts, self.settings = process, facts, settings
+        self.name_or_path = facts.get("path", "")
+        self.config = _NoConfig()
+        self.head = _Identity(facts["n_vocab"])
+        self.inputs = _Inputs()
+
+    @property
+    def device(self) -> torch.device:
+        """Where its inputs and logits are: host memory (llama.cpp places its own weights)."""
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What its logits come as (llama.cpp's own compute types are the file's and its kernels')."""
+        return torch.float32
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.inputs
+
+    def scored_logits(self, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index: torch.Tensor,
+                      columns: torch.Tensor) -> torch.Tensor:
+        """The logits ``[T, V]`` at ``(row_index, columns)``: each row of ``input_ids`` (its unpadded length) a
+        fresh sequence in llama.cpp, its scored columns one ascending run, rows in order, as ``batch_inputs`` makes
+        them."""
+        lengths = mask.sum(1) if mask is not None else torch.full((input_ids.shape[0],), input_ids.shape[1])
+        rows, tokens = [], []
+        for i in range(input_ids.shape[0]):
+            wanted = columns[row_index == i]
+            if len(wanted) and not bool((wanted.diff() == 1).all()):
+                raise ValueError("scored columns of a window are not one run")
+            rows.append([int(lengths[i]), int(wanted[0]) if len(wanted) else 0, len(wanted)])
+            tokens.append(input_ids[i, : int(lengths[i])].to(torch.int32).numpy())
+        _, data = self.process.request({"op": "score", "rows": rows, "n_batch": self.settings.batch},
+                                       np.concatenate(tokens).tobytes())
+        logits = np.frombuffer(data, dtype=np.float32).reshape(-1, self.head.out_features)
+        return torch.from_numpy(logits.copy())
+
+    def close(self) -> None:
+        self.process.close()
+
+
+def open_model(path: Path, name: str, settings, n_ctx: int) -> LlamaCppModel:
+    """``path`` loaded by llama.cpp with ``settings`` (``LlamaCppSettings``), a context of ``n_ctx`` tokens (the
+    audit's window)."""
+    process = Process(f"variant '{name}'")
+    try:
+        facts, _ = process.request({"op": "open", "path": str(path), "n_ctx": n_ctx,
+                                    "n_batch": min(settings.batch, n_ctx), "threads": settings.threads,
+                                    "type_k": settings.type_k, "type_v": settings.type_v,
+                                    "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers})
+    except BaseException:
+        process.close()
+        raise
+    return LlamaCppModel(process, facts | {"path": str(path)}, settings)
+
+
+class Tokenizer:
+    """llama.cpp's tokenizer of a GGUF file, as ``tasks.data.corpus`` calls a tokenizer: ids of a text with
+    character offsets (from each token's bytes), its BOS and whether it adds one; ``digest`` names it (the file's
+    vocabulary and the llama.cpp that tokenizes) as part of the stream's identity."""
+
+    is_fast = False
+    unk_token_id = None  # llama.cpp's tokenizers fall back to bytes: any text encodes
+
+    def __init__(self, path: Path, vocabulary_digest: str):
+        self.path = path
+        self._process: Process | None = None
+        self._lock = threading.Lock()
+        with self._lock:
+            facts = self._start()
+        self.bos_token_id, self.add_bos, self.vocabulary = facts["bos"], facts["add_bos"], facts["n_vocab"]
+        self.digest = f"llama.cpp {version()}:{vocabulary_digest}"
+
+    def _start(self) -> dict:
+        """A tokenizer worker for this file (the last one closed): what llama.cpp says of its vocabulary."""
+        if self._process is not None:
+            self._process.close()
+        self._process = Process(f"the tokenizer of {self.path.name}")
+        return self._process.request({"op": "open", "path": str(self.path), "vocab_only": True})[0]
+
+    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False) -> dict:
+        ids, offsets = self.encode_with_offsets(text, add_special_tokens)
+        out = {"input_ids": ids}
+        if return_offsets_mapping:
+            out["offset_mapping"] = offsets
+        return _Encoding(out)
+
+    def encode_with_offsets(self, text: str, add_special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        encoded = text.encode("utf-8")
+        reply, data = self._ask({"op": "tokenize", "add_special": add_special}, encoded)
+        count = reply["count"]
+        both = np.frombuffer(data, dtype=np.int32)
+        ids, lengths = both[:count], both[count:]
+        return ids.tolist(), _char_offsets(text, encoded, lengths)
+
+    def __len__(self) -> int:
+        return self.vocabulary
+
+    def decode(self, ids) -> str:
+        """The text of ``ids``: their pieces' bytes joined (a piece may end inside a character), as UTF-8."""
+        return self._ask({"op": "detokenize"}, np.asarray(ids, dtype=np.int32).tobytes())[1].decode("utf-8", "replace")
+
+    def _ask(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """One request to this file's tokenizer worker, started on first use and kept (an audit decodes tokens by the
+        hundred); started again where it has ended (it dies with the thread that started it)."""
+        with self._lock:
+            if self._process is None or self._process.child.poll() is not None:
+                self._start()
+            return self._process.request(header, payload)
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+
+    def __getstate__(self) -> dict:  # a plan sent to a Dask or Ray worker: it starts its own tokenizer there
+        return {k: v for k, v in self.__dict__.items() if k not in ("_process", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _process=None, _lock=threading.Lock())
+
+
+class _Encoding(dict):
+    @property
+    def input_ids(self) -> list[int]:
+        return self["input_ids"]
+
+
+def _char_offsets(text: str, encoded: bytes, lengths: np.ndarray) -> list[tuple[int, int]]:
+    """Each token's ``(start, end)`` in characters of ``text`` from its bytes: a token that ends inside a character
+    (a byte-fallback piece) ends where that character does."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    char_at = np.zeros(len(encoded) + 1, dtype=np.int64)  # byte index -> the character it belongs to
+    lead = np.frombuffer(encoded, dtype=np.uint8)
+    starts_char = (lead & 0xC0) != 0x80
+    char_at[:-1] = np.cumsum(starts_char) - 1
+    char_at[-1] = len(text)
+    starts = np.minimum(starts, len(encoded))
+    ends = np.minimum(ends, len(encoded))
+    # a token ending mid-character ends at that character's end
+    end_chars = np.where(ends < len(encoded), char_at[ends] + (~starts_char[np.minimum(ends, len(encoded) - 1)]), len(text))
+    return list(zip(char_at[starts].tolist(), end_chars.tolist()))
+
+
+def stream_difference(ours: list[int], theirs: list[int]) -> dict | None:
+    """Where two tokenizations of one text part: None where they agree; else each one's count and the first index
+    where they differ."""
+    if ours == theirs:
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return {"transformers_tokens": len(ours), "llama_cpp_tokens": len(theirs), "first_difference": first}
+
+
+def quantize(source: Path, target: Path, file_type: str, threads: int | None = None) -> None:
+    """``source`` (a GGUF file) quantized to ``file_type`` by llama.cpp's quantizer (``llama_model_quantize``,
+    requantizing a quantized file as llama-quantize --allow-requantize does), in a process of its own."""
+    code = ("import sys, llama_cpp as l\n"
+            "p = l.llama_model_quantize_default_params()\n"
+            f"p.ftype = {file_types()[file_type]}\n"
+            "p.allow_requantize = True\n"
+            f"p.nthread = {threads or 0}\n"
+            "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(source), str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(nothing said)"]
+        raise RuntimeError(f"llama.cpp's quantizer failed making {file_type} from {source.name} "
+                           f"(exit {done.returncode}): {last[0]}")
+
+
+def made_file(source: Path, file_type: str) -> Path:
+    """The GGUF file of type ``file_type`` llama.cpp's quantizer makes from ``source``, made on first use and kept
+    (``$PPL_AUDIT_CACHE/gguf``) by the digest of the source, the type and the llama.cpp version. Its entry records the
+    sha256 of the file made, checked when read: a damaged or replaced file is made again, never scored."""
+    from tasks.core import sealed
+    from tasks.core.files import file_digest
+    from tasks.core.places import cache_dir
+
+    made_from = {"source": file_digest(source), "type": file_type, "llama_cpp": version()}
+    key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
+    target = cache_dir() / "gguf" / f"{source.stem}.{file_type}.{key}.gguf"
+    entry = target.with_suffix(".json")
+    if target.is_file() or entry.is_file():
+        found = sealed.read_entry(entry)
+        problem = sealed.damage(found, "its entry", made_from)
+        if problem is None:
+            problem = sealed.files_damage(target.parent, found.get("files"), [target.name])
+        if problem is None:
+            return target
+        sealed.warn_remade(f"GGUF file {target.name}", target, problem)
+        target.unlink(missing_ok=True)
+        entry.unlink(missing_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.partial")
+    try:
+        quantize(source, partial, file_type)
+        partial.rename(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    entry.write_text(json.dumps(sealed.seal(made_from | {"files": sealed.files_entry(target.parent, [target.name])})))
+    return target

@@ -1,0 +1,203 @@
+"""The process llama.cpp runs in (``python -m tasks.models.llama_cpp_worker``), started by ``tasks.models.llama_cpp``.
+
+llama.cpp is native code: a bad quant type's kernel or a damaged file can kill the process it runs in (a
+segmentation fault or an abort is not a Python exception). Run here, it kills this process alone, and the audit
+fails that variant with one line and scores the others. The process dies with its parent (``PR_SET_PDEATHSIG``):
+however the audit stops, nothing of llama.cpp is left running.
+
+Requests and replies are frames on stdin/stdout: a JSON header and a binary payload (``tasks.models.llama_cpp``
+``send``/``receive``). ``open`` loads a file (its vocabulary only, or the model with a context);
+``tokenize`` gives llama.cpp's token ids of a text and each token's bytes; ``score`` evaluates windows, each a fresh
+sequence (the context's memory cleared), and gives back the logits of the positions asked for, as float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import struct
+import sys
+
+import numpy as np
+
+HEADER = struct.Struct("<IQ")  # header length, payload length
+
+
+def send(stream, header: dict, payload: bytes = b"") -> None:
+    data = json.dumps(header).encode()
+    stream.write(HEADER.pack(len(data), len(payload)))
+    stream.write(data)
+    stream.write(payload)
+    stream.flush()
+
+
+def _exactly(stream, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = stream.read(left)
+        if not chunk:
+            raise EOFError("the other end closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def receive(stream) -> tuple[dict, bytes]:
+    size, payload = HEADER.unpack(_exactly(stream, HEADER.size))
+    header = json.loads(_exactly(stream, size))
+    return header, _exactly(stream, payload)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGKILL to this process when its parent ends (a parent killed by SIGKILL included)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the parent's own clean-up still ends it
+        pass
+
+
+class Worker:
+    def __init__(self):
+        import llama_cpp
+
+        self.ll = llama_cpp
+        llama_cpp.llama_backend_init()
+        self.model = self.ctx = self.vocab = None
+        self.n_vocab = 0
+
+    def open(self, header: dict) -> tuple[dict, bytes]:
+        ll = self.ll
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = header.get("gpu_layers", 0)
+        params.vocab_only = header.get("vocab_only", False)
+        self.model = ll.llama_model_load_from_file(header["path"].encode(), params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {header['path']}")
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        facts = {"n_vocab": self.n_vocab, "add_bos": bool(ll.llama_vocab_get_add_bos(self.vocab)),
+                 "bos": int(ll.llama_vocab_bos(self.vocab)), "system_info": ll.llama_print_system_info().decode()}
+        if not params.vocab_only:
+            ctx = ll.llama_context_default_params()
+            ctx.n_ctx = header["n_ctx"]
+            ctx.n_batch = ctx.n_ubatch = header["n_batch"]
+            ctx.n_seq_max = 1
+            if header.get("threads"):
+                ctx.n_threads = ctx.n_threads_batch = header["threads"]
+            ctx.type_k = getattr(ll, f"GGML_TYPE_{header['type_k'].upper()}")
+            ctx.type_v = getattr(ll, f"GGML_TYPE_{header['type_v'].upper()}")
+            ctx.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[header["flash_attn"]]
+            self.ctx = ll.llama_init_from_model(self.model, ctx)
+            if not self.ctx:
+                raise RuntimeError("llama.cpp could not make a context with these settings (n_ctx "
+                                   f"{header['n_ctx']}, type_k {header['type_k']}, type_v {header['type_v']}, "
+                                   f"flash_attn {header['flash_attn']})")
+            buffer = ctypes.create_string_buffer(256)
+            ll.llama_model_desc(self.model, buffer, 256)
+            facts |= {"desc": buffer.value.decode(), "size": int(ll.llama_model_size(self.model)),
+                      "n_params": int(ll.llama_model_n_params(self.model)), "threads": int(ctx.n_threads),
+                      "n_ctx": int(ll.llama_n_ctx(self.ctx))}
+        return facts, b""
+
+    def tokenize(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        ll = self.ll
+        n = len(payload) + 8
+        tokens = (ll.llama_token * n)()
+        count = ll.llama_tokenize(self.vocab, payload, len(payload), tokens, n, header["add_special"], False)
+        if count < 0:
+            raise RuntimeError(f"llama.cpp's tokenizer gave {-count} tokens for {len(payload)} bytes")
+        ids = np.ctypeslib.as_array(tokens)[:count].astype(np.int32)
+        buffer = ctypes.create_string_buffer(256)
+        lengths = np.empty(count, dtype=np.int32)
+        for i, token in enumerate(ids.tolist()):
+            written = ll.llama_token_to_piece(self.vocab, token, buffer, 256, 0, False)
+            lengths[i] = max(written, 0)
+        return {"count": count}, ids.tobytes() + lengths.tobytes()
+
+    def detokenize(self, payload: bytes) -> tuple[dict, bytes]:
+        """The bytes of the tokens ``payload`` (int32 ids), each token's piece in turn, as the text they stand for."""
+        buffer = ctypes.create_string_buffer(256)
+        pieces = []
+        for token in np.frombuffer(payload, dtype=np.int32).tolist():
+            written = self.ll.llama_token_to_piece(self.vocab, token, buffer, 256, 0, False)
+            pieces.append(buffer.raw[: max(written, 0)])
+        return {}, b"".join(pieces)
+
+    def score(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        ll = self.ll
+        tokens = np.frombuffer(payload, dtype=np.int32)
+        n_batch = header["n_batch"]
+        out, at = [], 0
+        batch = ll.llama_batch_init(n_batch, 0, 1)
+        try:
+            for length, first, count in header["rows"]:
+                row = tokens[at : at + length]
+                at += length
+                wanted = set(range(first, first + count))
+                ll.llama_memory_clear(ll.llama_get_memory(self.ctx), True)
+                logits = []
+                for start in range(0, length, n_batch):
+                    stop = min(start + n_batch, length)
+                    batch.n_tokens = stop - start
+                    outputs = 0
+                    for i, pos in enumerate(range(start, stop)):
+                        batch.token[i] = int(row[pos])
+                        batch.pos[i] = pos
+                        batch.n_seq_id[i] = 1
+                        batch.seq_id[i][0] = 0
+                        batch.logits[i] = pos in wanted
+                        outputs += pos in wanted
+                    code = ll.llama_decode(self.ctx, batch)
+                    if code != 0:
+                        raise RuntimeError(f"llama_decode returned {code}")
+                    if outputs:
+                        pointer = ll.llama_get_logits(self.ctx)
+                        logits.append(np.ctypeslib.as_array(pointer, shape=(outputs, self.n_vocab)).copy())
+                out.append(np.concatenate(logits) if logits else np.empty((0, self.n_vocab), np.float32))
+        finally:
+            ll.llama_batch_free(batch)
+        return {"rows": len(out)}, np.concatenate(out).astype(np.float32).tobytes()
+
+
+def main() -> int:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent decides what a Ctrl-C means; this process just ends
+    source = sys.stdin.buffer
+    # replies go to a copy of stdout; whatever Python or llama.cpp itself prints on fd 1 goes to the log (stderr),
+    # never into the replies
+    sink = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    worker = Worker()
+    while True:
+        try:
+            header, payload = receive(source)
+        except EOFError:
+            return 0
+        op = header.pop("op")
+        if op == "close":
+            return 0
+        try:
+            if op == "open":
+                reply, data = worker.open(header)
+            elif op == "tokenize":
+                reply, data = worker.tokenize(header, payload)
+            elif op == "detokenize":
+                reply, data = worker.detokenize(payload)
+            elif op == "score":
+                reply, data = worker.score(header, payload)
+            else:
+                raise ValueError(f"unknown request {op}")
+            send(sink, {"ok": True, **reply}, data)
+        except Exception as error:  # a Python-level failure is answered; a native crash ends the process
+            send(sink, {"ok": False, "error": f"{type(error).__name__}: {error}"})
+
+
+if __name__ == "__main__":
+    # run as a script, its own folder comes first on the path, where tasks/models/llama_cpp.py would shadow the
+    # binding's package of the same name
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    sys.exit(main())
