@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -177,6 +177,7 @@ class VariantSpec(Strict):
     ``calibration``.
     """
 
+    role: ClassVar[str] = "variant"  # what its refusals call it (BaselineSpec: the baseline)
     name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
     method: Method = "baseline"
     path: str | None = None
@@ -244,7 +245,8 @@ class VariantSpec(Strict):
             raise ValueError("method gguf loads a .gguf file (path) or makes one from the baseline (type: Q4_K_M, ...)")
         if self.method in ("auto", "compressed-tensors", "fp8") and self.path is None:
             raise ValueError(f"method {self.method} loads a checkpoint: give its path")
-        if self.runtime == "llama.cpp" and not (self.method == "gguf" or (self.method == "auto" and self.path.endswith(".gguf"))):
+        if self.runtime == "llama.cpp" and self.role == "variant" and not (
+                self.method == "gguf" or (self.method == "auto" and self.path.endswith(".gguf"))):
             raise ValueError(f"runtime llama.cpp runs a GGUF file, and this variant is {self.method}"
                              f"{'' if self.path is None else ' ' + self.path}: use method gguf with a .gguf path or a type")
         if self.llama_cpp is not None and self.runtime != "llama.cpp":
@@ -302,10 +304,15 @@ class BaselineSpec(VariantSpec):
     another environment too. A baseline scored while a reference exists is compared with it (drift).
     """
 
+    role: ClassVar[str] = "baseline"
     rescore: Rescore = "auto"
 
     @model_validator(mode="after")
     def _the_baseline_keeps_its_cache(self) -> BaselineSpec:
+        if self.runtime != "transformers":  # its reference keeps hidden states and a head: llama.cpp gives neither
+            raise ValueError("the baseline runs in transformers (its stored reference keeps its hidden states); to "
+                             "score its GGUF file in llama.cpp, add it as a variant: method gguf, type F32, runtime "
+                             "llama.cpp")
         if self.kv_cache is not None:
             raise ValueError("kv_cache is a variant's: to measure the cache alone, add a variant of the baseline's own "
                              "weights with it (a variant without path or method)")

@@ -276,7 +276,7 @@ def test_a_variant_with_a_path_and_no_method_is_read_from_its_checkpoint():
 
 
 @pytest.mark.parametrize("spec, says", [
-    ({"method": "gguf"}, "method gguf loads a .gguf file (path) or makes one from the baseline (type: Q4_K_M, ...)"),
+    ({"method": "gguf"}, r"method gguf loads a .gguf file \(path\) or makes one from the baseline \(type: Q4_K_M"),
     ({"method": "compressed-tensors"}, "give its path"),
     ({"path": "dir", "method": "gptq", "gguf_file": "m.gguf"}, "gguf_file names a file in the folder"),
     ({"method": "hqq", "calibration": {"samples": 4}}, "hqq quantizes at load without calibration"),

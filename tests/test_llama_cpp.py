@@ -220,9 +220,24 @@ def test_bad_llama_cpp_settings_are_one_line_before_anything_loads(cli, tmp_path
         {"name": "v", "method": "gguf", "type": "Q9_Z", "runtime": "llama.cpp"})
     assert "type_k q3_x is not a llama.cpp cache type" in refused(
         {"name": "v", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp", "llama_cpp": {"type_k": "q3_x"}})
+    assert "the baseline runs in transformers" in refused_baseline(tmp_path, texts)
     assert "type_v q4_0 needs flash attention" in refused(
         {"name": "v", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp",
          "llama_cpp": {"type_v": "q4_0", "flash_attn": "off"}})
+
+
+def refused_baseline(tmp_path: Path, texts) -> str:
+    """The one line ``run`` refuses a baseline in llama.cpp with (not yet: its reference keeps hidden states)."""
+    from tasks.config import load_audit_config
+    from tasks.core.errors import InputError
+
+    config = {"name": "bad", "baseline": {"path": "embedded", "runtime": "llama.cpp"},
+              "corpus": {"source": str(texts["austen"])}, "variants": []}
+    path = tmp_path / "baseline.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(InputError) as refused:
+        load_audit_config(str(path), [])
+    return str(refused.value)
 
 
 def test_a_runtime_not_installed_is_one_line(tmp_path, texts):

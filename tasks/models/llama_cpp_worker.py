@@ -85,8 +85,9 @@ class Worker:
             ctx.n_ctx = header["n_ctx"]
             ctx.n_batch = ctx.n_ubatch = header["n_batch"]
             ctx.n_seq_max = 1
-            if header.get("threads"):
-                ctx.n_threads = ctx.n_threads_batch = header["threads"]
+            # llama.cpp's context default is 4 threads whatever the machine: on 2 cores that oversubscribes them;
+            # llama-perplexity's default is the cores this process may use, as here
+            ctx.n_threads = ctx.n_threads_batch = header.get("threads") or len(os.sched_getaffinity(0))
             ctx.type_k = getattr(ll, f"GGML_TYPE_{header['type_k'].upper()}")
             ctx.type_v = getattr(ll, f"GGML_TYPE_{header['type_v'].upper()}")
             ctx.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[header["flash_attn"]]

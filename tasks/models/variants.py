@@ -214,7 +214,9 @@ def load_served(spec: VariantSpec, model: Located, window: int | None):
         quantization=facts | {"runtime": "llama.cpp", "label": f"{facts['label']} @llama.cpp",
                               "llama_cpp": llama_cpp.described(settings), "system_info": said["system_info"]},
         bits_per_weight=bits, model_bits_per_weight=bits,
-        kv_cache="" if (settings.type_k, settings.type_v) == ("f16", "f16") else f"llama.cpp K {settings.type_k} V {settings.type_v}",
+        # the table labels a cache by its first word: "kv:q8_0/q8_0"
+        kv_cache="" if (settings.type_k, settings.type_v) == ("f16", "f16") else f"{settings.type_k}/{settings.type_v} "
+                                                                                 "(llama.cpp's K/V cache)",
     )
 
 
