@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from tasks.core.errors import InputError
+from tasks.core.files import file_digest, once_per_file_state
 from tasks.models import llama_cpp_worker as wire
 
 SETUP = "bash .ci/llama-cpp"  # builds llama.cpp once per machine and installs its bindings into .venv
@@ -121,11 +122,16 @@ class Process:
             code = None
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}" if code is not None else "stopped answering")
-        last = [line for line in Path(self.log.name).read_text(errors="replace").splitlines() if line.strip()][-1:]
-        return f"llama.cpp {how} during {op} of {self.what}" + (f"; its last words: {last[0].strip()}" if last else "")
+        last = _last_line(Path(self.log.name).read_text(errors="replace"))
+        return f"llama.cpp {how} during {op} of {self.what}" + (f"; its last words: {last}" if last else "")
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _last_line(said: str) -> str:
+    """What a llama.cpp process said last (its log or stderr), "" when nothing."""
+    return next((line.strip() for line in reversed(said.splitlines()) if line.strip()), "")
 
 
 def _end(child: subprocess.Popen, log: str) -> None:
@@ -351,9 +357,12 @@ def quantize(source: Path, target: Path, file_type: str, threads: int | None = N
             "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n")
     done = subprocess.run([sys.executable, "-c", code, str(source), str(target)], capture_output=True, text=True)
     if done.returncode != 0:
-        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(nothing said)"]
         raise RuntimeError(f"llama.cpp's quantizer failed making {file_type} from {source.name} "
-                           f"(exit {done.returncode}): {last[0]}")
+                           f"(exit {done.returncode}): {_last_line(done.stderr) or '(nothing said)'}")
+
+
+# a ladder of types made from one file hashes it once per process (and again once it changes), not once per type
+_source_digest = once_per_file_state(maxsize=8)(file_digest)
 
 
 def made_file(source: Path, file_type: str) -> Path:
@@ -361,10 +370,9 @@ def made_file(source: Path, file_type: str) -> Path:
     (``$PPL_AUDIT_CACHE/gguf``) by the digest of the source, the type and the llama.cpp version. Its entry records the
     sha256 of the file made, checked when read: a damaged or replaced file is made again, never scored."""
     from tasks.core import sealed
-    from tasks.core.files import file_digest
     from tasks.core.places import cache_dir
 
-    made_from = {"source": file_digest(source), "type": file_type, "llama_cpp": version()}
+    made_from = {"source": _source_digest(source), "type": file_type, "llama_cpp": version()}
     key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
     target = cache_dir() / "gguf" / f"{source.stem}.{file_type}.{key}.gguf"
     entry = target.with_suffix(".json")
