@@ -245,10 +245,11 @@ class VariantSpec(Strict):
             raise ValueError("method gguf loads a .gguf file (path) or makes one from the baseline (type: Q4_K_M, ...)")
         if self.method in ("auto", "compressed-tensors", "fp8") and self.path is None:
             raise ValueError(f"method {self.method} loads a checkpoint: give its path")
-        if self.runtime == "llama.cpp" and self.role == "variant" and not (
-                self.method == "gguf" or (self.method == "auto" and self.path.endswith(".gguf"))):
-            raise ValueError(f"runtime llama.cpp runs a GGUF file, and this variant is {self.method}"
-                             f"{'' if self.path is None else ' ' + self.path}: use method gguf with a .gguf path or a type")
+        if self.runtime == "llama.cpp" and not (self.method == "gguf" or (
+                self.method in ("auto", "baseline") and (self.location or "").endswith(".gguf"))):
+            what = self.path if self.method in ("auto", "baseline") else f"{self.method} {self.path or ''}".strip()
+            raise ValueError(f"runtime llama.cpp runs a GGUF file, and this {self.role} is {what}: use method gguf "
+                             f"with a .gguf path{' or a type' if self.role == 'variant' else ''}")
         if self.llama_cpp is not None and self.runtime != "llama.cpp":
             raise ValueError("llama_cpp sets how llama.cpp runs a variant: give it with runtime llama.cpp")
         if self.kv_cache is not None and self.runtime == "llama.cpp":
@@ -309,10 +310,8 @@ class BaselineSpec(VariantSpec):
 
     @model_validator(mode="after")
     def _the_baseline_keeps_its_cache(self) -> BaselineSpec:
-        if self.runtime != "transformers":  # its reference keeps hidden states and a head: llama.cpp gives neither
-            raise ValueError("the baseline runs in transformers (its stored reference keeps its hidden states); to "
-                             "score its GGUF file in llama.cpp, add it as a variant: method gguf, type F32, runtime "
-                             "llama.cpp")
+        if self.type is not None:
+            raise ValueError("type makes a GGUF file from the baseline's: a baseline is a file, give it as path")
         if self.kv_cache is not None:
             raise ValueError("kv_cache is a variant's: to measure the cache alone, add a variant of the baseline's own "
                              "weights with it (a variant without path or method)")

@@ -90,12 +90,14 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
         registry: the tracking server whose model registry holds ``models:/`` names (the audit's).
         thresholds: the audit's, which give each variant its gate.
     """
-    model = Located.at(resolve_model_path(baseline.path, registry), baseline.path)  # a path error names the path
+    # a path error names the path; a baseline llama.cpp runs is its GGUF file (embedded: the packaged one)
+    where = locate(baseline, registry) if baseline.runtime == "llama.cpp" else resolve_model_path(baseline.path, registry)
+    model = Located.at(where, baseline.path)
     tokenizer = _tokenizer(model)
     lead = Checkpoint(baseline, "baseline", model, tokenizer_digest(tokenizer), read_manifest(model.source))
     gates = thresholds or Thresholds()
     found = [replace(_variant(spec, lead, registry), gate=gates.for_variant(spec.name)) for spec in variants]
-    served = next((c for c in found if c.spec.runtime == "llama.cpp" and not c.problem), None)
+    served = next((c for c in [lead, *found] if c.spec.runtime == "llama.cpp" and not c.problem), None)
     if served is None:
         return Lineup(lead, found, tokenizer)
     # the stream as served: llama.cpp's tokenizer of the file it runs; every model scores that one stream

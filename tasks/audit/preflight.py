@@ -46,10 +46,10 @@ def check_settings(config: AuditConfig) -> str:
         if "liger" in config.evaluation.body and device.type != "cuda":
             raise InputError(f"evaluation.body {config.evaluation.body}: liger-kernel's fused ops run on CUDA, and "
                              f"{spec.name} runs on {device.type}; use compile (or eager) there")
-    for spec in config.variants:  # llama.cpp runs it or makes its file: installed, and its types ones it has
+    for spec in [config.baseline, *config.variants]:  # llama.cpp runs it or makes its file: installed, its types
         if spec.runtime == "llama.cpp" or spec.type is not None:
             settings = spec.llama_cpp_settings
-            llama_cpp.check_settings(f"variant '{spec.name}'", settings.type_k, settings.type_v, spec.type)
+            llama_cpp.check_settings(f"{spec.role} '{spec.name}'", settings.type_k, settings.type_v, spec.type)
     if "liger" in config.evaluation.body and importlib.util.find_spec("liger_kernel") is None:
         raise InputError(f"evaluation.body {config.evaluation.body} needs liger-kernel: pip install liger-kernel")
     return registry

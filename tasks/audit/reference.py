@@ -42,6 +42,7 @@ from tasks.core.errors import DamagedReference, InputError
 from tasks.core.files import discard, file_digest, read_json, scratch, write_atomically
 from tasks.core.places import references_dir
 from tasks.core.versions import versions
+from tasks.engine.logits_head import LogitsHead
 from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
 from tasks.engine.stream import TokenStream
 from tasks.models.gguf_file import read_header, tensor_data
@@ -349,10 +350,12 @@ class Reference:
 
 
 def _head(about: dict, stored: Path, source: str, device: torch.device, dtype: torch.dtype, rebuild: str
-          ) -> torch.nn.Linear:
+          ) -> torch.nn.Module:
     """The LM head a reference's (or its first slice's) ``head`` entry names: ``stored`` beside it, or read from
     ``source`` by name; checked against its digest, on ``device`` in ``dtype``. ``rebuild``: what to do when it
-    is gone or changed."""
+    is gone or changed. A runtime's reference (``logits``: the vocabulary) keeps its logits as states: the identity."""
+    if "logits" in about:
+        return LogitsHead(about["logits"])
     if about["stored"]:
         from safetensors.torch import load_file
 
@@ -427,7 +430,10 @@ def save_scores(path: Path, **arrays: np.ndarray) -> None:
 
 def head_entry(source: Path, head: torch.nn.Module, staging: Path) -> dict:
     """The manifest's ``head`` of the scored model's LM head (but its soft-cap): read back from the checkpoint by name
-    when that gives the same tensor, else stored as ``head.safetensors`` in ``staging``."""
+    when that gives the same tensor, else stored as ``head.safetensors`` in ``staging``. A runtime that gives logits
+    (``LogitsHead``, llama.cpp) has none: its logits are the reference's states."""
+    if isinstance(head, LogitsHead):
+        return {"name": "", "logits": head.out_features, "digest": f"logits of {head.out_features}", "stored": False}
     tensors = [t.detach() for t in _head_tensors(head)]
     found = read_head(source)
     read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \

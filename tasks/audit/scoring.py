@@ -130,7 +130,8 @@ def _loaded(spec: VariantSpec, source: Located, evaluation_: Evaluation):
 def _reuse(found: reference.Reference, model: Located) -> tuple[PerplexityResult, VariantFacts]:
     found.touch()
     facts = VariantFacts(**found.manifest["facts"])
-    if math.isnan(facts.kv_bytes_per_token):  # a reference stored before caches were measured: its model says
+    # a reference stored before caches were measured: its model says (llama.cpp's cache is its own: not measured)
+    if math.isnan(facts.kv_bytes_per_token) and facts.quantization.get("runtime") != "llama.cpp":
         facts.kv_bytes_per_token = kv_cache.bytes_per_token(model.config.get_text_config(),
                                                             torch.finfo(getattr(torch, facts.dtype)).bits)
     return found.result(), facts
@@ -143,6 +144,12 @@ def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[
     folder = model_files(checkpoint.source)  # on this machine, now: a worker may see what the lineup's did not
     identity = None if folder is None else reference.identity(folder, checkpoint.tokenizer, evaluation_.stream,
                                                               evaluation_.settings, dtype)
+    if identity is not None and checkpoint.spec.runtime == "llama.cpp":  # its kernels and settings make its logits
+        from tasks.models import llama_cpp
+
+        settings = llama_cpp.described(checkpoint.spec.llama_cpp_settings)
+        identity |= {"runtime": f"llama.cpp {llama_cpp.version()}",
+                     "llama_cpp": {k: v for k, v in settings.items() if k != "threads"}}  # threads do not move them
     return folder, identity, reference.environment(device)
 
 
@@ -457,6 +464,8 @@ def _measured(model, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evalua
         divergence = Divergence(said.key, _head_bytes(baseline))
     elif settings.divergence:
         divergence = Divergence.missing((said is not None and said.problem) or "the baseline was not scored")
+    if baseline is not None and settings.mode == "llama.cpp":  # llama-perplexity's KLD too, to set beside its tables
+        baseline = replace(baseline, llama_kld=True)
     watch, sequence = None, {}
     n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
     if isinstance(piece, Sample):

@@ -23,3 +23,26 @@ def exact(logp_base: torch.Tensor, logp_variant: torch.Tensor) -> dict[str, torc
     top = logp_variant.argmax(-1)
     return {"kl": forward.double(), "kl_reverse": reverse.double(), "top1": base_top == top,
             "base_top": base_top.int(), "top": top.int(), "base_top_p": base_top_logp.exp().float()}
+
+
+# llama-perplexity keeps each base log-prob in 16 bits over the 16 nats below the top (65,535 steps of its range)
+LLAMA_PERPLEXITY_RANGE = 16.0
+LLAMA_PERPLEXITY_STEPS = 65535
+
+
+def as_llama_perplexity(base_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(base‖variant) per row of ``[C, V]`` float32 logits as llama-perplexity estimates it (tools/perplexity/
+    perplexity.cpp, ``log_softmax`` with a ``--kl-divergence-base``), float64 ``[C]``: each base log-prob stored in 16
+    bits between the top and 16 below it, those whose log-prob is not above -16 left out of the sum. It is 0.1-0.4%
+    from ``exact``'s KL on the embedded model; a publisher's KLD table is this estimate, and can be set beside it."""
+    top = base_logits.max(-1, keepdim=True).values
+    floor = torch.maximum(base_logits.min(-1, keepdim=True).values, top - LLAMA_PERPLEXITY_RANGE)
+    log_sum = torch.log(torch.exp(base_logits - top).double().sum(-1, keepdim=True)).float()
+    scale = (top - floor) / LLAMA_PERPLEXITY_STEPS
+    # llama.cpp's nearest_int rounds half to even, as torch.round does; a flat row (scale 0) stores zeros
+    steps = torch.where(base_logits > floor, torch.round((base_logits - floor) * (1 / scale)), 0).where(scale > 0, 0)
+    log_base = scale * steps + (floor - top - log_sum)
+    variant_top = logits.max(-1, keepdim=True).values
+    log_variant = logits - variant_top - torch.log(torch.exp(logits - variant_top).double().sum(-1, keepdim=True)).float()
+    terms = torch.exp(log_base) * (log_base - log_variant)
+    return terms.where(log_base > -LLAMA_PERPLEXITY_RANGE, 0).double().sum(-1)

@@ -97,7 +97,8 @@ def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, varia
     KL both ways (``kld``: KL(base‖variant), as llama.cpp; ``kld_reverse``: KL(variant‖base)): mean with
     error and interval, max, ``KLD_PERCENTILES``, min. Δp (the variant's probability of the right token
     less the baseline's): mean with error, RMS with error, max, ``DP_PERCENTILES``, min. Same top token:
-    mean with error. ``token_lnppl_correlation``: llama.cpp's Cor(ln(PPL(Q)), ln(PPL(base))), the
+    mean with error. ``kld_llama_mean``, where ``kl_llama`` was measured (mode llama.cpp): the mean KLD as
+    llama-perplexity estimates it, with error and interval. ``token_lnppl_correlation``: llama.cpp's Cor(ln(PPL(Q)), ln(PPL(base))), the
     correlation of the two models' per-token NLL (``window_lnppl_correlation`` is per window).
     """
     summary: dict[str, float] = {}
@@ -105,6 +106,8 @@ def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, varia
         values = np.asarray(extra["kl" if name == "kld" else "kl_reverse"], np.float64)
         summary |= cluster_mean(values, window_tokens).as_dict(f"{name}_mean") | _spread(values, name, KLD_PERCENTILES)
     summary |= cluster_mean(np.asarray(extra["top1"], np.float64), window_tokens).as_dict("top1_agreement")
+    if "kl_llama" in extra:
+        summary |= cluster_mean(np.asarray(extra["kl_llama"], np.float64), window_tokens).as_dict("kld_llama_mean")
     base, variant = np.asarray(base_nll, np.float64), np.asarray(variant_nll, np.float64)
     dp = np.exp(-variant) - np.exp(-base)
     squares = cluster_mean(dp**2, window_tokens)

@@ -153,7 +153,8 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``reference`` also ``kl``
         (KL(base‖variant)), ``kl_reverse`` (KL(variant‖base)), ``top1`` (same most likely token), ``base_top`` and
         ``top`` (each model's most likely token), ``base_top_p`` (the baseline's probability of its own) and
-        ``base_right`` (the baseline's most likely token is the target).
+        ``base_right`` (the baseline's most likely token is the target); with ``reference.llama_kld`` also ``kl_llama``
+        (KL as llama-perplexity estimates it).
     """
     rows = _chunk_rows(head, chunk_bytes or head_chunk_bytes(hidden.device))
     nll = _fused_nll if hidden.is_cuda else _nll
@@ -168,6 +169,9 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
         if reference is not None:
             base_logits = reference.head(reference.hidden[start:stop]).to(logits.device)
             parts |= measure(logits, base_logits, target, softcap, reference.softcap)
+            if reference.llama_kld:
+                parts["kl_llama"] = divergence.as_llama_perplexity(_upcast(base_logits, reference.softcap),
+                                                                   _upcast(logits, softcap))
             reference.check(parts.pop("base_nll"), start)
         for key, value in parts.items():
             out.setdefault(key, []).append(value)
@@ -185,6 +189,7 @@ class BaselineBatch:
     nll: torch.Tensor | None = None
     tolerance: float = 0.0
     source: str = "the baseline reference"
+    llama_kld: bool = False  # also KL as llama-perplexity estimates it (``divergence.as_llama_perplexity``)
 
     def check(self, base_nll: torch.Tensor, start: int) -> None:
         """Refuse a reference whose head and hidden states do not give back its own NLL (rows ``start:``):
@@ -212,6 +217,7 @@ class Baseline:
         nll: ``slots -> [T]``: the NLL the baseline gave those tokens when it was scored, checked against
             what its head makes of ``states`` (within ``tolerance``); None: not checked.
         source: how a damaged one is named.
+        llama_kld: also measure each token's KL as llama-perplexity estimates it (``kl_llama``, mode llama.cpp).
     """
 
     head: torch.nn.Module
@@ -220,6 +226,7 @@ class Baseline:
     nll: Callable[[torch.Tensor], torch.Tensor] | None = None
     tolerance: float = 0.0
     source: str = "the baseline reference"
+    llama_kld: bool = False
 
 
 @dataclass
@@ -233,7 +240,7 @@ class WindowScores:
         window_tokens: ``[n_windows]`` int64 number of tokens each window scored.
         extra: further per-token arrays aligned with ``token_nll``: ``kl``, ``kl_reverse`` (float64),
             ``top1``, ``base_top``, ``top``, ``base_top_p``, ``base_right`` (divergence from the baseline,
-            ``token_stats``).
+            ``token_stats``), ``kl_llama`` (float64: KL as llama-perplexity estimates it, in mode llama.cpp).
     """
 
     token_nll: torch.Tensor
@@ -424,7 +431,7 @@ def score_windows(model, feed: Feed, windows: list[Window], options: ScoreOption
             if reference is not None:
                 against = BaselineBatch(reference.head, _to_device(reference.states(slots, inputs), hidden.device),
                                         reference.softcap, None if reference.nll is None else reference.nll(slots),
-                                        reference.tolerance, reference.source)
+                                        reference.tolerance, reference.source, reference.llama_kld)
             stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against,
                                 stream_tokens=len(feed.ids))
             if keep_hidden is not None:

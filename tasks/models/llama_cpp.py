@@ -29,6 +29,7 @@ import torch
 
 from tasks.core.errors import InputError
 from tasks.core.files import file_digest, once_per_file_state
+from tasks.engine.logits_head import LogitsHead
 from tasks.models import llama_cpp_worker as wire
 
 SETUP = "bash .ci/llama-cpp"  # builds llama.cpp once per machine and installs its bindings into .venv
@@ -158,17 +159,6 @@ def described(settings) -> dict:
             "type_v": settings.type_v, "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers}
 
 
-class _Identity(torch.nn.Module):
-    """The head of a model whose runtime gives logits: they pass through as they are."""
-
-    def __init__(self, vocabulary: int):
-        super().__init__()
-        self.out_features = vocabulary
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
-
-
 class _Inputs(torch.nn.Module):
     """Where the engine puts input ids for this model: host memory (llama.cpp takes them from there)."""
 
@@ -192,7 +182,7 @@ class LlamaCppModel(torch.nn.Module):
         self.process, self.facts, self.settings = process, facts, settings
         self.name_or_path = facts.get("path", "")
         self.config = _NoConfig()
-        self.head = _Identity(facts["n_vocab"])
+        self.head = LogitsHead(facts["n_vocab"])
         self.inputs = _Inputs()
 
     @property

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from tasks.engine.perplexity import PerplexityResult
 
 # a variant's per-token divergence from the baseline (``tasks.engine.perplexity.token_stats``), kept beside its NLL
-TOKEN_COLUMNS = ("kl", "kl_reverse", "top1", "base_top", "top", "base_top_p", "base_right")
+TOKEN_COLUMNS = ("kl", "kl_reverse", "top1", "base_top", "top", "base_top_p", "base_right", "kl_llama")
 
 
 def hardware() -> str:

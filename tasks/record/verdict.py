@@ -272,6 +272,10 @@ def _percentile_lines(row: dict, name: str, label: str, percentiles: tuple[float
 STATS_ERRORS = "(± is a standard error over windows, not over tokens as llama-perplexity's: not the same figure)"
 
 
+# mode llama.cpp: what differs from the exact mean KLD above it, said where the two stand together
+LLAMA_KLD = "(base log-probs in 16 bits, those not above -16 left out: the figure a llama-perplexity table gives)"
+
+
 def format_stats(rows: list[dict]) -> str:
     """llama-perplexity's statistics block for each variant with KL (``ppl-audit run --stats full``),
     in its wording, with KL(variant‖base) beside it. Errors are taken over windows (``tasks.engine.paired``)."""
@@ -301,6 +305,8 @@ def format_stats(rows: list[dict]) -> str:
                  "====== KL divergence statistics ======",
                  f"Mean    KLD: {pm('kld_mean')}",
                  *_percentile_lines(row, "kld", "KLD", KLD_PERCENTILES, 1, ""),
+                 *([f"Mean    KLD as llama-perplexity estimates it: {pm('kld_llama_mean')} {LLAMA_KLD}"]
+                   if "kld_llama_mean" in row else []),
                  f"Mean    KLD(Q‖base), reverse: {pm('kld_reverse_mean')}",
                  f"Maximum KLD(Q‖base), reverse: {row['kld_reverse_max']:11.6f}",
                  "",
