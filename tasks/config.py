@@ -200,6 +200,8 @@ class VariantSpec(Strict):
     llama_cpp: LlamaCppSettings | None = None
     type: str | None = Field(None, pattern=r"^[A-Za-z0-9_]+$", description="method gguf without a path: the GGUF "
                              "type llama.cpp's quantizer makes from the baseline's GGUF file (Q4_K_M, Q8_0, F32, ...)")
+    imatrix: bool = Field(False, description="with type: quantize with an importance matrix llama-imatrix computes "
+                          "from the calibration text (calibration: as gptq's; the audit's unevaluated tokens unless given)")
 
     @field_validator("path", "gguf_file")
     @classmethod
@@ -219,7 +221,12 @@ class VariantSpec(Strict):
 
     @model_validator(mode="after")
     def _settings_fit_the_method(self) -> VariantSpec:
-        settings = [key for key in ("bits", "group_size", "sym", "calibration") if getattr(self, key) is not None]
+        if self.imatrix and (self.method != "gguf" or self.type is None):
+            raise ValueError("imatrix quantizes a GGUF file llama.cpp's quantizer makes: give it with method gguf and "
+                             "a type")
+        # with imatrix, calibration is the text its importance matrix is computed from
+        settings = [key for key in ("bits", "group_size", "sym", "calibration") if getattr(self, key) is not None
+                    and not (key == "calibration" and self.imatrix)]
         if self.method == "hqq":
             if {"sym", "calibration"} & set(settings):
                 raise ValueError("hqq quantizes at load without calibration: give bits and group_size only")

@@ -100,10 +100,12 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
     served = next((c for c in [lead, *found] if c.spec.runtime == "llama.cpp" and not c.problem), None)
     if served is None:
         return Lineup(lead, found, tokenizer)
-    # the stream as served: llama.cpp's tokenizer of the file it runs; every model scores that one stream
+    # the stream as served: llama.cpp's tokenizer of the file it runs (one made later: of the file it is made from);
+    # every model scores that one stream
     from tasks.models import llama_cpp
 
-    return Lineup(lead, found, llama_cpp.Tokenizer(Path(served.model.source), lead.tokenizer), tokenizer)
+    file = Path(served.model.source) if served.model is not None else baseline_gguf(lead.model)
+    return Lineup(lead, found, llama_cpp.Tokenizer(file, lead.tokenizer), tokenizer)
 
 
 def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> Checkpoint:
@@ -112,7 +114,11 @@ def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> C
 
         try:
             llama_cpp.require(f"variant '{spec.name}'")
-            made = llama_cpp.made_file(baseline_gguf(baseline.model), spec.type)
+            source = baseline_gguf(baseline.model)
+            if spec.imatrix:  # its importance matrix needs the calibration text: made with the gptq/awq variants
+                llama_cpp.tool("llama-imatrix")
+                return Checkpoint(spec, "variant")
+            made = llama_cpp.made_file(source, spec.type)
         except (InputError, RuntimeError) as error:
             return Checkpoint(spec, "variant", problem=one_line(error))
         return Checkpoint(spec, "variant", Located.at(str(made), f"{baseline.model.name} as {spec.type}"),
@@ -198,6 +204,17 @@ def calibration_for(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, 
     exclude = evaluation_.evaluated if stream.text_digest == evaluation_.stream.text_digest else None
     return draw_calibration(stream.ids, settings.samples, settings.seq_len, settings.seed, source, stream.text_digest,
                             exclude)
+
+
+def importance_gguf(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, corpus_text_of) -> str:
+    """The GGUF file of a ``type:`` variant with ``imatrix``: made by llama.cpp's quantizer with the importance matrix
+    llama-imatrix computes over its calibration samples' text, in chunks of their length (cached)."""
+    from tasks.models import llama_cpp
+
+    calibration = calibration_for(spec, lineup, evaluation_, corpus_text_of)
+    text = "".join(lineup.tokenizer.decode(sample) for sample in calibration.samples)
+    importance = llama_cpp.ImportanceText(text, calibration.seq_len, calibration.digest)
+    return str(llama_cpp.made_file(baseline_gguf(lineup.baseline.model), spec.type, importance))
 
 
 def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, corpus_text_of,

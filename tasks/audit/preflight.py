@@ -137,7 +137,7 @@ def check_stream(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> Non
 def check_calibration_room(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> None:
     """Draw the calibration of every variant quantized here: one without room is refused now, not after
     the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
-    for spec in [spec for spec in config.variants if spec.quantize_here]:
+    for spec in [spec for spec in config.variants if spec.quantize_here or spec.imatrix]:
         try:
             calibration_for(spec, lineup, scored, corpus_text, progress=True)
         except InputError as error:

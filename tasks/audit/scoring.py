@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tasks.audit import reference
-from tasks.audit.checkpoints import Checkpoint, Lineup, loading_from, quantized_checkpoint
+from tasks.audit.checkpoints import Checkpoint, Lineup, importance_gguf, loading_from, quantized_checkpoint
 from tasks.audit.cluster import worker
 from tasks.audit.failures import Failure, attempt
 from tasks.audit.pieces import WHOLE, Against, Piece, Sample, Slices, Whole, Windows
@@ -296,9 +296,12 @@ def join_reference(lookup: Lookup, baseline: VariantResult, shards: list[Variant
 def made(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, corpus_text_of=None,
          progress: bool = False) -> Checkpoint:
     """A gptq/awq variant made here from the baseline, as a checkpoint with its new folder, tokenizer (the
-    baseline's, saved with it) and manifest; any other checkpoint as it is. Raises what quantizing raises."""
+    baseline's, saved with it) and manifest, or a GGUF variant made with an importance matrix (its file); any other
+    checkpoint as it is. Raises what quantizing raises."""
     if checkpoint.source is not None or checkpoint.problem or checkpoint.role == "baseline":
         return checkpoint
+    if checkpoint.spec.imatrix:
+        return loading_from(checkpoint, importance_gguf(checkpoint.spec, lineup, evaluation_, corpus_text_of))
     source = quantized_checkpoint(checkpoint.spec, lineup, evaluation_, corpus_text_of, progress)
     return loading_from(checkpoint, source)
 

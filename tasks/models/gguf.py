@@ -159,7 +159,8 @@ def _dequantized(header, tensor: TensorInfo, pool: ThreadPoolExecutor) -> np.nda
 
 def gguf_facts(path: Path) -> dict:
     """A GGUF file's quantization: its file type as llama.cpp names it (``Q4_K_M``), the count of tensors of
-    each type, and bits per weight over all its tensors (how llama.cpp reports a file's size)."""
+    each type, bits per weight over all its tensors (how llama.cpp reports a file's size), and, where it was
+    quantized with an importance matrix, over how many chunks of text (``imatrix_chunks``; labelled ``imatrix``)."""
     from gguf import LlamaFileType
 
     header = read_header(path)
@@ -171,5 +172,9 @@ def gguf_facts(path: Path) -> dict:
         file_type = LlamaFileType(int(field)).name.removeprefix("MOSTLY_").removeprefix("ALL_")  # ALL_F32: F32
     else:  # older files: the type most of the weights have
         file_type = max((n, name) for name, n in types.items() if name not in ("F32", "F16"))[1]
-    return {"file_type": file_type, "tensor_types": dict(types.most_common()),
-            "bits_per_weight": round(8 * stored / weights, 3), "label": f"gguf {file_type}"}
+    facts = {"file_type": file_type, "tensor_types": dict(types.most_common()),
+             "bits_per_weight": round(8 * stored / weights, 3), "label": f"gguf {file_type}"}
+    chunks = header.field("quantize.imatrix.chunks_count")
+    if chunks is not None:  # llama-quantize writes what importance matrix it quantized with into the file
+        facts |= {"imatrix_chunks": int(chunks), "label": f"gguf {file_type} imatrix"}
+    return facts

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -336,35 +337,86 @@ def stream_difference(ours: list[int], theirs: list[int]) -> dict | None:
     return {"transformers_tokens": len(ours), "llama_cpp_tokens": len(theirs), "first_difference": first}
 
 
-def quantize(source: Path, target: Path, file_type: str, threads: int | None = None) -> None:
+def tool(name: str) -> Path:
+    """One of llama.cpp's own programs built beside the binding from the same source (``.ci/llama-cpp`` writes where,
+    into the environment it installs into): ``llama-imatrix``, ``llama-quantize``, ``llama-perplexity``."""
+    where = Path(sys.prefix) / "llama-cpp-tools"
+    found = Path(where.read_text().strip()) / name if where.is_file() else None
+    if found is None or not found.is_file():
+        raise InputError(f"llama.cpp's {name} is not built here; run `{SETUP}` (it builds the binding and the tools)")
+    return found
+
+
+def _run_tool(name: str, args: list[str], what: str) -> None:
+    """``name`` run with ``args`` in a process of its own; a failure raised with its last words."""
+    done = subprocess.run([str(tool(name)), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp's {name} failed {what} (exit {done.returncode}): "
+                           f"{_last_line(done.stderr) or '(nothing said)'}")
+
+
+def quantize(source: Path, target: Path, file_type: str, importance: Path | None = None) -> None:
     """``source`` (a GGUF file) quantized to ``file_type`` by llama.cpp's quantizer (``llama_model_quantize``,
-    requantizing a quantized file as llama-quantize --allow-requantize does), in a process of its own."""
+    requantizing a quantized file as llama-quantize --allow-requantize does), in a process of its own; with
+    ``importance`` (an importance matrix file) by llama-quantize, which reads one (the binding cannot pass it)."""
+    what = f"making {file_type} from {source.name}"
+    if importance is not None:
+        _run_tool("llama-quantize", ["--allow-requantize", "--imatrix", str(importance), str(source), str(target),
+                                     file_type], what)
+        return
     code = ("import sys, llama_cpp as l\n"
             "p = l.llama_model_quantize_default_params()\n"
             f"p.ftype = {file_types()[file_type]}\n"
             "p.allow_requantize = True\n"
-            f"p.nthread = {threads or 0}\n"
             "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n")
     done = subprocess.run([sys.executable, "-c", code, str(source), str(target)], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp's quantizer failed making {file_type} from {source.name} "
-                           f"(exit {done.returncode}): {_last_line(done.stderr) or '(nothing said)'}")
+        raise RuntimeError(f"llama.cpp's quantizer failed {what} (exit {done.returncode}): "
+                           f"{_last_line(done.stderr) or '(nothing said)'}")
+
+
+@dataclass(frozen=True)
+class ImportanceText:
+    """The text an importance matrix is computed from (a variant's calibration samples, joined), the context
+    llama-imatrix reads it in (the samples' length) and the digest that names the samples."""
+
+    text: str
+    context: int
+    digest: str
+
+
+def importance_matrix(source: Path, calibration: ImportanceText) -> Path:
+    """llama-imatrix's importance matrix of ``source`` over ``calibration``'s text in chunks of its context, made on
+    first use and kept (``$PPL_AUDIT_CACHE/gguf``) by the source's digest, the samples' and the llama.cpp version."""
+    made_from = {"source": _source_digest(source), "calibration": calibration.digest, "llama_cpp": version()}
+
+    def make(target: Path) -> None:
+        with tempfile.TemporaryDirectory() as scratch:
+            text = Path(scratch) / f"calibration-{calibration.digest[:16]}.txt"  # the file names it as its dataset
+            text.write_text(calibration.text, encoding="utf-8")
+            _run_tool("llama-imatrix", ["-m", str(source), "-f", str(text), "-c", str(calibration.context),
+                                        "-o", str(target), "--no-ppl", "-t", str(len(os.sched_getaffinity(0)))],
+                      f"computing the importance matrix of {source.name}")
+
+    return _kept(_cached_path(source, "imatrix", made_from), made_from, make, "importance matrix")
 
 
 # a ladder of types made from one file hashes it once per process (and again once it changes), not once per type
 _source_digest = once_per_file_state(maxsize=8)(file_digest)
 
 
-def made_file(source: Path, file_type: str) -> Path:
-    """The GGUF file of type ``file_type`` llama.cpp's quantizer makes from ``source``, made on first use and kept
-    (``$PPL_AUDIT_CACHE/gguf``) by the digest of the source, the type and the llama.cpp version. Its entry records the
-    sha256 of the file made, checked when read: a damaged or replaced file is made again, never scored."""
-    from tasks.core import sealed
+def _cached_path(source: Path, kind: str, made_from: dict) -> Path:
     from tasks.core.places import cache_dir
 
-    made_from = {"source": _source_digest(source), "type": file_type, "llama_cpp": version()}
     key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
-    target = cache_dir() / "gguf" / f"{source.stem}.{file_type}.{key}.gguf"
+    return cache_dir() / "gguf" / f"{source.stem}.{kind}.{key}.gguf"
+
+
+def _kept(target: Path, made_from: dict, make, what: str) -> Path:
+    """``target``, made by ``make(path)`` on first use and kept with a sealed entry of ``made_from`` and the file's
+    sha256, checked when read: a damaged or replaced file is made again, never used."""
+    from tasks.core import sealed
+
     entry = target.with_suffix(".json")
     if target.is_file() or entry.is_file():
         found = sealed.read_entry(entry)
@@ -373,15 +425,27 @@ def made_file(source: Path, file_type: str) -> Path:
             problem = sealed.files_damage(target.parent, found.get("files"), [target.name])
         if problem is None:
             return target
-        sealed.warn_remade(f"GGUF file {target.name}", target, problem)
+        sealed.warn_remade(f"{what} {target.name}", target, problem)
         target.unlink(missing_ok=True)
         entry.unlink(missing_ok=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.partial")
     try:
-        quantize(source, partial, file_type)
+        make(partial)
         partial.rename(target)
     finally:
         partial.unlink(missing_ok=True)
     entry.write_text(json.dumps(sealed.seal(made_from | {"files": sealed.files_entry(target.parent, [target.name])})))
     return target
+
+
+def made_file(source: Path, file_type: str, calibration: ImportanceText | None = None) -> Path:
+    """The GGUF file of type ``file_type`` llama.cpp's quantizer makes from ``source`` (with ``calibration``: with the
+    importance matrix of that text), made on first use and kept (``$PPL_AUDIT_CACHE/gguf``) by the digest of the
+    source, the type, the calibration samples and the llama.cpp version."""
+    made_from = {"source": _source_digest(source), "type": file_type, "llama_cpp": version()}
+    if calibration is not None:
+        made_from["imatrix"] = calibration.digest
+    importance = None if calibration is None else importance_matrix(source, calibration)
+    return _kept(_cached_path(source, file_type, made_from), made_from,
+                 lambda target: quantize(source, target, file_type, importance), "GGUF file")
