@@ -295,3 +295,34 @@ def test_a_gguf_type_made_with_an_importance_matrix_of_the_calibration_text(cli,
     assert sorted(made) == [0, samples], kept
     assert rows["imatrix"]["kld_mean"] < 0.8 * rows["plain"]["kld_mean"]
     assert rows["imatrix"]["delta_ppl_pct"] < rows["plain"]["delta_ppl_pct"]
+
+
+def test_a_lineup_in_llama_cpp_scores_the_same_in_shards_on_dask_and_stops_early_sequential(cli, tmp_path, texts, made):
+    """The baseline (the F32 file) and a variant in llama.cpp, each as 2 shards on a local Dask cluster: every figure
+    equals the one-process audit's exactly (the baseline's reference joined from slices of llama.cpp's logits). Then a
+    sequential audit against that reference stops once its verdict is settled."""
+    def run(name: str, **sections) -> dict:
+        config = {"name": name, "baseline": {"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp",
+                                             "rescore": "always"},
+                  "corpus": {"source": str(texts["austen"])},
+                  "evaluation": {"window": 256, "max_tokens": 2048, "batch_size": 2},
+                  "variants": [{"name": "q8", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp"}]} | sections
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        code, out, err = cli("run", str(path), "--json", timeout=900)
+        assert code in (0, 1), err[-3000:]
+        return json_line(out, err)
+
+    # how long, how made (the second rescores the first's reference: its drift from it), not what
+    timing = {"tokens_per_second", "load_seconds", "reference", "reason", "verdict_reason", "baseline", "drift",
+              "drift_from"}
+    whole = run("whole")
+    sharded = run("sharded", runner={"kind": "dask", "workers": 2, "shards": 2})
+    assert [{k: v for k, v in row.items() if k not in timing} for row in sharded["models"]] == \
+        [{k: v for k, v in row.items() if k not in timing} for row in whole["models"]]
+    assert sharded["models"][1]["kld_mean"] > 0
+    stopped = run("sequential", baseline={"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"},
+                  evaluation={"window": 256, "max_tokens": 8192, "batch_size": 2, "sequential": True},
+                  thresholds={"max_ppl_increase_pct": 5})
+    row = stopped["models"][1]
+    assert row["verdict"] == "pass" and row["scored_fraction"] < 0.5, row["verdict_reason"]
