@@ -73,7 +73,7 @@ def audit(cli, tmp_path: Path, text: Path, variants: list[dict], baseline: dict 
     config = {"name": "served", "baseline": baseline or {"path": "embedded"}, "corpus": {"source": str(text)},
               "evaluation": {"window": CONTEXT, "mode": "llama.cpp", "chunks": CHUNKS, "batch_size": 2,
                              "divergence": True},
-              "variants": variants}
+              "variants": variants, "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "served"}}
     path = tmp_path / "served.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     code, out, err = cli("run", str(path), "--json", "--stats", "full")
@@ -117,6 +117,14 @@ def test_the_llama_cpp_runtime_gives_llama_perplexity_s_figures(cli, tmp_path, t
     assert rows["q8-weights"]["ppl"] < rows["q8"]["ppl"]
     assert re.search(r"runtime cost: q8 \(llama.cpp\) against q8-weights .*ΔPPL [+-][\d.]+% \[[+-][\d.]+, [+-][\d.]+\]",
                      said["out"])
+    # MLflow says what made the stream and what scored each model
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("served").experiment_id], "tags.`ppl_audit.kind` = 'variant'")
+    params = {run.data.params["variant"]: run.data.params for run in runs}
+    assert {p["corpus.tokenizer"] for p in params.values()} == {f"llama.cpp {llama_cpp.version()} ({made['f32'].name})"}
+    assert params["q8"]["runtime"] == "llama.cpp" and params["q8-weights"]["runtime"] == "transformers"
     if text_name == "licence":  # runs of whitespace: the two tokenizers part, and the audit says where
         assert re.search(r"tokens: llama.cpp's tokenizer of the served file gives [\d,]+ tokens where transformers' "
                          r"gives [\d,]+, first different at token [\d,]+", said["out"])

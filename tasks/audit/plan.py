@@ -159,7 +159,8 @@ def read_domains(config: AuditConfig, tokenizer, compared_with=None) -> tuple[Do
         if compared_with is not None:
             theirs = evaluation(scored.text, compared_with, alone.evaluation)
             scored = replace(scored, tokens_differ=stream_difference(theirs.stream.ids.tolist(),
-                                                                     scored.stream.ids.tolist()))
+                                                                     scored.stream.ids.tolist()),
+                             tokenized_by=tokenizer.named)
         # named as the key holding the text: _within's "corpora.NAME: " before "corpus: " read as two keys
         check_encodable(scored.stream, tokenizer, "corpus" if config.corpora is None else f"corpora.{corpus.name}")
         domains.append(Domain(corpus.name, alone, scored if not domains else scored.calibrating(domains[0].evaluation)))

@@ -33,6 +33,7 @@ class Evaluation:
     # where the stream is llama.cpp's tokenization: how transformers' tokenizer of the same text parts from it
     # (``tasks.models.llama_cpp.stream_difference``), None where they agree or were not compared
     tokens_differ: dict | None = None
+    tokenized_by: str = "transformers"  # what made the stream: transformers' tokenizer, or llama.cpp's of a file
 
     @property
     def calibration(self) -> Evaluation:

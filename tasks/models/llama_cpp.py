@@ -281,6 +281,11 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocabulary
 
+    @property
+    def named(self) -> str:
+        """What made a stream it tokenized, as the record and MLflow say it."""
+        return f"llama.cpp {version()} ({self.path.name})"
+
     def decode(self, ids) -> str:
         """The text of ``ids``: their pieces' bytes joined (a piece may end inside a character), as UTF-8."""
         return self._ask({"op": "detokenize"}, np.asarray(ids, dtype=np.int32).tobytes())[1].decode("utf-8", "replace")

@@ -146,6 +146,7 @@ def _audit_params(record: dict) -> dict:
               "stride": EvaluationConfig.of_record(evaluation).stride, "batch_size": evaluation["batch_size"],
               "bos": corpus["bos"], "max_tokens": evaluation["max_tokens"], "corpus.source": corpus["source"],
               "corpus.digest": corpus["digest"], "corpus.tokens": corpus["n_tokens"], "hardware": env["hardware"],
+              "corpus.tokenizer": corpus.get("tokenizer", "transformers"),  # a record of before #54 had none
               "baseline": config["baseline"]["path"]}
     params.update({f"version.{k}": v for k, v in env["versions"].items()})
     for name, domain in record.get("domains", {}).items():  # the top's corpus is the domains' sum: each one's own
