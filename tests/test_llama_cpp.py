@@ -334,3 +334,21 @@ def test_a_lineup_in_llama_cpp_scores_the_same_in_shards_on_dask_and_stops_early
                   thresholds={"max_ppl_increase_pct": 5})
     row = stopped["models"][1]
     assert row["verdict"] == "pass" and row["scored_fraction"] < 0.5, row["verdict_reason"]
+
+
+def test_type_variants_of_a_transformers_baseline_are_made_from_its_conversion(cli, tmp_path, texts, made, monkeypatch):
+    """A baseline that is a transformers folder (the embedded model's, by its path): llama.cpp's convert_hf_to_gguf.py
+    from the binding's source makes its GGUF file (float32 weights kept as F32), and the Q8_0 made from that scores
+    as llama-perplexity scores the Q8_0 made from the packaged file those weights were dequantized from."""
+    from tasks.models.resolve import resolve_model_path
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))  # converted here, not found from another test
+    text = texts["austen"]
+    peer = llama_perplexity(made["q8"], text, tmp_path / "base.kld", kl=False)
+    said = audit(cli, tmp_path, text, [{"name": "q8", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp"}],
+                 {"path": resolve_model_path("embedded")})
+    row = {row["variant"]: row for row in said["models"]}["q8"]
+    assert row["method"] == "gguf Q8_0 @llama.cpp", row.get("verdict_reason")
+    assert row["ppl"] == pytest.approx(peer["ppl"], rel=1e-4)
+    converted = sorted(path.name for path in (tmp_path / "cache" / "gguf").glob("*.gguf"))
+    assert len(converted) == 2 and any(".F32." in name for name in converted), converted

@@ -175,15 +175,18 @@ def locate(spec: VariantSpec, registry: str | None = None) -> str:
 
 
 def baseline_gguf(model: Located) -> Path:
-    """The GGUF file a baseline is (or, ``embedded``, is dequantized from): what ``type:`` variants are made from."""
+    """The GGUF file a baseline is (``embedded``: the file it is dequantized from; a transformers checkpoint: its
+    conversion by llama.cpp's convert_hf_to_gguf.py, cached): what ``type:`` variants are made from."""
     if model.name == "embedded":
         from tasks.data.embedded import embedded_gguf
 
         return embedded_gguf()
     if model.source.endswith(".gguf"):
         return Path(model.source)
-    raise InputError(f"type: makes a GGUF file from the baseline's, and the baseline {model.name} is not a .gguf file: "
-                     "convert it with llama.cpp's convert_hf_to_gguf.py and give that file as the baseline's path")
+    from tasks.models import llama_cpp
+
+    folder = model_files(model.source, fetch=True)
+    return llama_cpp.converted_file(folder, model_digest(str(folder)))
 
 
 def calibration_for(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, corpus_text_of,

@@ -342,14 +342,19 @@ def stream_difference(ours: list[int], theirs: list[int]) -> dict | None:
     return {"transformers_tokens": len(ours), "llama_cpp_tokens": len(theirs), "first_difference": first}
 
 
-def tool(name: str) -> Path:
-    """One of llama.cpp's own programs built beside the binding from the same source (``.ci/llama-cpp`` writes where,
-    into the environment it installs into): ``llama-imatrix``, ``llama-quantize``, ``llama-perplexity``."""
-    where = Path(sys.prefix) / "llama-cpp-tools"
+def _built(record: str, name: str) -> Path:
+    """``name`` under the folder ``.ci/llama-cpp`` wrote into ``record`` in the environment it installs into."""
+    where = Path(sys.prefix) / record
     found = Path(where.read_text().strip()) / name if where.is_file() else None
-    if found is None or not found.is_file():
-        raise InputError(f"llama.cpp's {name} is not built here; run `{SETUP}` (it builds the binding and the tools)")
+    if found is None or not found.exists():
+        raise InputError(f"llama.cpp's {name} is not here; run `{SETUP}` (it builds the binding and the tools)")
     return found
+
+
+def tool(name: str) -> Path:
+    """One of llama.cpp's own programs built beside the binding from the same source: ``llama-imatrix``,
+    ``llama-quantize``, ``llama-perplexity``, ``llama-tokenize``."""
+    return _built("llama-cpp-tools", name)
 
 
 def _run_tool(name: str, args: list[str], what: str) -> None:
@@ -442,6 +447,29 @@ def _kept(target: Path, made_from: dict, make, what: str) -> Path:
         partial.unlink(missing_ok=True)
     entry.write_text(json.dumps(sealed.seal(made_from | {"files": sealed.files_entry(target.parent, [target.name])})))
     return target
+
+
+# what a checkpoint's weights are stored as -> the GGUF type that keeps them as they are
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def converted_file(folder: Path, digest: str) -> Path:
+    """A transformers checkpoint ``folder`` (its ``model_digest``: ``digest``) as a GGUF file, converted by the
+    convert_hf_to_gguf.py of the llama.cpp source the binding was built from, its weights kept in the type they are
+    stored in; made on first use and kept (``$PPL_AUDIT_CACHE/gguf``) by the digest and the llama.cpp version."""
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    outtype = OUTTYPES.get(config.get("torch_dtype") or config.get("dtype"), "f16")  # f16: the converter's default
+    made_from = {"source": digest, "outtype": outtype, "llama_cpp": version()}
+    converter = _built("llama-cpp-source", "convert_hf_to_gguf.py")
+
+    def make(target: Path) -> None:
+        done = subprocess.run([sys.executable, str(converter), str(folder), "--outfile", str(target), "--outtype",
+                               outtype], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed converting {folder.name} (exit "
+                               f"{done.returncode}): {_last_line(done.stderr) or '(nothing said)'}")
+
+    return _kept(_cached_path(folder, outtype.upper(), made_from), made_from, make, "GGUF file")
 
 
 def made_file(source: Path, file_type: str, calibration: ImportanceText | None = None) -> Path:
