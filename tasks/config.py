@@ -259,6 +259,9 @@ class VariantSpec(Strict):
                              f"with a .gguf path{' or a type' if self.role == 'variant' else ''}")
         if self.llama_cpp is not None and self.runtime != "llama.cpp":
             raise ValueError("llama_cpp sets how llama.cpp runs a variant: give it with runtime llama.cpp")
+        if self.diagnose and self.runtime == "llama.cpp":
+            raise ValueError("diagnose swaps a variant's layers in transformers, and llama.cpp runs this one whole: "
+                             "diagnose the same file without runtime llama.cpp")
         if self.kv_cache is not None and self.runtime == "llama.cpp":
             raise ValueError("kv_cache emulates a cache in transformers; in llama.cpp set llama_cpp.type_k and type_v")
         if self.kernel is not None and self.method not in ("gptq", "awq", "auto"):

@@ -184,18 +184,22 @@ def test_a_crash_inside_llama_cpp_fails_that_variant_alone(cli, tmp_path, texts,
 
 
 def test_bad_llama_cpp_settings_are_one_line_before_anything_loads(cli, tmp_path, texts):
-    def refused(variant: dict) -> str:
+    def refused(variant: dict, *command: str) -> str:
         config = {"name": "bad", "baseline": {"path": "embedded"}, "corpus": {"source": str(texts["austen"])},
                   "variants": [variant]}
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        code, out, err = cli("run", str(path), timeout=120)
+        code, out, err = cli(*(command or ("run",)), str(path), *(("--variant", "v") if command else ()), timeout=120)
         assert code == 2, err
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1, err
         return lines[0]
 
     assert "runtime llama.cpp runs a GGUF file" in refused({"name": "v", "method": "gptq", "runtime": "llama.cpp"})
+    assert "diagnose swaps a variant's layers in transformers" in refused(
+        {"name": "v", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp", "diagnose": True})
+    assert "variant 'v' runs in llama.cpp, whose layers a diagnosis cannot reach" in refused(
+        {"name": "v", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp"}, "diagnose")
     assert "imatrix quantizes a GGUF file llama.cpp's quantizer makes" in refused(
         {"name": "v", "method": "gptq", "bits": 4, "imatrix": True})
     assert "type Q9_Z is not a type llama.cpp's quantizer makes" in refused(
