@@ -279,6 +279,42 @@ def test_ppl_stopped_while_llama_cpp_evaluates_ends_at_once_with_its_worker(tmp_
         ppl.stop()
 
 
+def test_an_audit_stopped_while_llama_cpp_scores_its_baseline_ends_at_once_with_every_process(tmp_path, prefect_database,
+                                                                                             made):
+    """``run`` with the baseline in llama.cpp, stopped by SIGTERM while llama.cpp evaluates: the audit, its Prefect
+    server and the llama.cpp worker and tokenizer processes are all gone within the seconds every stop has."""
+    import time
+
+    from test_processes import STOP_S, Command, alive, the_line
+
+    from tasks.data.corpus import corpus_text as text_of
+
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(text_of(CorpusConfig(source="embedded"))[:1_500_000], encoding="utf-8")
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "long", "baseline": {"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"},
+        "corpus": {"source": str(corpus)}, "evaluation": {"window": 256},
+        "variants": [{"name": "q8", "method": "gguf", "path": str(made["q8"]), "runtime": "llama.cpp"}]}))
+    run = Command(tmp_path, "run", str(config), database=prefect_database)
+    try:
+        def evaluating() -> bool:
+            return any("llama_cpp_worker" in " ".join(p.cmdline()) and p.cpu_times().user > 2
+                       for p in alive(run.process.children(recursive=True)))
+
+        deadline = time.monotonic() + 300
+        while not evaluating():
+            assert time.monotonic() < deadline and run.process.poll() is None, run.log.read_text()[-2000:]
+            time.sleep(0.5)
+        run.signal(signal.SIGTERM)
+        assert run.ended_within(STOP_S) == 128 + signal.SIGTERM
+        the_line(run, signal.SIGTERM)
+        time.sleep(1)
+        assert not alive(run.recorded), [" ".join(p.cmdline())[:100] for p in alive(run.recorded)]
+    finally:
+        run.stop()
+
+
 def test_a_gguf_type_made_with_an_importance_matrix_of_the_calibration_text(cli, tmp_path, texts, monkeypatch):
     """``imatrix: true``: llama-imatrix over the variant's calibration samples (drawn outside the evaluated tokens),
     then llama.cpp's quantizer with it. The file says so (llama-quantize writes the matrix's chunks into it), the row
