@@ -248,71 +248,56 @@ def test_a_runtime_not_installed_is_one_line(tmp_path, texts):
     assert len(lines) == 1 and "the llama.cpp runtime is not installed; run `bash .ci/llama-cpp`" in lines[0], done.stderr
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_ppl_stopped_while_llama_cpp_evaluates_ends_at_once_with_its_worker(tmp_path, prefect_database, made, signum):
-    """The worker is the command's child: it must be gone as soon as the command is, however it stops."""
+def long_text(tmp_path: Path) -> Path:
+    """1.5 MB of Austen: longer than any stop takes to come."""
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(corpus_text(CorpusConfig(source="embedded"))[:1_500_000], encoding="utf-8")
+    return corpus
+
+
+def stopped_while_llama_cpp_evaluates(tmp_path: Path, database: Path, signum: int, *args: str) -> None:
+    """``ppl-audit ARGS`` sent ``signum`` once its llama.cpp worker evaluates: it ends within the seconds every stop
+    has, with its one line, and every process it started (the worker's included) is gone."""
     import time
 
     from test_processes import STOP_S, Command, alive, the_line
 
-    from tasks.data.corpus import corpus_text as text_of
-
-    corpus = tmp_path / "long.txt"
-    corpus.write_text(text_of(CorpusConfig(source="embedded"))[:1_500_000], encoding="utf-8")
-    ppl = Command(tmp_path, "ppl", "--model", str(made["q8"]), "--corpus", str(corpus), "--window", "256",
-                  "--runtime", "llama.cpp", database=prefect_database)
+    command = Command(tmp_path, *args, database=database)
     try:
         def evaluating() -> bool:
             return any("llama_cpp_worker" in " ".join(p.cmdline()) and p.cpu_times().user > 2
-                       for p in alive(ppl.process.children(recursive=True)))
+                       for p in alive(command.process.children(recursive=True)))
 
         deadline = time.monotonic() + 300
         while not evaluating():
-            assert time.monotonic() < deadline and ppl.process.poll() is None, ppl.log.read_text()[-2000:]
+            assert time.monotonic() < deadline and command.process.poll() is None, command.log.read_text()[-2000:]
             time.sleep(0.5)
-        ppl.signal(signum)
-        assert ppl.ended_within(STOP_S) == 128 + signum
-        the_line(ppl, signum)
+        command.signal(signum)
+        assert command.ended_within(STOP_S) == 128 + signum
+        the_line(command, signum)
         time.sleep(1)
-        assert not alive(ppl.recorded), [" ".join(p.cmdline())[:100] for p in alive(ppl.recorded)]
+        assert not alive(command.recorded), [" ".join(p.cmdline())[:100] for p in alive(command.recorded)]
     finally:
-        ppl.stop()
+        command.stop()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_ppl_stopped_while_llama_cpp_evaluates_ends_at_once_with_its_worker(tmp_path, prefect_database, made, signum):
+    """The worker is the command's child: it must be gone as soon as the command is, however it stops."""
+    stopped_while_llama_cpp_evaluates(tmp_path, prefect_database, signum, "ppl", "--model", str(made["q8"]),
+                                      "--corpus", str(long_text(tmp_path)), "--window", "256", "--runtime", "llama.cpp")
 
 
 def test_an_audit_stopped_while_llama_cpp_scores_its_baseline_ends_at_once_with_every_process(tmp_path, prefect_database,
                                                                                              made):
     """``run`` with the baseline in llama.cpp, stopped by SIGTERM while llama.cpp evaluates: the audit, its Prefect
     server and the llama.cpp worker and tokenizer processes are all gone within the seconds every stop has."""
-    import time
-
-    from test_processes import STOP_S, Command, alive, the_line
-
-    from tasks.data.corpus import corpus_text as text_of
-
-    corpus = tmp_path / "long.txt"
-    corpus.write_text(text_of(CorpusConfig(source="embedded"))[:1_500_000], encoding="utf-8")
     config = tmp_path / "long.yaml"
     config.write_text(yaml.safe_dump({
         "name": "long", "baseline": {"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"},
-        "corpus": {"source": str(corpus)}, "evaluation": {"window": 256},
+        "corpus": {"source": str(long_text(tmp_path))}, "evaluation": {"window": 256},
         "variants": [{"name": "q8", "method": "gguf", "path": str(made["q8"]), "runtime": "llama.cpp"}]}))
-    run = Command(tmp_path, "run", str(config), database=prefect_database)
-    try:
-        def evaluating() -> bool:
-            return any("llama_cpp_worker" in " ".join(p.cmdline()) and p.cpu_times().user > 2
-                       for p in alive(run.process.children(recursive=True)))
-
-        deadline = time.monotonic() + 300
-        while not evaluating():
-            assert time.monotonic() < deadline and run.process.poll() is None, run.log.read_text()[-2000:]
-            time.sleep(0.5)
-        run.signal(signal.SIGTERM)
-        assert run.ended_within(STOP_S) == 128 + signal.SIGTERM
-        the_line(run, signal.SIGTERM)
-        time.sleep(1)
-        assert not alive(run.recorded), [" ".join(p.cmdline())[:100] for p in alive(run.recorded)]
-    finally:
-        run.stop()
+    stopped_while_llama_cpp_evaluates(tmp_path, prefect_database, signal.SIGTERM, "run", str(config))
 
 
 def test_a_gguf_type_made_with_an_importance_matrix_of_the_calibration_text(cli, tmp_path, texts, monkeypatch):
