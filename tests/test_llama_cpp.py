@@ -354,6 +354,8 @@ def test_a_lineup_in_llama_cpp_scores_the_same_in_shards_on_dask_and_stops_early
     assert [{k: v for k, v in row.items() if k not in timing} for row in sharded["models"]] == \
         [{k: v for k, v in row.items() if k not in timing} for row in whole["models"]]
     assert sharded["models"][1]["kld_mean"] > 0
+    code, out, err = cli("reference", "ls")  # the joined reference says what scored it
+    assert code == 0 and f"{made['f32']} (scored in llama.cpp {llama_cpp.version()})" in out + err, out + err
     stopped = run("sequential", baseline={"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"},
                   evaluation={"window": 256, "max_tokens": 8192, "batch_size": 2, "sequential": True},
                   thresholds={"max_ppl_increase_pct": 5})

@@ -70,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
             m = r.manifest
             about = (f"{m['result'].get('n_tokens')!s:>8}  {m['identity'].get('dtype')!s:<9}"
                      f"{str(m['environment'].get('device'))[:11]:<12}{m['environment'].get('torch')} / "
-                     f"{m['environment'].get('transformers')}  {m['source']}") if problem is None else \
+                     f"{m['environment'].get('transformers')}  {m['source']}"
+                     # a baseline llama.cpp ran: its logits are the reference, whatever torch computes after
+                     + (f" (scored in {m['identity']['runtime']})" if "runtime" in m["identity"] else "")) \
+                if problem is None else \
                 f"DAMAGED: {problem}; the audit of its baseline replaces it (or: ppl-audit reference rm {r.key})"
             print(f"{r.key:<17}{_when(r.created):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  {about}", file=say)
         damaged = sum(problem is not None for _, problem in found)
