@@ -142,13 +142,9 @@ def _stream_tokenizer(lineup, checkpoint, mode: str):
     """What tokenizes the corpus: llama.cpp's tokenizer of a GGUF file that llama.cpp runs or that ``--mode llama.cpp``
     scores (llama-perplexity's stream, on any text), else the model's transformers tokenizer. Without the llama.cpp
     runtime installed, ``--mode llama.cpp`` keeps transformers' and says so."""
-    from tasks.models import llama_cpp
+    from tasks.audit.checkpoints import served_tokenizer
 
     source = checkpoint.model.source if checkpoint.model is not None else ""
     if lineup.transformers_tokenizer is not None or mode != "llama.cpp" or not source.endswith(".gguf"):
         return lineup.tokenizer
-    if llama_cpp.version() is None:
-        print(f"ppl-audit: note: {source} is tokenized by transformers, whose stream can differ from "
-              f"llama-perplexity's on runs of whitespace; `{llama_cpp.SETUP}` installs llama.cpp's", file=console.err())
-        return lineup.tokenizer
-    return llama_cpp.Tokenizer(Path(source), checkpoint.tokenizer)
+    return served_tokenizer(Path(source), checkpoint.tokenizer) or lineup.tokenizer

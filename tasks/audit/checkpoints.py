@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from tasks.config import DEFAULT_CALIBRATION, BaselineSpec, Gate, Thresholds, VariantSpec
-from tasks.core import sealed
+from tasks.core import console, sealed
 from tasks.core.errors import InputError, one_line
 from tasks.core.files import discard
 from tasks.core.places import cache_dir
@@ -106,6 +106,31 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
 
     file = Path(served.model.source) if served.model is not None else baseline_gguf(lead.model)
     return Lineup(lead, found, llama_cpp.Tokenizer(file, lead.tokenizer), tokenizer)
+
+
+def llama_perplexity_stream(lineup: Lineup, mode: str) -> Lineup:
+    """``lineup`` with its stream made by llama.cpp's tokenizer of its GGUF baseline where ``mode`` llama.cpp scores
+    that file in transformers (llama-perplexity's stream on any text: transformers' tokenizer of a GGUF file splits
+    runs of whitespace its own way); as it is otherwise, and where a model already runs in llama.cpp."""
+    source = lineup.baseline.source or ""
+    if lineup.transformers_tokenizer is not None or mode != "llama.cpp" or not source.endswith(".gguf"):
+        return lineup
+    tokenizer = served_tokenizer(Path(source), lineup.baseline.tokenizer)
+    if tokenizer is None:
+        return lineup
+    return replace(lineup, tokenizer=tokenizer, transformers_tokenizer=lineup.tokenizer)
+
+
+def served_tokenizer(file: Path, digest: str):
+    """llama.cpp's tokenizer of the GGUF ``file`` (its transformers tokenizer's ``digest``); None, said in a note,
+    where the llama.cpp runtime is not installed (transformers' stream then stands, which can differ)."""
+    from tasks.models import llama_cpp
+
+    if llama_cpp.version() is None:
+        print(f"ppl-audit: note: {file} is tokenized by transformers, whose stream can differ from llama-perplexity's "
+              f"on runs of whitespace; `{llama_cpp.SETUP}` installs llama.cpp's", file=console.err())
+        return None
+    return llama_cpp.Tokenizer(file, digest)
 
 
 def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> Checkpoint:

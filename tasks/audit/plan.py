@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, InstanceOf, model_serializer
 
-from tasks.audit.checkpoints import Lineup, prepare
+from tasks.audit.checkpoints import Lineup, llama_perplexity_stream, prepare
 from tasks.audit.events import event_config
 from tasks.audit.preflight import check_calibration_room, check_settings, check_stream, preflight
 from tasks.audit.reference import baseline_key
@@ -137,7 +137,8 @@ def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Ev
     if narrow is not None:
         config = narrow(config)
     registry = check_settings(config)
-    lineup = prepare(config.baseline, config.variants, registry, config.thresholds)
+    lineup = llama_perplexity_stream(prepare(config.baseline, config.variants, registry, config.thresholds),
+                                     config.evaluation.mode)
     preflight(config, lineup, strict)
     domains = read_domains(config, lineup.tokenizer, lineup.transformers_tokenizer)
     check_calibration_room(config, lineup, domains[0].evaluation)
