@@ -357,12 +357,18 @@ def tool(name: str) -> Path:
     return _built("llama-cpp-tools", name)
 
 
-def _run_tool(name: str, args: list[str], what: str) -> None:
-    """``name`` run with ``args`` in a process of its own; a failure raised with its last words."""
-    done = subprocess.run([str(tool(name)), *args], capture_output=True, text=True)
+def _run(name: str, command: list[str], what: str) -> None:
+    """``command`` (llama.cpp's program or script ``name``) run in a process of its own; a failure raised with its
+    last words."""
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp's {name} failed {what} (exit {done.returncode}): "
                            f"{_last_line(done.stderr) or '(nothing said)'}")
+
+
+def _run_tool(name: str, args: list[str], what: str) -> None:
+    """The tool ``name`` run with ``args`` (``_run``)."""
+    _run(name, [str(tool(name)), *args], what)
 
 
 def quantize(source: Path, target: Path, file_type: str, importance: Path | None = None) -> None:
@@ -379,10 +385,7 @@ def quantize(source: Path, target: Path, file_type: str, importance: Path | None
             f"p.ftype = {file_types()[file_type]}\n"
             "p.allow_requantize = True\n"
             "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n")
-    done = subprocess.run([sys.executable, "-c", code, str(source), str(target)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp's quantizer failed {what} (exit {done.returncode}): "
-                           f"{_last_line(done.stderr) or '(nothing said)'}")
+    _run("quantizer", [sys.executable, "-c", code, str(source), str(target)], what)
 
 
 @dataclass(frozen=True)
@@ -463,11 +466,8 @@ def converted_file(folder: Path, digest: str) -> Path:
     converter = _built("llama-cpp-source", "convert_hf_to_gguf.py")
 
     def make(target: Path) -> None:
-        done = subprocess.run([sys.executable, str(converter), str(folder), "--outfile", str(target), "--outtype",
-                               outtype], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed converting {folder.name} (exit "
-                               f"{done.returncode}): {_last_line(done.stderr) or '(nothing said)'}")
+        _run(converter.name, [sys.executable, str(converter), str(folder), "--outfile", str(target), "--outtype",
+                              outtype], f"converting {folder.name}")
 
     return _kept(_cached_path(folder, outtype.upper(), made_from), made_from, make, "GGUF file")
 
