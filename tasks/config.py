@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -202,6 +202,9 @@ class VariantSpec(Strict):
                              "type llama.cpp's quantizer makes from the baseline's GGUF file (Q4_K_M, Q8_0, F32, ...)")
     imatrix: bool = Field(False, description="with type: quantize with an importance matrix llama-imatrix computes "
                           "from the calibration text (calibration: as gptq's; the audit's unevaluated tokens unless given)")
+    tensor_types: list[Annotated[str, Field(pattern=r"^[^=\s]+=[A-Za-z0-9_]+$")]] | None = Field(
+        None, description="with type: llama-quantize --tensor-type entries (PATTERN=TYPE, the first whose pattern a "
+        "tensor's name contains wins), a mixed-precision recipe as `ppl-audit tune` writes it")
 
     @field_validator("path", "gguf_file")
     @classmethod
@@ -245,6 +248,9 @@ class VariantSpec(Strict):
                 and not self.path.endswith(".gguf")):
             raise ValueError(f"method gguf loads a .gguf file, and {self.path} is not one: give the file as path, "
                              "or its folder as path and the file's name as gguf_file")
+        if self.tensor_types is not None and self.type is None:
+            raise ValueError("tensor_types sets some tensors' types in a GGUF file llama.cpp's quantizer makes: give it "
+                             "with method gguf and a type")
         if self.type is not None and (self.method != "gguf" or self.path is not None):
             raise ValueError("type is the GGUF type llama.cpp's quantizer makes from the baseline: give it with method "
                              "gguf and no path")

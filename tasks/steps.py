@@ -16,10 +16,11 @@ from prefect.states import Failed
 
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.cluster import let_go
-from tasks.audit import scoring
+from tasks.audit import scoring, tune
 from tasks.audit.diagnose import Bench, Examination, Restored, examine, restore
 from tasks.audit.pieces import WHOLE, Against, Piece, Whole
 from tasks.audit.plan import AuditPlan, Event, open_audit
+from tasks.audit.tune import Prepared
 from tasks.audit.scoring import BaselineSlice, Lookup, join_reference, look_up, make_variant
 from tasks.config import AuditConfig
 from tasks.core.errors import TransientError
@@ -33,7 +34,7 @@ from tasks.models.quantize_request import QuantizeRequest
 from tasks.record.reference_said import ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
-from tasks.record.tracking import is_tracking_outage, replay, track_diagnosis
+from tasks.record.tracking import is_tracking_outage, replay, track_diagnosis, track_tune
 
 
 def _transient(task, run, state) -> bool:
@@ -195,3 +196,24 @@ def log_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
     """Log a diagnosis to MLflow (retried: the tracking server may blip); returns the run id."""
     return track_diagnosis(found, uri, experiment)
 
+
+
+@task(cache_policy=NO_CACHE, task_run_name="measure-{prepared.variant}")
+def measure_tune(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, windows: int | None,
+                 seed: int) -> dict:
+    """A tune's measuring: each unit at each option on the sample, the knapsack's choice scored and refined; the
+    tune's report, with the recipe made by llama.cpp's quantizer and checked on its file (``built``)."""
+    with asking(let_go):
+        tuning, donor_sizes = tune.measure(lineup, evaluations, prepared, windows, seed)
+    file_type = lineup.variants[0].spec.type
+    found = tune.report(tuning, prepared, file_type)
+    _, found["built"] = tune.built(tuning, prepared, file_type, donor_sizes)
+    return found
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=lambda task, run, state: is_tracking_outage(state.result(raise_on_failure=False)))
+def log_tune(found: dict, uri: str | None, experiment: str, parent: str | None) -> str:
+    """Log a tune to MLflow, a child of the audit of its recipe (``parent``; retried: the tracking server may
+    blip); returns the run id."""
+    return track_tune(found, uri, experiment, parent)

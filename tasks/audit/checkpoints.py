@@ -143,7 +143,7 @@ def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> C
             if spec.imatrix:  # its importance matrix needs the calibration text: made with the gptq/awq variants
                 llama_cpp.tool("llama-imatrix")
                 return Checkpoint(spec, "variant")
-            made = llama_cpp.made_file(source, spec.type)
+            made = llama_cpp.made_file(source, spec.type, tensor_types=tuple(spec.tensor_types or ()))
         except (InputError, RuntimeError) as error:
             return Checkpoint(spec, "variant", problem=one_line(error))
         return Checkpoint(spec, "variant", Located.at(str(made), f"{baseline.model.name} as {spec.type}"),
@@ -242,7 +242,8 @@ def importance_gguf(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, 
     calibration = calibration_for(spec, lineup, evaluation_, corpus_text_of)
     text = "".join(lineup.tokenizer.decode(sample) for sample in calibration.samples)
     importance = llama_cpp.ImportanceText(text, calibration.seq_len, calibration.digest)
-    return str(llama_cpp.made_file(baseline_gguf(lineup.baseline.model), spec.type, importance))
+    return str(llama_cpp.made_file(baseline_gguf(lineup.baseline.model), spec.type, importance,
+                                   tuple(spec.tensor_types or ())))
 
 
 def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluation, corpus_text_of,

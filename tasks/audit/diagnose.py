@@ -20,7 +20,7 @@ import torch
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.scoring import made
 from tasks.audit.where import located
-from tasks.config import AuditConfig
+from tasks.config import AuditConfig, VariantSpec
 from tasks.core.errors import InputError
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import Evaluation
@@ -41,12 +41,18 @@ CANDIDATES = 4
 MIB = 2**20
 
 
-def narrowed(config: AuditConfig, variant: str) -> AuditConfig:
-    """The audit ``config`` with its variant ``variant`` alone: what a diagnosis of it loads and checks."""
+def variant_spec(config: AuditConfig, variant: str) -> VariantSpec:
+    """The variant ``variant`` of ``config``, or one line naming those it has."""
     spec = next((v for v in config.variants if v.name == variant), None)
     if spec is None:
         raise InputError(f"audit {config.name} has no variant '{variant}'; give one of "
                          f"{', '.join(v.name for v in config.variants)}")
+    return spec
+
+
+def narrowed(config: AuditConfig, variant: str) -> AuditConfig:
+    """The audit ``config`` with its variant ``variant`` alone: what a diagnosis of it loads and checks."""
+    spec = variant_spec(config, variant)
     if spec.kv_cache is not None:  # the layers are compared with their own inputs, through no cache
         raise InputError(f"variant '{variant}' is scored with a quantized key/value cache, which a diagnosis of its "
                          "layers does not model; diagnose the variant without kv_cache, or compare caches in an audit")
@@ -83,25 +89,30 @@ class Pair:
         memory) for the variant's KL."""
         key = tuple(w.index for w in windows)
         if key not in self.on_sample:
-            held: dict[str, torch.Tensor] = {}
-
-            def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
-                whole = held.setdefault("hidden", torch.empty(_tokens(windows), hidden.shape[-1], dtype=hidden.dtype))
-                whole[slots] = hidden
-
-            scores = _scored(self.baseline, evaluation_, windows, keep_hidden=keep)
-            against = Baseline(self.baseline.get_output_embeddings(),
-                               getattr(self.baseline.config, "final_logit_softcapping", None),
-                               lambda slots, inputs: held["hidden"][slots])
-            self.on_sample = {key: (scores, against)}
+            self.on_sample = {key: held_baseline(self.baseline, evaluation_, windows, sample_feed(evaluation_))}
         return self.on_sample[key]
+
+
+def held_baseline(model, evaluation_: Evaluation, windows: list[Window], feed: Feed) -> tuple[WindowScores, Baseline]:
+    """The baseline ``model``'s scores on ``windows`` and itself as a ``Baseline`` whose final hidden states are
+    kept in memory: what a variant's KL on a sample is taken against."""
+    held: dict[str, torch.Tensor] = {}
+
+    def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        whole = held.setdefault("hidden", torch.empty(_tokens(windows), hidden.shape[-1], dtype=hidden.dtype))
+        whole[slots] = hidden
+
+    scores = score_windows(model, feed, windows, ScoreOptions(keep_hidden=keep))
+    against = Baseline(model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None),
+                       lambda slots, inputs: held["hidden"][slots])
+    return scores, against
 
 
 def _tokens(windows: list[Window]) -> int:
     return sum(w.n_scored for w in windows)
 
 
-def _feed(evaluation_: Evaluation) -> Feed:
+def sample_feed(evaluation_: Evaluation) -> Feed:
     """What the sample is scored with: the audit's batch size (1 for ``auto``: a sample is small) and llama.cpp's BOS
     per chunk."""
     settings = evaluation_.settings
@@ -110,7 +121,7 @@ def _feed(evaluation_: Evaluation) -> Feed:
 
 
 def _scored(model, evaluation_: Evaluation, windows: list[Window], **options) -> WindowScores:
-    return score_windows(model, _feed(evaluation_), windows, ScoreOptions(**options))
+    return score_windows(model, sample_feed(evaluation_), windows, ScoreOptions(**options))
 
 
 class Bench:
@@ -194,7 +205,7 @@ def examine(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: E
     pair = bench.pair(checkpoint, lineup, evaluation_)
     base, against = pair.baseline_on(evaluation_, windows)
     scores = _scored(pair.variant, evaluation_, windows, reference=against)
-    errors = layer_errors(pair.baseline, pair.variant, _feed(evaluation_), windows)
+    errors = layer_errors(pair.baseline, pair.variant, sample_feed(evaluation_), windows)
     extra = {key: value.numpy() for key, value in scores.extra.items()}
     indices = np.array([w.index for w in windows])
     counts = np.array([w.n_scored for w in windows])
@@ -223,7 +234,7 @@ def restore(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: E
     pair = bench.pair(checkpoint, lineup, evaluation_)
     _, against = pair.baseline_on(evaluation_, windows)
     label = f"{checkpoint.name}: restore {len(sets)} layer set(s)" if progress else None
-    found = restored_scores(pair.baseline, pair.variant, sets, _feed(evaluation_), windows, against, label)
+    found = restored_scores(pair.baseline, pair.variant, sets, sample_feed(evaluation_), windows, against, label)
     return [Restored(each.layers, each.nll.numpy(), each.kl.numpy()) for each in found]
 
 

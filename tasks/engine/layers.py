@@ -254,29 +254,71 @@ class RestoredScores:
     kl: torch.Tensor
 
 
+# One module lent to a variant: (decoder layer, the module's path in it, e.g. ``mlp.down_proj``, which donor)
+Swap = tuple[int, str, int]
+
+
+@contextmanager
+def swapped(variant, donors: list, swaps: Iterable[Swap]) -> Iterator[None]:
+    """``variant`` with each module ``(layer, path, donor)`` of ``swaps`` replaced by the same module of
+    ``donors[donor]``'s same decoder layer; put back as they were on leaving. Lent, not copied."""
+    mine = decoder_layers(variant)
+    kept = []
+    try:
+        for layer, path, donor in swaps:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = mine[layer].get_submodule(parent_path) if parent_path else mine[layer]
+            kept.append((parent, leaf, getattr(parent, leaf)))
+            setattr(parent, leaf, decoder_layers(donors[donor])[layer].get_submodule(path))
+        yield
+    finally:
+        for parent, leaf, module in reversed(kept):
+            setattr(parent, leaf, module)
+
+
 @torch.inference_mode()
 def restored_scores(baseline, variant, sets: list[tuple[int, ...]], feed: Feed, windows: list[Window],
                     against: Baseline, label: str | None = None) -> list[RestoredScores]:
-    """Score ``windows`` with each set of the baseline's decoder layers in ``sets`` restored in the variant.
-
-    Batch by batch, the variant runs once as it is and each layer's output is kept; a set whose first layer is
-    ``m`` then runs only from layer ``m`` on (the layers before it would compute the same outputs again): about
-    half of a whole pass for one restored layer, and the same bits as a whole pass. Memory: both models, and one
-    batch's per-layer outputs.
+    """Score ``windows`` with each set of the baseline's decoder layers in ``sets`` restored in the variant
+    (``_changed_scores``: the variant runs once a batch, each set from its first restored layer on).
 
     Args:
         against: the baseline's head and its final hidden states at the scored tokens (``Baseline.states``).
         feed, windows: as ``tasks.engine.perplexity.score_windows`` takes them.
         label: a progress bar's name (one step per set and batch); no bar when None.
     """
+    found = _changed_scores(variant, [(lambda s=layers: restored(variant, baseline, s), min(layers)) for layers in sets],
+                            feed, windows, against, label)
+    return [RestoredScores(tuple(layers), nll, kl) for layers, (nll, kl) in zip(sets, found)]
+
+
+@torch.inference_mode()
+def swapped_scores(variant, donors: list, sets: list[tuple[Swap, ...]], feed: Feed, windows: list[Window],
+                   against: Baseline, label: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-token NLL and KL(baseline‖·) of the variant with each set of modules in ``sets`` lent from ``donors``
+    (``swapped``), as ``restored_scores`` scores restored layers; an empty set scores the variant as it is."""
+    count = len(decoder_layers(variant))
+    changes = [(lambda s=swaps: swapped(variant, donors, s), min((swap[0] for swap in swaps), default=count))
+               for swaps in sets]
+    return _changed_scores(variant, changes, feed, windows, against, label)
+
+
+def _changed_scores(variant, changes: list, feed: Feed, windows: list[Window], against: Baseline,
+                    label: str | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(nll, kl)`` per token of the variant under each change ``(context, first changed layer)``.
+
+    Batch by batch, the variant runs once as it is and each layer's output is kept; a change whose first layer is
+    ``m`` then runs only from layer ``m`` on (the layers before it would compute the same outputs again): about
+    half of a whole pass for one changed layer, and the same bits as a whole pass. Memory: the models, and one
+    batch's per-layer outputs.
+    """
     head = variant.get_output_embeddings()
     softcap = getattr(variant.config, "final_logit_softcapping", None)
     total = sum(w.n_scored for w in windows)
-    scores = [RestoredScores(tuple(layers), torch.zeros(total, dtype=torch.float64), torch.zeros(total, dtype=torch.float64))
-              for layers in sets]
+    scores = [(torch.zeros(total, dtype=torch.float64), torch.zeros(total, dtype=torch.float64)) for _ in changes]
     prefix_ids = torch.tensor(feed.prefix, dtype=torch.long)
     done = 0
-    with console.bar(len(sets) * len(windows), label or "restore", "window", enabled=label is not None) as bar:
+    with console.bar(len(changes) * len(windows), label or "restore", "window", enabled=label is not None) as bar:
         for b in range(0, len(windows), feed.batch_size):
             batch = windows[b : b + feed.batch_size]
             inputs = batch_inputs(feed.ids, batch, prefix_ids, feed.first_token)
@@ -286,14 +328,14 @@ def restored_scores(baseline, variant, sets: list[tuple[int, ...]], feed: Feed, 
             with _tapped(variant, inputs=False) as run:
                 hidden_states(variant, input_ids, mask, row_index, columns)
             reference = BaselineBatch(against.head, against.states(slots, inputs), against.softcap)
-            for found in scores:
-                with restored(variant, baseline, found.layers), _replayed(variant, run.returned[: min(found.layers)]):
+            for (change, first), (nll, kl) in zip(changes, scores):
+                with change(), _replayed(variant, run.returned[:first]):
                     hidden = hidden_states(variant, input_ids, mask, row_index, columns)
                 stats = token_stats(head, hidden, targets.to(hidden.device), softcap,
                                     reference=dataclasses.replace(reference, hidden=reference.hidden.to(hidden.device)),
                                     stream_tokens=len(feed.ids))
-                found.nll[slots] = stats["nll"].double().cpu()
-                found.kl[slots] = stats["kl"].double().cpu()
+                nll[slots] = stats["nll"].double().cpu()
+                kl[slots] = stats["kl"].double().cpu()
                 bar.update(len(batch))
     return scores
 

@@ -111,7 +111,11 @@ def quantized_bits(model, spec: VariantSpec, source: str, quantized: list[str]) 
     file's from its tensor types (every tensor in quantized blocks), unless the model was quantized again as it
     loaded (then its own layers'); None where nothing is quantized."""
     if _shipped(spec, source) and source.endswith(".gguf"):
-        blocks = [t for t in read_header(Path(source)).tensors if t.tensor_type.name not in GGUF_FLOATS]
+        tensors = read_header(Path(source)).tensors
+        quantized = any(t.tensor_type.name not in GGUF_FLOATS for t in tensors)
+        # a decoder layer's matrix a recipe left in floats (``ppl-audit tune``) is one of the weights it costs
+        blocks = [t for t in tensors if t.tensor_type.name not in GGUF_FLOATS
+                  or (quantized and t.name.startswith("blk.") and len(t.shape) == 2)]
         weights = sum(int(t.n_elements) for t in blocks)
         return 8 * sum(int(t.n_bytes) for t in blocks) / weights if weights else None
     if not quantized:

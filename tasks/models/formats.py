@@ -145,7 +145,10 @@ def describe(spec: VariantSpec, source: str, model) -> dict:
     """The facts of a loaded model's format, with a short ``label`` for the table where the method name
     alone would hide what was loaded."""
     if spec.method == "gguf":
-        return gguf_facts(Path(source))
+        facts = gguf_facts(Path(source))
+        if spec.tensor_types:  # a recipe's: some tensors in other types than the file type's (``ppl-audit tune``)
+            facts |= {"tensor_overrides": len(spec.tensor_types), "label": f"{facts['label']} tuned"}
+        return facts
     if spec.method == "hqq":
         from hqq.core.quantize import HQQLinear
 

@@ -371,14 +371,20 @@ def _run_tool(name: str, args: list[str], what: str) -> None:
     _run(name, [str(tool(name)), *args], what)
 
 
-def quantize(source: Path, target: Path, file_type: str, importance: Path | None = None) -> None:
+def quantize(source: Path, target: Path, file_type: str, importance: Path | None = None,
+             tensor_types: tuple[str, ...] = ()) -> None:
     """``source`` (a GGUF file) quantized to ``file_type`` by llama.cpp's quantizer (``llama_model_quantize``,
     requantizing a quantized file as llama-quantize --allow-requantize does), in a process of its own; with
-    ``importance`` (an importance matrix file) by llama-quantize, which reads one (the binding cannot pass it)."""
+    ``importance`` (an importance matrix file) or ``tensor_types`` (``--tensor-type`` entries, PATTERN=TYPE) by
+    llama-quantize, which reads them (the binding cannot pass either)."""
     what = f"making {file_type} from {source.name}"
-    if importance is not None:
-        _run_tool("llama-quantize", ["--allow-requantize", "--imatrix", str(importance), str(source), str(target),
-                                     file_type], what)
+    if importance is not None or tensor_types:
+        extra = ["--imatrix", str(importance)] if importance is not None else []
+        with tempfile.TemporaryDirectory() as scratch:
+            listed = Path(scratch) / "tensor-types.txt"  # a file: a recipe of hundreds of entries outgrows argv
+            listed.write_text("".join(f"{entry}\n" for entry in tensor_types))
+            extra += ["--tensor-type-file", str(listed)] if tensor_types else []
+            _run_tool("llama-quantize", ["--allow-requantize", *extra, str(source), str(target), file_type], what)
         return
     code = ("import sys, llama_cpp as l\n"
             "p = l.llama_model_quantize_default_params()\n"
@@ -472,13 +478,17 @@ def converted_file(folder: Path, digest: str) -> Path:
     return _kept(_cached_path(folder, outtype.upper(), made_from), made_from, make, "GGUF file")
 
 
-def made_file(source: Path, file_type: str, calibration: ImportanceText | None = None) -> Path:
+def made_file(source: Path, file_type: str, calibration: ImportanceText | None = None,
+              tensor_types: tuple[str, ...] = ()) -> Path:
     """The GGUF file of type ``file_type`` llama.cpp's quantizer makes from ``source`` (with ``calibration``: with the
-    importance matrix of that text), made on first use and kept (``$PPL_AUDIT_CACHE/gguf``) by the digest of the
-    source, the type, the calibration samples and the llama.cpp version."""
+    importance matrix of that text; with ``tensor_types``: those tensors in the types they name), made on first use
+    and kept (``$PPL_AUDIT_CACHE/gguf``) by the digest of the source, the type, the calibration samples, the tensor
+    types and the llama.cpp version."""
     made_from = {"source": _source_digest(source), "type": file_type, "llama_cpp": version()}
     if calibration is not None:
         made_from["imatrix"] = calibration.digest
+    if tensor_types:
+        made_from["tensor_types"] = list(tensor_types)
     importance = None if calibration is None else importance_matrix(source, calibration)
     return _kept(_cached_path(source, file_type, made_from), made_from,
-                 lambda target: quantize(source, target, file_type, importance), "GGUF file")
+                 lambda target: quantize(source, target, file_type, importance, tuple(tensor_types)), "GGUF file")

@@ -508,3 +508,19 @@ def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
     if latest:
         tags = {"mlflow.parentRunId": latest[0].info.run_id, AUDIT_ID: latest[0].data.tags.get(AUDIT_ID, "")}
     return log_run(client, experiment_id, found, tags)
+
+
+def track_tune(found: dict, uri: str | None, experiment: str, parent: str | None) -> str:
+    """Log a tune to MLflow, a child of the audit of its recipe (run ``parent``, when it was tracked); returns its
+    run id."""
+    from mlflow import MlflowClient
+
+    from tasks.record.tuning import log_run
+
+    uri = tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = _experiment(client, experiment, uri)
+    tags = {}
+    if parent:
+        tags = {"mlflow.parentRunId": parent, AUDIT_ID: client.get_run(parent).data.tags.get(AUDIT_ID, "")}
+    return log_run(client, experiment_id, found, tags)

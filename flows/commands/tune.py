@@ -1,0 +1,54 @@
+"""``ppl-audit tune``: a mixed-precision recipe for one variant within a size budget, chosen from measured gains,
+made, and audited beside the uniform variants."""
+
+from __future__ import annotations
+
+import argparse
+
+from tasks.core import console
+
+NAME, LOGGED = "tune", True
+
+
+def add(commands) -> None:
+    tune = commands.add_parser(NAME, help="a mixed-precision recipe within a size budget, measured, made and audited")
+    tune.add_argument("config", help="the audit YAML the variant is in, e.g. configs/demo.yaml")
+    tune.add_argument("--variant", required=True, help="the variant to tune: a GGUF type made from the baseline "
+                                                       "(method: gguf, type: Q4_0)")
+    tune.add_argument("--budget", required=True,
+                      help="bits per weight of the decoder layers' matrices (4.8bpw), MiB of the whole file (120MiB), "
+                           "or what is added to the variant's own (+0.25bpw, +8MiB)")
+    tune.add_argument("--per", choices=("layer", "module"), default="layer",
+                      help="what gets one choice: a decoder layer's matrices, or each of its fused groups (q/k/v, "
+                           "the output projection, gate/up, down); default layer")
+    tune.add_argument("--types", metavar="T1,T2",
+                      help="the GGUF tensor types a unit may take (default Q6_K,Q8_0,F16: more bits, unquantized)")
+    tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config value, e.g. --set diagnosis.windows=4 (the sample the gains are "
+                           "measured on: diagnosis.windows and diagnosis.seed)")
+    tune.add_argument("--json", action="store_true", help="end stdout with one JSON line of the tune")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tasks.audit.tune import TYPES, Budget, check_types, prepare
+
+    budget = Budget.parse(args.budget)  # bad input ends here, before any model loads or Prefect starts
+    types = check_types(args.types.split(",") if args.types else list(TYPES))
+    from flows.tune import opened
+
+    plan = opened(args.config, args.variant, args.set)
+    prepare(plan.lineup, args.variant, budget, args.per, types)
+    from flows.tune import tune
+    from tasks.record.tuning import format_table, tune_json
+
+    found = tune(config=args.config, variant=args.variant, budget=args.budget, per=args.per, types=list(types),
+                 overrides=args.set, plan=plan)
+    say = console.out()
+    if found.get("audit_table"):
+        print(found["audit_table"], file=say)
+    print(format_table(found), file=say)
+    print(f"record: {found['record']}", file=say)
+    if args.json:
+        print(tune_json(found), file=say)
+    # a recipe not proven better than the uniform variant it would replace, in every domain, is not a success
+    return 0 if found.get("proven", {}).get("uniform") else 1

@@ -1,0 +1,130 @@
+"""The tune flow: a mixed-precision recipe for one variant of an audit within a size budget, measured, made, and
+audited beside the uniform variant and a uniform variant of equal or larger size (``ppl-audit tune``).
+
+It measures (a task: ``tasks.steps.measure_tune``), writes the recipe where the user can take it
+(``<home>/tunes/<time>-<audit>-<variant>/``: llama-quantize's tensor-type file, gptqmodel's ``dynamic``, an
+llm-compressor recipe, the audit's YAML), runs that audit (the audit flow, its own MLflow parent run), says whether
+the recipe is proven better than each uniform variant there, and logs the tune as a child of that run.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import yaml
+from prefect import flow
+
+from flows.audit import audit, summary_of
+from tasks.audit.plan import AuditPlan, open_audit
+from tasks.audit.tune import TYPES, Budget, alone, audit_of, check_types, compared, prepare, uniform_above
+from tasks.core.places import home
+from tasks.record.tracking import run_link, tracking_uri
+from tasks.record.tuning import gptqmodel_dynamic, llm_compressor_recipe, tensor_type_lines, tune_json
+from tasks.steps import log_tune, measure_tune, open_plan
+
+
+def opened(config: str, variant: str, overrides: list[str]) -> AuditPlan:
+    """The audit of ``variant`` alone, checked (the CLI opens it before Prefect starts)."""
+    return open_audit(config, overrides, narrow=partial(alone, variant=variant))
+
+
+def _written(found: dict, audit_config: dict) -> Path:
+    """The recipe in every format and the audit of it, in a folder of their own under ``<home>/tunes``: written
+    before the audit runs, so nothing measured is lost if it fails."""
+    folder = home() / "tunes" / f"{datetime.now():%Y%m%dT%H%M%S}-{audit_config['name']}-{found['variant']}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "llama-quantize-tensor-types.txt").write_text(tensor_type_lines(found))
+    (folder / "gptqmodel-dynamic.json").write_text(json.dumps(gptqmodel_dynamic(found), indent=2) + "\n")
+    (folder / "llm-compressor-recipe.yaml").write_text(yaml.safe_dump(llm_compressor_recipe(found), sort_keys=False))
+    (folder / "audit.yaml").write_text(yaml.safe_dump(audit_config, sort_keys=False, allow_unicode=True))
+    (folder / "tune.json").write_text(tune_json(found) + "\n")
+    return folder
+
+
+def _results(summary: dict) -> dict[str, list]:
+    """The audit's models by domain (one unnamed domain for an audit of one corpus)."""
+    results = summary["results"]
+    return results if isinstance(results, dict) else {"": results}
+
+
+def verdicts(summary: dict, names: dict[str, str], found: dict, larger_bpw: float | None) -> dict:
+    """Per uniform variant (and per domain), whether the recipe is proven better there (``lines``), whether it is
+    in every domain (``proven``, by role: ``uniform``, ``larger``), and each model's audit figures for the chart
+    (``audited``). A model that failed makes no claim: not proven."""
+    lines, proven, audited = [], {}, {}
+    tuned_bpw = found["built"]["bpw"]
+    against = [("uniform", found["variant_bpw"], f"uniform {found['file_type']}")]
+    if larger_bpw is not None:
+        against.append(("larger", larger_bpw, f"uniform {names['larger'].rsplit('-as-', 1)[1].upper()}"))
+    results = _results(summary)
+    for domain, models in results.items():
+        by_name = {m.name: m for m in models}
+        tuned = by_name.get(names["tuned"])
+        on = f" on {domain}" if domain else ""
+        for role, bpw, label in against:
+            other = by_name.get(names[role])
+            if tuned is None or other is None or not (tuned.ok and other.ok) or "kl" not in tuned.result.extra:
+                failed = next((m for m in (tuned, other) if m is not None and not m.ok), None)
+                lines.append(f"no claim against {label}{on}: {failed.reason if failed else 'not scored'}")
+                proven[role] = False
+                continue
+            better, line = compared(tuned, other, tuned_bpw, bpw, label)
+            lines.append(line + on)
+            proven[role] = proven.get(role, True) and better
+            if domain == next(iter(results)):
+                audited[names[role]] = {"bpw": bpw, "kl": float(np.mean(other.result.extra["kl"]))}
+                audited[names["tuned"]] = {"bpw": tuned_bpw, "kl": float(np.mean(tuned.result.extra["kl"]))}
+    return {"lines": lines, "proven": proven, "audited": audited}
+
+
+@flow(name="ppl-audit-tune", flow_run_name="tune-{variant}", log_prints=True)
+def tune(config: str, variant: str, budget: str, per: str = "layer", types: list[str] | None = None,
+         overrides: list[str] | None = None, plan: AuditPlan | None = None) -> dict:
+    """Tune the variant ``variant`` of the audit ``config`` within ``budget`` (``Budget``), make the recipe and audit
+    it beside the uniform variants.
+
+    Args:
+        per: what gets one choice: ``layer`` (a decoder layer's matrices) or ``module`` (its fused groups).
+        types: the GGUF tensor types a unit may take (default ``TYPES``).
+        plan: the audit of the variant alone (``opened``: the CLI makes it); without it, made here once.
+
+    Returns:
+        the tune, with ``verdicts``, ``folder`` (the recipe's files) and ``record`` (where it was logged).
+    """
+    wanted, options = Budget.parse(budget), check_types(types or list(TYPES))
+    if plan is None:
+        plan = open_plan(config, overrides or [], narrow=partial(alone, variant=variant))
+    prepared = prepare(plan.lineup, variant, wanted, per, options)
+    settings = plan.config
+    found = measure_tune(plan.lineup, [d.evaluation for d in plan.domains], prepared, settings.diagnosis.windows,
+                         settings.diagnosis.seed)
+    larger = uniform_above(prepared, found["file_type"], found["built"]["bpw"])
+    audit_config, names = audit_of(settings, variant, found["tensor_types"], larger[0] if larger else None)
+    folder = _written(found, audit_config)
+    found["folder"] = str(folder)
+    print(f"the recipe and its audit: {folder}")
+    state = audit(config=str(folder / "audit.yaml"), plan=open_audit(str(folder / "audit.yaml")), return_state=True)
+    summary = summary_of(state)
+    if summary is None:
+        found |= {"verdicts": [f"no claim: the audit of the recipe failed ({state.message})"], "proven": {}}
+        parent = None
+    else:
+        said = verdicts(summary, names, found, larger[1] if larger else None)
+        found |= {"verdicts": said["lines"], "proven": said["proven"], "audited": said["audited"],
+                  "audit_table": summary["table"], "audit_verdict": summary["verdict"].said}
+        parent = summary.get("mlflow_run_id")
+    (folder / "tune.json").write_text(tune_json(found) + "\n")
+    tracking = settings.tracking
+    logged = log_tune(found, tracking.uri, tracking.experiment, parent, return_state=True)
+    if logged.is_completed():
+        found["mlflow_run_id"] = logged.result()
+        link = run_link(tracking_uri(tracking.uri), found["mlflow_run_id"])
+        found["record"] = f"MLflow run {found['mlflow_run_id']} (experiment {tracking.experiment})" + (
+            f": {link}" if link else "") + f"; also in {folder}"
+    else:
+        found["record"] = f"kept in {folder} (tracking failed: {logged.message})"
+    return found

@@ -1,0 +1,162 @@
+"""A tune as users read it: the choice table on the console, the recipe in the formats quantizers read, the curve of
+budget against KL, and an MLflow run under the audit of the recipe.
+
+The tune itself is plain data (``flows.tune``): the choices with their measured gains and costs, the assignment
+chosen and refined, the curve, the file as built, and the audit's verdicts against the uniform variants.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from matplotlib.figure import Figure
+
+from tasks.record.plots import COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
+
+# What a GGUF type's precision is closest to in gptqmodel and compressed-tensors, which store integers of 2, 3, 4 or
+# 8 bits: a 5- or 6-bit tensor is given 8 (more, never less, than the recipe measured); F16/BF16/F32: unquantized
+INTEGER_BITS = {"Q2": 2, "Q3": 3, "Q4": 4, "Q5": 8, "Q6": 8, "Q8": 8}
+FLOATS = ("F16", "BF16", "F32")
+
+
+def integer_bits(ggml_type: str) -> int | None:
+    """The integer bits a gptq/compressed-tensors recipe gives a tensor of ``ggml_type``; None: left unquantized."""
+    name = ggml_type.upper()
+    return None if name in FLOATS else INTEGER_BITS.get(name[:2], 8)
+
+
+def _module_regex(layer: int, modules: list[str], prefix: str = "model.layers") -> str:
+    names = "|".join(re.escape(m) for m in modules)
+    return rf"{re.escape(prefix)}\.{layer}\.({names})$"
+
+
+def gptqmodel_dynamic(found: dict) -> dict:
+    """gptqmodel's ``dynamic`` per-module overrides for the recipe (``+:`` more bits, ``-:`` left unquantized), as its
+    QuantizeConfig takes them and stores them in a checkpoint's quantization config (which vLLM and SGLang read)."""
+    dynamic = {}
+    for row in found["chosen"]:
+        bits = integer_bits(row["type"])
+        pattern = _module_regex(row["layer"], row["modules"])
+        if bits is None:
+            dynamic[f"-:{pattern}"] = {}
+        else:
+            dynamic[f"+:{pattern}"] = {"bits": bits, "group_size": found["group_size"]}
+    return {"bits": integer_bits(found["file_type"]) or 4, "group_size": found["group_size"], "dynamic": dynamic}
+
+
+def llm_compressor_recipe(found: dict) -> dict:
+    """An llm-compressor recipe: the variant's scheme for every Linear, a config group per precision the recipe
+    gives more of (regex targets, which compressed-tensors matches before class names), the unquantized ignored."""
+    def weights(bits: int) -> dict:
+        return {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": found["group_size"]}
+
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights(integer_bits(found["file_type"]) or 4)}}
+    ignore = ["lm_head"]
+    by_bits: dict[int, list[str]] = {}
+    for row in found["chosen"]:
+        bits, target = integer_bits(row["type"]), "re:" + _module_regex(row["layer"], row["modules"])
+        if bits is None:
+            ignore.append(target)
+        else:
+            by_bits.setdefault(bits, []).append(target)
+    for i, (bits, targets) in enumerate(sorted(by_bits.items()), start=1):
+        groups[f"group_{i}"] = {"targets": targets, "weights": weights(bits)}
+    return {"quant_stage": {"quant_modifiers": {"GPTQModifier": {"ignore": ignore, "config_groups": groups}}}}
+
+
+def tensor_type_lines(found: dict) -> str:
+    """The recipe as a llama-quantize ``--tensor-type-file``: one PATTERN=TYPE a line."""
+    return "".join(f"{entry}\n" for entry in found["tensor_types"])
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def _pct(share) -> str:
+    value, low, high = share
+    if low == low and high == high:
+        return f"{value:5.1f}% [{low:.1f}, {high:.1f}]"
+    return f"{value:5.1f}%"
+
+
+def format_table(found: dict) -> str:
+    """What got more precision (its type, what it won back alone with its interval, its cost), the assignment as
+    measured against the sum of its gains, the curve, the file as built and the verdicts."""
+    lines = [f"{found['variant']} ({found['file_type']}): tune within {found['budget']} — "
+             f"{found['budget_bpw']:.3f} bpw of the decoder layers' matrices, +{_mib(found['extra_bytes'])} MiB; "
+             f"measured on {found['windows']} windows ({found['tokens']} tokens)",
+             f"  {'unit':>10}  {'type':>5}  {'wins back alone (KL, 95%)':>26}  {'KL gain':>9}  {'MiB':>6}"]
+    for row in found["chosen"]:
+        lines.append(f"  {row['unit']:>10}  {row['type']:>5}  {_pct(row['share']):>26}  {row['gain']:9.2e}  "
+                     f"{_mib(row['cost']):>6}")
+    final = found["final"]
+    lines.append(f"  as chosen: KL {final['kl']:.5f} against {found['variant_kl']:.5f} uniform "
+                 f"({_pct(final['share'])} won back; the units' gains alone add up to KL {final['predicted']:.5f}); "
+                 f"{found['tried']} assignments scored, {found['seconds']:.0f} s")
+    lines.append("  curve: " + "; ".join(f"{point['bpw']:.3f} bpw: KL {point['kl']:.5f}" for point in found["curve"]))
+    built = found.get("built")
+    if built:
+        lines.append(f"  built: {built['file']} — {built['bpw']:.3f} bpw ({'within' if built['within'] else 'OVER'} "
+                     f"the budget), {built['checked']} tensors of {built['tensors']} as the recipe says")
+    for said in found.get("verdicts", []):
+        lines.append(f"  {said}")
+    return "\n".join(lines)
+
+
+def curve_chart(found: dict) -> Figure:
+    """Mean KL on the sample against bits per weight: the uniform variant, the recipe at each share of the budget,
+    and the uniform variants it was audited beside (their audit figures), so the front shows at a glance."""
+    figure = Figure(figsize=(WIDTH, 4.5), dpi=DPI, layout="constrained")
+    axis = figure.subplots()
+    points = [(found["variant_bpw"], found["variant_kl"])] + [(p["bpw"], p["kl"]) for p in found["curve"]]
+    axis.plot([p[0] for p in points], [p[1] for p in points], "o-", color=COLOURS["fail"],
+              label="recipe, measured on the sample (knapsack at ¼, ½, ¾ and all of the budget)")
+    for name, point in found.get("audited", {}).items():
+        axis.plot(point["bpw"], point["kl"], "s", color=COLOURS["baseline"])
+        axis.annotate(f"{name} (audit)", (point["bpw"], point["kl"]), textcoords="offset points", xytext=(4, 6),
+                      fontsize=SMALL)
+    axis.set_ylim(0, 1.1 * max(p[1] for p in points) or 1.0)
+    axis.set_xlabel("bits per weight of the decoder layers' matrices", fontsize=TEXT)
+    axis.set_ylabel("mean KL(baseline‖variant)", fontsize=TEXT)
+    axis.legend(fontsize=SMALL)
+    figure.suptitle(f"{found['variant']}: what the budget buys", fontsize=TITLE)
+    return figure
+
+
+def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> str:
+    """An MLflow run of the tune, with ``tags`` (the audit of the recipe as parent): the budget, the curve by step,
+    the choice table, the recipe in every format, the chart. Returns its id."""
+    from mlflow.entities import Metric, Param
+
+    tags = tags | {"ppl_audit.kind": "tune", "ppl_audit.variant": found["variant"],
+                   "mlflow.note.content": "\n".join(found.get("verdicts", [])) or f"tune {found['variant']}"}
+    run = client.create_run(experiment_id, run_name=f"tune {found['variant']} {found['budget']}", tags=tags).info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric(key, float(found["final"][key]), now, 0) for key in ("kl", "delta_nll", "predicted")]
+    metrics += [Metric("variant_kl", float(found["variant_kl"]), now, 0),
+                Metric("budget_bpw", float(found["budget_bpw"]), now, 0)]
+    metrics += [Metric(f"curve_{key}", float(point[key]), now, step) for step, point in enumerate(found["curve"])
+                for key in ("kl", "bpw")]
+    if found.get("built"):
+        metrics.append(Metric("built_bpw", float(found["built"]["bpw"]), now, 0))
+    params = [Param("budget", found["budget"]), Param("per", found["per"]), Param("types", ",".join(found["types"])),
+              Param("file_type", found["file_type"])]
+    client.log_batch(run, metrics=metrics, params=params)
+    client.log_dict(run, json.loads(tune_json(found)), "tune.json")
+    client.log_text(run, format_table(found), "choices.txt")
+    client.log_text(run, tensor_type_lines(found), "recipe/llama-quantize-tensor-types.txt")
+    client.log_dict(run, gptqmodel_dynamic(found), "recipe/gptqmodel-dynamic.json")
+    client.log_dict(run, llm_compressor_recipe(found), "recipe/llm-compressor-recipe.yaml")
+    client.log_figure(run, curve_chart(found), "budget_curve.png")
+    client.set_terminated(run, "FINISHED")
+    return run
+
+
+def tune_json(found: dict) -> str:
+    """One JSON line (NaN as null)."""
+    from tasks.record.diagnosis import diagnosis_json
+
+    return diagnosis_json(found)

@@ -1,0 +1,182 @@
+"""``ppl-audit tune`` (#55): a mixed-precision recipe within a size budget, from measured gains, made by llama.cpp's
+quantizer and audited beside the uniform variants; its exports read by the quantizers that take them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from helpers import json_line, one_line_error
+
+from tasks.audit.tune import Budget, Choice, knapsack
+from tasks.core.errors import InputError
+from tasks.models import llama_cpp
+
+PLANTED, SCALE = 7, 100.0
+
+
+def test_the_knapsack_finds_the_best_assignment_a_brute_force_finds():
+    """Exact where costs are whole quanta: the best sum of gains within the budget, at most one option a unit."""
+    rng = random.Random(0)
+    for _ in range(200):
+        choices = [Choice(u, o, rng.randint(1, 9), rng.uniform(-0.1, 1), (0, 0, 0)) for u in range(5) for o in range(2)]
+        budget = rng.randint(1, 25)
+        found = knapsack(choices, budget, steps=budget)
+        best = 0.0
+        for picks in itertools.product(*[[None, 0, 1]] * 5):
+            taken = [next(c for c in choices if c.unit == u and c.option == o) for u, o in enumerate(picks) if o is not None]
+            if sum(c.cost for c in taken) <= budget:
+                best = max(best, sum(max(c.gain, 0) for c in taken))
+        assert sum(c.cost for c in found) <= budget and len({c.unit for c in found}) == len(found)
+        assert sum(c.gain for c in found) == pytest.approx(best, abs=1e-12)
+
+
+def test_a_budget_is_read_in_its_three_forms_and_refused_in_one_line_otherwise():
+    assert Budget.parse("4.5bpw") == Budget(4.5, "bpw", False)
+    assert Budget.parse("+0.25bpw") == Budget(0.25, "bpw", True)
+    assert Budget.parse("120MiB") == Budget(120, "MiB", False) and str(Budget(8, "MiB", True)) == "+8MiB"
+    for wrong in ("4.5", "+0.25 bits", "0bpw", "-1bpw"):
+        with pytest.raises(InputError, match="--budget"):
+            Budget.parse(wrong)
+
+
+FOUND = {"variant": "q4", "file_type": "Q4_0", "group_size": 32, "tensor_types": [],
+         "chosen": [{"layer": 1, "modules": ["mlp.down_proj"], "type": "Q8_0"},
+                    {"layer": 0, "modules": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "type": "Q6_K"},
+                    {"layer": 1, "modules": ["self_attn.o_proj"], "type": "F16"}]}
+
+
+def test_gptqmodel_reads_the_recipe_s_dynamic_overrides_module_by_module():
+    """gptqmodel's own resolver (``dynamic_get``, what its quantizer and loader ask) on every linear layer of a
+    2-layer llama: the recipe's modules get 8 bits or are skipped, every other keeps the base's 4."""
+    from gptqmodel.quantization.config import dynamic_get
+
+    from tasks.record.tuning import gptqmodel_dynamic
+
+    exported = json.loads(json.dumps(gptqmodel_dynamic(FOUND)))  # as the file holds it
+    assert exported["bits"] == 4
+    expected = {"model.layers.1.mlp.down_proj": 8, "model.layers.0.self_attn.q_proj": 8,
+                "model.layers.0.self_attn.k_proj": 8, "model.layers.0.self_attn.v_proj": 8,
+                "model.layers.1.self_attn.o_proj": False}
+    for layer in range(2):
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                       "mlp.up_proj", "mlp.down_proj"):
+            name = f"model.layers.{layer}.{module}"
+            said = dynamic_get(exported["dynamic"], name)
+            if expected.get(name) is False:
+                assert said is False, name
+            else:
+                assert dynamic_get(exported["dynamic"], name, "bits", exported["bits"]) == expected.get(name, 4), name
+
+
+def test_compressed_tensors_applies_the_llm_compressor_recipe_module_by_module():
+    """The recipe's config groups applied by compressed-tensors (what llm-compressor's modifiers do) to a 2-layer
+    llama: the named modules take their group's bits over the Linear default, the unquantized are ignored."""
+    import torch
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.record.tuning import llm_compressor_recipe
+
+    recipe = yaml.safe_load(yaml.safe_dump(llm_compressor_recipe(FOUND)))["quant_stage"]["quant_modifiers"]["GPTQModifier"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    apply_quantization_config(model, QuantizationConfig(config_groups=recipe["config_groups"], ignore=recipe["ignore"]))
+    bits = {name: module.quantization_scheme.weights.num_bits for name, module in model.named_modules()
+            if getattr(module, "quantization_scheme", None) is not None}
+    more = {"model.layers.1.mlp.down_proj"} | {f"model.layers.0.self_attn.{m}_proj" for m in "qkv"}
+    linear = {f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
+              "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert bits == {name: 8 if name in more else 4 for name in linear - {"model.layers.1.self_attn.o_proj"}}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The embedded model with layer PLANTED made fragile and nothing else changed: in its MLP, every 32nd
+    intermediate channel's down-projection column is multiplied by SCALE and its up-projection row divided by it
+    (the MLP computes the same: silu(gate)·up is linear in up). Every 32-weight block of that layer's down
+    projection then holds one outlier, which a 4-bit block quantizer rounds the rest of the block to nothing for."""
+    from safetensors.torch import load_file, save_file
+
+    from tasks.data.embedded import ensure_embedded_model
+
+    source = ensure_embedded_model()
+    folder = tmp_path_factory.mktemp("planted") / "model"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    for file in source.glob("*.safetensors"):
+        tensors = load_file(file)
+        down, up = f"model.layers.{PLANTED}.mlp.down_proj.weight", f"model.layers.{PLANTED}.mlp.up_proj.weight"
+        if down in tensors:
+            channels = slice(0, tensors[down].shape[1], 32)
+            tensors[down][:, channels] *= SCALE
+            tensors[up][channels, :] /= SCALE
+        save_file(tensors, folder / file.name, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.slow
+def test_tune_gives_the_planted_fragile_module_more_precision_and_proves_it_better(cli, tmp_path, planted):
+    """At a budget of one down projection in Q8_0, module by module: the planted layer's down projection is chosen,
+    the recipe as built holds it in Q8_0 and every other tensor as the uniform Q4_0, within the budget, and its audit
+    proves it better than the uniform Q4_0 beyond the paired interval; the recipe is in MLflow under that audit."""
+    assert llama_cpp.version(), "the llama.cpp runtime is not installed: run bash .ci/llama-cpp"
+    config = {"name": "planted", "baseline": {"name": "baseline", "path": str(planted)},
+              "corpus": {"source": "embedded"},
+              "evaluation": {"window": 256, "stride": 128, "batch_size": 4, "max_tokens": 1024},
+              "variants": [{"name": "q4", "method": "gguf", "type": "Q4_0"}],
+              "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "tune"}}
+    path = tmp_path / "planted.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    code, out, err = cli("tune", str(path), "--variant", "q4", "--budget", "+0.05bpw", "--per", "module",
+                         "--types", "Q8_0", "--set", "diagnosis.windows=4", "--json", timeout=1200)
+    found = json_line(out, err)
+    assert code == 0, out[-4000:] + err[-4000:]
+    # the planted group wins back most alone, and is chosen (the budget may hold a smaller group beside it)
+    assert max(found["every"], key=lambda row: row["gain"])["unit"] == f"{PLANTED}.down"
+    assert f"{PLANTED}.down" in [row["unit"] for row in found["chosen"]], found["chosen"]
+    assert found["final"]["share"][1] > 0  # what it wins back on the sample, beyond its interval
+    built = found["built"]
+    assert built["within"] and built["checked"] == built["tensors"] and built["bpw"] <= found["budget_bpw"]
+    from tasks.models.gguf_file import read_header
+
+    types = {t.name: t.tensor_type.name for t in read_header(Path(built["path"])).tensors}
+    assert types[f"blk.{PLANTED}.ffn_down.weight"] == "Q8_0" and types[f"blk.{PLANTED + 1}.ffn_down.weight"] == "Q4_0"
+    assert found["proven"]["uniform"] and found["verdicts"][0].startswith("proven better than uniform Q4_0")
+    assert "q4-tuned" in out and "gguf Q4_0 tuned" in out  # the audit's table
+    recipe = (Path(found["folder"]) / "llama-quantize-tensor-types.txt").read_text().splitlines()
+    assert f"blk\\.{PLANTED}\\.(ffn_down)\\.weight=q8_0" in recipe and len(recipe) == len(found["chosen"])
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=config["tracking"]["uri"])
+    run = client.get_run(found["mlflow_run_id"])
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["ppl_audit.audit"] == "planted-tune"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "recipe")}
+    assert artifacts == {"recipe/llama-quantize-tensor-types.txt", "recipe/gptqmodel-dynamic.json",
+                         "recipe/llm-compressor-recipe.yaml"}
+    assert np.isclose(run.data.metrics["kl"], found["final"]["kl"])
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--budget", "4.0bpw"], "--budget 4.0bpw: the variant itself takes 4.500bpw"),
+    (["--budget", "9bpw"], "--budget 9bpw: more than the baseline itself takes (5.000bpw)"),
+    (["--budget", "+0.1"], "--budget '+0.1': give bits per weight"),
+    (["--budget", "+0.1bpw", "--types", "Q9_9"], "--types Q9_9: Q9_9 is not a GGUF tensor type"),
+    (["--budget", "+0.1bpw", "--variant", "nope"], "has no variant 'nope'; give one of q4, int8"),
+    (["--budget", "+0.1bpw", "--variant", "int8"], "variant 'int8' is method torchao-int8: tune sets each tensor's type"),
+])
+def test_bad_input_is_one_line_before_anything_loads(capsys, tmp_path, args, expected):
+    config = {"name": "refused", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
+              "evaluation": {"max_tokens": 512, "window": 256},
+              "variants": [{"name": "q4", "method": "gguf", "type": "Q4_0"}, {"name": "int8", "method": "torchao-int8"}]}
+    path = tmp_path / "refused.yaml"
+    path.write_text(yaml.safe_dump(config))
+    variant = [] if "--variant" in args else ["--variant", "q4"]
+    assert expected in one_line_error(capsys, "tune", str(path), *variant, *args)
