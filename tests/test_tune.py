@@ -180,3 +180,15 @@ def test_bad_input_is_one_line_before_anything_loads(capsys, tmp_path, args, exp
     path.write_text(yaml.safe_dump(config))
     variant = [] if "--variant" in args else ["--variant", "q4"]
     assert expected in one_line_error(capsys, "tune", str(path), *variant, *args)
+
+
+def test_tensor_types_are_refused_without_a_type_and_in_a_form_llama_quantize_does_not_read():
+    from pydantic import ValidationError
+
+    from tasks.config import VariantSpec
+
+    assert VariantSpec(name="r", method="gguf", type="Q4_0", tensor_types=["blk\\.7\\.(ffn_down)\\.weight=q8_0"])
+    with pytest.raises(ValidationError, match="tensor_types sets some tensors' types in a GGUF file"):
+        VariantSpec(name="r", method="gguf", path="x.gguf", tensor_types=["blk\\.7=q8_0"])
+    with pytest.raises(ValidationError, match="tensor_types"):
+        VariantSpec(name="r", method="gguf", type="Q4_0", tensor_types=["blk.7 q8_0"])
