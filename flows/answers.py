@@ -39,3 +39,18 @@ def failed(reason: str, summary: dict | None = None):
     if not any(isinstance(f, _VerdictIsNotACrash) for f in runs.filters):
         runs.addFilter(_VerdictIsNotACrash())
     return Failed(message=reason, data=AuditFailed(reason, summary))
+
+
+def where_logged(logged, tracking, kept) -> dict:
+    """What a flow that logs one run to MLflow answers about it: ``mlflow_run_id`` (when ``logged``, the logging
+    task's state, completed) and ``record``, the line that says where it is (with its link), and the local copy
+    ``kept``."""
+    from tasks.core.places import tracking_uri
+    from tasks.record.tracking import run_link
+
+    if not logged.is_completed():
+        return {"record": f"kept in {kept} (tracking failed: {logged.message})"}
+    run = logged.result()
+    link = run_link(tracking_uri(tracking.uri), run)
+    return {"mlflow_run_id": run, "record": f"MLflow run {run} (experiment {tracking.experiment})"
+            + (f": {link}" if link else "") + f"; also in {kept}"}

@@ -13,16 +13,15 @@ from functools import partial
 
 from prefect import flow
 
+from flows.answers import where_logged
 from flows.scheduler import Scheduler
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.diagnose import Bench, Restored, narrowed, report, sample, search
 from tasks.audit.plan import AuditPlan
 from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
-from tasks.core.places import tracking_uri
 from tasks.data.evaluation import Evaluation
 from tasks.record.diagnosis import keep
-from tasks.record.tracking import run_link
 from tasks.steps import examine_variant, log_diagnosis, open_plan, restore_layers
 
 
@@ -121,11 +120,5 @@ def diagnose(config: str, variant: str, overrides: list[str] | None = None, plan
     kept = keep(found)
     tracking = settings.tracking
     logged = log_diagnosis(found, tracking.uri, tracking.experiment, return_state=True)
-    if logged.is_completed():
-        found["mlflow_run_id"] = logged.result()
-        link = run_link(tracking_uri(tracking.uri), found["mlflow_run_id"])
-        found["record"] = f"MLflow run {found['mlflow_run_id']} (experiment {tracking.experiment})" + (
-            f": {link}" if link else "") + f"; also in {kept}"
-    else:
-        found["record"] = f"kept in {kept} (tracking failed: {logged.message})"
+    found |= where_logged(logged, tracking, kept)
     return found

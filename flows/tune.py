@@ -18,11 +18,14 @@ import numpy as np
 import yaml
 from prefect import flow
 
+from flows.answers import where_logged
 from flows.audit import audit, summary_of
 from tasks.audit.plan import AuditPlan, open_audit
-from tasks.audit.tune import TYPES, Budget, alone, audit_of, check_types, compared, prepare, uniform_above
+from tasks.audit.recipe.measure import TYPES
+from tasks.audit.recipe.plan import alone, check_types, prepare
+from tasks.audit.recipe.proof import audit_of, compared, uniform_above
+from tasks.audit.recipe.sizes import Budget
 from tasks.core.places import home
-from tasks.record.tracking import run_link, tracking_uri
 from tasks.record.tuning import gptqmodel_dynamic, llm_compressor_recipe, tensor_type_lines, tune_json
 from tasks.steps import log_tune, measure_tune, open_plan
 
@@ -120,11 +123,5 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
     (folder / "tune.json").write_text(tune_json(found) + "\n")
     tracking = settings.tracking
     logged = log_tune(found, tracking.uri, tracking.experiment, parent, return_state=True)
-    if logged.is_completed():
-        found["mlflow_run_id"] = logged.result()
-        link = run_link(tracking_uri(tracking.uri), found["mlflow_run_id"])
-        found["record"] = f"MLflow run {found['mlflow_run_id']} (experiment {tracking.experiment})" + (
-            f": {link}" if link else "") + f"; also in {folder}"
-    else:
-        found["record"] = f"kept in {folder} (tracking failed: {logged.message})"
+    found |= where_logged(logged, tracking, folder)
     return found

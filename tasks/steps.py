@@ -16,11 +16,12 @@ from prefect.states import Failed
 
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.cluster import let_go
-from tasks.audit import scoring, tune
+from tasks.audit import scoring
 from tasks.audit.diagnose import Bench, Examination, Restored, examine, restore
 from tasks.audit.pieces import WHOLE, Against, Piece, Whole
 from tasks.audit.plan import AuditPlan, Event, open_audit
-from tasks.audit.tune import Prepared
+from tasks.audit.recipe import measure, proof
+from tasks.audit.recipe.plan import Prepared
 from tasks.audit.scoring import BaselineSlice, Lookup, join_reference, look_up, make_variant
 from tasks.config import AuditConfig
 from tasks.core.errors import TransientError
@@ -204,10 +205,10 @@ def measure_tune(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepar
     """A tune's measuring: each unit at each option on the sample, the knapsack's choice scored and refined; the
     tune's report, with the recipe made by llama.cpp's quantizer and checked on its file (``built``)."""
     with asking(let_go):
-        tuning, donor_sizes = tune.measure(lineup, evaluations, prepared, windows, seed)
+        tuning, donor_sizes = measure.measure(lineup, evaluations, prepared, windows, seed)
     file_type = lineup.variants[0].spec.type
-    found = tune.report(tuning, prepared, file_type)
-    _, found["built"] = tune.built(tuning, prepared, file_type, donor_sizes)
+    found = proof.report(tuning, prepared, file_type)
+    _, found["built"] = proof.built(tuning, prepared, file_type, donor_sizes)
     return found
 
 

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from helpers import json_line, one_line_error
 
-from tasks.audit.tune import Budget, Choice, knapsack
+from tasks.audit.recipe.choose import Choice, knapsack
+from tasks.audit.recipe.sizes import Budget
 from tasks.core.errors import InputError
 from tasks.models import llama_cpp
 

@@ -30,7 +30,9 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tasks.audit.tune import TYPES, Budget, check_types, prepare
+    from tasks.audit.recipe.measure import TYPES
+    from tasks.audit.recipe.plan import check_types, prepare
+    from tasks.audit.recipe.sizes import Budget
 
     budget = Budget.parse(args.budget)  # bad input ends here, before any model loads or Prefect starts
     types = check_types(args.types.split(",") if args.types else list(TYPES))

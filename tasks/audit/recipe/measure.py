@@ -1,0 +1,218 @@
+"""Gains measured, not predicted: each unit at each option scored alone on a sample, the knapsack's choice scored
+as a whole and refined by scoring its neighbours."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tasks.audit.checkpoints import Checkpoint, Lineup, baseline_gguf
+from tasks.audit.diagnose import held_baseline, sample, sample_feed
+from tasks.audit.recipe.choose import Choice, knapsack
+from tasks.audit.recipe.plan import Prepared
+from tasks.audit.recipe.sizes import Sizes, Unit, split, splits
+from tasks.core.errors import InputError
+from tasks.data.evaluation import Evaluation
+from tasks.engine.layers import Swap, decoder_layers, recovered_share, swapped_scores
+from tasks.engine.paired import CONFIDENCE
+
+TYPES = ("Q6_K", "Q8_0", "F16")  # the options a unit may take by default: more bits, and left unquantized
+CURVE = (0.25, 0.5, 0.75)  # the budgets, as shares of the one asked, at which the curve of KL is also measured
+NEIGHBOURS = 4  # assignments scored per refining round
+ROUNDS = 2
+
+
+@dataclass
+class Measured:
+    """One assignment scored on the sample: its KL and ΔNLL per token, what it costs, and the share of the
+    variant's KL it wins back with its interval."""
+
+    chosen: tuple[Choice, ...]
+    kl: float
+    delta_nll: float
+    cost: int
+    share: tuple[float, float, float]
+    predicted: float  # the variant's KL less the chosen units' gains alone: what adding them up would say
+
+
+@dataclass
+class Models:
+    """The models a tune scores on its sample: the baseline, the variant and one uniform file per option (its
+    donors), loaded once."""
+
+    baseline: object
+    variant: object
+    donors: list
+    files: list[Path]
+
+
+@dataclass
+class Sample:
+    """The sample the gains are measured on: each domain's evaluation and windows, and the baseline on them."""
+
+    parts: list[tuple[Evaluation, list, object]] = field(default_factory=list)  # (evaluation, windows, Baseline)
+    window_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    base_nll: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+def draw(models: Models, evaluations: list[Evaluation], windows: int | None, seed: int) -> Sample:
+    """``windows`` windows of each domain's plan drawn by ``seed``, and the baseline's scores on them."""
+    found = Sample()
+    tokens, base = [], []
+    for evaluation_ in evaluations:
+        chosen = sample(evaluation_, windows, seed)
+        scores, against = held_baseline(models.baseline, evaluation_, chosen, sample_feed(evaluation_))
+        found.parts.append((evaluation_, chosen, against))
+        tokens += [w.n_scored for w in chosen]
+        base.append(scores.token_nll.double().numpy())
+    found.window_tokens, found.base_nll = np.array(tokens), np.concatenate(base)
+    return found
+
+
+def score_sets(models: Models, drawn: Sample, sets: list[tuple[Swap, ...]], label: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(nll, kl)`` per token of the variant with each set of modules lent from the donors, over every domain's
+    sample in turn."""
+    per_domain = [swapped_scores(models.variant, models.donors, sets, sample_feed(evaluation_), windows, against,
+                                 f"{label} ({len(sets)} sets)")
+                  for evaluation_, windows, against in drawn.parts]
+    return [(np.concatenate([d[i][0].numpy() for d in per_domain]), np.concatenate([d[i][1].numpy() for d in per_domain]))
+            for i in range(len(sets))]
+
+
+def swaps_of(units: list[Unit], chosen: tuple[Choice, ...]) -> tuple[Swap, ...]:
+    return tuple((units[c.unit].layer, module, c.option) for c in chosen for module in units[c.unit].modules)
+
+
+@dataclass
+class Tuning:
+    """What a tune found: every unit's gain at every option, the assignment chosen and how it was refined, the
+    curve of budget against KL."""
+
+    units: list[Unit]
+    types: list[str]
+    extra: int  # bytes the budget allows beyond the variant
+    variant_kl: float
+    variant_delta_nll: float
+    choices: list[Choice]
+    first: Measured
+    final: Measured
+    tried: int
+    curve: list[Measured]
+    tokens: int
+    windows: int
+    seconds: float
+
+    def tensor_types(self) -> list[str]:
+        """The recipe as llama-quantize ``--tensor-type`` entries."""
+        return [self.units[c.unit].entry(self.types[c.option]) for c in self.final.chosen]
+
+    def expected_types(self, donors: list[Sizes]) -> dict[str, str]:
+        """Each changed tensor's type as the uniform file of its option has it (llama.cpp's fallback for shapes a
+        type cannot hold included): what the recipe's file must hold."""
+        return {name: donors[c.option].types[name] for c in self.final.chosen for name in self.units[c.unit].tensors}
+
+
+def measured(choices: tuple[Choice, ...], nll: np.ndarray, kl: np.ndarray, seen_kl: np.ndarray, drawn: Sample) -> Measured:
+    share = recovered_share(seen_kl, kl, drawn.window_tokens, CONFIDENCE)
+    return Measured(choices, float(kl.mean()), float((nll - drawn.base_nll).mean()), sum(c.cost for c in choices),
+                    share, float(seen_kl.mean()) - sum(c.gain for c in choices))
+
+
+def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], extra: int, donor_sizes: list[Sizes],
+         variant_sizes: Sizes, per: str) -> Tuning:
+    """Measure every layer at every option alone (with ``per`` module: then the groups of the layers that win back
+    most, in place of those layers), choose (``knapsack``), score the choice and refine it."""
+    started = time.perf_counter()
+    seen_nll, seen_kl = score_sets(models, drawn, [()], "the variant")[0]
+
+    def alone(units: list[Unit], label: str) -> list[Choice]:
+        pairs = [(u, o) for u in range(len(units)) for o in range(len(types))
+                 if donor_sizes[o].matrix_bytes([units[u]]) > variant_sizes.matrix_bytes([units[u]])]
+        scored = score_sets(models, drawn, [swaps_of(units, (Choice(u, o, 0, 0.0, (0, 0, 0)),)) for u, o in pairs], label)
+        return [Choice(u, o, donor_sizes[o].matrix_bytes([units[u]]) - variant_sizes.matrix_bytes([units[u]]),
+                       float(seen_kl.mean() - kl.mean()), recovered_share(seen_kl, kl, drawn.window_tokens, CONFIDENCE))
+                for (u, o), (_, kl) in zip(pairs, scored)]
+
+    units, choices = list(layers), alone(layers, "each layer alone")
+    tried = 1 + len(choices)
+    if per == "module":
+        best_of = {u: max((c.gain for c in choices if c.unit == u), default=0.0) for u in range(len(units))}
+        chosen = set(sorted(best_of, key=best_of.get, reverse=True)[: splits(len(layers))])
+        kept = [u for u in range(len(units)) if u not in chosen]
+        groups = [g for u in sorted(chosen) for g in split(units[u])]
+        renumbered = {u: i for i, u in enumerate(kept)}
+        units = [units[u] for u in kept] + groups
+        grouped = alone(units[len(kept):], "the groups of the layers that win back most")
+        tried += len(grouped)
+        choices = [Choice(renumbered[c.unit], c.option, c.cost, c.gain, c.share) for c in choices if c.unit in renumbered]
+        choices += [Choice(c.unit + len(kept), c.option, c.cost, c.gain, c.share) for c in grouped]
+    first = knapsack(choices, extra)
+    curve_sets = [knapsack(choices, int(extra * share)) for share in CURVE]
+    scored = score_sets(models, drawn, [swaps_of(units, c) for c in [first, *curve_sets]], "the choice and the curve")
+    found = [measured(c, nll, kl, seen_kl, drawn) for c, (nll, kl) in zip([first, *curve_sets], scored)]
+    best, curve = found[0], found[1:]
+    tried += len(found)
+    for _ in range(ROUNDS):
+        neighbours = [knapsack(choices, extra, excluded=frozenset({(c.unit, c.option)}))
+                      for c in sorted(best.chosen, key=lambda c: c.gain)[:NEIGHBOURS]]
+        neighbours = list(dict.fromkeys(n for n in neighbours if n and n != best.chosen))
+        if not neighbours:
+            break
+        scored = score_sets(models, drawn, [swaps_of(units, n) for n in neighbours], "refining")
+        tried += len(neighbours)
+        better = min((measured(n, nll, kl, seen_kl, drawn) for n, (nll, kl) in zip(neighbours, scored)),
+                     key=lambda m: m.kl)
+        if better.kl >= best.kl:
+            break
+        best = better
+    return Tuning(units, types, extra, float(seen_kl.mean()), float((seen_nll - drawn.base_nll).mean()), choices,
+                  found[0], best, tried, [*curve, best], int(drawn.window_tokens.sum()), len(drawn.window_tokens),
+                  time.perf_counter() - started)
+
+
+def load_models(lineup: Lineup, checkpoint: Checkpoint, files: list[Path]) -> Models:
+    """The baseline, the variant and each option's uniform file, loaded here (dequantized: the same weights
+    llama.cpp runs), on one device in one dtype."""
+    from tasks.models.resolve import Located
+    from tasks.models.variants import load_variant
+
+    baseline, _ = load_variant(lineup.baseline.spec, lineup.baseline.model)
+    variant, _ = load_variant(checkpoint.spec, checkpoint.model)
+    donors = [load_variant(checkpoint.spec.model_copy(update={"runtime": "transformers", "llama_cpp": None}),
+                           Located.at(str(file), file.name))[0] for file in files]
+    if len(decoder_layers(baseline)) != len(decoder_layers(variant)):
+        raise InputError(f"{checkpoint.name} has not the baseline's decoder layers: it cannot be tuned against it")
+    return Models(baseline, variant, donors, files)
+
+
+def option_files(lineup: Lineup, checkpoint: Checkpoint, types: list[str]) -> list[Path]:
+    """Each option's uniform file: the variant's file type with every decoder-layer matrix in that type (llama.cpp's
+    quantizer, cached)."""
+    from tasks.models import llama_cpp
+
+    source = baseline_gguf(lineup.baseline.model)
+    return [llama_cpp.made_file(source, checkpoint.spec.type, tensor_types=(f"^blk\\.\\d+\\..*\\.weight={t.lower()}",))
+            for t in types]
+
+
+def measure(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, windows: int | None,
+            seed: int) -> tuple[Tuning, list[Sizes]]:
+    """Load the models (each option's uniform file made first, cached), draw the sample from every domain and
+    tune: the tuning, and each option's file's sizes (what the recipe's tensors must be, as built)."""
+    import gc
+
+    [checkpoint] = lineup.variants
+    files = option_files(lineup, checkpoint, list(prepared.types))
+    models = load_models(lineup, checkpoint, files)
+    try:
+        drawn = draw(models, evaluations, windows, seed)
+        donor_sizes = [Sizes.of(file) for file in files]
+        found = tune(models, drawn, list(prepared.units), list(prepared.types), prepared.extra, donor_sizes,
+                     Sizes.of(prepared.variant_file), prepared.per)
+    finally:
+        del models
+        gc.collect()
+    return found, donor_sizes

@@ -1,0 +1,148 @@
+"""What a recipe costs: the units it gives one choice (a decoder layer, or one of its fused groups), the sizes
+of GGUF files' tensors, and the budget read against the variant's and the baseline's."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.core.errors import InputError
+from tasks.models.gguf_file import read_header
+
+MIB = 2**20
+# A Hugging Face decoder layer's matrices and the GGUF tensors llama.cpp's converter makes of them
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+# The groups runtimes fuse into one kernel (vLLM's qkv_proj and gate_up_proj): one choice each
+PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the tuned variant may take: bits per weight of the decoder layers' matrices (``4.5bpw``), or MiB of the
+    whole file (``120MiB``); ``+`` before the number: more than the variant itself takes (``+0.25bpw``)."""
+
+    value: float
+    unit: str  # "bpw" or "MiB"
+    added: bool
+    text: str = field(default="", compare=False)  # as the user gave it
+
+    @classmethod
+    def parse(cls, text: str) -> Budget:
+        found = re.fullmatch(r"\s*(\+?)\s*(\d+(?:\.\d+)?)\s*(bpw|MiB)\s*", text, re.IGNORECASE)
+        if found is None:
+            raise InputError(f"--budget {text!r}: give bits per weight (4.5bpw), MiB of the file (120MiB), or what "
+                             "is added to the variant's own (+0.25bpw, +8MiB)")
+        unit = "bpw" if found[3].lower() == "bpw" else "MiB"
+        if float(found[2]) <= 0:
+            raise InputError(f"--budget {text!r}: give a budget above zero")
+        return cls(float(found[2]), unit, bool(found[1]), text.strip())
+
+    def __str__(self) -> str:
+        return self.text or f"{'+' if self.added else ''}{self.value:g}{self.unit}"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What a recipe gives one choice: decoder layer ``layer``'s matrices ``modules`` (its part ``part``)."""
+
+    layer: int
+    part: str
+    modules: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return str(self.layer) if self.part == "layer" else f"{self.layer}.{self.part}"
+
+    @property
+    def tensors(self) -> list[str]:
+        return [f"blk.{self.layer}.{GGUF_NAMES[m]}.weight" for m in self.modules]
+
+    def entry(self, ggml_type: str) -> str:
+        """The llama-quantize ``--tensor-type`` entry that gives these tensors ``ggml_type`` (and no others: the
+        pattern is anchored on the layer's number and the tensors' names)."""
+        names = "|".join(GGUF_NAMES[m] for m in self.modules)
+        return f"blk\\.{self.layer}\\.({names})\\.weight={ggml_type.lower()}"
+
+
+def units_of(layers: int) -> list[Unit]:
+    """A model's decoder layers as units, each layer's matrices one choice."""
+    return [Unit(i, "layer", tuple(GGUF_NAMES)) for i in range(layers)]
+
+
+def split(unit: Unit) -> list[Unit]:
+    """A layer's fused groups as units of their own."""
+    return [Unit(unit.layer, part, modules) for part, modules in PARTS.items()]
+
+
+def splits(layers: int) -> int:
+    """How many layers ``--per module`` splits into their groups: those that win back most whole, a quarter of the
+    layers (at least 4): a layer that wins back little whole rarely holds a group that wins back much."""
+    return min(layers, max(4, layers // 4))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A GGUF file's tensors: bytes and type by name, and the decoder layers' matrices' weights and bytes."""
+
+    bytes: dict[str, int]
+    types: dict[str, str]
+    total: int
+
+    @classmethod
+    def of(cls, path: Path) -> Sizes:
+        tensors = read_header(path).tensors
+        return cls({t.name: int(t.n_bytes) for t in tensors}, {t.name: t.tensor_type.name for t in tensors},
+                   sum(int(t.n_bytes) for t in tensors))
+
+    def matrices(self, units: list[Unit]) -> list[str]:
+        return [name for unit in units for name in unit.tensors]
+
+    def matrix_bytes(self, units: list[Unit]) -> int:
+        return sum(self.bytes[name] for name in self.matrices(units))
+
+
+def matrix_weights(path: Path, units: list[Unit]) -> int:
+    wanted = {name for unit in units for name in unit.tensors}
+    return sum(int(t.n_elements) for t in read_header(path).tensors if t.name in wanted)
+
+
+@dataclass(frozen=True)
+class Span:
+    """The sizes a budget is read against: the variant's and the baseline's decoder-layer matrices (bits per weight)
+    and the variant's whole file (MiB)."""
+
+    weights: int  # the decoder layers' matrices' weights
+    variant_bytes: int  # what they take in the variant
+    baseline_bytes: int  # and in the baseline's GGUF file
+    file_bytes: int  # the variant's whole file
+
+    def bpw(self, matrix_bytes: float) -> float:
+        return 8 * matrix_bytes / self.weights
+
+    def extra_bytes(self, budget: Budget) -> int:
+        """What the budget allows the matrices beyond the variant's own; one line when it is below the variant's
+        own size or above the baseline's."""
+        if budget.unit == "bpw":
+            target = (self.bpw(self.variant_bytes) + budget.value if budget.added else budget.value) * self.weights / 8
+            own, top = f"{self.bpw(self.variant_bytes):.3f}bpw", f"{self.bpw(self.baseline_bytes):.3f}bpw"
+        else:
+            whole = (self.file_bytes + budget.value * MIB) if budget.added else budget.value * MIB
+            target = whole - (self.file_bytes - self.variant_bytes)
+            own = f"{self.file_bytes / MIB:.2f}MiB"
+            top = f"{(self.file_bytes - self.variant_bytes + self.baseline_bytes) / MIB:.2f}MiB"
+        if target <= self.variant_bytes:
+            raise InputError(f"--budget {budget}: the variant itself takes {own} (its decoder layers' matrices in bits "
+                             f"per weight, or its file in MiB); give more, e.g. +0.25bpw")
+        if target > self.baseline_bytes:
+            raise InputError(f"--budget {budget}: more than the baseline itself takes ({top}); give less, or audit "
+                             "the baseline")
+        return int(target - self.variant_bytes)
+
+
+def span_of(variant_file: Path, baseline_file: Path, units: list[Unit]) -> Span:
+    mine, theirs = Sizes.of(variant_file), Sizes.of(baseline_file)
+    return Span(matrix_weights(variant_file, units), mine.matrix_bytes(units), theirs.matrix_bytes(units), mine.total)
