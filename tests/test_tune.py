@@ -193,3 +193,23 @@ def test_tensor_types_are_refused_without_a_type_and_in_a_form_llama_quantize_do
         VariantSpec(name="r", method="gguf", path="x.gguf", tensor_types=["blk\\.7=q8_0"])
     with pytest.raises(ValidationError, match="tensor_types"):
         VariantSpec(name="r", method="gguf", type="Q4_0", tensor_types=["blk.7 q8_0"])
+
+
+def test_gains_measured_at_one_budget_are_kept_for_another_and_checked_when_read(capsys, monkeypatch, tmp_path):
+    """A tune at a second budget on the same sample and options reads each unit's gains back instead of scoring them
+    again; an entry changed after it was written is said in one line and measured again."""
+    from tasks.audit.recipe.measure import _cached, _remember, _remembered
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
+    made_from = {"sample": "ab" * 32, "units": ["0", "1"], "options": ["m.Q8_0.x.gguf"]}
+    choices = [Choice(0, 0, 1234, 0.01, (12.5, 10.0, 15.0)), Choice(1, 0, 1234, 0.002, (2.5, float("nan"), float("nan")))]
+    assert _remembered(made_from) is None
+    _remember(made_from, choices)
+    back = _remembered(made_from)
+    assert back[0] == choices[0] and back[1].gain == choices[1].gain and back[1].share[0] == 2.5
+    assert _remembered(made_from | {"units": ["0", "2"]}) is None  # other units: not these gains
+    path = _cached(made_from)
+    path.write_text(path.read_text().replace("0.01", "0.5"))
+    assert _remembered(made_from) is None
+    said = capsys.readouterr().err
+    assert "a tune's kept gains" in said and "was changed after it was written; they are measured again" in said

@@ -3,6 +3,8 @@ as a whole and refined by scoring its neighbours."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,15 +131,23 @@ def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], ex
     seen_nll, seen_kl = score_sets(models, drawn, [()], "the variant")[0]
 
     def alone(units: list[Unit], label: str) -> list[Choice]:
+        made_from = {"sample": _digest(seen_nll, seen_kl, drawn.window_tokens), "units": [u.label for u in units],
+                     "options": [file.name for file in models.files]}
+        kept = _remembered(made_from)
+        if kept is not None:
+            return kept
         pairs = [(u, o) for u in range(len(units)) for o in range(len(types))
                  if donor_sizes[o].matrix_bytes([units[u]]) > variant_sizes.matrix_bytes([units[u]])]
         scored = score_sets(models, drawn, [swaps_of(units, (Choice(u, o, 0, 0.0, (0, 0, 0)),)) for u, o in pairs], label)
-        return [Choice(u, o, donor_sizes[o].matrix_bytes([units[u]]) - variant_sizes.matrix_bytes([units[u]]),
-                       float(seen_kl.mean() - kl.mean()), recovered_share(seen_kl, kl, drawn.window_tokens, CONFIDENCE))
-                for (u, o), (_, kl) in zip(pairs, scored)]
+        tried.append(len(pairs))
+        found = [Choice(u, o, donor_sizes[o].matrix_bytes([units[u]]) - variant_sizes.matrix_bytes([units[u]]),
+                        float(seen_kl.mean() - kl.mean()), recovered_share(seen_kl, kl, drawn.window_tokens, CONFIDENCE))
+                 for (u, o), (_, kl) in zip(pairs, scored)]
+        _remember(made_from, found)
+        return found
 
+    tried = [1]  # assignments scored here (gains kept from a tune at another budget are not scored again)
     units, choices = list(layers), alone(layers, "each layer alone")
-    tried = 1 + len(choices)
     if per == "module":
         best_of = {u: max((c.gain for c in choices if c.unit == u), default=0.0) for u in range(len(units))}
         chosen = set(sorted(best_of, key=best_of.get, reverse=True)[: splits(len(layers))])
@@ -146,7 +156,6 @@ def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], ex
         renumbered = {u: i for i, u in enumerate(kept)}
         units = [units[u] for u in kept] + groups
         grouped = alone(units[len(kept):], "the groups of the layers that win back most")
-        tried += len(grouped)
         choices = [Choice(renumbered[c.unit], c.option, c.cost, c.gain, c.share) for c in choices if c.unit in renumbered]
         choices += [Choice(c.unit + len(kept), c.option, c.cost, c.gain, c.share) for c in grouped]
     first = knapsack(choices, extra)
@@ -154,7 +163,7 @@ def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], ex
     scored = score_sets(models, drawn, [swaps_of(units, c) for c in [first, *curve_sets]], "the choice and the curve")
     found = [measured(c, nll, kl, seen_kl, drawn) for c, (nll, kl) in zip([first, *curve_sets], scored)]
     best, curve = found[0], found[1:]
-    tried += len(found)
+    tried.append(len(found))
     for _ in range(ROUNDS):
         neighbours = [knapsack(choices, extra, excluded=frozenset({(c.unit, c.option)}))
                       for c in sorted(best.chosen, key=lambda c: c.gain)[:NEIGHBOURS]]
@@ -162,14 +171,14 @@ def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], ex
         if not neighbours:
             break
         scored = score_sets(models, drawn, [swaps_of(units, n) for n in neighbours], "refining")
-        tried += len(neighbours)
+        tried.append(len(neighbours))
         better = min((measured(n, nll, kl, seen_kl, drawn) for n, (nll, kl) in zip(neighbours, scored)),
                      key=lambda m: m.kl)
         if better.kl >= best.kl:
             break
         best = better
     return Tuning(units, types, extra, float(seen_kl.mean()), float((seen_nll - drawn.base_nll).mean()), choices,
-                  found[0], best, tried, [*curve, best], int(drawn.window_tokens.sum()), len(drawn.window_tokens),
+                  found[0], best, sum(tried), [*curve, best], int(drawn.window_tokens.sum()), len(drawn.window_tokens),
                   time.perf_counter() - started)
 
 
@@ -216,3 +225,44 @@ def measure(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, w
         del models
         gc.collect()
     return found, donor_sizes
+
+
+def _digest(*arrays: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(np.ascontiguousarray(array, np.float64).tobytes())
+    return digest.hexdigest()
+
+
+def _cached(made_from: dict) -> Path:
+    from tasks.core.places import cache_dir
+
+    key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "tune" / f"gains-{key}.json"
+
+
+def _remembered(made_from: dict) -> list[Choice] | None:
+    """Each unit's gains alone, as a tune at another budget measured them on the same sample (the variant's own
+    per-token scores on it name the variant, the baseline and the windows), with the same options' files; None when
+    none were kept. An entry changed or made from something else is one line and measured again."""
+    from tasks.core import sealed
+
+    path = _cached(made_from)
+    if not path.is_file():
+        return None
+    entry = sealed.read_entry(path)
+    problem = sealed.damage(entry, "its entry", made_from)
+    if problem is None:
+        return [Choice(c["unit"], c["option"], c["cost"], c["gain"], tuple(c["share"])) for c in entry["choices"]]
+    sealed.warn_remade("a tune's kept gains", path, problem, "they are measured again")
+    return None
+
+
+def _remember(made_from: dict, choices: list[Choice]) -> None:
+    from tasks.core import sealed
+    from tasks.core.files import write_atomically
+
+    path = _cached(made_from)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"unit": c.unit, "option": c.option, "cost": c.cost, "gain": c.gain, "share": list(c.share)} for c in choices]
+    write_atomically(path, json.dumps(sealed.seal(made_from | {"choices": rows})))
