@@ -114,8 +114,9 @@ def curve_chart(found: dict) -> Figure:
     points = [(found["variant_bpw"], found["variant_kl"])] + [(p["bpw"], p["kl"]) for p in found["curve"]]
     axis.plot([p[0] for p in points], [p[1] for p in points], "o-", color=COLOURS["fail"],
               label="recipe, measured on the sample (knapsack at ¼, ½, ¾ and all of the budget)")
-    for name, point in found.get("audited", {}).items():
-        axis.plot(point["bpw"], point["kl"], "s", color=COLOURS["baseline"])
+    for i, (name, point) in enumerate(found.get("audited", {}).items()):
+        axis.plot(point["bpw"], point["kl"], "s", color=COLOURS["baseline"],
+                  label="audited on all of the audit's tokens" if i == 0 else None)
         axis.annotate(f"{name} (audit)", (point["bpw"], point["kl"]), textcoords="offset points", xytext=(4, 6),
                       fontsize=SMALL)
     axis.set_ylim(0, 1.1 * max(p[1] for p in points) or 1.0)
@@ -133,7 +134,9 @@ def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> st
 
     tags = tags | {"ppl_audit.kind": "tune", "ppl_audit.variant": found["variant"],
                    "mlflow.note.content": "\n".join(found.get("verdicts", [])) or f"tune {found['variant']}"}
-    run = client.create_run(experiment_id, run_name=f"tune {found['variant']} {found['budget']}", tags=tags).info.run_id
+    said = "PROVEN" if found.get("proven", {}).get("uniform") else "NOT PROVEN"  # against the uniform variant
+    run = client.create_run(experiment_id, run_name=f"tune {found['variant']} {found['budget']} · {said}",
+                            tags=tags).info.run_id
     now = int(time.time() * 1000)
     metrics = [Metric(key, float(found["final"][key]), now, 0) for key in ("kl", "delta_nll", "predicted")]
     metrics += [Metric("variant_kl", float(found["variant_kl"]), now, 0),
