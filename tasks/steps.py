@@ -207,7 +207,7 @@ def measure_tune(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepar
     with asking(let_go):
         tuning, donor_sizes = measure.measure(lineup, evaluations, prepared, windows, seed)
     file_type = lineup.variants[0].spec.type
-    found = proof.report(tuning, prepared, file_type)
+    found = proof.report(tuning, prepared, file_type, donor_sizes)
     _, found["built"] = proof.built(tuning, prepared, file_type, donor_sizes)
     return found
 

@@ -88,9 +88,11 @@ def format_table(found: dict) -> str:
     lines = [f"{found['variant']} ({found['file_type']}): tune within {found['budget']} — "
              f"{found['budget_bpw']:.3f} bpw of the decoder layers' matrices, +{_mib(found['extra_bytes'])} MiB; "
              f"measured on {found['windows']} windows ({found['tokens']} tokens)",
-             f"  {'unit':>10}  {'type':>5}  {'wins back alone (KL, 95%)':>26}  {'KL gain':>9}  {'MiB':>6}"]
+             f"  {'unit':>10}  {'type (as held)':>14}  {'wins back alone (KL, 95%)':>26}  {'KL gain':>9}  {'MiB':>6}"]
     for row in found["chosen"]:
-        lines.append(f"  {row['unit']:>10}  {row['type']:>5}  {_pct(row['share']):>26}  {row['gain']:9.2e}  "
+        held = "/".join(row.get("held") or [row["type"]])
+        shown = row["type"] if held == row["type"] else f"{row['type']} ({held})"
+        lines.append(f"  {row['unit']:>10}  {shown:>14}  {_pct(row['share']):>26}  {row['gain']:9.2e}  "
                      f"{_mib(row['cost']):>6}")
     final = found["final"]
     lines.append(f"  as chosen: KL {final['kl']:.5f} against {found['variant_kl']:.5f} uniform "

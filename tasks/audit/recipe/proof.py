@@ -20,8 +20,10 @@ UNIFORM = (("Q2_K", 2.625), ("Q3_K_S", 3.4375), ("Q4_0", 4.5), ("Q4_1", 5.0), ("
            ("Q6_K", 6.5625), ("Q8_0", 8.5))
 
 
-def report(tuning: Tuning, prepared: Prepared, file_type: str) -> dict:
-    """The tune as plain data: what the console, ``--json``, the files and the MLflow run are written from."""
+def report(tuning: Tuning, prepared: Prepared, file_type: str, donor_sizes: list[Sizes]) -> dict:
+    """The tune as plain data: what the console, ``--json``, the files and the MLflow run are written from. Each
+    chosen unit says the types its option's file holds for its tensors (``held``): llama.cpp falls back to another
+    type for a shape the option cannot hold (a 576-wide row in 256-weight K-quant blocks)."""
     span, units, types = prepared.span, tuning.units, tuning.types
 
     def point(found: Measured) -> dict:
@@ -31,7 +33,8 @@ def report(tuning: Tuning, prepared: Prepared, file_type: str) -> dict:
 
     chosen = [{"unit": units[c.unit].label, "layer": units[c.unit].layer, "part": units[c.unit].part,
                "modules": list(units[c.unit].modules), "type": types[c.option], "gain": c.gain, "share": list(c.share),
-               "cost": c.cost} for c in tuning.final.chosen]
+               "cost": c.cost, "held": sorted({donor_sizes[c.option].types[name] for name in units[c.unit].tensors})}
+              for c in tuning.final.chosen]
     every = [{"unit": units[c.unit].label, "type": types[c.option], "gain": c.gain, "share": list(c.share),
               "cost": c.cost} for c in tuning.choices]
     return {"variant": prepared.variant, "file_type": file_type, "budget": str(prepared.budget), "per": prepared.per,
