@@ -19,8 +19,9 @@ def add(commands) -> None:
                       help="bits per weight of the decoder layers' matrices (4.8bpw), MiB of the whole file (120MiB), "
                            "or what is added to the variant's own (+0.25bpw, +8MiB)")
     tune.add_argument("--per", choices=("layer", "module"), default="layer",
-                      help="what gets one choice: a decoder layer's matrices, or each of its fused groups (q/k/v, "
-                           "the output projection, gate/up, down); default layer")
+                      help="what gets one choice: a decoder layer's matrices (default), or, in the quarter of the "
+                           "layers that win back most whole, each of their fused groups (q/k/v, the output projection, "
+                           "gate/up, down)")
     tune.add_argument("--types", metavar="T1,T2",
                       help="the GGUF tensor types a unit may take (default Q6_K,Q8_0,F16: more bits, unquantized)")
     tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
