@@ -20,7 +20,7 @@ from prefect import flow
 
 from flows.answers import where_logged
 from flows.audit import audit, summary_of
-from tasks.audit.plan import AuditPlan, open_audit
+from tasks.audit.plan import AuditPlan
 from tasks.audit.recipe.measure import TYPES
 from tasks.audit.recipe.plan import alone, check_types, prepare
 from tasks.audit.recipe.proof import audit_of, compared, uniform_above
@@ -28,11 +28,6 @@ from tasks.audit.recipe.sizes import Budget
 from tasks.core.places import home
 from tasks.record.tuning import gptqmodel_dynamic, llm_compressor_recipe, tensor_type_lines, tune_json
 from tasks.steps import log_tune, measure_tune, open_plan
-
-
-def opened(config: str, variant: str, overrides: list[str]) -> AuditPlan:
-    """The audit of ``variant`` alone, checked (the CLI opens it before Prefect starts)."""
-    return open_audit(config, overrides, narrow=partial(alone, variant=variant))
 
 
 def _written(found: dict, audit_config: dict) -> Path:
@@ -110,7 +105,7 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
     folder = _written(found, audit_config)
     found["folder"] = str(folder)
     print(f"the recipe and its audit: {folder}")
-    state = audit(config=str(folder / "audit.yaml"), plan=open_audit(str(folder / "audit.yaml")), return_state=True)
+    state = audit(config=str(folder / "audit.yaml"), return_state=True)  # it opens its plan, as a run Prefect starts
     summary = summary_of(state)
     if summary is None:
         found |= {"verdicts": [f"no claim: the audit of the recipe failed ({state.message})"], "proven": {}}

@@ -79,7 +79,8 @@ def test_only_the_lineup_finds_a_model_and_only_open_audit_reads_a_config():
     assert set(called({"load_audit_config"})) == {"tasks/audit/plan.py"}, called({"load_audit_config"})
     assert set(called({"open_audit"})) == {"tasks/steps.py", "flows/commands/audit.py",
                                            "flows/commands/serve.py", "flows/commands/diagnose.py",
-                                           "flows/commands/reference.py", "flows/commands/compare.py"}
+                                           "flows/commands/reference.py", "flows/commands/compare.py",
+                                           "flows/commands/tune.py"}
 
 
 def test_a_command_narrows_the_plan_to_what_it_needs(tmp_path, trained_model_dir, corpus_path):

@@ -37,9 +37,12 @@ def run(args: argparse.Namespace) -> int:
 
     budget = Budget.parse(args.budget)  # bad input ends here, before any model loads or Prefect starts
     types = check_types(args.types.split(",") if args.types else list(TYPES))
-    from flows.tune import opened
+    from functools import partial
 
-    plan = opened(args.config, args.variant, args.set)
+    from tasks.audit.plan import open_audit
+    from tasks.audit.recipe.plan import alone
+
+    plan = open_audit(args.config, args.set, narrow=partial(alone, variant=args.variant))
     prepare(plan.lineup, args.variant, budget, args.per, types)
     from flows.tune import tune
     from tasks.record.tuning import format_table, tune_json

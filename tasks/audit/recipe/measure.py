@@ -123,10 +123,10 @@ def measured(choices: tuple[Choice, ...], nll: np.ndarray, kl: np.ndarray, seen_
                     share, float(seen_kl.mean()) - sum(c.gain for c in choices))
 
 
-def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], extra: int, donor_sizes: list[Sizes],
-         variant_sizes: Sizes, per: str) -> Tuning:
-    """Measure every layer at every option alone (with ``per`` module: then the groups of the layers that win back
+def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Sizes], variant_sizes: Sizes) -> Tuning:
+    """Measure every layer at every option alone (with ``--per module``: then the groups of the layers that win back
     most, in place of those layers), choose (``knapsack``), score the choice and refine it."""
+    layers, types, extra = list(prepared.units), list(prepared.types), prepared.extra
     started = time.perf_counter()
     seen_nll, seen_kl = score_sets(models, drawn, [()], "the variant")[0]
 
@@ -148,7 +148,7 @@ def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], ex
 
     tried = [1]  # assignments scored here (gains kept from a tune at another budget are not scored again)
     units, choices = list(layers), alone(layers, "each layer alone")
-    if per == "module":
+    if prepared.per == "module":
         best_of = {u: max((c.gain for c in choices if c.unit == u), default=0.0) for u in range(len(units))}
         chosen = set(sorted(best_of, key=best_of.get, reverse=True)[: splits(len(layers))])
         kept = [u for u in range(len(units)) if u not in chosen]
@@ -185,13 +185,14 @@ def tune(models: Models, drawn: Sample, layers: list[Unit], types: list[str], ex
 def load_models(lineup: Lineup, checkpoint: Checkpoint, files: list[Path]) -> Models:
     """The baseline, the variant and each option's uniform file, loaded here (dequantized: the same weights
     llama.cpp runs), on one device in one dtype."""
-    from tasks.models.resolve import Located
+    from tasks.audit.checkpoints import loading_from
     from tasks.models.variants import load_variant
 
-    baseline, _ = load_variant(lineup.baseline.spec, lineup.baseline.model)
-    variant, _ = load_variant(checkpoint.spec, checkpoint.model)
-    donors = [load_variant(checkpoint.spec.model_copy(update={"runtime": "transformers", "llama_cpp": None}),
-                           Located.at(str(file), file.name))[0] for file in files]
+    def weights(each: Checkpoint):  # its weights in transformers, whatever runtime the audit scores it in
+        return load_variant(each.spec.model_copy(update={"runtime": "transformers", "llama_cpp": None}), each.model)[0]
+
+    baseline, variant = weights(lineup.baseline), weights(checkpoint)
+    donors = [weights(loading_from(checkpoint, str(file))) for file in files]
     if len(decoder_layers(baseline)) != len(decoder_layers(variant)):
         raise InputError(f"{checkpoint.name} has not the baseline's decoder layers: it cannot be tuned against it")
     return Models(baseline, variant, donors, files)
@@ -219,8 +220,7 @@ def measure(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, w
     try:
         drawn = draw(models, evaluations, windows, seed)
         donor_sizes = [Sizes.of(file) for file in files]
-        found = tune(models, drawn, list(prepared.units), list(prepared.types), prepared.extra, donor_sizes,
-                     Sizes.of(prepared.variant_file), prepared.per)
+        found = tune(models, drawn, prepared, donor_sizes, Sizes.of(prepared.variant_file))
     finally:
         del models
         gc.collect()
