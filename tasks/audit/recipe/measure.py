@@ -136,12 +136,13 @@ def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Si
         kept = _remembered(made_from)
         if kept is not None:
             return kept
-        pairs = [(u, o) for u in range(len(units)) for o in range(len(types))
-                 if donor_sizes[o].matrix_bytes([units[u]]) > variant_sizes.matrix_bytes([units[u]])]
+        costs = {(u, o): donor_sizes[o].matrix_bytes([unit]) - variant_sizes.matrix_bytes([unit])
+                 for u, unit in enumerate(units) for o in range(len(types))}
+        pairs = [pair for pair, cost in costs.items() if cost > 0]  # an option no larger than the variant's is none
         scored = score_sets(models, drawn, [swaps_of(units, (Choice(u, o, 0, 0.0, (0, 0, 0)),)) for u, o in pairs], label)
         tried.append(len(pairs))
-        found = [Choice(u, o, donor_sizes[o].matrix_bytes([units[u]]) - variant_sizes.matrix_bytes([units[u]]),
-                        float(seen_kl.mean() - kl.mean()), recovered_share(seen_kl, kl, drawn.window_tokens, CONFIDENCE))
+        found = [Choice(u, o, costs[u, o], float(seen_kl.mean() - kl.mean()),
+                        recovered_share(seen_kl, kl, drawn.window_tokens, CONFIDENCE))
                  for (u, o), (_, kl) in zip(pairs, scored)]
         _remember(made_from, found)
         return found

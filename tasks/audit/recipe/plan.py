@@ -73,7 +73,7 @@ def prepare(lineup: Lineup, variant: str, budget: Budget, per: str, types: tuple
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
     variant_file, baseline_file = Path(checkpoint.source), baseline_gguf(lineup.baseline.model)
-    layers = 1 + max(int(name.split(".")[1]) for name in Sizes.of(variant_file).bytes if name.startswith("blk."))
-    units = tuple(units_of(layers))
-    span = span_of(variant_file, baseline_file, list(units))
+    sizes = Sizes.of(variant_file)
+    units = tuple(units_of(sizes.layers))
+    span = span_of(sizes, Sizes.of(baseline_file), list(units))
     return Prepared(variant, budget, per, types, variant_file, baseline_file, units, span, span.extra_bytes(budget))

@@ -91,23 +91,24 @@ class Sizes:
     bytes: dict[str, int]
     types: dict[str, str]
     total: int
+    elements: dict[str, int]
 
     @classmethod
     def of(cls, path: Path) -> Sizes:
         tensors = read_header(path).tensors
         return cls({t.name: int(t.n_bytes) for t in tensors}, {t.name: t.tensor_type.name for t in tensors},
-                   sum(int(t.n_bytes) for t in tensors))
+                   sum(int(t.n_bytes) for t in tensors), {t.name: int(t.n_elements) for t in tensors})
 
-    def matrices(self, units: list[Unit]) -> list[str]:
-        return [name for unit in units for name in unit.tensors]
+    @property
+    def layers(self) -> int:
+        """How many decoder layers the file has (llama.cpp names their tensors ``blk.<layer>.``)."""
+        return 1 + max(int(name.split(".")[1]) for name in self.bytes if name.startswith("blk."))
 
     def matrix_bytes(self, units: list[Unit]) -> int:
-        return sum(self.bytes[name] for name in self.matrices(units))
+        return sum(self.bytes[name] for unit in units for name in unit.tensors)
 
-
-def matrix_weights(path: Path, units: list[Unit]) -> int:
-    wanted = {name for unit in units for name in unit.tensors}
-    return sum(int(t.n_elements) for t in read_header(path).tensors if t.name in wanted)
+    def matrix_weights(self, units: list[Unit]) -> int:
+        return sum(self.elements[name] for unit in units for name in unit.tensors)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,5 @@ class Span:
         return int(target - self.variant_bytes)
 
 
-def span_of(variant_file: Path, baseline_file: Path, units: list[Unit]) -> Span:
-    mine, theirs = Sizes.of(variant_file), Sizes.of(baseline_file)
-    return Span(matrix_weights(variant_file, units), mine.matrix_bytes(units), theirs.matrix_bytes(units), mine.total)
+def span_of(variant: Sizes, baseline: Sizes, units: list[Unit]) -> Span:
+    return Span(variant.matrix_weights(units), variant.matrix_bytes(units), baseline.matrix_bytes(units), variant.total)
