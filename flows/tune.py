@@ -21,8 +21,7 @@ from prefect import flow
 from flows.answers import where_logged
 from flows.audit import audit, summary_of
 from tasks.audit.plan import AuditPlan
-from tasks.audit.recipe.measure import TYPES
-from tasks.audit.recipe.plan import alone, check_types, prepare
+from tasks.audit.recipe.plan import alone, prepare
 from tasks.audit.recipe.proof import audit_of, compared, uniform_above
 from tasks.audit.recipe.sizes import Budget
 from tasks.core.places import home
@@ -35,7 +34,8 @@ def _written(found: dict, audit_config: dict) -> Path:
     before the audit runs, so nothing measured is lost if it fails."""
     folder = home() / "tunes" / f"{datetime.now():%Y%m%dT%H%M%S}-{audit_config['name']}-{found['variant']}"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "llama-quantize-tensor-types.txt").write_text(tensor_type_lines(found))
+    if found["tensor_types"]:  # a GGUF recipe's; a gptq recipe is gptqmodel's dynamic
+        (folder / "llama-quantize-tensor-types.txt").write_text(tensor_type_lines(found))
     (folder / "gptqmodel-dynamic.json").write_text(json.dumps(gptqmodel_dynamic(found), indent=2) + "\n")
     (folder / "llm-compressor-recipe.yaml").write_text(yaml.safe_dump(llm_compressor_recipe(found), sort_keys=False))
     (folder / "audit.yaml").write_text(yaml.safe_dump(audit_config, sort_keys=False, allow_unicode=True))
@@ -49,15 +49,15 @@ def _results(summary: dict) -> dict[str, list]:
     return results if isinstance(results, dict) else {"": results}
 
 
-def verdicts(summary: dict, names: dict[str, str], found: dict, larger_bpw: float | None) -> dict:
+def verdicts(summary: dict, names: dict[str, str], found: dict, larger: tuple[str, float, dict] | None) -> dict:
     """Per uniform variant (and per domain), whether the recipe is proven better there (``lines``), whether it is
     in every domain (``proven``, by role: ``uniform``, ``larger``), and each model's audit figures for the chart
     (``audited``). A model that failed makes no claim: not proven."""
     lines, proven, audited = [], {}, {}
     tuned_bpw = found["built"]["bpw"]
     against = [("uniform", found["variant_bpw"], f"uniform {found['file_type']}")]
-    if larger_bpw is not None:
-        against.append(("larger", larger_bpw, f"uniform {names['larger'].rsplit('-as-', 1)[1].upper()}"))
+    if larger is not None:
+        against.append(("larger", larger[1], f"uniform {larger[0]}"))
     results = _results(summary)
     for domain, models in results.items():
         by_name = {m.name: m for m in models}
@@ -87,21 +87,22 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
 
     Args:
         per: what gets one choice: ``layer`` (a decoder layer's matrices) or ``module`` (its fused groups).
-        types: the GGUF tensor types a unit may take (default ``TYPES``).
+        types: what a unit may take: GGUF tensor types (default ``TYPES``), or a gptq variant's options (8bit, g32,
+            bf16: ``tasks.audit.recipe.gptq.parse``; by default all three).
         plan: the audit of the variant alone (``opened``: the CLI makes it); without it, made here once.
 
     Returns:
         the tune, with ``verdicts``, ``folder`` (the recipe's files) and ``record`` (where it was logged).
     """
-    wanted, options = Budget.parse(budget), check_types(types or list(TYPES))
+    wanted = Budget.parse(budget)
     if plan is None:
         plan = open_plan(config, overrides or [], narrow=partial(alone, variant=variant))
-    prepared = prepare(plan.lineup, variant, wanted, per, options)
+    prepared = prepare(plan.lineup, variant, wanted, per, types)
     settings = plan.config
     found = measure_tune(plan.lineup, [d.evaluation for d in plan.domains], prepared, settings.diagnosis.windows,
                          settings.diagnosis.seed)
-    larger = uniform_above(prepared, found["file_type"], found["built"]["bpw"])
-    audit_config, names = audit_of(settings, variant, found["tensor_types"], larger[0] if larger else None)
+    larger = uniform_above(prepared, found["built"]["bpw"])
+    audit_config, names = audit_of(settings, variant, found["built"]["recipe"], larger)
     folder = _written(found, audit_config)
     found["folder"] = str(folder)
     print(f"the recipe and its audit: {folder}")
@@ -111,7 +112,7 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
         found |= {"verdicts": [f"no claim: the audit of the recipe failed ({state.message})"], "proven": {}}
         parent = None
     else:
-        said = verdicts(summary, names, found, larger[1] if larger else None)
+        said = verdicts(summary, names, found, larger)
         found |= {"verdicts": said["lines"], "proven": said["proven"], "audited": said["audited"],
                   "audit_table": summary["table"], "audit_verdict": summary["verdict"].said}
         parent = summary.get("mlflow_run_id")

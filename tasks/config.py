@@ -205,6 +205,9 @@ class VariantSpec(Strict):
     tensor_types: list[Annotated[str, Field(pattern=r"^[^=\s]+=[A-Za-z0-9_]+$")]] | None = Field(
         None, description="with type: llama-quantize --tensor-type entries (PATTERN=TYPE, the first whose pattern a "
         "tensor's name contains wins), a mixed-precision recipe as `ppl-audit tune` writes it")
+    dynamic: dict[Annotated[str, Field(pattern=r"^[+-]:.+")], dict[Literal["bits", "group_size"], int]] | None = Field(
+        None, description="gptq made here: gptqmodel's per-module overrides (+:REGEX: other bits or group_size, "
+        "-:REGEX: left unquantized), a mixed-precision recipe as `ppl-audit tune` writes it")
 
     @field_validator("path", "gguf_file")
     @classmethod
@@ -251,6 +254,9 @@ class VariantSpec(Strict):
         if self.tensor_types is not None and self.type is None:
             raise ValueError("tensor_types sets some tensors' types in a GGUF file llama.cpp's quantizer makes: give it "
                              "with method gguf and a type")
+        if self.dynamic is not None and not (self.method == "gptq" and self.path is None):
+            raise ValueError("dynamic overrides how gptqmodel quantizes some modules of a gptq variant made here from "
+                             "the baseline: give it with method gptq and no path")
         if self.type is not None and (self.method != "gguf" or self.path is not None):
             raise ValueError("type is the GGUF type llama.cpp's quantizer makes from the baseline: give it with method "
                              "gguf and no path")

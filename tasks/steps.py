@@ -8,6 +8,7 @@ corpus digest, tokenizer digest and settings.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import task
@@ -203,12 +204,13 @@ def log_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
 def measure_tune(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, windows: int | None,
                  seed: int) -> dict:
     """A tune's measuring: each unit at each option on the sample, the knapsack's choice scored and refined; the
-    tune's report, with the recipe made by llama.cpp's quantizer and checked on its file (``built``)."""
+    tune's report, with the recipe made (llama.cpp's quantizer, gptqmodel) and checked on what was made
+    (``built``)."""
     with asking(let_go):
-        tuning, donor_sizes = measure.measure(lineup, evaluations, prepared, windows, seed)
-    file_type = lineup.variants[0].spec.type
-    found = proof.report(tuning, prepared, file_type, donor_sizes)
-    _, found["built"] = proof.built(tuning, prepared, file_type, donor_sizes)
+        tuning, donor_sizes, measured = measure.measure(lineup, evaluations, prepared, windows, seed)
+        found = proof.report(tuning, prepared, donor_sizes)
+        made = replace(lineup, variants=[measured])
+        found["built"] = proof.built(found, tuning, prepared, donor_sizes, made, evaluations[0])
     return found
 
 

@@ -104,16 +104,19 @@ def planted(tmp_path_factory):
     intermediate channel's down-projection column is multiplied by SCALE and its up-projection row divided by it
     (the MLP computes the same: silu(gate)·up is linear in up). Every 32-weight block of that layer's down
     projection then holds one outlier, which a 4-bit block quantizer rounds the rest of the block to nothing for."""
-    from safetensors.torch import load_file, save_file
-
     from tasks.data.embedded import ensure_embedded_model
 
-    source = ensure_embedded_model()
-    folder = tmp_path_factory.mktemp("planted") / "model"
+    return fragile(ensure_embedded_model(), tmp_path_factory.mktemp("planted") / "model", PLANTED)
+
+
+def fragile(source: Path, folder: Path, layer: int) -> Path:
+    """A copy of the model folder ``source`` in ``folder`` with decoder layer ``layer``'s MLP made fragile (``planted``)."""
+    from safetensors.torch import load_file, save_file
+
     shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     for file in source.glob("*.safetensors"):
         tensors = load_file(file)
-        down, up = f"model.layers.{PLANTED}.mlp.down_proj.weight", f"model.layers.{PLANTED}.mlp.up_proj.weight"
+        down, up = f"model.layers.{layer}.mlp.down_proj.weight", f"model.layers.{layer}.mlp.up_proj.weight"
         if down in tensors:
             channels = slice(0, tensors[down].shape[1], 32)
             tensors[down][:, channels] *= SCALE
@@ -171,7 +174,7 @@ def test_tune_gives_the_planted_fragile_module_more_precision_and_proves_it_bett
     (["--budget", "+0.1"], "--budget '+0.1': give bits per weight"),
     (["--budget", "+0.1bpw", "--types", "Q9_9"], "--types Q9_9: Q9_9 is not a GGUF tensor type"),
     (["--budget", "+0.1bpw", "--variant", "nope"], "has no variant 'nope'; give one of q4, int8"),
-    (["--budget", "+0.1bpw", "--variant", "int8"], "variant 'int8' is method torchao-int8: tune sets each tensor's type"),
+    (["--budget", "+0.1bpw", "--variant", "int8"], "variant 'int8' is method torchao-int8: tune sets each module's precision"),
 ])
 def test_bad_input_is_one_line_before_anything_loads(capsys, tmp_path, args, expected):
     config = {"name": "refused", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
@@ -180,6 +183,25 @@ def test_bad_input_is_one_line_before_anything_loads(capsys, tmp_path, args, exp
     path = tmp_path / "refused.yaml"
     path.write_text(yaml.safe_dump(config))
     variant = [] if "--variant" in args else ["--variant", "q4"]
+    assert expected in one_line_error(capsys, "tune", str(path), *variant, *args)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--budget", "4.0bpw"], "--budget 4.0bpw: the variant itself takes 4.358bpw"),
+    (["--budget", "17bpw"], "--budget 17bpw: more than the baseline itself takes (16.000bpw)"),
+    (["--budget", "+0.1bpw", "--types", "9bit"], "--types 9bit: gptq takes 2, 3, 4 or 8 bits"),
+    (["--budget", "+0.1bpw", "--types", "8bit,q8"], "--types q8: a gptq option is 8bit"),
+    (["--budget", "+0.1bpw", "--types", "g1024"], "--types 4bit-g1024: group size 1024 does not divide the input"),
+    (["--budget", "+0.1bpw", "--variant", "a4"], "variant 'a4' is method awq: tune sets each module's precision"),
+])
+def test_bad_input_for_a_gptq_tune_is_one_line_before_anything_loads(capsys, tmp_path, args, expected):
+    config = {"name": "refused", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
+              "evaluation": {"max_tokens": 512, "window": 256},
+              "variants": [{"name": "g4", "method": "gptq", "bits": 4, "group_size": 64},
+                           {"name": "a4", "method": "awq", "bits": 4, "group_size": 64}]}
+    path = tmp_path / "refused.yaml"
+    path.write_text(yaml.safe_dump(config))
+    variant = [] if "--variant" in args else ["--variant", "g4"]
     assert expected in one_line_error(capsys, "tune", str(path), *variant, *args)
 
 
@@ -213,3 +235,99 @@ def test_gains_measured_at_one_budget_are_kept_for_another_and_checked_when_read
     assert _remembered(made_from) is None
     said = capsys.readouterr().err
     assert "a tune's kept gains" in said and "was changed after it was written; they are measured again" in said
+
+
+@pytest.mark.slow  # quantizes
+def test_a_gptq_recipe_s_checkpoint_costs_loads_and_reads_back_as_its_options_say(trained_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """gptqmodel's ``dynamic`` with one module at 8 bits, one fused group at group size 16 and one group left
+    unquantized: every matrix of the checkpoint holds what the recipe gave it (read from its tensors' shapes), takes
+    the bytes ``Option.bytes`` costs it, and the checkpoint loads (gptqmodel's route: transformers cannot) with those
+    bits per weight, the unquantized modules counted at their 16 bits."""
+    from tasks.audit.recipe.gptq import Option, Shapes, held
+    from tasks.config import VariantSpec
+    from tasks.models.cost import checkpoint_tensor_bytes
+    from tasks.models.quantize import Scheme, draw_calibration, quantize
+    from tasks.models.resolve import load_tokenizer, locate_model
+    from tasks.models.variants import load_variant
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
+    dynamic = {r"+:model\.layers\.1\.mlp\.(down_proj)$": {"bits": 8, "group_size": 32},
+               r"+:model\.layers\.0\.self_attn\.(q_proj|k_proj|v_proj)$": {"bits": 4, "group_size": 16},
+               r"-:model\.layers\.0\.mlp\.(gate_proj|up_proj)$": {}}
+    out = tmp_path / "recipe"
+    import torch
+
+    quantize(locate_model(str(trained_model_dir)), Scheme("gptq", 4, 32, True, dynamic),
+             draw_calibration(torch.randint(0, 300, (64 * 64,)), 8, 64, 0, "random", "none"), out,
+             load_tokenizer(str(trained_model_dir)))
+    shapes = Shapes.of(trained_model_dir)
+    given = {"model.layers.1.mlp.down_proj": Option(8, 32), "model.layers.0.mlp.gate_proj": Option(None, 32),
+             "model.layers.0.mlp.up_proj": Option(None, 32)} | {
+        f"model.layers.0.self_attn.{m}_proj": Option(4, 16) for m in "qkv"}
+    expected = {name: given.get(name, Option(4, 32)) for name in shapes.matrices}
+    assert held(out, shapes) == {name: option.label for name, option in expected.items()}
+    stored = checkpoint_tensor_bytes(str(out))
+    for name, option in expected.items():
+        assert sum(size for key, size in stored.items() if key.startswith(f"{name}.")) == \
+            option.bytes(*shapes.matrices[name]), name
+    model, facts = load_variant(VariantSpec(name="r", method="gptq", path=str(out)), str(out))
+    weights = sum(out_ * in_ for out_, in_ in shapes.matrices.values())
+    costed = sum(option.bytes(*shapes.matrices[name]) for name, option in expected.items())
+    assert facts.bits_per_weight == pytest.approx(8 * costed / weights, rel=1e-12)
+    assert facts.quantization["label"] == "gptq 4-bit g32 tuned" and facts.quantized_layers == len(expected) - 2
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear and model.dtype == torch.float32
+
+
+@pytest.mark.slow  # quantizes four checkpoints of a small model, and runs an audit
+def test_a_gptq_tune_gives_the_fragile_module_8_bits_through_gptqmodel_s_dynamic_and_proves_it(
+        cli, cache, tmp_path, trained_model_dir, corpus_path):
+    """The trained 2-layer llama with layer 1's MLP made fragile, its GPTQ 4-bit g32 tuned module by module with 8-bit
+    options: layer 1's down projection wins back most and is chosen; the checkpoint gptqmodel makes from the recipe's
+    ``dynamic`` holds it at 8 bits and every other matrix at 4, within the budget; the audit proves it better than the
+    uniform 4-bit g32, and its files and MLflow run carry the overrides it was made with."""
+    from helpers import write_config
+
+    model = fragile(trained_model_dir, tmp_path / "fragile", 1)
+    variant = {"name": "g4", "method": "gptq", "bits": 4, "group_size": 32,
+               "calibration": {"samples": 8, "seq_len": 64, "seed": 0}}
+    config = write_config(tmp_path / "tiny.yaml", model, corpus_path, [variant], name="fragile",
+                          tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "tune"})
+    code, out, err = cli("tune", str(config), "--variant", "g4", "--budget", "+0.5bpw", "--per", "module",
+                         "--types", "8bit", "--set", "diagnosis.windows=8", "--json", timeout=1200)
+    found = json_line(out, err)
+    assert code == 0, out[-4000:] + err[-4000:]
+    assert max(found["every"], key=lambda row: row["gain"])["unit"] == "1.down"
+    assert "1.down" in [row["unit"] for row in found["chosen"]], found["chosen"]
+    built = found["built"]
+    assert built["within"] and built["checked"] == built["tensors"] == 14 and built["bpw"] <= found["budget_bpw"]
+    from tasks.audit.recipe.gptq import Shapes, held
+
+    holds = held(Path(built["path"]), Shapes.of(model))
+    assert holds["model.layers.1.mlp.down_proj"] == "8bit-g32" and holds["model.layers.0.mlp.down_proj"] == "4bit-g32"
+    stored = json.loads((Path(built["path"]) / "config.json").read_text())["quantization_config"]["dynamic"]
+    exported = json.loads((Path(found["folder"]) / "gptqmodel-dynamic.json").read_text())
+    assert stored == exported["dynamic"] and exported["bits"] == 4 and exported["group_size"] == 32
+    assert found["proven"]["uniform"] and found["verdicts"][0].startswith("proven better than uniform 4-bit g32")
+    assert "g4-tuned" in out and "gptq 4-bit g32 tuned" in out
+    assert not (Path(found["folder"]) / "llama-quantize-tensor-types.txt").exists()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    artifacts = {a.path for a in client.list_artifacts(found["mlflow_run_id"], "recipe")}
+    assert artifacts == {"recipe/gptqmodel-dynamic.json", "recipe/llm-compressor-recipe.yaml"}
+
+
+def test_dynamic_is_refused_but_on_a_gptq_variant_made_here_and_in_a_form_gptqmodel_does_not_read():
+    from pydantic import ValidationError
+
+    from tasks.config import VariantSpec
+
+    good = {r"+:model\.layers\.7\.(mlp\.down_proj)$": {"bits": 8, "group_size": 64}, r"-:model\.layers\.0\.": {}}
+    assert VariantSpec(name="r", method="gptq", bits=4, group_size=64, dynamic=good).dynamic == good
+    for wrong in ({"method": "gptq", "path": "some/checkpoint"}, {"method": "awq"}, {"method": "gguf", "type": "Q4_0"}):
+        with pytest.raises(ValidationError, match="dynamic overrides how gptqmodel quantizes some modules of a gptq"):
+            VariantSpec(name="r", dynamic=good, **wrong)
+    for wrong in ({"model.layers.7": {"bits": 8}}, {"+:x": {"desc_act": True}}):
+        with pytest.raises(ValidationError, match="dynamic"):
+            VariantSpec(name="r", method="gptq", dynamic=wrong)

@@ -13,8 +13,8 @@ NAME, LOGGED = "tune", True
 def add(commands) -> None:
     tune = commands.add_parser(NAME, help="a mixed-precision recipe within a size budget, measured, made and audited")
     tune.add_argument("config", help="the audit YAML the variant is in, e.g. configs/demo.yaml")
-    tune.add_argument("--variant", required=True, help="the variant to tune: a GGUF type made from the baseline "
-                                                       "(method: gguf, type: Q4_0)")
+    tune.add_argument("--variant", required=True, help="the variant to tune, made here from the baseline: a GGUF type "
+                                                       "(method: gguf, type: Q4_0) or gptq without a path")
     tune.add_argument("--budget", required=True,
                       help="bits per weight of the decoder layers' matrices (4.8bpw), MiB of the whole file (120MiB), "
                            "or what is added to the variant's own (+0.25bpw, +8MiB)")
@@ -23,7 +23,9 @@ def add(commands) -> None:
                            "layers that win back most whole, each of their fused groups (q/k/v, the output projection, "
                            "gate/up, down)")
     tune.add_argument("--types", metavar="T1,T2",
-                      help="the GGUF tensor types a unit may take (default Q6_K,Q8_0,F16: more bits, unquantized)")
+                      help="what a unit may take: GGUF tensor types for a GGUF variant (default Q6_K,Q8_0,F16: more "
+                           "bits, unquantized); for a gptq variant 8bit (its group size), g32 (its bits), 8bit-g32 or "
+                           "bf16 (unquantized) (default: 8 bits, half its group size, and unquantized)")
     tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config value, e.g. --set diagnosis.windows=4 (the sample the gains are "
                            "measured on: diagnosis.windows and diagnosis.seed)")
@@ -31,19 +33,18 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tasks.audit.recipe.measure import TYPES
-    from tasks.audit.recipe.plan import check_types, prepare
+    from tasks.audit.recipe.plan import prepare
     from tasks.audit.recipe.sizes import Budget
 
     budget = Budget.parse(args.budget)  # bad input ends here, before any model loads or Prefect starts
-    types = check_types(args.types.split(",") if args.types else list(TYPES))
+    types = args.types.split(",") if args.types else None
     from functools import partial
 
     from tasks.audit.plan import open_audit
     from tasks.audit.recipe.plan import alone
 
     plan = open_audit(args.config, args.set, narrow=partial(alone, variant=args.variant))
-    prepare(plan.lineup, args.variant, budget, args.per, types)
+    types = list(prepare(plan.lineup, args.variant, budget, args.per, types).types)  # checked: the options it takes
     from flows.tune import tune
     from tasks.record.tuning import format_table, tune_json
 

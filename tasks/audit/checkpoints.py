@@ -253,10 +253,12 @@ def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluat
     calibration = calibration_for(spec, lineup, evaluation_, corpus_text_of)
     baseline = lineup.baseline.source
     baseline_digest = model_digest(str(model_files(baseline, fetch=True)))
-    key = json.dumps([baseline_digest, spec.method, bits, group_size, sym, calibration.digest])
+    dynamic = spec.dynamic or {}  # a recipe's overrides (``ppl-audit tune``): another checkpoint, kept apart
+    key = json.dumps([baseline_digest, spec.method, bits, group_size, sym, calibration.digest]
+                     + ([dynamic] if dynamic else []), sort_keys=True)
     out = cache_dir() / "quantized" / f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     made_from = {"source_model_digest": baseline_digest, "method": spec.method, "bits": bits, "group_size": group_size,
-                 "sym": sym, "calibration": calibration.describe()}
+                 "sym": sym, "calibration": calibration.describe()} | ({"dynamic": dynamic} if dynamic else {})
     manifest = read_manifest(str(out))
     problem = None if manifest is None else checkpoint_damage(out, manifest, made_from)
     if problem:  # never scored: it would give wrong numbers, or fail every later audit
@@ -265,7 +267,7 @@ def quantized_checkpoint(spec: VariantSpec, lineup: Lineup, evaluation_: Evaluat
         if out.exists():  # a folder without its manifest is not a checkpoint: made again
             discard(out)
         try:
-            quantize(lineup.baseline.model, Scheme(spec.method, bits, group_size, sym), calibration, out,
+            quantize(lineup.baseline.model, Scheme(spec.method, bits, group_size, sym, dynamic), calibration, out,
                      lineup.tokenizer, name=spec.name, progress=progress)
         except FileExistsError:  # another audit made the same one meanwhile
             if read_manifest(str(out)) is None:

@@ -18,6 +18,7 @@ import torch
 from tasks.config import QUANTIZED_AT_LOAD, VariantSpec
 from tasks.engine.layers import decoder_layers
 from tasks.models.gguf_file import read_header
+from tasks.models.quantize import per_module
 
 # bytes per element of the dtypes a safetensors header names
 SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
@@ -66,18 +67,27 @@ def _layer_bytes_in_memory(module: torch.nn.Module) -> int:
     return weight_bytes(module) - (tensor_bytes(bias) if torch.is_tensor(bias) else 0)
 
 
-def checkpoint_tensor_bytes(source: str) -> dict[str, int]:
-    """``{tensor name: bytes}`` of a folder's safetensors files, from their headers (no tensor is read); empty for
-    weights in another form (a ``.bin``)."""
+def _headers(source: str) -> dict[str, tuple[list[int], str]]:
+    """``{tensor name: (shape, dtype)}`` of a folder's safetensors files, from their headers (no tensor is read)."""
     from safetensors import safe_open
 
-    sizes = {}
+    found = {}
     for file in Path(source).glob("*.safetensors"):
         with safe_open(str(file), "pt") as tensors:
             for name in tensors.keys():
                 part = tensors.get_slice(name)
-                sizes[name] = math.prod(part.get_shape()) * SAFETENSORS_BYTES[part.get_dtype()]
-    return sizes
+                found[name] = (list(part.get_shape()), part.get_dtype())
+    return found
+
+
+def checkpoint_tensor_bytes(source: str) -> dict[str, int]:
+    """``{tensor name: bytes}`` of a folder's safetensors files; empty for weights in another form (a ``.bin``)."""
+    return {name: math.prod(shape) * SAFETENSORS_BYTES[dtype] for name, (shape, dtype) in _headers(source).items()}
+
+
+def tensor_shapes(source: str) -> dict[str, list[int]]:
+    """``{tensor name: shape}`` of a folder's safetensors files; empty for weights in another form (a ``.bin``)."""
+    return {name: shape for name, (shape, _) in _headers(source).items()}
 
 
 def _shipped(spec: VariantSpec, source: str) -> bool:
@@ -121,8 +131,12 @@ def quantized_bits(model, spec: VariantSpec, source: str, quantized: list[str]) 
     if not quantized:
         return None
     modules = {name: model.get_submodule(name) for name in quantized}
-    weights = sum(_weights(module) for module in modules.values())
     stored = checkpoint_tensor_bytes(source) if _shipped(spec, source) else {}
+    if stored and per_module(model.config):  # a decoder layer's matrix a recipe left in floats is a weight it costs
+        inside = {id(module) for layer in decoder_layers(model) for module in layer.modules()}
+        modules |= {name: module for name, module in model.named_modules()
+                    if type(module) is torch.nn.Linear and id(module) in inside}
+    weights = sum(_weights(module) for module in modules.values())
     if stored:
         held = sum(size for name, size in stored.items()
                    if not name.endswith(".bias") and name.rsplit(".", 1)[0] in modules)

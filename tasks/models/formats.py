@@ -161,7 +161,11 @@ def describe(spec: VariantSpec, source: str, model) -> dict:
     if spec.method == "compressed-tensors" and settings:
         return compressed_facts(settings, model)
     if spec.method in ("gptq", "awq") and settings:
-        return {key: settings[key] for key in ("bits", "group_size", "sym", "desc_act", "format") if key in settings}
+        facts = {key: settings[key] for key in ("bits", "group_size", "sym", "desc_act", "format") if key in settings}
+        if settings.get("dynamic"):  # a recipe's: some modules at other bits or group sizes (``ppl-audit tune``)
+            facts |= {"module_overrides": len(settings["dynamic"]),
+                      "label": f"{spec.method} {facts.get('bits')}-bit g{facts.get('group_size')} tuned"}
+        return facts
     return {}
 
 

@@ -200,12 +200,15 @@ def _layer_progress(quantizer, label: str, enabled: bool) -> Iterator[None]:
 @dataclass(frozen=True)
 class Scheme:
     """How gptqmodel quantizes: ``method`` (``gptq`` or ``awq``), ``bits``, columns per group (``group_size``, which
-    must divide the layers' widths; -1: per channel), symmetric or not (``sym``)."""
+    must divide the layers' widths; -1: per channel), symmetric or not (``sym``); ``dynamic``: gptqmodel's per-module
+    overrides of those (``+:REGEX``: other bits or group size, ``-:REGEX``: left unquantized), a recipe
+    (``ppl-audit tune``)."""
 
     method: str
     bits: int
     group_size: int
     sym: bool
+    dynamic: dict[str, dict] | None = None
 
 
 def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path, tokenizer,
@@ -227,7 +230,7 @@ def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path
     _prepare_gptqmodel()
     from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
 
-    method, bits, group_size, sym = scheme.method, scheme.bits, scheme.group_size, scheme.sym
+    method, bits, group_size, sym, dynamic = scheme.method, scheme.bits, scheme.group_size, scheme.sym, scheme.dynamic
 
     source = str(model_files(model.source, fetch=True))  # gptqmodel and the digest read its files
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -238,9 +241,10 @@ def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path
     try:
         with scratch(cache_dir() / "scratch") as staging, scratch(partials) as partial:
             made = partial / "checkpoint"
-            scheme = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
+            settings = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
+                                                                     dynamic=dynamic or None,
                                                                      offload_to_disk_path=str(staging / "offload"))
-            quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), scheme, device=device)
+            quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), settings, device=device)
             options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
             rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
             with logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress), \
@@ -253,6 +257,7 @@ def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path
             tokenizer.save_pretrained(made)
             manifest = {
                 "name": name, "method": method, "bits": bits, "group_size": group_size, "sym": sym,
+                **({"dynamic": dynamic} if dynamic else {}),
                 "source_model": model.name, "source_model_digest": model_digest(source),
                 "calibration": calibration.describe(), "versions": versions("gptqmodel", "optimum"),
                 "device": device, "seconds": round(time.perf_counter() - started, 2),
@@ -266,6 +271,31 @@ def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path
         with suppress(OSError):  # left empty, also by a failed or stopped run, unless another is making one there
             partials.rmdir()
     return manifest
+
+
+def per_module(config) -> dict:
+    """gptqmodel's per-module overrides (``dynamic``) a checkpoint's config holds, empty when it has none."""
+    settings = getattr(config, "quantization_config", None)
+    settings = settings if isinstance(settings, dict) or settings is None else settings.to_dict()
+    return dict((settings or {}).get("dynamic") or {})
+
+
+def load_per_module(model: Located, dtype: torch.dtype, device: torch.device):
+    """A gptq checkpoint with per-module overrides (``per_module``: a recipe's), loaded by gptqmodel itself, in eval
+    mode: transformers with optimum gives every module the checkpoint's one bit width and group size and fails on
+    the others' shapes; gptqmodel reads the overrides (a ``-:`` module a plain Linear, a ``+:`` one at its own bits).
+
+    gptqmodel's kernels take float16 or bfloat16 only: a float32 audit's model is loaded in float16 (the scales' own
+    dtype, so each weight is what its scale gives) and cast to float32. transformers' route rounds the scales to
+    bfloat16 instead; on the demo's GPTQ 4-bit the two differ by KL 0.0007 against a KL of 0.46 from the baseline."""
+    _prepare_gptqmodel()
+    from gptqmodel import BACKEND, GPTQModel
+
+    # on a CPU gptqmodel would pick its fused kernel, which takes 4-bit modules only: a recipe's 8-bit ones need Torch's
+    backend = BACKEND.TORCH if device.type == "cpu" else BACKEND.AUTO
+    loaded_in = torch.float16 if dtype == torch.float32 else dtype
+    loaded = GPTQModel.load(model.source, device=str(device), dtype=loaded_in, backend=backend).model
+    return loaded.to(dtype).eval()
 
 
 def _partials(out: Path) -> Path:

@@ -28,6 +28,7 @@ from tasks.models.formats import describe, distributions, ready, require
 from tasks.models.gguf import gguf_facts
 from tasks.models import kernel_start
 from tasks.models.loading import WEIGHT_SUFFIXES, as_located, load_model
+from tasks.models.quantize import load_per_module, per_module
 from tasks.models.placement import check_ties, devices, forget_with, split_arguments
 from tasks.models.resolve import Located, device_and_dtype, model_files
 
@@ -163,7 +164,10 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
         # gptqmodel picks and readies its kernel as the checkpoint loads
         with (kernel_start.said_as_the_kernel(spec.name, spec.method, spec.kernel, device.type)
               if spec.method in ("gptq", "awq") else contextlib.nullcontext()):
-            model = load_model(found, dtype, device, **extra, **split)
+            if spec.method == "gptq" and per_module(found.config):  # a recipe's, made by gptqmodel's dynamic
+                model = load_per_module(found, dtype, device)
+            else:
+                model = load_model(found, dtype, device, **extra, **split)
     forget_with(model, split)
     ready(spec, model)
     weights = weight_bytes(model)  # as loaded: a kernel may repack its weights at its first forward, just below

@@ -27,42 +27,54 @@ def integer_bits(ggml_type: str) -> int | None:
     return None if name in FLOATS else INTEGER_BITS.get(name[:2], 8)
 
 
-def _module_regex(layer: int, modules: list[str], prefix: str = "model.layers") -> str:
+def _module_regex(found: dict, layer: int, modules: list[str]) -> str:
     names = "|".join(re.escape(m) for m in modules)
-    return rf"{re.escape(prefix)}\.{layer}\.({names})$"
+    return rf"{re.escape(found.get('prefix') or 'model.layers')}\.{layer}\.({names})$"
+
+
+def _scheme(found: dict, row: dict | None = None) -> tuple[int | None, int]:
+    """The integer bits (None: left unquantized) and group size of the variant (``row`` None) or of a chosen row: a
+    gptq tune's own; a GGUF tune's closest (``integer_bits``, the 32-weight blocks of llama.cpp's plain types)."""
+    if found.get("method") == "gptq":
+        return (found["bits"], found["group_size"]) if row is None else (row["bits"], row["group_size"])
+    return integer_bits(found["file_type"] if row is None else row["type"]) or (4 if row is None else None), 32
 
 
 def gptqmodel_dynamic(found: dict) -> dict:
-    """gptqmodel's ``dynamic`` per-module overrides for the recipe (``+:`` more bits, ``-:`` left unquantized), as its
-    QuantizeConfig takes them and stores them in a checkpoint's quantization config (which vLLM and SGLang read)."""
+    """gptqmodel's ``dynamic`` per-module overrides for the recipe (``+:`` more bits or a smaller group, ``-:`` left
+    unquantized), as its QuantizeConfig takes them and stores them in a checkpoint's quantization config (which vLLM
+    and SGLang read); a gptq tune's are the ones its recipe was made with."""
     dynamic = {}
     for row in found["chosen"]:
-        bits = integer_bits(row["type"])
-        pattern = _module_regex(row["layer"], row["modules"])
+        bits, group = _scheme(found, row)
+        pattern = _module_regex(found, row["layer"], row["modules"])
         if bits is None:
             dynamic[f"-:{pattern}"] = {}
         else:
-            dynamic[f"+:{pattern}"] = {"bits": bits, "group_size": found["group_size"]}
-    return {"bits": integer_bits(found["file_type"]) or 4, "group_size": found["group_size"], "dynamic": dynamic}
+            dynamic[f"+:{pattern}"] = {"bits": bits, "group_size": group}
+    bits, group = _scheme(found)
+    return {"bits": bits, "group_size": group, "dynamic": dynamic}
 
 
 def llm_compressor_recipe(found: dict) -> dict:
-    """An llm-compressor recipe: the variant's scheme for every Linear, a config group per precision the recipe
-    gives more of (regex targets, which compressed-tensors matches before class names), the unquantized ignored."""
-    def weights(bits: int) -> dict:
-        return {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": found["group_size"]}
+    """An llm-compressor recipe: the variant's scheme for every Linear, a config group per scheme the recipe gives
+    more precision with (regex targets, which compressed-tensors matches before class names), the unquantized
+    ignored."""
+    def weights(bits: int, group: int) -> dict:
+        grouping = {"strategy": "group", "group_size": group} if group > 0 else {"strategy": "channel"}
+        return {"num_bits": bits, "type": "int", "symmetric": True} | grouping
 
-    groups = {"group_0": {"targets": ["Linear"], "weights": weights(integer_bits(found["file_type"]) or 4)}}
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights(*_scheme(found))}}
     ignore = ["lm_head"]
-    by_bits: dict[int, list[str]] = {}
+    by_scheme: dict[tuple[int, int], list[str]] = {}
     for row in found["chosen"]:
-        bits, target = integer_bits(row["type"]), "re:" + _module_regex(row["layer"], row["modules"])
+        (bits, group), target = _scheme(found, row), "re:" + _module_regex(found, row["layer"], row["modules"])
         if bits is None:
             ignore.append(target)
         else:
-            by_bits.setdefault(bits, []).append(target)
-    for i, (bits, targets) in enumerate(sorted(by_bits.items()), start=1):
-        groups[f"group_{i}"] = {"targets": targets, "weights": weights(bits)}
+            by_scheme.setdefault((bits, group), []).append(target)
+    for i, (scheme, targets) in enumerate(sorted(by_scheme.items()), start=1):
+        groups[f"group_{i}"] = {"targets": targets, "weights": weights(*scheme)}
     return {"quant_stage": {"quant_modifiers": {"GPTQModifier": {"ignore": ignore, "config_groups": groups}}}}
 
 
@@ -152,7 +164,8 @@ def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> st
     client.log_batch(run, metrics=metrics, params=params)
     client.log_dict(run, json.loads(tune_json(found)), "tune.json")
     client.log_text(run, format_table(found), "choices.txt")
-    client.log_text(run, tensor_type_lines(found), "recipe/llama-quantize-tensor-types.txt")
+    if found["tensor_types"]:  # a GGUF recipe's
+        client.log_text(run, tensor_type_lines(found), "recipe/llama-quantize-tensor-types.txt")
     client.log_dict(run, gptqmodel_dynamic(found), "recipe/gptqmodel-dynamic.json")
     client.log_dict(run, llm_compressor_recipe(found), "recipe/llm-compressor-recipe.yaml")
     client.log_figure(run, curve_chart(found), "budget_curve.png")

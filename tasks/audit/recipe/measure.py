@@ -6,14 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from tasks.audit.checkpoints import Checkpoint, Lineup, baseline_gguf
+from tasks.audit.checkpoints import Checkpoint, Lineup, baseline_gguf, loading_from
 from tasks.audit.diagnose import held_baseline, sample, sample_feed
 from tasks.audit.recipe.choose import Choice, knapsack
+from tasks.audit.recipe.gptq import FLOAT, as_name
 from tasks.audit.recipe.plan import Prepared
 from tasks.audit.recipe.sizes import Sizes, Unit, split, splits
 from tasks.core.errors import InputError
@@ -21,7 +24,6 @@ from tasks.data.evaluation import Evaluation
 from tasks.engine.layers import Swap, decoder_layers, recovered_share, swapped_scores
 from tasks.engine.paired import CONFIDENCE
 
-TYPES = ("Q6_K", "Q8_0", "F16")  # the options a unit may take by default: more bits, and left unquantized
 CURVE = (0.25, 0.5, 0.75)  # the budgets, as shares of the one asked, at which the curve of KL is also measured
 NEIGHBOURS = 4  # assignments scored per refining round
 ROUNDS = 2
@@ -42,13 +44,13 @@ class Measured:
 
 @dataclass
 class Models:
-    """The models a tune scores on its sample: the baseline, the variant and one uniform file per option (its
-    donors), loaded once."""
+    """The models a tune scores on its sample: the baseline, the variant and one uniform model per option (its
+    donors), loaded once; ``files``: what each donor was loaded from (its file, its folder), which names it."""
 
     baseline: object
     variant: object
     donors: list
-    files: list[Path]
+    files: list[str]
 
 
 @dataclass
@@ -108,13 +110,14 @@ class Tuning:
     seconds: float
 
     def tensor_types(self) -> list[str]:
-        """The recipe as llama-quantize ``--tensor-type`` entries."""
+        """The recipe as llama-quantize ``--tensor-type`` entries (a GGUF tune's)."""
         return [self.units[c.unit].entry(self.types[c.option]) for c in self.final.chosen]
 
     def expected_types(self, donors: list[Sizes]) -> dict[str, str]:
-        """Each changed tensor's type as the uniform file of its option has it (llama.cpp's fallback for shapes a
+        """Each changed tensor's type as the uniform model of its option has it (llama.cpp's fallback for shapes a
         type cannot hold included): what the recipe's file must hold."""
-        return {name: donors[c.option].types[name] for c in self.final.chosen for name in self.units[c.unit].tensors}
+        return {name: donors[c.option].types[name] for c in self.final.chosen
+                for name in donors[c.option].names(self.units[c.unit])}
 
 
 def measured(choices: tuple[Choice, ...], nll: np.ndarray, kl: np.ndarray, seen_kl: np.ndarray, drawn: Sample) -> Measured:
@@ -123,7 +126,7 @@ def measured(choices: tuple[Choice, ...], nll: np.ndarray, kl: np.ndarray, seen_
                     share, float(seen_kl.mean()) - sum(c.gain for c in choices))
 
 
-def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Sizes], variant_sizes: Sizes) -> Tuning:
+def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Sizes]) -> Tuning:
     """Measure every layer at every option alone (with ``--per module``: then the groups of the layers that win back
     most, in place of those layers), choose (``knapsack``), score the choice and refine it."""
     layers, types, extra = list(prepared.units), list(prepared.types), prepared.extra
@@ -132,11 +135,11 @@ def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Si
 
     def alone(units: list[Unit], label: str) -> list[Choice]:
         made_from = {"sample": _digest(seen_nll, seen_kl, drawn.window_tokens), "units": [u.label for u in units],
-                     "options": [file.name for file in models.files]}
+                     "options": [Path(file).name for file in models.files]}
         kept = _remembered(made_from)
         if kept is not None:
             return kept
-        costs = {(u, o): donor_sizes[o].matrix_bytes([unit]) - variant_sizes.matrix_bytes([unit])
+        costs = {(u, o): donor_sizes[o].matrix_bytes([unit]) - prepared.sizes.matrix_bytes([unit])
                  for u, unit in enumerate(units) for o in range(len(types))}
         pairs = [pair for pair, cost in costs.items() if cost > 0]  # an option no larger than the variant's is none
         scored = score_sets(models, drawn, [swaps_of(units, (Choice(u, o, 0, 0.0, (0, 0, 0)),)) for u, o in pairs], label)
@@ -183,20 +186,56 @@ def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Si
                   time.perf_counter() - started)
 
 
-def load_models(lineup: Lineup, checkpoint: Checkpoint, files: list[Path]) -> Models:
-    """The baseline, the variant and each option's uniform file, loaded here (dequantized: the same weights
-    llama.cpp runs), on one device in one dtype."""
-    from tasks.audit.checkpoints import loading_from
+def load_models(lineup: Lineup, checkpoint: Checkpoint, donors: list[Checkpoint | str]) -> Models:
+    """The baseline, the variant and each option's uniform model, loaded here on one device in one dtype, their
+    matrices plain floats: a GGUF file dequantized (the weights llama.cpp runs), a gptq module as its kernel computes
+    it. A donor given as ``FLOAT`` is the baseline with its decoder layers' matrices in bfloat16, as a gptq
+    checkpoint keeps a module it leaves unquantized."""
     from tasks.models.variants import load_variant
 
     def weights(each: Checkpoint):  # its weights in transformers, whatever runtime the audit scores it in
-        return load_variant(each.spec.model_copy(update={"runtime": "transformers", "llama_cpp": None}), each.model)[0]
+        spec = each.spec.model_copy(update={"runtime": "transformers", "llama_cpp": None})
+        return _plain(load_variant(spec, each.model)[0])
 
     baseline, variant = weights(lineup.baseline), weights(checkpoint)
-    donors = [weights(loading_from(checkpoint, str(file))) for file in files]
+    loaded = [_rounded(baseline) if donor == FLOAT else weights(donor) for donor in donors]
     if len(decoder_layers(baseline)) != len(decoder_layers(variant)):
         raise InputError(f"{checkpoint.name} has not the baseline's decoder layers: it cannot be tuned against it")
-    return Models(baseline, variant, donors, files)
+    names = [f"{lineup.baseline.source}:{FLOAT}" if d == FLOAT else str(d.source) for d in donors]
+    return Models(baseline, variant, loaded, names)
+
+
+@torch.inference_mode()
+def _plain(model):
+    """``model`` with each quantized matrix of its decoder layers (one with packed ``qweight``: gptqmodel's) made a
+    plain Linear of the weights its kernel computes with: what it gives for each unit vector (bias aside)."""
+    for layer in decoder_layers(model):
+        for name, module in list(layer.named_modules()):
+            if not hasattr(module, "qweight"):
+                continue
+            device = module.qweight.device
+            eye = torch.eye(module.in_features, dtype=model.dtype, device=device)
+            bias = getattr(module, "bias", None)
+            weight = module(eye) - (bias if bias is not None else 0)
+            plain = torch.nn.Linear(module.in_features, module.out_features, bias=bias is not None, device=device,
+                                    dtype=model.dtype)
+            plain.weight.copy_(weight.T)
+            if bias is not None:
+                plain.bias.copy_(bias)
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, plain)
+    return model
+
+
+@torch.inference_mode()
+def _rounded(baseline):
+    """A copy of ``baseline`` with its decoder layers' matrices rounded to bfloat16 and back."""
+    copy = deepcopy(baseline)
+    for layer in decoder_layers(copy):
+        for module in layer.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.copy_(module.weight.to(torch.bfloat16).to(module.weight.dtype))
+    return copy
 
 
 def option_files(lineup: Lineup, checkpoint: Checkpoint, types: list[str]) -> list[Path]:
@@ -209,23 +248,49 @@ def option_files(lineup: Lineup, checkpoint: Checkpoint, types: list[str]) -> li
             for t in types]
 
 
+def gptq_donors(lineup: Lineup, checkpoint: Checkpoint, prepared: Prepared,
+                evaluation_: Evaluation) -> tuple[Checkpoint, list[Checkpoint | str]]:
+    """The gptq variant and each option's uniform checkpoint, quantized here from the baseline with the variant's
+    calibration (cached as an audit's are); ``FLOAT`` for the option that leaves a unit unquantized."""
+    from tasks.audit.checkpoints import loading_from, quantized_checkpoint
+    from tasks.audit.scoring import made
+    from tasks.data.corpus import corpus_text
+
+    variant = made(checkpoint, lineup, evaluation_, corpus_text, progress=True)
+    donors: list[Checkpoint | str] = []
+    for option in prepared.options:
+        if option.bits is None:
+            donors.append(FLOAT)
+            continue
+        spec = checkpoint.spec.model_copy(update={"name": as_name(checkpoint.name, option.scheme), "bits": option.bits,
+                                                  "group_size": option.group})
+        donors.append(loading_from(checkpoint, quantized_checkpoint(spec, lineup, evaluation_, corpus_text, True)))
+    return variant, donors
+
+
 def measure(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, windows: int | None,
-            seed: int) -> tuple[Tuning, list[Sizes]]:
-    """Load the models (each option's uniform file made first, cached), draw the sample from every domain and
-    tune: the tuning, and each option's file's sizes (what the recipe's tensors must be, as built)."""
+            seed: int) -> tuple[Tuning, list[Sizes], Checkpoint]:
+    """Load the models (each option's uniform model made first, cached), draw the sample from every domain and
+    tune: the tuning, each option's sizes (what the recipe's matrices must be, as built), and the variant as
+    measured (a gptq variant made here: its checkpoint)."""
     import gc
 
     [checkpoint] = lineup.variants
-    files = option_files(lineup, checkpoint, list(prepared.types))
-    models = load_models(lineup, checkpoint, files)
+    if prepared.method == "gptq":
+        checkpoint, donors = gptq_donors(lineup, checkpoint, prepared, evaluations[0])
+        donor_sizes = list(prepared.option_sizes)
+    else:
+        files = option_files(lineup, checkpoint, list(prepared.types))
+        donors = [loading_from(checkpoint, str(file)) for file in files]
+        donor_sizes = [Sizes.of(file) for file in files]
+    models = load_models(lineup, checkpoint, donors)
     try:
         drawn = draw(models, evaluations, windows, seed)
-        donor_sizes = [Sizes.of(file) for file in files]
-        found = tune(models, drawn, prepared, donor_sizes, Sizes.of(prepared.variant_file))
+        found = tune(models, drawn, prepared, donor_sizes)
     finally:
         del models
         gc.collect()
-    return found, donor_sizes
+    return found, donor_sizes, checkpoint
 
 
 def _digest(*arrays: np.ndarray) -> str:

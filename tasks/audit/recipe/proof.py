@@ -7,10 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.audit.checkpoints import Lineup
+from tasks.audit.recipe import gptq
 from tasks.audit.recipe.measure import Measured, Tuning
 from tasks.audit.recipe.plan import Prepared
 from tasks.audit.recipe.sizes import MIB, Sizes
 from tasks.config import AuditConfig
+from tasks.data.evaluation import Evaluation
 from tasks.engine.layers import recovered_share
 from tasks.engine.paired import CONFIDENCE
 
@@ -20,10 +23,10 @@ UNIFORM = (("Q2_K", 2.625), ("Q3_K_S", 3.4375), ("Q4_0", 4.5), ("Q4_1", 5.0), ("
            ("Q6_K", 6.5625), ("Q8_0", 8.5))
 
 
-def report(tuning: Tuning, prepared: Prepared, file_type: str, donor_sizes: list[Sizes]) -> dict:
+def report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes]) -> dict:
     """The tune as plain data: what the console, ``--json``, the files and the MLflow run are written from. Each
-    chosen unit says the types its option's file holds for its tensors (``held``): llama.cpp falls back to another
-    type for a shape the option cannot hold (a 576-wide row in 256-weight K-quant blocks)."""
+    chosen unit says what its option's uniform model holds for its matrices (``held``): llama.cpp falls back to
+    another type for a shape the option cannot hold (a 576-wide row in 256-weight K-quant blocks)."""
     span, units, types = prepared.span, tuning.units, tuning.types
 
     def point(found: Measured) -> dict:
@@ -31,63 +34,130 @@ def report(tuning: Tuning, prepared: Prepared, file_type: str, donor_sizes: list
                 "cost": found.cost, "bpw": span.bpw(span.variant_bytes + found.cost),
                 "units": [units[c.unit].label for c in found.chosen]}
 
+    def scheme(option: int) -> dict:  # a gptq option's bits (None: unquantized) and group size
+        if prepared.method != "gptq":
+            return {}
+        return {"bits": prepared.options[option].bits, "group_size": prepared.options[option].group}
+
     chosen = [{"unit": units[c.unit].label, "layer": units[c.unit].layer, "part": units[c.unit].part,
                "modules": list(units[c.unit].modules), "type": types[c.option], "gain": c.gain, "share": list(c.share),
-               "cost": c.cost, "held": sorted({donor_sizes[c.option].types[name] for name in units[c.unit].tensors})}
-              for c in tuning.final.chosen]
+               "cost": c.cost, "held": sorted({donor_sizes[c.option].types[name]
+                                               for name in donor_sizes[c.option].names(units[c.unit])})}
+              | scheme(c.option) for c in tuning.final.chosen]
     every = [{"unit": units[c.unit].label, "type": types[c.option], "gain": c.gain, "share": list(c.share),
               "cost": c.cost} for c in tuning.choices]
-    return {"variant": prepared.variant, "file_type": file_type, "budget": str(prepared.budget), "per": prepared.per,
+    own = {"bits": prepared.own.bits, "group_size": prepared.own.group,
+           "prefix": prepared.shapes.prefix} if prepared.method == "gptq" else {}
+    return {"variant": prepared.variant, "method": prepared.method, "file_type": prepared.scheme,
+            "budget": str(prepared.budget), "per": prepared.per,
             "types": list(types), "budget_bpw": span.bpw(span.variant_bytes + prepared.extra),
             "extra_bytes": prepared.extra, "variant_bpw": span.bpw(span.variant_bytes),
             "baseline_bpw": span.bpw(span.baseline_bytes), "variant_kl": tuning.variant_kl,
             "variant_delta_nll": tuning.variant_delta_nll, "windows": tuning.windows, "tokens": tuning.tokens,
             "chosen": chosen, "every": every, "first": point(tuning.first), "final": point(tuning.final),
             "curve": [point(m) for m in tuning.curve], "tried": tuning.tried, "seconds": tuning.seconds,
-            "tensor_types": tuning.tensor_types(), "group_size": 32}
+            "tensor_types": tuning.tensor_types() if prepared.method == "gguf" else []} | own
 
 
-def built(tuning: Tuning, prepared: Prepared, file_type: str, donor_sizes: list[Sizes]) -> tuple[Path, dict]:
-    """The recipe made by llama.cpp's quantizer (cached), checked on the file: every tensor of a chosen unit in the
-    type its option's uniform file gives it, every other as in the uniform variant, the whole within the budget."""
-    from tasks.models import llama_cpp
-
-    file = llama_cpp.made_file(prepared.baseline_file, file_type, tensor_types=tuple(tuning.tensor_types()))
-    sizes, uniform = Sizes.of(file), Sizes.of(prepared.variant_file)
-    expected = {name: uniform.types[name] for name in uniform.types} | tuning.expected_types(donor_sizes)
+def built(found: dict, tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes], lineup: Lineup,
+          evaluation_: Evaluation) -> dict:
+    """The recipe made (cached: the audit of it finds it made) and checked on what was made: every matrix of a
+    chosen unit as its option's uniform model holds it, every other as in the uniform variant, the whole within the
+    budget. A GGUF file's tensor types are read from its header; a gptq checkpoint's bits and group sizes from its
+    tensors' shapes."""
+    recipe = recipe_of(found)
+    path = Path(_made(recipe, prepared, lineup, evaluation_))
+    if prepared.method == "gptq":
+        held = gptq.held(path, prepared.shapes)
+        sizes = Sizes(_stored(path, list(held)), held, _file_bytes(path), {}, prepared.shapes.prefix)
+    else:
+        sizes = Sizes.of(path)
+    uniform = prepared.sizes
+    expected = dict(uniform.types) | tuning.expected_types(donor_sizes)
     wrong = sorted(name for name in expected if sizes.types.get(name) != expected[name])
     matrix = sizes.matrix_bytes(list(prepared.units))
-    return file, {"file": file.name, "path": str(file), "bpw": prepared.span.bpw(matrix), "bytes": matrix,
-                  "file_mib": sizes.total / MIB, "within": matrix <= prepared.span.variant_bytes + prepared.extra,
-                  "checked": len(expected) - len(wrong), "tensors": len(expected), "wrong": wrong[:5]}
+    return {"file": path.name, "path": str(path), "bpw": prepared.span.bpw(matrix), "bytes": matrix,
+            "file_mib": sizes.total / MIB, "within": matrix <= prepared.span.variant_bytes + prepared.extra,
+            "checked": len(expected) - len(wrong), "tensors": len(expected), "wrong": wrong[:5], "recipe": recipe}
 
 
-def uniform_above(prepared: Prepared, file_type: str, bpw: float) -> tuple[str, float] | None:
-    """The smallest uniform file type (``UNIFORM``) whose decoder-layer matrices take at least ``bpw`` as
-    llama.cpp's quantizer makes it from the baseline, and its bits per weight; None when none does."""
+def _made(recipe: dict, prepared: Prepared, lineup: Lineup, evaluation_: Evaluation) -> str:
+    """The recipe's file (llama.cpp's quantizer) or checkpoint (gptqmodel, with the variant's calibration), named as
+    the audit of it names the tuned variant, so that the audit finds it made."""
+    [checkpoint] = lineup.variants
+    if prepared.method == "gptq":
+        from tasks.audit.checkpoints import quantized_checkpoint
+        from tasks.data.corpus import corpus_text
+
+        spec = checkpoint.spec.model_copy(update={"name": f"{prepared.variant}-tuned"} | recipe)
+        return quantized_checkpoint(spec, lineup, evaluation_, corpus_text, True)
+    from tasks.models import llama_cpp
+
+    return str(llama_cpp.made_file(prepared.baseline_file, prepared.scheme, tensor_types=tuple(recipe["tensor_types"])))
+
+
+def recipe_of(found: dict) -> dict:
+    """What the recipe changes in the variant's spec: a GGUF tune's ``tensor_types``, a gptq tune's ``dynamic``."""
+    from tasks.record.tuning import gptqmodel_dynamic
+
+    if found["method"] == "gptq":
+        return {"dynamic": gptqmodel_dynamic(found)["dynamic"]}
+    return {"tensor_types": found["tensor_types"]}
+
+
+def _stored(folder: Path, modules: list[str]) -> dict[str, int]:
+    """The bytes a checkpoint's tensors of each of ``modules`` take (their biases aside)."""
+    from tasks.models.cost import checkpoint_tensor_bytes
+
+    found = dict.fromkeys(modules, 0)
+    for name, size in checkpoint_tensor_bytes(str(folder)).items():
+        module, _, part = name.rpartition(".")
+        if module in found and part != "bias":
+            found[module] += size
+    return found
+
+
+def _file_bytes(folder: Path) -> int:
+    return sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+
+
+def uniform_above(prepared: Prepared, bpw: float) -> tuple[str, float, dict] | None:
+    """The smallest uniform variant whose decoder-layer matrices take at least ``bpw``, its bits per weight and what
+    it changes in the variant's spec; None when none does. A GGUF variant's from the file types of ``UNIFORM`` as
+    llama.cpp's quantizer makes them from the baseline; a gptq variant's the same bits at a smaller group size, or 8
+    bits (``gptq.larger``), costed from the baseline's shapes."""
+    units = list(prepared.units)
+    if prepared.method == "gptq":
+        for option in gptq.larger(prepared.own, prepared.shapes):
+            found = prepared.span.bpw(prepared.shapes.sizes(option).matrix_bytes(units))
+            if found >= bpw:
+                return option.scheme, found, {"bits": option.bits, "group_size": option.group}
+        return None
     from tasks.models import llama_cpp
 
     for name, nominal in UNIFORM:
-        if nominal < bpw - 0.5 or name == file_type.upper():
+        if nominal < bpw - 0.5 or name == prepared.scheme:
             continue
         sizes = Sizes.of(llama_cpp.made_file(prepared.baseline_file, name))
-        found = prepared.span.bpw(sizes.matrix_bytes(list(prepared.units)))
+        found = prepared.span.bpw(sizes.matrix_bytes(units))
         if found >= bpw:
-            return name, found
+            return name, found, {"type": name}
     return None
 
 
-def audit_of(config: AuditConfig, variant: str, tensor_types: list[str], uniform: str | None) -> tuple[dict, dict]:
-    """The audit of the recipe as a config (plain data, to be written as YAML): the uniform variant, the recipe,
-    and the uniform variant of equal or larger size, with divergence on and the variant's gate for each; and the
-    names it gives them (``tuned``, ``uniform``, ``larger``)."""
+def audit_of(config: AuditConfig, variant: str, recipe: dict, larger: tuple[str, float, dict] | None) -> tuple[dict, dict]:
+    """The audit of the recipe as a config (plain data, to be written as YAML): the uniform variant, the recipe
+    (``recipe``: what it changes in the variant's spec), and the uniform variant of equal or larger size
+    (``uniform_above``), with divergence on and the variant's gate for each; and the names it gives them
+    (``tuned``, ``uniform``, ``larger``)."""
     spec = next(v for v in config.variants if v.name == variant)
     names = {"uniform": variant, "tuned": f"{variant}-tuned"}
     variants = [spec.model_dump(mode="json", exclude_defaults=True),
-                spec.model_dump(mode="json", exclude_defaults=True) | {"name": names["tuned"], "tensor_types": tensor_types}]
-    if uniform is not None:
-        names["larger"] = f"{variant}-as-{uniform.lower()}"
-        variants.append(spec.model_dump(mode="json", exclude_defaults=True) | {"name": names["larger"], "type": uniform})
+                spec.model_dump(mode="json", exclude_defaults=True) | {"name": names["tuned"]} | recipe]
+    if larger is not None:
+        label, _, changes = larger
+        names["larger"] = gptq.as_name(variant, label)
+        variants.append(spec.model_dump(mode="json", exclude_defaults=True) | {"name": names["larger"]} | changes)
     data = config.model_dump(mode="json", exclude_defaults=True)
     data |= {"name": f"{config.name}-tune", "variants": variants, "diagnose": False}
     data["evaluation"] = data.get("evaluation", {}) | {"divergence": "on"}
@@ -108,7 +178,7 @@ def compared(tuned, other, tuned_bpw: float, other_bpw: float, label: str) -> tu
     tokens = np.asarray(a.window_tokens)
     kl = recovered_share(np.asarray(b.extra["kl"], np.float64), np.asarray(a.extra["kl"], np.float64), tokens, CONFIDENCE)
     nll = cluster_mean(np.asarray(a.token_nll, np.float64) - np.asarray(b.token_nll, np.float64), tokens)
-    better = kl[1] > 0 and not nll.low > 0
+    better = bool(kl[1] > 0 and not nll.low > 0)  # numpy's bool is not JSON's
     mine, theirs = float(np.mean(a.extra["kl"])), float(np.mean(b.extra["kl"]))
     relative = (f"KL {-kl[0]:+.0f}% [{-kl[2]:+.0f}, {-kl[1]:+.0f}]" if theirs > 0 and kl[1] == kl[1]
                 else f"KL {mine:.5f} against {theirs:.5f}")

@@ -86,12 +86,15 @@ def splits(layers: int) -> int:
 
 @dataclass(frozen=True)
 class Sizes:
-    """A GGUF file's tensors: bytes and type by name, and the decoder layers' matrices' weights and bytes."""
+    """A model file's tensors: bytes and type by name, and the decoder layers' matrices' weights and bytes. A GGUF
+    file's are named as llama.cpp names them (``Unit.tensors``); a gptq checkpoint's matrices as the model names its
+    modules, ``<prefix>.<layer>.<module>`` (``tasks.audit.recipe.gptq``)."""
 
     bytes: dict[str, int]
     types: dict[str, str]
     total: int
     elements: dict[str, int]
+    prefix: str | None = None  # None: a GGUF file's names
 
     @classmethod
     def of(cls, path: Path) -> Sizes:
@@ -104,11 +107,17 @@ class Sizes:
         """How many decoder layers the file has (llama.cpp names their tensors ``blk.<layer>.``)."""
         return 1 + max(int(name.split(".")[1]) for name in self.bytes if name.startswith("blk."))
 
+    def names(self, unit: Unit) -> list[str]:
+        """The names ``unit``'s matrices have here."""
+        if self.prefix is None:
+            return unit.tensors
+        return [f"{self.prefix}.{unit.layer}.{module}" for module in unit.modules]
+
     def matrix_bytes(self, units: list[Unit]) -> int:
-        return sum(self.bytes[name] for unit in units for name in unit.tensors)
+        return sum(self.bytes[name] for unit in units for name in self.names(unit))
 
     def matrix_weights(self, units: list[Unit]) -> int:
-        return sum(self.elements[name] for unit in units for name in unit.tensors)
+        return sum(self.elements[name] for unit in units for name in self.names(unit))
 
 
 @dataclass(frozen=True)
