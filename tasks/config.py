@@ -207,7 +207,8 @@ class VariantSpec(Strict):
         "tensor's name contains wins), a mixed-precision recipe as `ppl-audit tune` writes it")
     dynamic: dict[Annotated[str, Field(pattern=r"^[+-]:.+")], dict[Literal["bits", "group_size"], int]] | None = Field(
         None, description="gptq made here: gptqmodel's per-module overrides (+:REGEX: other bits or group_size, "
-        "-:REGEX: left unquantized), a mixed-precision recipe as `ppl-audit tune` writes it")
+        "-:REGEX: left unquantized), a mixed-precision recipe as `ppl-audit tune` writes it; loaded by gptqmodel "
+        "(with {}: the uniform checkpoint, loaded as a recipe is)")
 
     @field_validator("path", "gguf_file")
     @classmethod

@@ -192,7 +192,7 @@ def test_bad_input_is_one_line_before_anything_loads(capsys, tmp_path, args, exp
     (["--budget", "+0.1bpw", "--types", "9bit"], "--types 9bit: gptq takes 2, 3, 4 or 8 bits"),
     (["--budget", "+0.1bpw", "--types", "8bit,q8"], "--types q8: a gptq option is 8bit"),
     (["--budget", "+0.1bpw", "--types", "g1024"], "--types 4bit-g1024: group size 1024 does not divide the input"),
-    (["--budget", "+0.1bpw", "--variant", "a4"], "variant 'a4' is method awq: tune sets each module's precision"),
+    (["--budget", "+0.1bpw", "--variant", "a4"], "AWQ quantizes every module at one bit width and group size: its dynamic only skips modules"),
 ])
 def test_bad_input_for_a_gptq_tune_is_one_line_before_anything_loads(capsys, tmp_path, args, expected):
     config = {"name": "refused", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
@@ -308,6 +308,10 @@ def test_a_gptq_tune_gives_the_fragile_module_8_bits_through_gptqmodel_s_dynamic
     stored = json.loads((Path(built["path"]) / "config.json").read_text())["quantization_config"]["dynamic"]
     exported = json.loads((Path(found["folder"]) / "gptqmodel-dynamic.json").read_text())
     assert stored == exported["dynamic"] and exported["bits"] == 4 and exported["group_size"] == 32
+    # the audit of the recipe: every model loaded as the recipe is (dynamic {}: by gptqmodel), the recipe's overrides
+    audited = {v["name"]: v for v in yaml.safe_load((Path(found["folder"]) / "audit.yaml").read_text())["variants"]}
+    assert audited["g4"]["dynamic"] == {} and audited["g4-tuned"]["dynamic"] == stored
+    assert audited["g4-as-4-bit-g16"] | {"name": "g4", "group_size": 32} == audited["g4"]
     assert found["proven"]["uniform"] and found["verdicts"][0].startswith("proven better than uniform 4-bit g32")
     assert "g4-tuned" in out and "gptq 4-bit g32 tuned" in out
     assert not (Path(found["folder"]) / "llama-quantize-tensor-types.txt").exists()

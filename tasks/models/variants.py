@@ -164,7 +164,8 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
         # gptqmodel picks and readies its kernel as the checkpoint loads
         with (kernel_start.said_as_the_kernel(spec.name, spec.method, spec.kernel, device.type)
               if spec.method in ("gptq", "awq") else contextlib.nullcontext()):
-            if spec.method == "gptq" and per_module(found.config):  # a recipe's, made by gptqmodel's dynamic
+            # a recipe's (made by gptqmodel's dynamic), or one given dynamic: {} to be loaded as a recipe is
+            if spec.method == "gptq" and (spec.dynamic is not None or per_module(found.config)):
                 model = load_per_module(found, dtype, device)
             else:
                 model = load_model(found, dtype, device, **extra, **split)

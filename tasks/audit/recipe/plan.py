@@ -24,7 +24,8 @@ def check_tunable(config: AuditConfig, variant: str) -> None:
     gguf, gptq = spec.method == "gguf" and spec.type is not None, spec.method == "gptq" and spec.path is None
     if not (gguf or gptq):
         what = f"method {spec.method}" + (f" ({spec.path})" if spec.path else "")
-        also = " (awq's per-module overrides are not made here yet)" if spec.method == "awq" else ""
+        also = (" (gptqmodel 7.6.0's AWQ quantizes every module at one bit width and group size: its dynamic only "
+                "skips modules)") if spec.method == "awq" else ""
         raise InputError(f"variant '{variant}' is {what}: tune sets each module's precision in a model made here from "
                          "the baseline, so give the variant as method gguf with a type (type: Q4_0), or as method gptq "
                          f"without a path{also}")
