@@ -252,7 +252,7 @@ def gptq_donors(lineup: Lineup, checkpoint: Checkpoint, prepared: Prepared,
                 evaluation_: Evaluation) -> tuple[Checkpoint, list[Checkpoint | str]]:
     """The gptq variant and each option's uniform checkpoint, quantized here from the baseline with the variant's
     calibration (cached as an audit's are); ``FLOAT`` for the option that leaves a unit unquantized."""
-    from tasks.audit.checkpoints import loading_from, quantized_checkpoint
+    from tasks.audit.checkpoints import quantized_checkpoint
     from tasks.audit.scoring import made
     from tasks.data.corpus import corpus_text
 
@@ -278,7 +278,7 @@ def measure(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, w
     [checkpoint] = lineup.variants
     if prepared.method == "gptq":
         checkpoint, donors = gptq_donors(lineup, checkpoint, prepared, evaluations[0])
-        donor_sizes = list(prepared.option_sizes)
+        donor_sizes = prepared.option_sizes()
     else:
         files = option_files(lineup, checkpoint, list(prepared.types))
         donors = [loading_from(checkpoint, str(file)) for file in files]

@@ -41,8 +41,8 @@ def check_tunable(config: AuditConfig, variant: str) -> None:
 class Prepared:
     """A tune checked before anything loads: the variant's file (a GGUF variant's; a gptq variant is made as it is
     measured), the baseline's, the units, the options (``types``: their labels), the sizes a budget is read against
-    and the bytes it allows beyond the variant. A gptq tune has the baseline's matrices' shapes (``shapes``) and its
-    options' sizes (``option_sizes``), costed from them; a GGUF tune's are read from its options' files."""
+    and the bytes it allows beyond the variant. A gptq tune has the baseline's matrices' shapes (``shapes``), from
+    which its options' sizes are costed (``option_sizes``); a GGUF tune's are read from its options' files."""
 
     variant: str
     budget: Budget
@@ -59,8 +59,10 @@ class Prepared:
     own: Option | None = None  # a gptq variant's bits and group size
     options: tuple[Option, ...] = ()
     shapes: Shapes | None = None
-    option_sizes: tuple[Sizes, ...] = ()
 
+    def option_sizes(self) -> list[Sizes]:
+        """A gptq tune's options' sizes, costed from the baseline's shapes."""
+        return [self.shapes.sizes(option) for option in self.options]
 
 
 def alone(config: AuditConfig, variant: str) -> AuditConfig:
@@ -121,5 +123,4 @@ def _prepare_gptq(lineup: Lineup, variant: str, budget: Budget, per: str, types:
     units = tuple(units_of(shapes.layers))
     span = span_of(sizes, shapes.sizes(gptq.Option(None, group)), list(units))
     return Prepared(variant, budget, per, tuple(o.label for o in options), None, folder, units, span,
-                    span.extra_bytes(budget), sizes, own.scheme, "gptq", own, options, shapes,
-                    tuple(shapes.sizes(o) for o in options))
+                    span.extra_bytes(budget), sizes, own.scheme, "gptq", own, options, shapes)

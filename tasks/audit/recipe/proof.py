@@ -93,7 +93,9 @@ def _made(recipe: dict, prepared: Prepared, lineup: Lineup, evaluation_: Evaluat
         return quantized_checkpoint(spec, lineup, evaluation_, corpus_text, True)
     from tasks.models import llama_cpp
 
-    return str(llama_cpp.made_file(prepared.baseline_file, prepared.scheme, tensor_types=tuple(recipe["tensor_types"])))
+    # the type as the spec gives it, as the audit of the recipe asks for the file: one cached file, not two
+    return str(llama_cpp.made_file(prepared.baseline_file, checkpoint.spec.type,
+                                   tensor_types=tuple(recipe["tensor_types"])))
 
 
 def recipe_of(found: dict) -> dict:
