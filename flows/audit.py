@@ -20,6 +20,7 @@ from flows.diagnose import diagnoses
 from flows.runners import score_domains
 from tasks.audit.checkpoints import Lineup
 from tasks.audit.plan import AuditPlan, Domain, Event
+from tasks.audit.population import population
 from tasks.audit.served import Refused
 from tasks.audit.where import where_of
 from tasks.config import AuditConfig
@@ -33,6 +34,8 @@ from tasks.record.runtime_cost import runtime_cost_lines, runtime_costs, stream_
 from tasks.record.spool import record_json
 from tasks.record.tracking import run_link
 from tasks.record.dominance import dominated_by
+from tasks.record.population import population_line
+from tasks.record.floor import floor_row, judged, kept_as
 from tasks.record.verdict import comparison_row, format_table, judge, overall
 from tasks.steps import open_plan, spool_audit, track
 
@@ -71,10 +74,13 @@ def summary_json(summary: dict) -> str:
     verdict = summary["verdict"]
     said = {"audit": summary["name"], "verdict": verdict.status, "reason": verdict.reason,
             "mlflow_run_id": summary.get("mlflow_run_id"), "record": summary["record"], "models": models(summary),
-            "runtime_costs": summary.get("runtime_costs", [])}
+            "runtime_costs": summary.get("runtime_costs", []),
+            "population": summary.get("population"), "floor": [plain(row) for row in summary.get("floor", [])]}
     if "domains" in summary:
         said["domains"] = {name: {"verdict": domain["verdict"].status, "reason": domain["verdict"].reason,
-                                  "models": models(domain), "runtime_costs": domain.get("runtime_costs", [])}
+                                  "models": models(domain), "runtime_costs": domain.get("runtime_costs", []),
+                                  "population": domain.get("population"),
+                                  "floor": [plain(row) for row in domain.get("floor", [])]}
                            for name, domain in summary["domains"].items()}
     return json.dumps(said)
 
@@ -87,10 +93,19 @@ def _scheduled() -> bool:
     return bool(context and context.flow_run and context.flow_run.auto_scheduled)
 
 
-def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantResult]) -> dict:
-    """Comparison rows, per-variant verdicts and the audit's verdict, as plain data."""
+def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantResult],
+           floors: list[VariantResult] = ()) -> dict:
+    """Comparison rows, per-variant verdicts and the audit's verdict, as plain data; with a noise floor (``floors``),
+    its rows (``floor``: shown in the table under the baseline, never judged) and each variant's row's ``floor``:
+    whether it lost more than the floor, beyond noise (``tasks.record.floor``)."""
     window = config.evaluation.window
     rows = [comparison_row(baseline, baseline, window)] + [comparison_row(v, baseline, window) for v in variants]
+    for row, variant in zip(rows[1:], variants):
+        found = judged(variant, list(floors), row.get("delta_ppl_pct"))
+        if found is not None:
+            row["floor"] = found
+    floor_rows = [floor_row(comparison_row(f, baseline, window), dtype, kept_as(f))
+                  for f, dtype in zip(floors, config.evaluation.floors)]
     verdicts = [judge(row, config.thresholds) for row in rows[1:]]
     dominated = dominated_by(variants)
     for row in rows[1:]:
@@ -100,9 +115,10 @@ def report(config: AuditConfig, baseline: VariantResult, variants: list[VariantR
     front = [name for name, by in dominated.items() if by is None] if len(dominated) > 1 else []
     verdict = overall(rows[0], verdicts, baseline.reference.drift if baseline.reference else None, stopped, front)
     costs = runtime_costs(variants)
-    table = "\n".join([format_table(rows, {v.name: v for v in verdicts}), *runtime_cost_lines(costs)])
+    table = "\n".join([format_table(rows[:1] + floor_rows + rows[1:], {v.name: v for v in verdicts}),
+                       *runtime_cost_lines(costs)])
     return {"name": config.name, "rows": rows, "verdicts": verdicts, "verdict": verdict, "table": table,
-            "runtime_costs": costs}
+            "runtime_costs": costs, "floor": floor_rows}
 
 
 @dataclass(frozen=True)
@@ -121,11 +137,14 @@ class Judged:
                             self.findings)
 
 
-def judge_domain(domain: Domain, lineup: Lineup, baseline: VariantResult, variants: list[VariantResult]) -> Judged:
-    """A domain's comparison and verdicts (its own gates: ``Domain.config``) and where each variant loses in its
-    text."""
+def judge_domain(domain: Domain, lineup: Lineup, baseline: VariantResult, variants: list[VariantResult],
+                 floors: list[VariantResult] = ()) -> Judged:
+    """A domain's comparison and verdicts (its own gates: ``Domain.config``), each variant against the noise floor
+    (``floors``), and where each variant loses in its text."""
     scored = domain.evaluation
-    summary = report(domain.config, baseline, variants)
+    summary = report(domain.config, baseline, variants, floors)
+    named = population(scored, lineup.baseline.tokenizer)
+    summary |= {"population": named, "table": "\n".join([summary["table"], population_line(named)])}
     if scored.tokens_differ:
         summary |= {"table": "\n".join([summary["table"], *stream_line(scored.tokens_differ)]),
                     "tokens_differ": scored.tokens_differ}

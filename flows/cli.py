@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from flows import lifetime
-from flows.commands import audit, compare, diagnose, notify, ppl, quantize, reference, serve, setup, sync, tune, ui
+from flows.commands import (audit, card, compare, diagnose, notify, ppl, quantize, reference, serve, setup, sync, tune,
+                            ui)
 from flows.commands.arguments import VERBOSE
 from tasks.core import console
 from tasks.core.errors import InputError, NumericalError, one_line
@@ -49,7 +50,7 @@ def process_defaults() -> None:
 # which commands' library output goes to a log file: each says (LOGGED), and `reference` of its actions
 # (LOGGED_ACTIONS: build, verify). `serve`'s console is then what an operator reads (what is served, a line as each
 # run starts and ends)
-COMMANDS = (ppl, quantize, audit, diagnose, tune, compare, serve, ui, sync, setup, notify, reference)
+COMMANDS = (ppl, quantize, audit, diagnose, tune, compare, card, serve, ui, sync, setup, notify, reference)
 LOG_BYTES = 256 * 2**20  # the oldest logs go beyond this
 
 

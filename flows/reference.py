@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.runners import score_floors
 from tasks.audit.plan import AuditPlan, baseline_alone
 from tasks.record.results import VariantResult
 from tasks.steps import open_plan, score_baseline
@@ -12,10 +13,11 @@ from tasks.steps import open_plan, score_baseline
 
 @flow(name="ppl-audit-reference", flow_run_name="reference-{config}", log_prints=True)
 def build_reference(config: str, overrides: list[str] | None = None, plan: AuditPlan | None = None
-                    ) -> dict[str, VariantResult]:
+                    ) -> dict[str, tuple[VariantResult, list[VariantResult]]]:
     """Score the baseline of the audit ``config`` (with ``overrides``) as the audit would, or find its
-    reference already stored (``baseline.rescore`` decides), on each of its corpora (one reference per domain);
-    returns the baseline's outcome by domain (a one-corpus audit's: ``corpus``).
+    reference already stored (``baseline.rescore`` decides), on each of its corpora (one reference per domain), and
+    its noise floor where ``evaluation.floor`` asks (kept with the reference, as an audit keeps it); returns the
+    baseline's outcome and its floor's by domain (a one-corpus audit's: ``corpus``).
 
     Args:
         plan: the audit opened for its baseline alone (``open_audit`` with ``baseline_alone``: the CLI makes it);
@@ -23,4 +25,8 @@ def build_reference(config: str, overrides: list[str] | None = None, plan: Audit
     """
     if plan is None:
         plan = open_plan(config, overrides or [], narrow=baseline_alone)
-    return {domain.name: score_baseline(plan.lineup.baseline, domain.evaluation) for domain in plan.domains}
+    built = {}
+    for domain in plan.domains:
+        baseline = score_baseline(plan.lineup.baseline, domain.evaluation)
+        built[domain.name] = baseline, score_floors(None, plan.lineup, domain.evaluation, baseline)
+    return built

@@ -14,6 +14,7 @@ from dataclasses import replace
 from prefect import get_run_logger
 
 from flows.scheduler import Scheduler
+from tasks.audit import floor
 from tasks.audit.checkpoints import Lineup
 from tasks.audit.plan import Domain
 from tasks.audit.pieces import Sample, Slices, Windows
@@ -23,7 +24,7 @@ from tasks.core.errors import InputError, one_line
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import shard_bounds
 from tasks.engine.windows import plan
-from tasks.record.reference_said import Divergence
+from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.steps import join_baseline_reference, look_up_baseline, make, score_baseline, score_variant
 
@@ -295,12 +296,51 @@ def score_sampled(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, base
 
 
 def score_domains(config: AuditConfig, lineup: Lineup, domains: tuple[Domain, ...]
-                  ) -> list[tuple[VariantResult, list[VariantResult]]]:
-    """Each domain's baseline and variants, one domain after another on one scheduler (started once): every domain
-    scored as its one-corpus audit (``Domain.config``) would be, its variants watched against its own gates."""
+                  ) -> list[tuple[VariantResult, list[VariantResult], list[VariantResult]]]:
+    """Each domain's baseline, variants and noise floor, one domain after another on one scheduler (started once):
+    every domain scored as its one-corpus audit (``Domain.config``) would be, its variants watched against its own
+    gates."""
     with Scheduler.started(config.runner) as scheduler:
-        return [score_all(scheduler, domain.config, lineup.gated(domain.config.thresholds), domain.evaluation)
-                for domain in domains]
+        scored = []
+        for domain in domains:
+            baseline, variants = score_all(scheduler, domain.config, lineup.gated(domain.config.thresholds),
+                                           domain.evaluation)
+            scored.append((baseline, variants, score_floors(scheduler, lineup, domain.evaluation, baseline)))
+        return scored
+
+
+def score_floors(scheduler: Scheduler | None, lineup: Lineup, scored: Evaluation, baseline: VariantResult
+                 ) -> list[VariantResult]:
+    """The noise floor the evaluation asks for (``evaluation.floor``): the baseline in each 16-bit dtype against its
+    reference, kept with that reference once scored and reused with it (``tasks.audit.floor``); none when the
+    baseline failed (there is nothing to be a floor of)."""
+    if not scored.settings.floors or not baseline.ok:
+        return []
+    found = []
+    for checkpoint in floor.checkpoints(lineup, scored.settings.floors):
+        problem = floor.not_measurable(baseline)
+        if problem:
+            found.append(VariantResult.failed(checkpoint.name, checkpoint.spec.method, problem))
+            continue
+        kept = floor.stored(baseline, checkpoint.name)
+        if kept is not None:
+            found.append(kept)
+            continue
+        every = floor.whole(scored)
+        if scheduler is None:
+            done = score_variant(checkpoint, lineup, every, baseline, return_state=True).result(raise_on_failure=False)
+        else:
+            with scheduler.placed():
+                done = Scheduler.settled(scheduler.submit(score_variant, checkpoint=checkpoint, lineup=lineup,
+                                                          evaluation_=every, against=baseline))
+        outcome = _outcome(checkpoint, done)
+        problem = floor.store(baseline, outcome)
+        if problem:
+            get_run_logger().warning(problem)
+        found.append(replace(outcome, reference=ReferenceSaid(
+            "scored", baseline.reference.key if baseline.reference else None, problem=problem))
+                     if outcome.ok else outcome)
+    return found
 
 
 def score_all(scheduler: Scheduler | None, config: AuditConfig, lineup: Lineup, scored: Evaluation

@@ -32,6 +32,9 @@ DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bi
 # what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
 KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
+# the numerics a deployment may run the baseline in, whose difference from its float32 self is the noise floor
+FLOOR_DTYPES = ("bfloat16", "float16")
+FLOOR_SHORT = {"bfloat16": "bf16", "float16": "fp16"}  # in the floor's row name: floor-bf16
 Rescore = Literal["auto", "always", "never"]  # when a baseline's stored reference is reused (BaselineSpec)
 RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
 TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
@@ -380,6 +383,9 @@ class EvaluationConfig(Strict):
     divergence: bool = Field(True, description="KL, top-1 and Δp from the baseline reference (YAML on/off)")
     sequential: bool = Field(False, description="stop each variant once its verdict is settled (YAML on/off)")
     order_seed: int = Field(0, ge=0, description="the seed of a sequential run's window order")
+    floor: bool | list[Literal["bfloat16", "float16"]] = Field(
+        False, description="the noise floor: the baseline itself in bfloat16 and float16 (on) or in the dtypes listed, "
+        "scored against its float32 self on the same windows; every variant is judged above it or within it")
     body: Literal["eager", "compile", "liger", "liger+compile"] = Field(
         "eager", description="the decoder layers as transformers runs them, compiled, with liger-kernel's fused "
         "ops (CUDA), or both: the same numbers to bf16 noise, faster on a GPU (tasks.engine.body, docs/gpu.md)")
@@ -422,6 +428,13 @@ class EvaluationConfig(Strict):
         except InputError as error:
             raise ValueError(str(error)) from None
         return self
+
+    @property
+    def floors(self) -> tuple[str, ...]:
+        """The dtypes of the noise floor (``floor``): none when it is off."""
+        if self.floor is True:
+            return FLOOR_DTYPES
+        return tuple(dict.fromkeys(self.floor)) if self.floor else ()
 
     @property
     def windowing(self) -> Windowing:
@@ -656,11 +669,28 @@ class AuditConfig(Strict):
         if unknown:
             raise ValueError(f"thresholds.per_variant names no variant: {', '.join(unknown)}")
         self._one_source_of_text()
+        self._a_floor_it_can_measure(names)
         for domain, gate in self.thresholds.per_corpus.items():
             unknown = sorted(set(gate.per_variant) - set(names))
             if unknown:
                 raise ValueError(f"thresholds.per_corpus.{domain}.per_variant names no variant: {', '.join(unknown)}")
         return self
+
+    def _a_floor_it_can_measure(self, names: list[str]) -> None:
+        """``evaluation.floor`` loads the baseline in 16 bits in transformers and compares it with its float32 self."""
+        floors = self.evaluation.floors
+        if not floors:
+            return
+        base = self.baseline
+        if base.runtime == "llama.cpp":
+            raise ValueError("evaluation.floor loads the baseline in bfloat16/float16 in transformers, and this baseline "
+                             "runs in llama.cpp, whose numerics are its own: set floor off")
+        if base.dtype in FLOOR_DTYPES:
+            raise ValueError(f"evaluation.floor measures 16-bit numerics against the float32 baseline, and "
+                             f"baseline.dtype is {base.dtype}: set baseline.dtype float32 (or auto), or floor off")
+        taken = sorted({f"floor-{FLOOR_SHORT[dtype]}" for dtype in floors} & set(names))
+        if taken:
+            raise ValueError(f"{', '.join(taken)} names the noise floor's row (evaluation.floor): rename that variant")
 
     def _one_source_of_text(self) -> None:
         """``corpus`` (one) or ``corpora`` (several, each named once); ``per_corpus`` names only those."""

@@ -352,3 +352,27 @@ class MlflowServer:
         if self.process and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)  # gunicorn workers die with their group
             self.process.wait()
+
+
+def audit_two_domains(folder: Path, baseline: Path, corpus: Path, name: str, **sections) -> tuple[dict, Path]:
+    """Run, through the audit flow, an audit of ``baseline`` on two domains (``prose``: ``corpus``; ``other``: a text
+    of its own) tracked to a SQLite store in ``folder`` with spooled records under ``folder/home``; ``sections``: its
+    ``evaluation``, ``variants``, ``thresholds``, each domain's ``max_tokens`` (``prose_tokens``, ``other_tokens``).
+    Returns (its summary, its record's folder)."""
+    import pytest
+    import yaml
+
+    from flows.audit import audit, summary_of
+
+    other = folder / "other.txt"
+    other.write_text(make_text(1500, seed=1))
+    config = {"name": name, "baseline": {"path": str(baseline)},
+              "corpora": [{"name": "prose", "source": str(corpus), "max_tokens": sections.pop("prose_tokens")},
+                          {"name": "other", "source": str(other), "max_tokens": sections.pop("other_tokens")}],
+              **sections, "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": "tests"}}
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_HOME", str(folder / "home"))
+        summary = summary_of(audit(config=str(folder / f"{name}.yaml"), return_state=True))
+    [record_folder] = (folder / "home" / "synced").iterdir()
+    return summary, record_folder

@@ -181,9 +181,9 @@ def test_unknown_baselines_and_experiments_are_one_line_and_exit_2(store, capsys
                         f"no audit of baseline 0123456789abcdef in experiment '{EXPERIMENT}'"),
                        (["--baseline", "0123456789abcdef", "--tracking-uri", uri, "--experiment", "nope"],
                         f"no experiment 'nope' in {uri} (it has {EXPERIMENT}); name one with --experiment"),
-                       ([], "give an audit config or --baseline KEY, one of them"),
+                       ([], "give an audit config, --baseline KEY or --audits RUN_ID RUN_ID, one of them"),
                        ([str(store["trained"]), "--baseline", "0123456789abcdef"],
-                        "give an audit config or --baseline KEY, one of them")):
+                        "give an audit config, --baseline KEY or --audits RUN_ID RUN_ID, one of them")):
         assert main(["compare", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err

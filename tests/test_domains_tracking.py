@@ -9,11 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers import make_text
+from helpers import audit_two_domains
 from mlflow import MlflowClient
 
-from flows.audit import audit, summary_of
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -25,21 +23,12 @@ def audited(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path, p
     """One audit of two domains: int8 and noisy against the trained model, the domain ``other`` with a gate of its
     own. Returns (client, parent run, record, the record's folder)."""
     folder = tmp_path_factory.mktemp("domains")
-    other = folder / "other.txt"
-    other.write_text(make_text(1500, seed=1))
     uri = f"sqlite:///{folder / 'mlflow.db'}"
-    config = {"name": "domains", "baseline": {"path": str(trained_model_dir)},
-              "corpora": [{"name": "prose", "source": str(corpus_path), "max_tokens": 700},
-                          {"name": "other", "source": str(other), "max_tokens": 500}],
-              "evaluation": {"window": 64, "stride": 32, "batch_size": 4},
-              "variants": [{"name": "int8", "method": "torchao-int8"}, {"name": "noisy", "path": str(noisy_model_dir)}],
-              "thresholds": {"max_ppl_increase_pct": 5, "per_corpus": {"other": {"max_ppl_increase_pct": 50}}},
-              "tracking": {"uri": uri, "experiment": "tests"}}
-    (folder / "domains.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PPL_AUDIT_HOME", str(folder / "home"))
-        summary = summary_of(audit(config=str(folder / "domains.yaml"), return_state=True))
-    [record_folder] = (folder / "home" / "synced").iterdir()
+    summary, record_folder = audit_two_domains(
+        folder, trained_model_dir, corpus_path, "domains", prose_tokens=700, other_tokens=500,
+        evaluation={"window": 64, "stride": 32, "batch_size": 4},
+        variants=[{"name": "int8", "method": "torchao-int8"}, {"name": "noisy", "path": str(noisy_model_dir)}],
+        thresholds={"max_ppl_increase_pct": 5, "per_corpus": {"other": {"max_ppl_increase_pct": 50}}})
     client = MlflowClient(uri)
     record = json.loads((record_folder / "record.json").read_text())
     assert list(record["domains"]) == list(DOMAINS)

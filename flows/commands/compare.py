@@ -31,6 +31,13 @@ def add(commands) -> None:
     compare.add_argument("--chart", type=Path, metavar="PNG", help="where to write the chart of them all "
                                                                  "(default: <home>/compare/<key>.png; a config with "
                                                                  "corpora: PNG's name with .<domain> before .png)")
+    compare.add_argument("--audits", nargs="+", metavar="RUN_ID", help="instead of a config or key: these audits' "
+                                                                       "parent runs side by side, on the token streams "
+                                                                       "they all scored (refused where they scored "
+                                                                       "different tokens)")
+    compare.add_argument("--any-tokens", action="store_true", help="with --audits: set them side by side even where "
+                                                                  "they scored different tokens (each audit labelled "
+                                                                  "with its token population)")
     compare.add_argument("--json", action="store_true", help="end stdout with one JSON line of the variants (a config "
                                                             "with corpora: {\"domains\": {NAME: ...}})")
 
@@ -40,8 +47,12 @@ def run(args: argparse.Namespace) -> int:
     from tasks.core.places import default_uri, home
     from tasks.record.history import experiment_of
 
-    if (args.config is None) == (args.baseline is None):
-        raise InputError("give an audit config or --baseline KEY, one of them")
+    if sum(given is not None for given in (args.config, args.baseline, args.audits)) != 1:
+        raise InputError("give an audit config, --baseline KEY or --audits RUN_ID RUN_ID, one of them")
+    if args.any_tokens and args.audits is None:
+        raise InputError("--any-tokens sets the audits --audits names side by side: give --audits too")
+    if args.audits is not None:
+        return _side_by_side(args)
     given = args.tracking_uri is not None
     plan = None
     if args.config is not None:  # its baseline, found and digested with its token stream: what names its audits
@@ -75,6 +86,47 @@ def run(args: argparse.Namespace) -> int:
                                            "variants": []} for name, found in said["domains"].items()}
     if args.json:
         print(json.dumps(said), file=console.out())
+    return 0
+
+
+def _side_by_side(args: argparse.Namespace) -> int:
+    """``compare --audits``: the named audits' variants in one table per token population they all scored."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from tasks.config import check_tracking
+    from tasks.record.history import audits_side_by_side, format_history
+    from tasks.record.tags import AUDIT_ID
+
+    if len(set(args.audits)) < 2:
+        raise InputError("--audits: name at least two audits' runs to set side by side (for one audit's history, give "
+                         "its config)")
+    uri = check_tracking(args.tracking_uri, "--tracking-uri")
+    client = MlflowClient(tracking_uri=uri)
+    parents = []
+    for run_id in dict.fromkeys(args.audits):
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            raise InputError(f"--audits: no run {run_id} in {uri}; give an audit's run id (its parent run: the "
+                             "ppl_audit.audit_id tag's)") from None
+        parent_id = run.data.tags.get("mlflow.parentRunId") if run.data.tags.get("ppl_audit.kind") != "audit" else None
+        run = client.get_run(parent_id) if parent_id else run
+        if run.data.tags.get("ppl_audit.kind") != "audit" or AUDIT_ID not in run.data.tags:
+            raise InputError(f"--audits: run {run_id} is not a ppl-audit audit's run; give an audit's parent run id")
+        parents.append(run)
+    tables = audits_side_by_side(client, parents, args.any_tokens)
+    say = console.out()
+    if args.any_tokens:
+        print("side by side on the tokens each scored (--any-tokens): figures on different tokens are not comparable "
+              "as they stand", file=say)
+    for population, rows in tables.items():
+        named = f"token population {population}" if population else "every token population"
+        print(f"{named}: {len(rows)} variant run(s) of {len({r.parent_run_id for r in rows})} audit(s)", file=say)
+        print(format_history(rows) + "\n", file=say)
+    if args.json:
+        print(json.dumps({"populations": {str(p): [row.json() for row in rows] for p, rows in tables.items()}}),
+              file=say)
     return 0
 
 
@@ -123,8 +175,9 @@ def _history(where: Where, key: str, chart: Path | None, domain: str | None) -> 
                          "can write") from None
     audits = len({row.parent_run_id for row in rows})
     named = f"domain {domain}, baseline {key}" if domain else f"baseline {key}"
-    print(f"{named}: {len(rows)} variant run(s) in {audits} audit(s) of experiment '{where.experiment}', newest first",
-          file=say)
+    populations = sorted({row.population for row in rows if row.population})
+    print(f"{named}: {len(rows)} variant run(s) in {audits} audit(s) of experiment '{where.experiment}', newest first"
+          + (f"; token population {', '.join(populations)}" if populations else ""), file=say)
     print(format_history(rows), file=say)
     print(f"chart: {chart}" + ("\n" if domain else ""), file=say)
     return {"baseline_key": key, "experiment": where.experiment, "chart": str(chart),

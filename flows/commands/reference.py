@@ -38,6 +38,7 @@ def add(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from tasks.audit import reference
     from tasks.core.places import references_dir
+    from tasks.record.floor import kept_as
     from tasks.record.verdict import drift_text
 
     say = console.out()
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         plan = open_audit(args.config, args.set, narrow=baseline_alone)  # before Prefect starts: the baseline only
         outcomes = build_reference(config=args.config, overrides=args.set, plan=plan)
         stored = True
-        for domain, outcome in outcomes.items():
+        for domain, (outcome, floors) in outcomes.items():
             on = f" on {domain}" if plan.by_domain else ""
             if not outcome.ok:
                 print(f"ppl-audit: failed: {outcome.name}{on}: {outcome.reason}", file=console.err())
@@ -60,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{result.n_tokens} tokens; {where}", file=say)
             if said.drift:
                 print(drift_text(said.drift), file=say)
+            for floor in floors:  # the noise floor the config asks for, kept with the reference
+                print(f"noise floor {floor.name}{on}: " + (
+                    f"{kept_as(floor)}, PPL {floor.result.ppl:.4f}" + (f", KL {floor.result.extra['kl'].astype('float64').mean():.4g}"
+                                                                       if "kl" in floor.result.extra else "")
+                    if floor.ok else f"failed: {floor.reason}"), file=say)
             stored = stored and bool(said.path)
         return 0 if stored else 1
     if args.action == "ls":

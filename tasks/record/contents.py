@@ -127,6 +127,9 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
         "verdict": {"status": summary["verdict"].status, "reason": summary["verdict"].reason},
         "table": summary["table"],
         "variants": variants,
+        # which tokens were scored, named (tasks.audit.population), and the noise floor's rows (tasks.audit.floor)
+        "population": summary.get("population"),
+        "floor": [{"name": row["variant"], "dtype": row["floor_of"], "row": row} for row in summary.get("floor", [])],
     }
 
 

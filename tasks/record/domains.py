@@ -9,9 +9,12 @@ at most 5% with no correction for the number of domains (an intersection-union t
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
+from tasks.record.floor import floor_figures, floor_text
+from tasks.record.population import population_line
 from tasks.record.runtime_cost import runtime_cost_lines, stream_line
 from tasks.record.verdict import Verdict, format_table, overall
 
@@ -99,10 +102,23 @@ def combined(name: str, domains: list[DomainSummary]) -> dict:
                                                    f"(its table says how much); {verdict.reason}")
     # each domain's runtime cost and tokenization, under the table of worst domains, named by their domain
     said = [f"{d.name}: {line}" for d in domains
-            for line in [*runtime_cost_lines(d.summary.get("runtime_costs", [])), *stream_line(d.summary.get("tokens_differ"))]]
+            for line in [*runtime_cost_lines(d.summary.get("runtime_costs", [])), *stream_line(d.summary.get("tokens_differ")),
+                         *([population_line(d.summary["population"])] if d.summary.get("population") else [])]]
     return {"name": name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
-            "table": "\n".join([format_table(rows, {v.name: v for v in verdicts}), *said]),
+            "table": "\n".join([format_table(rows, {v.name: v for v in verdicts}), *floor_lines(domains), *said]),
             "domains": {d.name: d.summary for d in domains}}
+
+
+def floor_lines(domains: list[DomainSummary]) -> list[str]:
+    """A line per noise floor under the table of worst domains: its figures on every domain (each variant's row says
+    whether it is above its worst domain's floor; ``--by-domain`` shows every floor row)."""
+    names = dict.fromkeys(row["variant"] for d in domains for row in d.summary.get("floor", []))
+    lines = []
+    for name in names:
+        rows = {d.name: row for d in domains for row in d.summary.get("floor", []) if row["variant"] == name}
+        figures = ", ".join(f"{domain} {floor_figures(row)}" for domain, row in rows.items())
+        lines.append(f"{name}: {floor_text(next(iter(rows.values())))}; by domain: {figures}")
+    return lines
 
 
 def by_domain_table(summary: dict) -> str:
@@ -144,7 +160,9 @@ def domains_record(config: dict, records: dict[str, dict], summary: dict) -> dic
               "n_tokens": sum(c["n_tokens"] for c in corpora), "n_bytes": sum(c["n_bytes"] for c in corpora),
               "bos": first["corpus"]["bos"], "hf_config": None, "hf_split": None, "domains": list(records)}
     verdict = summary["verdict"]
-    return first | {"config": config, "corpus": corpus, "verdict": {"status": verdict.status, "reason": verdict.reason},
+    populations = {name: (record.get("population") or {}).get("digest") for name, record in records.items()}
+    population = {"digest": hashlib.sha256(json.dumps(populations).encode()).hexdigest()[:16], "domains": populations}
+    return first | {"config": config, "corpus": corpus, "population": population, "floor": [], "verdict": {"status": verdict.status, "reason": verdict.reason},
                     "table": summary["table"], "variants": variants,
                     "domains": {name: {k: v for k, v in record.items() if k not in SHARED}
                                 for name, record in records.items()}}

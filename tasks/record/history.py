@@ -25,8 +25,8 @@ from matplotlib.patches import Patch
 
 from tasks.core.errors import InputError
 from tasks.record.dominance import no_larger
-from tasks.record.tags import (BASELINE_KEY, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_REFERENCES, DOMAINS, DOMINATED_BY,
-                               REFERENCE, SCHEDULED)
+from tasks.record.tags import (BASELINE_KEY, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS, DOMAIN_REFERENCES,
+                               DOMAINS, DOMINATED_BY, POPULATION, REFERENCE, SCHEDULED)
 from tasks.record.plots import COLOURS, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured, size_quality_figure, titled
 from tasks.record.verdict import said as said_as
 
@@ -56,6 +56,7 @@ class Audited:
     kv_bytes_per_token: float
     own_dominator: str | None  # within its own audit (paired)
     domain: str | None = None  # the domain of an audit of several corpora whose figures these are; None: one corpus
+    population: str | None = None  # the digest of the tokens scored (tasks.audit.population); None: not recorded
     dominated_by: str | None = None
     changed: str | None = None
     past: bool = False  # not of the newest audit
@@ -139,7 +140,90 @@ def _row(child, parent, domain: str | None = None) -> Audited:
                                                          "kld_mean", "kld_mean_low", "kld_mean_high")},
         bpw=_figure(child, "bits_per_weight"), kv_bytes_per_token=_figure(child, "kv_bytes_per_token"),
         mib=metrics["weight_memory_bytes"] / 2**20 if "weight_memory_bytes" in metrics else NAN,
-        own_dominator=_domain_tag(tags, DOMINATED_BY, domain, None), domain=domain)
+        own_dominator=_domain_tag(tags, DOMINATED_BY, domain, None), domain=domain,
+        population=population_of(parent, domain))
+
+
+def population_of(parent, domain: str | None = None) -> str | None:
+    """The token population an audit's parent run names for its one corpus, or for ``domain`` of several."""
+    tags = parent.data.tags
+    return tags.get(POPULATION) if domain is None else _pairs(tags.get(DOMAIN_POPULATIONS, "")).get(domain)
+
+
+def populations_of(parent) -> dict[str | None, str | None]:
+    """Each token stream of an audit's parent run and its population: ``{None: digest}`` for one corpus, ``{DOMAIN:
+    digest}`` for several (None where it was recorded before populations were named)."""
+    domains = parent.data.tags.get(DOMAINS)
+    return {None: population_of(parent)} if not domains else {d: population_of(parent, d) for d in domains.split()}
+
+
+def audits_side_by_side(client, parents: list, any_tokens: bool) -> dict[str | None, list[Audited]]:
+    """The variants of the audits ``parents`` (parent runs) set side by side, by token population: every population
+    that all of them scored gets one table (by its digest; a stream only some of them scored is left out). Audits
+    that scored no tokens in common are refused in one line naming what differs, unless ``any_tokens``: then all of
+    their variants make one table (under None), each audit labelled with its population."""
+    units = {parent.info.run_id: populations_of(parent) for parent in parents}
+    shared = None if any_tokens else _same_tokens(parents, units)
+    tables: dict[str | None, list[Audited]] = {}
+    for parent in parents:
+        children = _all_runs(client, parent.info.experiment_id, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
+                                                                "and tags.`ppl_audit.kind` = 'variant'")
+        for domain, digest in units[parent.info.run_id].items():
+            if shared is not None and digest not in shared:  # a stream only some of them scored
+                continue
+            rows = [_row(child, parent, domain) for child in children]
+            if any_tokens:
+                for row in rows:
+                    row.audit = f"{row.audit}@{(digest or 'unnamed')[:8]}"
+            tables.setdefault(None if any_tokens else digest, []).extend(rows)
+    for rows in tables.values():
+        rows.sort(key=lambda row: (row.started, row.name), reverse=True)
+        newest = rows[0].parent_run_id if rows else None
+        for row in rows:
+            row.past = row.parent_run_id != newest
+        mark_dominated(rows)
+    return tables
+
+
+def _same_tokens(parents: list, units: dict[str, dict]) -> set[str]:
+    """The token populations every one of the audits scored; refused, in one line, where they share none (or one of
+    them names none)."""
+    first = parents[0]
+    for parent in parents:
+        unnamed = [domain or "its corpus" for domain, digest in units[parent.info.run_id].items() if digest is None]
+        if unnamed:
+            raise InputError(f"audit run {parent.info.run_id} was recorded before token populations were named, so "
+                             "nothing shows it scored the same tokens as the others; run it again, or give --any-tokens "
+                             "to set them side by side anyway")
+    mine = set(units[first.info.run_id].values())
+    for parent in parents[1:]:
+        theirs = set(units[parent.info.run_id].values())
+        if not theirs & mine:
+            why = _differs(first, parent)
+            raise InputError(f"audits {first.info.run_id[:8]} ({_named(first)}) and {parent.info.run_id[:8]} "
+                             f"({_named(parent)}) scored different tokens (token populations "
+                             f"{', '.join(sorted(d[:8] for d in mine))} against {', '.join(sorted(d[:8] for d in theirs))}"
+                             f"{': ' + why if why else ''}): their figures are not comparable side by side; give "
+                             "--any-tokens to set them side by side anyway")
+        mine &= theirs
+    return mine
+
+
+# what decides the tokens an audit scored, among its parent run's params (tracking._audit_params)
+TOKEN_PARAMS = ("corpus.source", "corpus.digest", "corpus.tokens", "corpus.tokenizer", "max_tokens", "window", "stride",
+                "bos")
+
+
+def _differs(a, b) -> str:
+    """Which of the params that decide the tokens two audits' parent runs differ in: ``window 256 against 512``."""
+    pa, pb = a.data.params, b.data.params
+    keys = [k for k in sorted(set(pa) | set(pb)) if k.startswith(TOKEN_PARAMS) and pa.get(k) != pb.get(k)]
+    return ", ".join(f"{k} {str(pa.get(k, '—'))[:16]} against {str(pb.get(k, '—'))[:16]}" for k in keys)
+
+
+def _named(parent) -> str:
+    tags = parent.data.tags
+    return f"{tags.get('ppl_audit.audit', '?')}, {datetime.fromtimestamp(parent.info.start_time / 1000, timezone.utc):%Y-%m-%d %H:%M}"
 
 
 def audited(client, experiment_id: str, key: str, also: str | None = None) -> list[Audited]:

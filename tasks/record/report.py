@@ -16,6 +16,8 @@ from html import escape
 
 from tasks.config import EvaluationConfig, Thresholds
 from tasks.record import plots
+from tasks.record.floor import floor_text
+from tasks.record.population import population_line
 from tasks.record.verdict import said as said_as
 
 STYLE = """
@@ -91,16 +93,29 @@ def _comparison(record: dict) -> str:
                  "—" if limit is None else f"≤ {limit:g}", figure_text(row, "bits_per_weight", ".2f")]
         if row.get("dominated_by"):
             reason = f"{reason}; dominated by {row['dominated_by']}"
+        if row.get("floor"):  # whether it lost more than running the baseline in 16 bits
+            reason = f"{reason}; {row['floor']['said']}"
         domain = f'<td>{escape(entry.get("domain") or "—")}</td>' if several else ""
         rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>{domain}'
                     f'<td>{escape(row.get("method") or entry["spec"]["method"])}</td>'
                     + "".join(f'<td class="n">{escape(c)}</td>' for c in cells) + "</tr>")
         if reason:  # under its model, across the table: a reason is too long for a column
             rows.append(f'<tr><td class="reason" colspan="{9 + several}">{escape(reason)}</td></tr>')
+    for floor in record.get("floor", []):  # the noise floor: the baseline in 16 bits, never judged
+        row = floor["row"]
+        cells = [figure_text(row, "ppl", ".4f"), delta_text(row), figure_text(row, "kld_mean", ".4f"),
+                 f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—", "—",
+                 figure_text(row, "bits_per_weight", ".2f")]
+        rows.append(f'<tr class="model"><th>{escape(floor["name"])}</th><td>floor</td>' + "<td>—</td>" * several
+                    + f'<td>{escape(floor["dtype"])}</td>' + "".join(f'<td class="n">{escape(c)}</td>' for c in cells)
+                    + f'</tr><tr><td class="reason" colspan="{9 + several}">{escape(floor_text(row))}</td></tr>')
     title = "Each model on its worst domain" if several else "Comparison with the baseline"
+    population = record.get("population") or {}
+    named = (f'<p class="meta">{escape(population_line(population))}</p>' if "tokens" in population else
+             f'<p class="meta">token population {escape(population["digest"])}</p>' if population else "")
     return (f'<h2>{title}</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
             + "<th>worst domain</th>" * several + "<th>method</th><th>PPL ± s.e.</th><th>ΔPPL % [95% CI]</th><th>KLD</th><th>top-1</th>"
-            "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + "</table></div>")
+            "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + f"</table></div>{named}")
 
 
 def _domains(record: dict) -> str:

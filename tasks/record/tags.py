@@ -12,3 +12,6 @@ DOMAINS = "ppl_audit.domains"  # the domains' names, space-separated, in the con
 DOMAIN_KEYS = "ppl_audit.domain_keys"  # NAME=BASELINE_KEY pairs, space-separated
 DOMAIN_REFERENCES = "ppl_audit.domain_references"  # NAME=REFERENCE_KEY pairs, space-separated
 DOMAIN = "ppl_audit.domain"  # a model's run: the domain its unsuffixed figures are of (its worst)
+POPULATION = "ppl_audit.population"  # the token population's digest (tasks.audit.population): one corpus
+DOMAIN_POPULATIONS = "ppl_audit.domain_populations"  # an audit of several domains: NAME=DIGEST pairs
+FLOOR = "ppl_audit.floor"  # a variant's run: whether it lost more than the noise floor (tasks.record.floor)

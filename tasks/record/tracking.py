@@ -16,8 +16,8 @@ from tasks.config import EvaluationConfig
 from tasks.core.places import home, tracking_uri
 from tasks.data.registry import is_registered, tag_version
 from tasks.record.spool import read_record
-from tasks.record.tags import (AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_REFERENCES,
-                               DOMAINS, DOMINATED_BY, REFERENCE, SCHEDULED)
+from tasks.record.tags import (AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS,
+                               DOMAIN_REFERENCES, DOMAINS, DOMINATED_BY, FLOOR, POPULATION, REFERENCE, SCHEDULED)
 from tasks.record.verdict import said as said_as
 
 EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
@@ -275,6 +275,10 @@ def _glance_metrics(record: dict, timestamp: int) -> list:
 
     entries = [(entry, "") for entry in record["variants"]]
     entries += [(own, f".{name}") for entry in record["variants"] for name, own in _on_domains(record, entry).items()]
+    # the noise floor's rows (each domain's, in an audit of several), beside the variants' figures
+    entries += [(floor, "") for floor in record.get("floor", [])]
+    entries += [(floor, f".{name}") for name, domain in record.get("domains", {}).items()
+                for floor in domain.get("floor", [])]
     return [Metric(f"{entry['name']}.{key}{suffix}", float(entry["row"][key]), timestamp, 0)
             for entry, suffix in entries for key in AT_A_GLANCE if measured(entry["row"].get(key))]
 
@@ -288,6 +292,7 @@ def _baseline_tags(record: dict) -> dict[str, str]:
         return _domain_tags(record)
     said = _baseline_said(record)
     tags = {"ppl_audit.baseline": said.get("baseline"), REFERENCE: said.get("key"),
+            POPULATION: (record.get("population") or {}).get("digest"),
             "ppl_audit.reference_problem": said.get("problem"), BASELINE_KEY: said.get("baseline_key"),
             SCHEDULED: "true" if record.get("scheduled") else None}
     if said.get("drift"):
@@ -314,6 +319,8 @@ def _domain_tags(record: dict) -> dict[str, str]:
     tags = {DOMAINS: " ".join(said),
             DOMAIN_KEYS: " ".join(f"{name}={s['baseline_key']}" for name, s in said.items() if s.get("baseline_key")),
             DOMAIN_REFERENCES: " ".join(f"{name}={s['key']}" for name, s in said.items() if s.get("key")),
+            DOMAIN_POPULATIONS: " ".join(f"{name}={digest}" for name, digest in
+                                         (record.get("population") or {}).get("domains", {}).items() if digest),
             "ppl_audit.baseline": how.pop() if len(how) == 1 else " ".join(f"{n}={s.get('baseline')}" for n, s in said.items()),
             "ppl_audit.reference_problem": "; ".join(f"{n}: {s['problem']}" for n, s in said.items() if s.get("problem")),
             SCHEDULED: "true" if record.get("scheduled") else None}
@@ -393,6 +400,7 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
     from mlflow.entities import RunTag
 
     from tasks.record import plots
+    from tasks.record.card import log_card
     from tasks.record.diagnosis import log_run
     from tasks.record.report import html_report
 
@@ -406,6 +414,7 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
     table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
              for entry in record["variants"]]
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
+    log_card(client, parent, record, run_link(client.tracking_uri, parent))  # record.json and card/: ppl-audit card
     pictures = plots.pictures(record, folder)
     with tempfile.TemporaryDirectory() as drawn:
         for name, picture in pictures.items():  # their names sort in reading order: the ΔPPL chart first
@@ -428,6 +437,7 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
             **{f"absent.{figure}": why for figure, why in _absent(entry).items()}}).info.run_id
         own = [RunTag(DOMINATED_BY, entry["row"]["dominated_by"])] if entry["row"].get("dominated_by") else []
         own += [RunTag(DOMAIN, entry["domain"])] if entry.get("domain") else []  # what its unsuffixed figures are of
+        own += [RunTag(FLOOR, entry["row"]["floor"]["said"])] if entry["row"].get("floor") else []
         for domain, on in _on_domains(record, entry).items():  # each domain's verdict and dominator: compare's rows
             own.append(RunTag(f"audit.verdict.{domain}", plots.verdict_of(on)))
             if on["row"].get("dominated_by"):

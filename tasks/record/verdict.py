@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tasks.config import Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference
 from tasks.engine.perplexity import token_slots
+from tasks.record.floor import floor_text
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.sequential_said import SequentialSaid
@@ -213,6 +214,10 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
     for row in rows:
         verdict = verdicts.get(row["variant"])
         said = f"{verdict.said}: {verdict.reason}" if verdict else (_baseline_said(row) if row["status"] == "ok" else row["reason"])
+        if "floor_of" in row:
+            said = floor_text(row)
+        if row.get("floor"):
+            said += f"; {row['floor']['said']}"
         if row.get("divergence_absent") and "KL divergence was not measured" not in said:
             said += f"; no KLD: {row['divergence_absent']}"  # a blank column says why
         if row.get("dominated_by"):

@@ -1,0 +1,112 @@
+"""Whether a variant lost more than numerics alone: its KL and ΔPPL against the noise floor's (``tasks.audit.floor``).
+
+The floor (the baseline in bfloat16 or float16) scored the same tokens as every variant, so the comparison is paired:
+per token, the variant's KL less the floor's, its mean with a 95% interval over windows (``tasks.engine.paired``), and
+the same of their NLL (ΔPPL). A variant is *above* a floor when the interval's low end is above zero: it lost more
+than that numerics lose, beyond noise. It is *within* the floor otherwise: what it lost cannot be told from what
+running the baseline in that dtype loses, and is reported so, not as a loss. Against several floors, a variant
+within any of them is within (named: the floor it cannot be told from); above all, it is judged against the
+highest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tasks.config import FLOOR_SHORT as SHORT
+from tasks.engine.paired import cluster_mean
+from tasks.engine.perplexity import token_slots
+from tasks.record.results import VariantResult
+
+def _paired(variant: np.ndarray, floor: np.ndarray, windows: np.ndarray) -> dict[str, float]:
+    estimate = cluster_mean(np.asarray(variant, np.float64) - np.asarray(floor, np.float64), windows)
+    return {"difference": float(estimate.value), "low": float(estimate.low), "high": float(estimate.high)}
+
+
+def against(variant: VariantResult, floor: VariantResult) -> dict | None:
+    """``variant`` against one ``floor`` on the tokens both scored: KL (where both have it) and NLL, paired; None where
+    either was not scored."""
+    if not (variant.ok and floor.ok):
+        return None
+    r, f = variant.result, floor.result
+    slots = slice(None) if r.scored_windows is None else token_slots(f.window_tokens, r.scored_windows)
+    if len(f.token_nll[slots]) != len(r.token_nll):
+        return None
+    found = {"floor": floor.name, "dtype": floor.facts.dtype,
+             "nll": _paired(r.token_nll, f.token_nll[slots], r.window_tokens)}
+    found["ppl_above"] = _above(found["nll"])
+    if "kl" in r.extra and "kl" in f.extra:
+        found["kld"] = float(np.asarray(f.extra["kl"][slots], np.float64).mean())  # the floor's own mean KL
+        found["kld_variant"] = float(np.asarray(r.extra["kl"], np.float64).mean())
+        found["kl"] = _paired(r.extra["kl"], f.extra["kl"][slots], r.window_tokens)
+        found["above"] = _above(found["kl"])
+    else:
+        found["above"] = found["ppl_above"]
+    return found
+
+
+def _above(paired: dict[str, float]) -> bool | None:
+    """Above beyond noise; None where the interval is not a number (one window)."""
+    return bool(paired["low"] > 0) if math.isfinite(paired["low"]) else None
+
+
+def judged(variant: VariantResult, floors: list[VariantResult], delta_ppl_pct: float | None = None) -> dict | None:
+    """The row's ``floor``: the variant against every floor (``floors``), the one that decides (``dtype``, ``kld``,
+    ``above``) and one line for the table and the report (``said``); None without a floor."""
+    each = [found for floor in floors if (found := against(variant, floor)) is not None]
+    if not each:
+        return None
+    within = [found for found in each if found["above"] is False]
+    decides = within[0] if within else max(each, key=lambda found: found.get("kld", found["nll"]["difference"]))
+    said = _said(decides, delta_ppl_pct)
+    return {"dtype": decides["dtype"], "kld": decides.get("kld"), "above": decides["above"], "said": said,
+            "floors": each}
+
+
+def _said(found: dict, delta_ppl_pct: float | None) -> str:
+    name = SHORT.get(found["dtype"], found["dtype"])
+    where = {True: "above", False: "within", None: "not judged against"}[found["above"]]
+    if "kl" in found:
+        paired = found["kl"]
+        text = f"KL {_kl(found['kld_variant'])}: {where} the {name} floor {_kl(found['kld'])}"
+        return text + (f" (+{_kl(paired['difference'])} [{_kl(paired['low'], '+')}, {_kl(paired['high'], '+')}])"
+                       if found["above"] else "")
+    paired = found["nll"]
+    shown = f"ΔPPL {delta_ppl_pct:+.2f}%: " if delta_ppl_pct is not None else ""
+    return (f"{shown}{where} the {name} floor (ΔNLL against it {paired['difference']:+.5f} "
+            f"[{paired['low']:+.5f}, {paired['high']:+.5f}])")
+
+
+def kept_as(floor: VariantResult) -> str:
+    """How this audit has its floor: ``reused`` (kept with the baseline's reference), ``scored``, or ""."""
+    said = floor.reference
+    return said.baseline if said is not None and said.baseline else ""
+
+
+def _kl(value: float, sign: str = "") -> str:
+    """A mean KL as the table shows it (four decimals), or to two significant digits where that shows nothing: a
+    float16 floor of a small model is ~1e-5."""
+    return f"{value:{sign}.4f}" if abs(value) >= 0.001 or value == 0 else f"{value:{sign}.2g}"
+
+
+def floor_row(row: dict, dtype: str, kept: str) -> dict:
+    """A floor's comparison row, marked as the floor (``floor_of``: its dtype; ``kept``: scored or reused)."""
+    return row | {"floor_of": dtype, "floor_kept": kept}
+
+
+def floor_figures(row: dict) -> str:
+    """A floor row's KL and ΔPPL, short: ``KL 0.0009, ΔPPL -0.14%``."""
+    if row["status"] != "ok":
+        return "not measured"
+    kl = f"KL {_kl(row['kld_mean'])}, " if "kld_mean" in row else ""
+    return f"{kl}ΔPPL {row['delta_ppl_pct']:+.2f}%" if "delta_ppl_pct" in row else kl.rstrip(", ")
+
+
+def floor_text(row: dict) -> str:
+    """The table's line on a floor's row."""
+    kept = f", {row['floor_kept']}" if row.get("floor_kept") else ""
+    if row["status"] != "ok":
+        return f"noise floor ({row['floor_of']}) not measured: {row['reason']}"
+    return f"noise floor: the baseline in {row['floor_of']} against its float32 self{kept}"
