@@ -80,8 +80,9 @@ def test_an_audit_prints_the_table_the_verdict_and_the_record_only(quiet_audit):
     folder, home, done, cache = quiet_audit
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    table, tail = lines[:-3], lines[-3:]
+    table, population, tail = lines[:-4], lines[-4], lines[-3:]
     assert "ΔPPL %" in table[0] and [line.split()[0] for line in table[2:]] == ["baseline", "int8", "gptq"]
+    assert population.startswith("token population ")  # which tokens the figures are of, under the table
     assert tail[0].startswith("verdict: PASS") and tail[1].startswith("record: MLflow run ")
     result = json.loads(tail[2])
     assert result["verdict"] == "pass" and [m["verdict"] for m in result["models"]] == ["baseline", "pass", "pass"]

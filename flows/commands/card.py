@@ -70,11 +70,12 @@ def _is_config(given: str) -> bool:
 
 def _audit_run(args: argparse.Namespace) -> tuple:
     """The store and the parent run id of the audit the arguments name; one line when there is none."""
-    from tasks.config import check_tracking, load_audit_config
+    from tasks.audit.plan import audit_settings
+    from tasks.config import check_tracking
 
     given = args.tracking_uri is not None
     if _is_config(args.audit):
-        config = load_audit_config(args.audit)
+        config = audit_settings(args.audit)
         uri = check_tracking(args.tracking_uri if given else config.tracking.uri,
                              "--tracking-uri" if given else "tracking.uri")
         client = _client(uri)

@@ -117,11 +117,12 @@ def store(baseline: VariantResult, outcome: VariantResult) -> str | None:
         staging.mkdir(parents=True)
         save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
                     window_tokens=result.window_tokens, **{f"extra.{k}": v for k, v in result.extra.items()})
-        entry = sealed.seal({"format": FORMAT, "name": outcome.name, "method": outcome.method,
-                             "reference": baseline.reference.key, "result": result.summary(),
-                             "facts": outcome.facts.summary(), "files": sealed.files_entry(staging, [SCORES]),
-                             "divergence": vars(outcome.divergence) if outcome.divergence else None})
-        write_atomically(staging / ENTRY, json.dumps(entry, default=float))
+        # as JSON gives it back (numpy scalars as numbers), so that the digest sealed is the digest read
+        entry = sealed.seal(json.loads(json.dumps({
+            "format": FORMAT, "name": outcome.name, "method": outcome.method, "reference": baseline.reference.key,
+            "result": result.summary(), "facts": outcome.facts.summary(), "files": sealed.files_entry(staging, [SCORES]),
+            "divergence": vars(outcome.divergence) if outcome.divergence else None}, default=float)))
+        write_atomically(staging / ENTRY, json.dumps(entry))
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
     except OSError as error:

@@ -147,6 +147,12 @@ def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Ev
     return AuditPlan(config=config, path=path, lineup=lineup, domains=domains, said=said)
 
 
+def audit_settings(path: str) -> AuditConfig:
+    """The config at ``path`` read and checked, not resolved (no model found, no corpus read): what a command that
+    reads only what an audit recorded needs (``ppl-audit card``: its name and tracking)."""
+    return load_audit_config(path)
+
+
 def read_domains(config: AuditConfig, tokenizer, compared_with=None) -> tuple[Domain, ...]:
     """Each corpus of ``config`` read and tokenized once (cached on disk) as its one-corpus audit would, and checked:
     the baseline's tokenizer can encode it. Every domain's variants made here are calibrated on the first's.

@@ -71,8 +71,11 @@ def _said(found: dict, delta_ppl_pct: float | None) -> str:
     if "kl" in found:
         paired = found["kl"]
         text = f"KL {_kl(found['kld_variant'])}: {where} the {name} floor {_kl(found['kld'])}"
-        return text + (f" (+{_kl(paired['difference'])} [{_kl(paired['low'], '+')}, {_kl(paired['high'], '+')}])"
-                       if found["above"] else "")
+        text += (f" (+{_kl(paired['difference'])} [{_kl(paired['low'], '+')}, {_kl(paired['high'], '+')}])"
+                 if found["above"] else "")
+        if found["ppl_above"] is not None:  # the NLL, paired the same way: ΔPPL beyond the floor's, or not
+            text += f", ΔPPL {'above' if found['ppl_above'] else 'within'} it"
+        return text
     paired = found["nll"]
     shown = f"ΔPPL {delta_ppl_pct:+.2f}%: " if delta_ppl_pct is not None else ""
     return (f"{shown}{where} the {name} floor (ΔNLL against it {paired['difference']:+.5f} "
