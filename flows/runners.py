@@ -316,11 +316,10 @@ def score_floors(scheduler: Scheduler | None, lineup: Lineup, scored: Evaluation
     baseline failed (there is nothing to be a floor of)."""
     if not scored.settings.floors or not baseline.ok:
         return []
-    found = []
+    found, unmeasurable = [], floor.not_measurable(baseline)
     for checkpoint in floor.checkpoints(lineup, scored.settings.floors):
-        problem = floor.not_measurable(baseline)
-        if problem:
-            found.append(VariantResult.failed(checkpoint.name, checkpoint.spec.method, problem))
+        if unmeasurable:
+            found.append(VariantResult.failed(checkpoint.name, checkpoint.spec.method, unmeasurable))
             continue
         kept = floor.stored(baseline, checkpoint.name)
         if kept is not None:

@@ -35,6 +35,12 @@ KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1,
 # the numerics a deployment may run the baseline in, whose difference from its float32 self is the noise floor
 FLOOR_DTYPES = ("bfloat16", "float16")
 FLOOR_SHORT = {"bfloat16": "bf16", "float16": "fp16"}  # in the floor's row name: floor-bf16
+
+
+def floor_name(dtype: str) -> str:
+    """The row name of the noise floor in ``dtype``: ``floor-bf16``."""
+    return f"floor-{FLOOR_SHORT[dtype]}"
+
 Rescore = Literal["auto", "always", "never"]  # when a baseline's stored reference is reused (BaselineSpec)
 RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
 TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
@@ -688,7 +694,7 @@ class AuditConfig(Strict):
         if base.dtype in FLOOR_DTYPES:
             raise ValueError(f"evaluation.floor measures 16-bit numerics against the float32 baseline, and "
                              f"baseline.dtype is {base.dtype}: set baseline.dtype float32 (or auto), or floor off")
-        taken = sorted({f"floor-{FLOOR_SHORT[dtype]}" for dtype in floors} & set(names))
+        taken = sorted({floor_name(dtype) for dtype in floors} & set(names))
         if taken:
             raise ValueError(f"{', '.join(taken)} names the noise floor's row (evaluation.floor): rename that variant")
 

@@ -19,27 +19,17 @@ import numpy as np
 
 from tasks.audit.checkpoints import Checkpoint, Lineup
 from tasks.audit.reference import save_scores
-from tasks.config import VariantSpec
+from tasks.config import VariantSpec, floor_name
 from tasks.core import sealed
 from tasks.core.files import write_atomically
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import PerplexityResult
 from tasks.models.variants import VariantFacts
-from tasks.record.floor import SHORT
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 
 FOLDER, ENTRY, SCORES = "floors", "floor.json", "scores.npz"
 FORMAT = 1
-
-
-def floor_name(dtype: str) -> str:
-    """The row name of the floor in ``dtype``: ``floor-bf16``."""
-    return f"floor-{SHORT[dtype]}"
-
-
-def reserved_names(dtypes: tuple[str, ...]) -> set[str]:
-    return {floor_name(dtype) for dtype in dtypes}
 
 
 def checkpoints(lineup: Lineup, dtypes: tuple[str, ...]) -> list[Checkpoint]:

@@ -20,6 +20,7 @@ from tasks.engine.paired import cluster_mean
 from tasks.engine.perplexity import token_slots
 from tasks.record.results import VariantResult
 
+
 def _paired(variant: np.ndarray, floor: np.ndarray, windows: np.ndarray) -> dict[str, float]:
     estimate = cluster_mean(np.asarray(variant, np.float64) - np.asarray(floor, np.float64), windows)
     return {"difference": float(estimate.value), "low": float(estimate.low), "high": float(estimate.high)}

@@ -166,8 +166,7 @@ def audits_side_by_side(client, parents: list, any_tokens: bool) -> dict[str | N
     shared = None if any_tokens else _same_tokens(parents, units)
     tables: dict[str | None, list[Audited]] = {}
     for parent in parents:
-        children = _all_runs(client, parent.info.experiment_id, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
-                                                                "and tags.`ppl_audit.kind` = 'variant'")
+        children = _variant_runs(client, parent.info.experiment_id, parent.info.run_id)
         for domain, digest in units[parent.info.run_id].items():
             if shared is not None and digest not in shared:  # a stream only some of them scored
                 continue
@@ -177,11 +176,7 @@ def audits_side_by_side(client, parents: list, any_tokens: bool) -> dict[str | N
                     row.audit = f"{row.audit}@{(digest or 'unnamed')[:8]}"
             tables.setdefault(None if any_tokens else digest, []).extend(rows)
     for rows in tables.values():
-        rows.sort(key=lambda row: (row.started, row.name), reverse=True)
-        newest = rows[0].parent_run_id if rows else None
-        for row in rows:
-            row.past = row.parent_run_id != newest
-        mark_dominated(rows)
+        _newest_first(rows)
     return tables
 
 
@@ -235,16 +230,26 @@ def audited(client, experiment_id: str, key: str, also: str | None = None) -> li
     """
     rows = []
     for parent, domain in _audits(client, experiment_id, key, also):
-        children = _all_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and "
-                                                    "tags.`ppl_audit.kind` = 'variant'")
+        children = _variant_runs(client, experiment_id, parent.info.run_id)
         rows += [_row(child, parent, domain) for child in children]
+    _newest_first(rows)
+    mark_changes(rows)
+    return rows
+
+
+def _newest_first(rows: list[Audited]) -> None:
+    """``rows`` sorted newest first, the newest audit's marked as not ``past``, and their dominators marked."""
     rows.sort(key=lambda row: (row.started, row.name), reverse=True)
     newest = rows[0].parent_run_id if rows else None
     for row in rows:
         row.past = row.parent_run_id != newest
     mark_dominated(rows)
-    mark_changes(rows)
-    return rows
+
+
+def _variant_runs(client, experiment_id: str, parent_id: str) -> list:
+    """The runs of the models of the audit whose parent run is ``parent_id``."""
+    return _all_runs(client, experiment_id, f"tags.`mlflow.parentRunId` = '{parent_id}' and "
+                                            "tags.`ppl_audit.kind` = 'variant'")
 
 
 def _worse_beyond_intervals(a: Audited, b: Audited) -> bool:
