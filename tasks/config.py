@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from types import UnionType
+from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.core.errors import InputError
 from tasks.core.places import embedded_corpus_name
@@ -35,6 +36,7 @@ KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1,
 # the numerics a deployment may run the baseline in, whose difference from its float32 self is the noise floor
 FLOOR_DTYPES = ("bfloat16", "float16")
 FLOOR_SHORT = {"bfloat16": "bf16", "float16": "fp16"}  # in the floor's row name: floor-bf16
+YES_NO = ("on", "off", "true", "false", "yes", "no", "t", "f", "y", "n", "1", "0")  # the words pydantic reads as a bool
 
 
 def floor_name(dtype: str) -> str:
@@ -49,8 +51,64 @@ DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # through SQLAlchemy: di
 DRIVER_PACKAGES = {"MySQLdb": "mysqlclient", "pymysql": "PyMySQL", "psycopg2": "psycopg2-binary", "pyodbc": "pyodbc"}
 
 
+def _number_kinds(annotation) -> set[type]:
+    """The scalar types a value of ``annotation`` may have at its top (a Literal's by its values; an Annotated's,
+    an Optional's and a union's members), without what a container holds."""
+    if get_origin(annotation) is Annotated:
+        return _number_kinds(get_args(annotation)[0])
+    if get_origin(annotation) is Literal:
+        return {type(value) for value in get_args(annotation)}
+    if get_origin(annotation) in (Union, UnionType):
+        return set().union(*(_number_kinds(member) for member in get_args(annotation)))
+    return {annotation} if isinstance(annotation, type) else set()
+
+
+def _containers(annotation, origin: type) -> list[tuple]:
+    """The type arguments of each ``origin`` (dict, list) ``annotation`` admits: ``dict[str, int] | None`` gives
+    ``[(str, int)]``."""
+    if get_origin(annotation) is Annotated:
+        return _containers(get_args(annotation)[0], origin)
+    if get_origin(annotation) in (Union, UnionType):
+        return [found for member in get_args(annotation) for found in _containers(member, origin)]
+    return [get_args(annotation)] if get_origin(annotation) is origin else []
+
+
+def boolean_for_a_number(annotation, value: object) -> tuple[str, bool, bool] | None:
+    """Where ``value`` holds a boolean ``annotation`` wants a number for: ``(its place within the value, the
+    boolean, whether a whole number is wanted)``, or None. pydantic reads a boolean as 1 or 0 wherever it wants a
+    number, and YAML reads true/false, on/off and yes/no as booleans: ``max_tokens: true`` was scored as 1 token."""
+    kinds = _number_kinds(annotation)
+    if isinstance(value, bool):
+        wanted = kinds & {int, float}
+        return ("", value, float not in wanted) if wanted and bool not in kinds else None
+    if isinstance(value, dict):
+        for key_type, item_type in _containers(annotation, dict):
+            for key, item in value.items():
+                found = boolean_for_a_number(key_type, key) or boolean_for_a_number(item_type, item)
+                if found:
+                    return f"{key}: {found[0]}", found[1], found[2]
+    if isinstance(value, list):
+        for (item_type,) in _containers(annotation, list):
+            for index, item in enumerate(value):
+                found = boolean_for_a_number(item_type, item)
+                if found:
+                    return f"{index}: {found[0]}", found[1], found[2]
+    return None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_number_is_not_a_boolean(cls, value: object, info: ValidationInfo) -> object:
+        # every setting of every section, in one place (nested sections validate their own fields)
+        found = boolean_for_a_number(cls.model_fields[info.field_name].annotation, value)
+        if found:
+            place, boolean, whole = found
+            raise ValueError(f"{place}{str(boolean).lower()} is a yes/no (YAML reads true, on and yes as one), not a "
+                             f"number; give a {'whole ' if whole else ''}number")
+        return value
 
 
 class CorpusConfig(Strict):
@@ -110,6 +168,9 @@ class CalibrationConfig(Strict):
 
 
 DEFAULT_CALIBRATION = CalibrationConfig()  # what `quantize` and a variant without calibration settings use
+LLAMA_CPP_MOST_THREADS = 512  # ggml's GGML_MAX_N_THREADS: the most threads its compute graph plans for
+LLAMA_CPP_MOST_BATCH = 2**20  # tokens per llama_decode: a batch above the context is cut to it; this bounds the buffer
+C_INT_MAX = 2**31 - 1  # llama.cpp's int32 settings (gpu_layers): a larger number wraps around as ctypes passes it
 
 
 class LlamaCppSettings(Strict):
@@ -118,12 +179,28 @@ class LlamaCppSettings(Strict):
     ``type_v`` (llama.cpp's own: f16, q8_0, q4_0, ...; a quantized V cache needs flash attention), ``flash_attn``
     (``auto``, as llama-perplexity, lets llama.cpp decide), ``gpu_layers`` (a CUDA build: layers offloaded)."""
 
+    # each bounded by what llama.cpp can take: `threads: 100000` was accepted and its worker died with SIGSEGV once
+    # scoring started (the machine's own CPUs bound threads further where it runs: tasks.audit.preflight)
     threads: int | None = Field(None, ge=1)
-    batch: int = Field(512, ge=1)
+    batch: int = Field(512, ge=1, le=LLAMA_CPP_MOST_BATCH)
     type_k: str = Field("f16", pattern=r"^[a-z0-9_]+$")
     type_v: str = Field("f16", pattern=r"^[a-z0-9_]+$")
     flash_attn: Literal["auto", "on", "off"] = "auto"
-    gpu_layers: int = Field(0, ge=0)
+    gpu_layers: int = Field(0, ge=0, le=C_INT_MAX)
+
+    @field_validator("threads")
+    @classmethod
+    def _threads_llama_cpp_can_run(cls, threads: int | None) -> int | None:
+        if threads is not None and threads > LLAMA_CPP_MOST_THREADS:
+            raise ValueError(f"{threads} is more than llama.cpp can run (ggml's most: {LLAMA_CPP_MOST_THREADS}); use "
+                             "at most the machine's cores")
+        return threads
+
+    @field_validator("flash_attn", mode="before")
+    @classmethod
+    def _on_and_off_as_yaml_reads_them(cls, value: object) -> object:
+        # YAML 1.1 reads an unquoted on/off (true/false, yes/no) as a boolean
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _a_quantized_v_cache_needs_flash_attention(self) -> LlamaCppSettings:
@@ -367,12 +444,37 @@ def one_line(error: ValidationError, where: str) -> str:
     return f"{where}: {key + ': ' if key else ''}{message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
 
-def parse(model: type[Strict], data: object, where: str):
-    """Validate ``data`` into ``model``, or raise ``InputError`` with one line naming the key."""
+def parse(model: type[Strict], data: object, where: str, overrides: list[str] | tuple[str, ...] = ()):
+    """Validate ``data`` into ``model``, or raise ``InputError`` with one line naming the key, and what gave it:
+    ``where``, or the ``--set`` of ``overrides`` (``apply_overrides``) that set it."""
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise InputError(one_line(error, where)) from None
+        raise InputError(one_line(error, _given_by(error, overrides) or where)) from None
+
+
+def _given_by(error: ValidationError, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """``--set KEY=VALUE`` where the first mistake lies within what it set, or is a key it made (``--set a.b.c=1``
+    makes ``a``, which the file never had), else None: the file's."""
+    first = error.errors()[0]
+    at = [str(part) for part in first["loc"]]
+    for override in overrides:
+        key = override.partition("=")[0].split(".")
+        if at and (at[:len(key)] == key or (key[:len(at)] == at and first["type"] == "extra_forbidden")):
+            return f"--set {_start(override)}"
+    return None
+
+
+def yaml_problem(error: Exception) -> str:
+    """What is wrong with YAML text and where, in one line: PyYAML's first line names only what it was doing
+    (``while scanning for the next token``); its problem has the line and column, and a tab is named as such."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is None or problem is None:
+        return str(error).strip().splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    if "'\\t'" in problem or "tab character" in problem:
+        return f"{where}: a tab; YAML indents with spaces only: replace it with spaces"
+    return f"{where}: {problem}"
 
 
 class EvaluationConfig(Strict):
@@ -395,6 +497,19 @@ class EvaluationConfig(Strict):
     body: Literal["eager", "compile", "liger", "liger+compile"] = Field(
         "eager", description="the decoder layers as transformers runs them, compiled, with liger-kernel's fused "
         "ops (CUDA), or both: the same numbers to bf16 noise, faster on a GPU (tasks.engine.body, docs/gpu.md)")
+
+    @field_validator("floor", mode="before")
+    @classmethod
+    def _dtypes_a_floor_can_take(cls, floor: object) -> object:
+        # said in one line: pydantic's union error named the branch it tried first (floor.bool)
+        if isinstance(floor, str) and floor in FLOOR_DTYPES:
+            raise ValueError(f"{floor} is one dtype; give on, off or a list: [{floor}]")
+        named = [floor] if isinstance(floor, str) and floor.lower() not in YES_NO else floor
+        for dtype in named if isinstance(named, list) else ():
+            if dtype not in FLOOR_DTYPES:
+                raise ValueError(f"{_start(dtype)} is not a dtype the noise floor can take; give "
+                                 f"{', '.join(FLOOR_DTYPES)} or both (or on, or off)")
+        return floor
 
     @model_validator(mode="before")
     @classmethod
@@ -760,7 +875,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         try:
             value = yaml.safe_load(raw) if raw else None
         except yaml.YAMLError as error:
-            raise InputError(f"--set {override}: the value is not YAML ({str(error).splitlines()[0]}); quote it "
+            raise InputError(f"--set {override}: the value is not YAML ({yaml_problem(error)}); quote it "
                              "in the shell as a whole, e.g. --set 'evaluation.window=[1, 2]'") from None
         if isinstance(node, list):
             node[_index(override, last, node)] = value
@@ -808,11 +923,11 @@ def load_audit_config(path: str, overrides: list[str] = ()) -> AuditConfig:
     try:
         data = read_yaml(file.read_text(encoding="utf-8"), str(file)) or {}
     except yaml.YAMLError as error:
-        raise InputError(f"{file} is not valid YAML: {str(error).splitlines()[0]}") from None
+        raise InputError(f"{file} is not valid YAML: {yaml_problem(error)}") from None
     except UnicodeDecodeError as error:
         raise InputError(f"{file} is not UTF-8 text (byte {error.start}); save the config as UTF-8") from None
     except OSError as error:
         raise InputError(f"cannot read config {file}: {error.strerror}") from None
     if not isinstance(data, dict):
         raise InputError(f"{file} must hold a mapping of settings at the top level")
-    return parse(AuditConfig, apply_overrides(data, list(overrides)), str(file))
+    return parse(AuditConfig, apply_overrides(data, list(overrides)), str(file), list(overrides))

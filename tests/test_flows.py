@@ -235,7 +235,8 @@ def test_a_bad_corpus_is_refused_before_prefect_starts(tmp_path, trained_model_d
     (tmp_path / "no-text").mkdir()
     variants = [{"name": "int8", "method": "torchao-int8"}]
     if corpus == "calibration":  # a gptq variant's own calibration corpus is read before anything starts too
-        variants = [{"name": "gptq", "method": "gptq", "calibration": {"corpus": {"source": str(tmp_path / "rows.jsonl")}}}]
+        variants = [{"name": "gptq", "method": "gptq", "calibration": {"corpus": {"source": str(tmp_path / "rows.jsonl")},
+                                                                       "seq_len": 64}}]
     source = corpus if corpus.startswith("hf:") else corpus_path if corpus == "calibration" else tmp_path / corpus
     path = write_config(tmp_path / "bad.yaml", trained_model_dir, source, variants)
     assert main(["run", str(path)]) == 2
@@ -294,9 +295,9 @@ def broken_checkpoint(tmp_path: Path, trained_model_dir: Path, kind: str) -> str
                  {"name": "q", "method": "gptq", "group_size": 100}, None, id="gptq-group-size-100"),
     pytest.param("variants.0: group_size 256 is not one awq kernels support",
                  {"name": "q", "method": "awq", "group_size": 256}, None, id="awq-group-size-256"),
-    pytest.param("q: no 4096-token calibration block lies outside the evaluated tokens of audit corpus",
+    pytest.param("q: calibration seq_len 4096 is longer than the 256 positions",
                  {"name": "q", "method": "gptq", "calibration": {"seq_len": 4096}}, None,
-                 id="calibration-block-longer-than-the-corpus-left"),
+                 id="calibration-block-longer-than-the-model-positions"),
 ])
 def test_checkpoints_and_quantization_that_cannot_work_are_refused_before_any_model_loads(
         tmp_path, trained_model_dir, corpus_path, capsys, expected, variant, checkpoint):

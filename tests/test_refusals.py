@@ -8,6 +8,7 @@ import importlib.util
 import json
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -237,3 +238,138 @@ def test_a_folder_setting_set_but_empty_is_refused(capsys, monkeypatch, tiny_mod
     monkeypatch.setenv(variable, "")
     err = one_line_error(capsys, "ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file))
     assert err == f"ppl-audit: error: {variable} is set but empty; unset it for its default, or name a folder"
+
+
+# #67: refused in one line before anything loads, each naming the key (or the `--set`) and what to give instead
+MISTAKES = {
+    # a GPU index past those visible (on a machine without a GPU, every one) and a device torch cannot name
+    "cuda-index": (["run", "{config}", "--set", "variants.0.device=cuda:1"],
+                   "int8: device 'cuda:1' asked for, but no CUDA GPU is visible; use device cpu or auto"),
+    "device-map-gpu": (["run", "{config}", "--set", "variants.0.device_map={{lm_head: 1}}"],
+                       "int8: device_map puts 'lm_head' on '1': device 'cuda:1' asked for, but no CUDA GPU is visible"),
+    "cuda-typo": (["run", "{config}", "--set", "variants.0.device=cudax"], "int8: unknown device 'cudax'"),
+    # calibration longer than the positions the model was built for: quantized on activations it never saw
+    "calibration-past-positions": (["run", "{config}", "--set", "variants.0={{name: g, method: gptq, group_size: 32, "
+                                    "calibration: {{samples: 1, seq_len: 512}}}}"],
+                                   "g: calibration seq_len 512 is longer than the 256 positions {model} was built for "
+                                   "(max_position_embeddings); use 256 or fewer"),
+    "quantize-past-positions": (["quantize", "--model", "{model}", "--method", "gptq", "--group-size", "32",
+                                 "--calibration", "{corpus}", "--samples", "1", "--seq-len", "512", "--out", "{tmp}/q"],
+                                "error: calibration seq_len 512 is longer than the 256 positions {model} was built for"),
+    # a boolean where a number is wanted was read as 1 or 0: `max_tokens: true` scored 1 token
+    "max-tokens-true": (["run", "{config}", "--set", "evaluation.max_tokens=true"],
+                        "evaluation.max_tokens: true is a yes/no (YAML reads true, on and yes as one), not a number; "
+                        "give a whole number"),
+    "window-on": (["run", "{config}", "--set", "evaluation.window=on"], "evaluation.window: true is a yes/no"),
+    "samples-true": (["run", "{config}", "--set", "variants.0={{name: g, method: gptq, group_size: 32, calibration: "
+                      "{{samples: true}}}}"], "variants.0.calibration.samples: true is a yes/no"),
+    "workers-false": (["run", "{config}", "--set", "runner.workers=false"], "runner.workers: false is a yes/no"),
+    "gate-true": (["run", "{config}", "--set", "thresholds.max_ppl_increase_pct=true"],
+                  "thresholds.max_ppl_increase_pct: true is a yes/no (YAML reads true, on and yes as one), not a "
+                  "number; give a number"),
+    "batch-size-true": (["run", "{config}", "--set", "evaluation.batch_size=true"], "evaluation.batch_size: true is a"),
+    "device-map-true": (["run", "{config}", "--set", "variants.0.device_map={{lm_head: true}}"],
+                        "variants.0.device_map: lm_head: true is a yes/no"),
+    # a floor of a dtype it cannot take: a union error named floor.bool before
+    "floor-int8": (["run", "{config}", "--set", "evaluation.floor=[int8]"],
+                   "evaluation.floor: int8 is not a dtype the noise floor can take; give bfloat16, float16 or both "
+                   "(or on, or off)"),
+    "floor-float32": (["run", "{config}", "--set", "evaluation.floor=[bfloat16, float32]"],
+                      "evaluation.floor: float32 is not a dtype the noise floor can take"),
+    "floor-a-string": (["run", "{config}", "--set", "evaluation.floor=float16"],
+                       "evaluation.floor: float16 is one dtype; give on, off or a list: [float16]"),
+    # a key `--set` made up was blamed on the file
+    "set-unknown-key": (["run", "{config}", "--set", "a.b.c=1"], "error: --set a.b.c=1: a: unknown key"),
+    "set-unknown-nested": (["run", "{config}", "--set", "evaluation.windw=64"],
+                           "error: --set evaluation.windw=64: evaluation.windw: unknown key"),
+}
+
+
+@pytest.mark.parametrize("case", MISTAKES)
+def test_config_mistakes_are_one_line_naming_the_key(capsys, tmp_path, cache, tiny_model_dir, corpus_file, case):
+    args, expected = MISTAKES[case]
+    fill = {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file,
+            "config": audit_yaml(tmp_path, tiny_model_dir, corpus_file)}
+    err = one_line_error(capsys, *[arg.format(**fill) for arg in args])
+    assert expected.format(**fill) in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_gpu_index_past_those_visible_names_both():
+    """``cuda:N`` on a machine with fewer GPUs failed when the model loaded, not before."""
+    from tasks.models.resolve import device_problem
+
+    assert device_problem("cuda:2", 2) == ("device 'cuda:2' asked for, but only 2 CUDA GPUs are visible (cuda:0 to "
+                                           "cuda:1); use one of them, or auto")
+    assert device_problem("cuda:1", 1) == ("device 'cuda:1' asked for, but only 1 CUDA GPU is visible (cuda:0); use "
+                                           "one of them, or auto")
+    assert device_problem("cuda:3", 0) == "device 'cuda:3' asked for, but no CUDA GPU is visible; use device cpu or auto"
+    assert device_problem("cuda", 0) == "device 'cuda' asked for, but no CUDA GPU is visible; use device cpu or auto"
+    assert [device_problem(name, 2) for name in ("cuda", "cuda:0", "cuda:1", "cpu", "auto")] == [None] * 5
+    for wrong in ("cuda:x", "cuda:-1", "gpu", "cuda0"):
+        assert device_problem(wrong, 2) == f"unknown device '{wrong}'; use cpu, cuda, cuda:N or auto"
+
+
+def test_a_tab_in_the_yaml_is_named_with_its_line_and_column(capsys, tmp_path, tiny_model_dir, corpus_file):
+    """PyYAML's first line said only `while scanning for the next token`."""
+    config = Path(audit_yaml(tmp_path, tiny_model_dir, corpus_file))
+    lines = config.read_text().splitlines()
+    at = lines.index("evaluation:") + 1
+    lines[at] = "\t" + lines[at].lstrip()
+    config.write_text("\n".join(lines) + "\n")
+    assert one_line_error(capsys, "run", str(config)) == (
+        f"ppl-audit: error: {config} is not valid YAML: line {at + 1}, column 1: a tab; YAML indents with spaces "
+        "only: replace it with spaces")
+    config.write_text("name: x\nbaseline: [1, 2\n")
+    assert one_line_error(capsys, "run", str(config)) == (
+        f"ppl-audit: error: {config} is not valid YAML: line 3, column 1: expected ',' or ']', but got '<stream end>'")
+
+
+def test_llama_cpp_settings_it_cannot_take_are_refused():
+    """`threads: 100000` was accepted, and llama.cpp's worker died with SIGSEGV once scoring started."""
+    from tasks.config import LlamaCppSettings, parse
+    from tasks.core.errors import InputError
+
+    refused = {
+        "threads: 100000": ({"threads": 100_000}, "llama_cpp: threads: 100000 is more than llama.cpp can run (ggml's "
+                                                  "most: 512); use at most the machine's cores"),
+        "threads: 0": ({"threads": 0}, "llama_cpp: threads: Input should be greater than or equal to 1"),
+        "batch: 0": ({"batch": 0}, "llama_cpp: batch: Input should be greater than or equal to 1"),
+        "batch: 2**40": ({"batch": 2**40}, "llama_cpp: batch: Input should be less than or equal to 1048576"),
+        "gpu_layers: -1": ({"gpu_layers": -1}, "llama_cpp: gpu_layers: Input should be greater than or equal to 0"),
+        "gpu_layers: 2**40": ({"gpu_layers": 2**40}, "llama_cpp: gpu_layers: Input should be less than or equal to "
+                                                     "2147483647"),
+        "threads: true": ({"threads": True}, "llama_cpp: threads: true is a yes/no"),
+    }
+    for case, (settings, expected) in refused.items():
+        with pytest.raises(InputError) as error:
+            parse(LlamaCppSettings, settings, "llama_cpp")
+        assert str(error.value).startswith(expected), (case, str(error.value))
+
+
+def test_more_llama_cpp_threads_than_the_machine_has_cores_is_refused(tmp_path):
+    import os
+
+    from tasks.audit.preflight import check_settings
+    from tasks.config import AuditConfig
+    from tasks.core.errors import InputError
+
+    variant = {"name": "q", "method": "gguf", "path": str(tmp_path / "q.gguf"), "runtime": "llama.cpp",
+               "llama_cpp": {"threads": os.cpu_count() + 1}}
+    config = AuditConfig.model_validate({"name": "a", "baseline": {"path": str(tmp_path)},
+                                         "corpus": {"source": "embedded"}, "variants": [variant]})
+    with pytest.raises(InputError) as error:
+        check_settings(config)
+    assert str(error.value) == (f"variant 'q': llama_cpp.threads {os.cpu_count() + 1} is more than this machine's "
+                                f"{os.cpu_count()} CPUs; llama.cpp's threads wait on each other: use {os.cpu_count()} "
+                                "or fewer (or leave threads out: the cores it may use)")
+
+
+def test_flash_attn_on_or_off_as_yaml_reads_them_is_taken():
+    """YAML reads `flash_attn: on` as true, which was refused with "Input should be 'auto', 'on' or 'off'"."""
+    from tasks.config import LlamaCppSettings, read_yaml
+
+    assert LlamaCppSettings.model_validate(read_yaml("flash_attn: on", "x")).flash_attn == "on"
+    assert LlamaCppSettings.model_validate(read_yaml("flash_attn: off", "x")).flash_attn == "off"
+    assert LlamaCppSettings.model_validate({"flash_attn": "auto"}).flash_attn == "auto"
+    assert LlamaCppSettings.model_fields["flash_attn"].annotation == Literal["auto", "on", "off"]

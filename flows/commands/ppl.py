@@ -57,14 +57,14 @@ def _variant(args: argparse.Namespace):
     """The one model `ppl` measures: --variant, else --model with --method, as a validated spec."""
     import yaml
 
-    from tasks.config import QUANTIZED_AT_LOAD, QUANTIZED_BY_US, VariantSpec, parse, read_yaml
+    from tasks.config import QUANTIZED_AT_LOAD, QUANTIZED_BY_US, VariantSpec, parse, read_yaml, yaml_problem
 
     if args.variant:
         path = Path(args.variant)
         try:
             data = read_yaml(path.read_text() if path.is_file() else args.variant, "--variant")
         except yaml.YAMLError as error:
-            raise InputError(f"--variant is not valid YAML: {str(error).splitlines()[0]}") from None
+            raise InputError(f"--variant is not valid YAML: {yaml_problem(error)}") from None
         return parse(VariantSpec, data, "--variant")
     method = args.method or "auto"
     name = (Path(args.model).name or args.model) if method in ("auto", "baseline") else method

@@ -4,13 +4,14 @@ line naming what to change."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from tasks.audit.checkpoints import Lineup, calibration_for
 from tasks.audit.cluster import check_local_cluster, check_reachable, check_workers
 from tasks.audit.reference import find_intact
 from tasks.audit.scoring import baseline_identity
-from tasks.config import AuditConfig, VariantSpec, check_tracking
+from tasks.config import DEFAULT_CALIBRATION, AuditConfig, VariantSpec, check_tracking
 from tasks.core.errors import InputError
 from tasks.core.places import references_dir
 from tasks.data.corpus import corpus_text
@@ -22,7 +23,8 @@ from tasks.engine.windows import check_window, plan
 from tasks.models import llama_cpp
 from tasks.models.formats import check_compressed, check_kernel, detect, require
 from tasks.models.loading import check_checkpoint
-from tasks.models.resolve import resolve_device
+from tasks.models.quantize_request import check_calibration_length
+from tasks.models.resolve import device_problem, resolve_device, visible_gpus
 from tasks.models.variants import check_same_tokenizer
 from tasks.record.verdict import GATES
 
@@ -41,6 +43,7 @@ def check_settings(config: AuditConfig) -> str:
     for spec in [config.baseline, *config.variants]:
         try:
             device = resolve_device(spec.device)  # this machine's, to check it: each model resolves its own as it loads
+            _check_device_map(spec)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
         if "liger" in config.evaluation.body and device.type != "cuda":
@@ -50,9 +53,30 @@ def check_settings(config: AuditConfig) -> str:
         if spec.runtime == "llama.cpp" or spec.type is not None:
             settings = spec.llama_cpp_settings
             llama_cpp.check_settings(f"{spec.role} '{spec.name}'", settings.type_k, settings.type_v, spec.type)
+            _check_threads(f"{spec.role} '{spec.name}'", settings.threads)
     if "liger" in config.evaluation.body and importlib.util.find_spec("liger_kernel") is None:
         raise InputError(f"evaluation.body {config.evaluation.body} needs liger-kernel: pip install liger-kernel")
     return registry
+
+
+def _check_device_map(spec: VariantSpec) -> None:
+    """Each GPU a ``device_map`` names is one this machine has, as ``device`` is checked."""
+    if not isinstance(spec.device_map, dict):
+        return
+    for module, device in spec.device_map.items():
+        problem = device not in ("cpu", "disk") and device_problem(
+            f"cuda:{device}" if isinstance(device, int) else device, visible_gpus())
+        if problem:
+            raise InputError(f"device_map puts '{module}' on '{device}': {problem}")
+
+
+def _check_threads(where: str, threads: int | None) -> None:
+    """llama.cpp's threads wait on each other at every step: more than the machine's CPUs only slows each step down
+    (the config bounds them by what llama.cpp can run at all)."""
+    cpus = os.cpu_count() or 1
+    if threads is not None and threads > cpus:
+        raise InputError(f"{where}: llama_cpp.threads {threads} is more than this machine's {cpus} CPUs; llama.cpp's "
+                         f"threads wait on each other: use {cpus} or fewer (or leave threads out: the cores it may use)")
 
 
 def preflight(config: AuditConfig, lineup: Lineup, strict: bool = True) -> None:
@@ -135,10 +159,11 @@ def check_stream(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> Non
 
 
 def check_calibration_room(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> None:
-    """Draw the calibration of every variant quantized here: one without room is refused now, not after
-    the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
+    """Draw the calibration of every variant quantized here: one longer than the baseline's positions, or without room,
+    is refused now, not after the baseline is scored. Tokenizing is cached, so the audit reads the same stream back."""
     for spec in [spec for spec in config.variants if spec.quantize_here or spec.imatrix]:
         try:
+            check_calibration_length(lineup.baseline.model, (spec.calibration or DEFAULT_CALIBRATION).seq_len)
             calibration_for(spec, lineup, scored, corpus_text, progress=True)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None

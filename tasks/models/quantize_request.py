@@ -18,6 +18,7 @@ from tasks.config import (
     check_name,
 )
 from tasks.core.errors import InputError
+from tasks.engine.model_facts import max_positions
 from tasks.models.quantize import Scheme, calibration_of, check_destination, check_group_fits, check_quantizable
 from tasks.models.resolve import Located, locate_model, read_tokenizer
 
@@ -95,6 +96,7 @@ def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
     if folder.exists() and any(folder.iterdir()):
         raise InputError(f"output folder {folder} is not empty; give a new folder")
     check_destination(folder)
+    check_calibration_length(model, request.calibration.seq_len)
     # drawing the calibration (cached tokens, so the flow's own draw costs nothing more) refuses a corpus without
     # room for the samples
     tokenizer = read_tokenizer(model.source, request.model)
@@ -102,3 +104,12 @@ def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
     opened = request.model_copy(update={"out": str(folder)})
     opened._found = (model, tokenizer)
     return opened
+
+
+def check_calibration_length(model: Located, seq_len: int) -> None:
+    """Refuse calibration sequences longer than the positions ``model`` was built for (its config, no weights read):
+    quantizing on activations at positions it never saw calibrates it for text it will never score."""
+    positions = max_positions(model.config)
+    if positions is not None and seq_len > positions:
+        raise InputError(f"calibration seq_len {seq_len} is longer than the {positions} positions {model.name} was "
+                         f"built for (max_position_embeddings); use {positions} or fewer")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,34 @@ from tasks.core.files import once_per_file_state
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def device_problem(name: str, gpus: int) -> str | None:
+    """Why the device ``name`` cannot be used on a machine with ``gpus`` visible CUDA GPUs, or None. A GPU index
+    past them failed only when the model loaded (torch's "invalid device ordinal")."""
+    if name in ("auto", "cpu"):
+        return None
+    known = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if known is None:
+        return f"unknown device '{name}'; use cpu, cuda, cuda:N or auto"
+    if gpus == 0:
+        return f"device '{name}' asked for, but no CUDA GPU is visible; use device cpu or auto"
+    if known.group(1) is not None and int(known.group(1)) >= gpus:
+        visible = "cuda:0" if gpus == 1 else f"cuda:0 to cuda:{gpus - 1}"
+        return (f"device '{name}' asked for, but only {gpus} CUDA GPU{'s are' if gpus > 1 else ' is'} visible "
+                f"({visible}); use one of them, or auto")
+    return None
+
+
+def visible_gpus() -> int:
+    """The CUDA GPUs this process sees (none where CUDA is not available)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device '{name}' asked for, but no CUDA GPU is visible; use device cpu or auto")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise InputError(f"unknown device '{name}'; use cpu, cuda, cuda:N or auto")
+    problem = device_problem(name, visible_gpus())
+    if problem:
+        raise InputError(problem)
     return torch.device(name)
 
 
