@@ -41,6 +41,13 @@ def failed(reason: str, summary: dict | None = None):
     return Failed(message=reason, data=AuditFailed(reason, summary))
 
 
+def failure_line(state) -> str:
+    """A failed task's message in one line: Prefect's holds the whole exception, and a store's SQL error goes on
+    with its statement for a page."""
+    lines = (state.message or "").strip().splitlines()
+    return lines[0] if lines else state.name
+
+
 def where_logged(logged, tracking, kept) -> dict:
     """What a flow that logs one run to MLflow answers about it: ``mlflow_run_id`` (when ``logged``, the logging
     task's state, completed) and ``record``, the line that says where it is (with its link), and the local copy
@@ -49,7 +56,7 @@ def where_logged(logged, tracking, kept) -> dict:
     from tasks.record.tracking import run_link
 
     if not logged.is_completed():
-        return {"record": f"kept in {kept} (tracking failed: {logged.message})"}
+        return {"record": f"kept in {kept} (tracking failed: {failure_line(logged)})"}
     run = logged.result()
     link = run_link(tracking_uri(tracking.uri), run)
     return {"mlflow_run_id": run, "record": f"MLflow run {run} (experiment {tracking.experiment})"

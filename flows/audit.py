@@ -15,7 +15,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.states import Completed
 
-from flows.answers import failed
+from flows.answers import failed, failure_line
 from flows.diagnose import diagnoses
 from flows.runners import score_domains
 from tasks.audit.checkpoints import Lineup
@@ -215,7 +215,7 @@ def audit(config: str, overrides: list[str] | None = None, event: Event | None =
         link = run_link(tracking_uri(settings.tracking.uri), summary["mlflow_run_id"])
         where += f": {link}" if link else ""
     else:
-        where = f"kept in {folder} (tracking failed: {tracked.message}); run `ppl-audit sync` later"
+        where = f"kept in {folder} (tracking failed: {failure_line(tracked)}); run `ppl-audit sync` later"
     print(f"record: {where}")
     summary["record"] = where
     summary["results"] = results  # a one-corpus audit's models; of several, each domain's, in the config's order

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.core.errors import InputError
 from tasks.core.places import embedded_corpus_name
@@ -29,6 +29,8 @@ NAME = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
 NAME_MAX = 100
 QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
 QUANTIZED_AT_LOAD = ("bnb-int8", "bnb-nf4", "torchao-int8", "hqq")  # without a path: the baseline, quantized as it loads
+Bits = Literal[2, 3, 4, 8]  # what gptq and awq quantize to here
+QUANTIZED_BITS = get_args(Bits)
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
 # what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
 KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
@@ -253,6 +255,31 @@ def check_group_size(method: str, group_size: int) -> None:
                          f"{', '.join(map(str, sizes))} (-1: per channel)")
 
 
+def _overrides_gptqmodel_can_take(dynamic: dict) -> dict:
+    """``dynamic`` as gptqmodel reads it, or what is wrong with it: each key's pattern is a regex it matches module
+    names with, and each ``+:`` override's bits and group size ones its kernels run (checked here, not after
+    minutes of quantizing: gptqmodel compiles the patterns only as it reaches each module)."""
+    for key, override in dynamic.items():
+        try:
+            re.compile(key[2:])
+        except re.error as error:
+            raise ValueError(f"{key}: not a regular expression ({error}); gptqmodel matches module names with it") from None
+        if key.startswith("-:") and override:
+            raise ValueError(f"{key}: a -: pattern leaves its modules unquantized and takes no settings; give {{}}")
+        if override.get("bits", 4) not in QUANTIZED_BITS:
+            raise ValueError(f"{key}: bits {override['bits']} is not one gptq takes; use one of "
+                             f"{', '.join(map(str, QUANTIZED_BITS))}")
+        if "group_size" in override:
+            check_group_size("gptq", override["group_size"])
+    return dynamic
+
+
+# gptqmodel's per-module overrides of a gptq checkpoint made here (+:REGEX: other bits or group size, -:REGEX: left
+# unquantized), as `ppl-audit tune` writes them: one type for a variant's and `ppl-audit quantize`'s
+GptqDynamic = Annotated[dict[Annotated[str, Field(pattern=r"^[+-]:.+")], dict[Literal["bits", "group_size"], int]],
+                        AfterValidator(_overrides_gptqmodel_can_take)]
+
+
 class VariantSpec(Strict):
     """One model of an audit: the baseline or a quantized variant of it.
 
@@ -268,7 +295,7 @@ class VariantSpec(Strict):
     method: Method = "baseline"
     path: str | None = None
     gguf_file: str | None = None
-    bits: Literal[2, 3, 4, 8] | None = None
+    bits: Bits | None = None
     group_size: int | None = None
     sym: bool | None = None
     calibration: CalibrationConfig | None = None
@@ -291,7 +318,7 @@ class VariantSpec(Strict):
     tensor_types: list[Annotated[str, Field(pattern=r"^[^=\s]+=[A-Za-z0-9_]+$")]] | None = Field(
         None, description="with type: llama-quantize --tensor-type entries (PATTERN=TYPE, the first whose pattern a "
         "tensor's name contains wins), a mixed-precision recipe as `ppl-audit tune` writes it")
-    dynamic: dict[Annotated[str, Field(pattern=r"^[+-]:.+")], dict[Literal["bits", "group_size"], int]] | None = Field(
+    dynamic: GptqDynamic | None = Field(
         None, description="gptq made here: gptqmodel's per-module overrides (+:REGEX: other bits or group_size, "
         "-:REGEX: left unquantized), a mixed-precision recipe as `ppl-audit tune` writes it; loaded by gptqmodel "
         "(with {}: the uniform checkpoint, loaded as a recipe is)")

@@ -33,3 +33,25 @@ def test_an_upward_import_or_a_cycle_breaks_a_contract(tmp_path):
     assert "Layers: each imports only those below it BROKEN" in done.stdout, done.stdout
     assert "No import cycle inside any package BROKEN" in done.stdout, done.stdout
     assert "tasks.engine.windows -> tasks.record.tracking" in done.stdout, done.stdout
+
+
+# a command run as the console script runs it, then a last line naming the heavy libraries it imported
+IMPORTED = """
+import sys
+from flows.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:  # --help
+    pass
+print("imported:", *(name for name in ("torch", "transformers") if name in sys.modules))
+"""
+
+
+def test_the_light_commands_import_neither_torch_nor_transformers(tmp_path):
+    """``ppl-audit sync`` and ``ui`` need neither (a second and 1 GB of imports): issue 67 found them imported again
+    through card's arguments (the record's floor line reached the engine for one numpy helper), and nothing checked."""
+    for argv in (["sync", "--help"], ["ui", "--help"], ["sync"]):
+        done = subprocess.run([sys.executable, "-c", IMPORTED, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={"PPL_AUDIT_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-1] == "imported:", f"{argv}: {done.stdout.splitlines()[-1]}"

@@ -86,6 +86,31 @@ def test_a_remembered_digest_of_another_model_is_not_used(tmp_path, tokenizer, m
         assert model_digest(str(ours)) == ours_digest and warnings_in(capsys.readouterr().err) == []  # remembered
 
 
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_a_model_file_changed_in_place_with_its_mtime_restored_is_read_again(tmp_path, tokenizer, monkeypatch, where):
+    """Path, size and modification time once named the remembered digest: one byte of the weights changed in place
+    and the time set back (os.utime) kept the old digest, and the audit the old model's reference."""
+    from tasks.models.quantize import model_digest
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    build_llama(model, tokenizer, seed=1)
+    before = model_digest(str(model))
+    [weights] = model.glob("*.safetensors")
+    stat = weights.stat()
+    offset = {"start": 0, "middle": stat.st_size // 2, "end": stat.st_size - 1}[where]
+    with open(weights, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_mtime_ns == stat.st_mtime_ns and weights.stat().st_size == stat.st_size
+    after = model_digest(str(model))
+    assert after != before
+    assert after == model_digest(str(model))  # and remembered as the new one
+
+
 # --- quantized checkpoints -------------------------------------------------------------------------------------------
 
 def _flip_scales(weights: Path) -> None:

@@ -106,6 +106,8 @@ DAMAGE = {
     "manifest lacks created": _without("created", seal=False),
     "manifest lacks environment, resealed": _without("environment", seal=True),
     "manifest identity null, resealed": lambda f: _reseal(f, lambda manifest: manifest.update(identity=None)),
+    # once never healed: found by no search, kept in its baseline's folder, used by the variant (KeyError: 'dtype')
+    "manifest identity empty, resealed": lambda f: _reseal(f, lambda manifest: manifest.update(identity={})),
 }
 
 
@@ -126,6 +128,43 @@ def test_a_damaged_reference_is_removed_and_the_audit_ends_as_a_clean_run(tiny_m
     assert intact.key == key and intact.damage() is None and reference.verify(intact.folder) is None
     reused = audit(tiny_model_dir, variant_dir, text)
     assert reused[0].reference.baseline == "reused" and figures(*reused) == figures(*clean)
+
+
+IDENTITY_FIELDS = ["format", "model", "tokenizer", "stream", "mode", "window", "stride", "bos", "dtype"]
+WRONG_IDENTITY = {**{f"lacks {name}": (lambda name: lambda identity: identity.pop(name))(name) for name in IDENTITY_FIELDS},
+                  "dtype unknown": lambda identity: identity.update(dtype="float8"),
+                  "window a string": lambda identity: identity.update(window="64"),
+                  "mode unknown": lambda identity: identity.update(mode="rolling"),
+                  "format another": lambda identity: identity.update(format=1)}
+
+
+@pytest.fixture(scope="module")
+def clean_reference(tmp_path_factory, tiny_model_dir, variant_dir, text) -> Path:
+    """One audit's stored reference, copied by each test below into its own references folder."""
+    folder = tmp_path_factory.mktemp("clean-references")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_REFERENCES", str(folder))
+        return Path(audit(tiny_model_dir, variant_dir, text)[0].reference.path)
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_IDENTITY))
+def test_a_manifest_without_a_whole_valid_identity_is_removed_by_its_baseline_s_search(clean_reference, references,
+                                                                                       wrong, capfd):
+    """Sealed again after the edit, so that only the identity's own fields can tell: the search for the baseline
+    it was made for removes it in one line (its audit then scores the baseline again), and nothing reads it."""
+    import shutil
+
+    folder = references / clean_reference.name
+    shutil.copytree(clean_reference, folder)
+    written = json.loads((folder / reference.MANIFEST).read_text())
+    _reseal(folder, lambda manifest: WRONG_IDENTITY[wrong](manifest["identity"]))
+    assert reference.Reference.open(folder) is None and reference.stored() == []
+    capfd.readouterr()
+    reuse, previous, removed = reference.find_intact(written["identity"], written["environment"], "auto")
+    assert (reuse, previous) == (None, None) and not folder.exists()
+    [warning] = capfd.readouterr().err.splitlines()
+    assert warning.startswith(f"ppl-audit: warning: baseline reference {folder.name} is damaged: manifest.json's")
+    assert removed == [f"{folder.name}: {warning.split(': ', 3)[3].split('; it is')[0]}"]
 
 
 @pytest.mark.parametrize("damage", ["hidden values reversed", "manifest edited", "scores bytes flipped"])

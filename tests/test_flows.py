@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -111,11 +112,15 @@ def test_quantize_flow_emits_quantization_completed(tmp_path, cache, trained_mod
     from tasks.models.quantize_request import open_quantize
 
     out = tmp_path / "gptq"
-    request = open_quantize(quantize_request(trained_model_dir, corpus_path, out, holdout_tokens=1500, name="gptq-4bit"))
+    # with a recipe's per-module overrides (`ppl-audit quantize --dynamic`): one layer's down_proj left unquantized
+    dynamic = {r"-:model\.layers\.0\.mlp\.down_proj": {}}
+    request = open_quantize(quantize_request(trained_model_dir, corpus_path, out, holdout_tokens=1500, name="gptq-4bit",
+                                             dynamic=dynamic))
     state = quantize_flow(request, return_state=True)
     manifest = state.result()
     assert all(start >= 1500 for start, _ in manifest["calibration"]["token_ranges"])
-    assert manifest["name"] == "gptq-4bit"
+    assert manifest["name"] == "gptq-4bit" and manifest["dynamic"] == dynamic
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["dynamic"] == dynamic
 
     async def run_name():
         async with get_client() as client:
@@ -326,6 +331,38 @@ def test_quantize_refuses_an_output_folder_nothing_can_be_made_beside(tmp_path, 
     err = capsys.readouterr().err
     assert err == (f"ppl-audit: error: output folder {tmp_path}/a-file/gptq: nothing can be written in "
                    f"{tmp_path}/a-file (Not a directory); give a folder you can write\n"), err
+
+
+def test_quantize_takes_a_recipe_s_dynamic_as_tune_logs_it_or_inline(tmp_path, trained_model_dir, corpus_path, capsys):
+    """``ppl-audit quantize --dynamic``: the file ``tune`` logs (its scheme must be the command's) or a mapping, each
+    checked as a variant's ``dynamic`` is, before the model loads. Before, quantize took no ``dynamic``."""
+    import argparse
+
+    from flows.commands.quantize import _dynamic
+
+    recipe = tmp_path / "gptqmodel-dynamic.json"
+    recipe.write_text(json.dumps({"bits": 8, "group_size": 32, "dynamic": {"-:.*down_proj": {}}}))
+    command = ["quantize", "--model", str(trained_model_dir), "--method", "gptq", "--group-size", "32",
+               "--calibration", str(corpus_path), "--out", str(tmp_path / "q"), "--dynamic"]
+    for given, expected in [
+            (str(recipe), "--dynamic: the recipe is for bits 8 and the command's --bits is 4; give --bits 8"),
+            ("recipe.json", "--dynamic recipe.json: no such file, nor a mapping"),
+            ('{"+:(": {"bits": 8}}', "+:(: not a regular expression"),
+            ('{"+:.*": {"bits": 5}}', "bits 5 is not one gptq takes; use one of 2, 3, 4, 8"),
+            ('{"+:.*": {"group_size": 24}}', "group_size 24 is not one gptq kernels support"),
+            ('{"-:.*": {"bits": 8}}', "a -: pattern leaves its modules unquantized and takes no settings"),
+            ('{"x": {}}', "String should match pattern"),
+            ("{a: [", "--dynamic: not YAML or JSON (line 1, column")]:
+        assert main([*command, given]) == 2, given
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert main([*command[:4], "awq", *command[5:], '{"-:.*": {}}']) == 2
+    assert "make gptq checkpoints, not awq ones" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+    # the file tune logs (tasks.record.tuning.gptqmodel_dynamic's form), read as the command reads it: its overrides
+    exported = {"bits": 4, "group_size": 32, "dynamic": {"+:.*q_proj": {"bits": 8, "group_size": 32}}}
+    recipe.write_text(json.dumps(exported))
+    assert _dynamic(argparse.Namespace(dynamic=str(recipe), bits=4, group_size=32)) == exported["dynamic"]
 
 
 def test_kernel_group_sizes_are_those_gptqmodel_supports():

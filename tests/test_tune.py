@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -171,6 +172,8 @@ def test_tune_gives_the_planted_fragile_module_more_precision_and_proves_it_bett
 @pytest.mark.parametrize("args,expected", [
     (["--budget", "4.0bpw"], "--budget 4.0bpw: the variant itself takes 4.500bpw"),
     (["--budget", "9bpw"], "--budget 9bpw: more than the baseline itself takes (5.000bpw)"),
+    (["--budget", "1e9MiB"], "--budget 1e9MiB: more than the baseline itself takes ("),
+    (["--budget", "+0.1bpw", "--types", ""], "--types: an empty option;"),
     (["--budget", "+0.1"], "--budget '+0.1': give bits per weight"),
     (["--budget", "+0.1bpw", "--types", "Q9_9"], "--types Q9_9: Q9_9 is not a GGUF tensor type"),
     (["--budget", "+0.1bpw", "--variant", "nope"], "has no variant 'nope'; give one of q4, int8"),
@@ -335,3 +338,115 @@ def test_dynamic_is_refused_but_on_a_gptq_variant_made_here_and_in_a_form_gptqmo
     for wrong in ({"model.layers.7": {"bits": 8}}, {"+:x": {"desc_act": True}}):
         with pytest.raises(ValidationError, match="dynamic"):
             VariantSpec(name="r", method="gptq", dynamic=wrong)
+
+
+def test_gptqmodel_s_cpu_int4_kernels_take_only_the_group_sizes_torch_s_matmul_takes():
+    """What the tune's plan knows of gptqmodel's CPU kernels, checked against the code it stands for: gptqmodel picks
+    a kernel on torch's int4 CPU matmul for 4-bit modules of these group sizes (and one group a row), and that
+    matmul runs the group sizes ``INT4PACK_CPU_GROUPS`` and no other, though the kernels declare 16 too."""
+    import torch
+    from gptqmodel.utils.importer import select_quant_linear
+
+    from tasks.models.quantize import INT4PACK_CPU_GROUPS, INT4PACK_CPU_KERNELS
+
+    for group in (-1, 16, 32, 64, 128):
+        chosen = select_quant_linear(4, group, False, True, "cpu", format="gptq", quant_method="gptq",
+                                     pack_dtype=torch.int32)
+        assert chosen.__name__ in INT4PACK_CPU_KERNELS, (group, chosen)
+    out, inputs = 64, 512
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (out, inputs), dtype=torch.int32), 2)
+    for group in (8, 16, 32, 64, 128, 256, 512):
+        try:
+            torch.ops.aten._weight_int4pack_mm_for_cpu(torch.randn(2, inputs, dtype=torch.bfloat16), packed, group,
+                                                       torch.randn(inputs // group, out, 2, dtype=torch.bfloat16))
+            runs = True
+        except RuntimeError as error:
+            assert "qGroupSize" in str(error)
+            runs = False
+        assert runs == (group in INT4PACK_CPU_GROUPS), group
+
+
+def _tune_plan(tmp_path, variant: dict):
+    """The audit a tune of ``variant`` (on the embedded model) opens, its variant alone: nothing measured."""
+    from functools import partial
+
+    from tasks.audit.plan import open_audit
+    from tasks.audit.recipe.plan import alone
+
+    config = {"name": "planned", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
+              "evaluation": {"max_tokens": 512, "window": 256}, "variants": [variant]}
+    path = tmp_path / "planned.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return open_audit(str(path), [], narrow=partial(alone, variant=variant["name"]))
+
+
+@pytest.fixture(scope="module")
+def gptq_g32_plan(tmp_path_factory):
+    return _tune_plan(tmp_path_factory.mktemp("g32"), {"name": "g4", "method": "gptq", "bits": 4, "group_size": 32})
+
+
+@pytest.fixture(scope="module")
+def gguf_q4_plan(tmp_path_factory):
+    return _tune_plan(tmp_path_factory.mktemp("q4"), {"name": "q4", "method": "gguf", "type": "Q4_0"})
+
+
+def test_a_gptq_tune_s_default_options_are_ones_this_machine_s_kernels_run(gptq_g32_plan, capsys):
+    """4-bit g32 on a CPU: half its group size (16) is no group size gptqmodel's CPU kernel for 4 bits can run (it
+    failed the tune after its models were quantized, naming the variant): the plan leaves it out in one line that
+    names the option and why; 8 bits and unquantized stay; every option left runs here."""
+    from tasks.audit.recipe.plan import prepare
+
+    prepared = prepare(gptq_g32_plan.lineup, "g4", Budget.parse("+0.5bpw"), "layer")
+    assert prepared.types == ("8bit-g32", "bf16")
+    [note] = capsys.readouterr().err.strip().splitlines()
+    assert note.startswith("ppl-audit: note: tune leaves out option 4bit-g16 (half the variant's group size): ")
+    assert "TorchAtenLinear" in note and "32, 64, 128 or 256" in note
+    assert all(prepared.kernels.problem(option) is None for option in prepared.options)
+
+
+@pytest.mark.parametrize("types,option", [(["g16"], "4bit-g16"), (["8bit", "4bit-g16"], "4bit-g16"),
+                                          (["g-1"], "4bit-g-1")])
+def test_a_gptq_option_no_kernel_here_runs_is_refused_naming_the_option(gptq_g32_plan, types, option):
+    """Asked for by name, it is refused in one line naming it (not the variant), before anything is quantized. One
+    group a row (-1) makes the embedded model's groups its widths, 576 and 1536: no group size that matmul takes."""
+    from tasks.audit.recipe.plan import prepare
+
+    with pytest.raises(InputError) as refused:
+        prepare(gptq_g32_plan.lineup, "g4", Budget.parse("+0.5bpw"), "layer", types)
+    said = str(refused.value)
+    assert said.startswith(f"--types {option}: gptqmodel runs it on this CPU with ") and "'g4'" not in said
+    assert "\n" not in said
+
+
+@pytest.mark.parametrize("types", [[], [""], ["8bit", " "]])
+def test_an_empty_types_request_is_refused_not_read_as_the_defaults(gptq_g32_plan, gguf_q4_plan, types):
+    from tasks.audit.recipe.plan import prepare
+
+    for plan, variant in ((gptq_g32_plan, "g4"), (gguf_q4_plan, "q4")):
+        with pytest.raises(InputError, match="--types: an empty option; give .* or leave --types out"):
+            prepare(plan.lineup, variant, Budget.parse("+0.5bpw"), "layer", types)
+
+
+@pytest.mark.parametrize("per", ["layer", "module"])
+def test_a_budget_that_buys_no_unit_is_refused_with_the_smallest_that_buys_one(gptq_g32_plan, gguf_q4_plan, per):
+    """Below the cheapest step any unit can take (a fused group's, with --per module), a tune would measure for
+    minutes and choose nothing: refused, saying the smallest budget that buys something, in the form given, which
+    is then taken."""
+    from tasks.audit.recipe.plan import prepare
+
+    for plan, variant in ((gptq_g32_plan, "g4"), (gguf_q4_plan, "q4")):
+        for tiny in ("+0.0001bpw", "+0.001MiB"):
+            with pytest.raises(InputError, match=f"--budget {re.escape(tiny)}: it buys no unit any option") as refused:
+                prepare(plan.lineup, variant, Budget.parse(tiny), per)
+            smallest = re.search(r"the smallest budget that buys one is (?:at least )?(\S+?);", str(refused.value))
+            assert smallest, refused.value
+            smallest = smallest[1]
+            assert smallest.startswith("+") and smallest.endswith(tiny[-3:]), smallest
+            assert prepare(plan.lineup, variant, Budget.parse(smallest), per).extra > 0
+
+
+def test_a_budget_above_the_ceiling_is_named_as_such_not_malformed():
+    assert Budget.parse("1e9MiB") == Budget(1e9, "MiB", False) and Budget.parse("+2.5E-1bpw").value == 0.25
+    for wrong in ("1e9", "e9MiB", "1e9.5MiB", "nanbpw", "infMiB"):
+        with pytest.raises(InputError, match="give bits per weight"):
+            Budget.parse(wrong)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from flows.commands.arguments import config_field
 from tasks.core import console
@@ -37,6 +38,9 @@ def add(commands) -> None:
                           help="never calibrate on the first N tokens (what an audit with max_tokens N scores)")
     quantize.add_argument("--out", required=True, help="folder for the quantized checkpoint")
     quantize.add_argument("--name", help="the variant's name in audits of this checkpoint (it picks the gate)")
+    quantize.add_argument("--dynamic", metavar="FILE|MAPPING",
+                          help="gptq: gptqmodel's per-module overrides, as YAML/JSON ('{\"-:.*lm_head\": {}}') or a "
+                          "file: a variant's dynamic, or the recipe/gptqmodel-dynamic.json `ppl-audit tune` logs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,11 +54,49 @@ def run(args: argparse.Namespace) -> int:
     if args.holdout_tokens < 0:
         raise InputError(f"--holdout-tokens {args.holdout_tokens}: give a number of tokens, 0 or more")
     # opened here, so that bad input ends before Prefect starts, and only here: the flow takes it as it is
-    request = open_quantize(QuantizeRequest(model=args.model, method=args.method, bits=args.bits,
-                                            group_size=args.group_size, sym=not args.asym, calibration=calibration,
-                                            holdout_tokens=args.holdout_tokens, out=args.out, name=args.name))
+    fields = {"model": args.model, "method": args.method, "bits": args.bits, "group_size": args.group_size,
+              "sym": not args.asym, "calibration": calibration, "holdout_tokens": args.holdout_tokens, "out": args.out,
+              "name": args.name, "dynamic": _dynamic(args)}
+    request = open_quantize(parse(QuantizeRequest, fields, "arguments"))
     manifest = quantize_flow(request)
-    print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint in {request.out} "
+    overrides = f" with {len(request.dynamic)} per-module override{'s' * (len(request.dynamic) != 1)}" \
+        if request.dynamic else ""
+    print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint{overrides} in {request.out} "
           f"({manifest['calibration']['samples']} calibration samples, {manifest['seconds']} s); "
           "emitted quantization.completed", file=console.out())
     return 0
+
+
+def _dynamic(args: argparse.Namespace) -> object:
+    """``--dynamic`` as written (checked as ``QuantizeRequest.dynamic``): a mapping given inline or in a file; of
+    the file ``ppl-audit tune`` logs (bits and group size beside the overrides), its overrides, once its scheme is
+    the command's."""
+    import yaml
+
+    from tasks.config import yaml_problem
+
+    if args.dynamic is None:
+        return None
+    try:
+        a_file = Path(args.dynamic).is_file()
+    except OSError:  # a name too long to be a file's: the mapping itself
+        a_file = False
+    try:
+        text = Path(args.dynamic).read_text(encoding="utf-8") if a_file else args.dynamic
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"--dynamic {args.dynamic}: cannot be read ({error}); give a YAML or JSON file") from None
+    try:
+        given = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise InputError(f"--dynamic: not YAML or JSON ({yaml_problem(error)}); give a mapping such as "
+                         "'{\"-:.*lm_head\": {}}' or a file") from None
+    if isinstance(given, dict) and "dynamic" in given:  # tune's gptqmodel-dynamic.json
+        for key, flag in (("bits", "--bits"), ("group_size", "--group-size")):
+            if key in given and given[key] != getattr(args, key):
+                raise InputError(f"--dynamic: the recipe is for {key} {given[key]} and the command's {flag} is "
+                                 f"{getattr(args, key)}; give {flag} {given[key]}")
+        given = given["dynamic"]
+    if isinstance(given, str):  # neither a file nor a mapping: most likely a file's name mistyped
+        raise InputError(f"--dynamic {given}: no such file, nor a mapping; give tune's gptqmodel-dynamic.json or "
+                         "'{\"-:.*lm_head\": {}}'")
+    return given

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from tasks.audit.recipe.sizes import Budget
 
     budget = Budget.parse(args.budget)  # bad input ends here, before any model loads or Prefect starts
-    types = args.types.split(",") if args.types else None
+    types = None if args.types is None else args.types.split(",")  # "" is an empty request: refused, not the defaults
     from functools import partial
 
     from tasks.audit.plan import open_audit

@@ -29,7 +29,7 @@ import shutil
 import time
 import zipfile
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from tasks.core.places import references_dir
 from tasks.core.versions import versions
 from tasks.engine.logits_head import LogitsHead
 from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
+from tasks.engine.settings import BOS_POLICIES, MODES, BosPolicy, Mode
 from tasks.engine.stream import TokenStream
 from tasks.models.gguf_file import read_header, tensor_data
 from tasks.models.quantize import model_digest
@@ -68,17 +69,78 @@ def stream_digest(stream: TokenStream) -> str:
     return digest.hexdigest()
 
 
+def _valid(check, default=MISSING):
+    """A field of ``Identity`` that carries the check ``parse`` makes of what a manifest holds for it."""
+    return field(default=default, metadata={"valid": check})
+
+
+def _digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) > 0
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a baseline's numbers are a function of, but for the environment: a manifest's ``identity``, written
+    (``identity``) and read back (``parse``) by this one type, so that a manifest holding anything less than a whole,
+    valid one is told as damaged where it is read (``_unreadable``), and never fails a variant later.
+
+    Attributes:
+        model: ``model_digest`` of its files; tokenizer: ``tasks.data.corpus.tokenizer_digest`` of its tokenizer;
+        stream: ``stream_digest`` of the tokens scored; mode, window, stride, bos: how they were scored;
+        dtype: what the model computed in (a key of ``DRIFT_TOLERANCE``);
+        runtime, llama_cpp: a baseline llama.cpp scored (``tasks.audit.scoring.baseline_identity``): its version and
+        the settings that move its logits.
+    """
+
+    format: int = _valid(lambda value: value == FORMAT)
+    model: str = _valid(_digest)
+    tokenizer: str = _valid(_digest)
+    stream: str = _valid(_digest)
+    mode: Mode = _valid(lambda value: value in MODES)
+    window: int = _valid(_count)
+    stride: int = _valid(_count)
+    bos: BosPolicy = _valid(lambda value: value in BOS_POLICIES)
+    dtype: str = _valid(lambda value: isinstance(value, str) and value in DRIFT_TOLERANCE)
+    runtime: str | None = _valid(_digest, None)
+    llama_cpp: dict | None = _valid(lambda value: isinstance(value, dict), None)
+
+    @classmethod
+    def parse(cls, raw: object) -> Identity:
+        """The identity ``raw`` holds; ``ValueError`` saying which field is missing, wrong or unknown when it does not
+        hold exactly one (a field no ppl-audit writes was put there by hand)."""
+        if not isinstance(raw, dict):
+            raise ValueError("is not a mapping")
+        for about in fields(cls):
+            value = raw.get(about.name)
+            if value is None and about.default is MISSING:
+                raise ValueError(f"lacks its {about.name!r}")
+            if value is not None and not about.metadata["valid"](value):
+                raise ValueError(f"has {about.name} {value!r}, which no baseline has")
+        unknown = sorted(set(raw) - {about.name for about in fields(cls)})
+        if unknown:
+            raise ValueError(f"holds {unknown[0]!r}, which no identity has")
+        return cls(**raw)
+
+    def as_dict(self) -> dict:
+        """As the manifest and the reference's key hold it: a field a baseline does not have (``runtime``) left out."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
 def identity(folder: Path, tokenizer: str, stream: TokenStream, settings: EvaluationConfig, dtype: torch.dtype) -> dict:
-    """What a baseline's numbers are a function of, but for the environment.
+    """What a baseline's numbers are a function of, but for the environment (``Identity``, as its manifest holds it).
 
     Args:
         folder: the model's local files (``model_files``).
         tokenizer: the digest of its tokenizer (``tasks.data.corpus.tokenizer_digest``).
     """
-    return {"format": FORMAT, "model": model_digest(str(folder)), "tokenizer": tokenizer, "stream": stream_digest(stream),
-            "mode": settings.mode, "window": settings.window,
-            "stride": settings.stride if settings.mode == "sliding" else settings.window, "bos": stream.bos,
-            "dtype": str(dtype).removeprefix("torch.")}
+    return Identity(format=FORMAT, model=model_digest(str(folder)), tokenizer=tokenizer, stream=stream_digest(stream),
+                    mode=settings.mode, window=settings.window,
+                    stride=settings.stride if settings.mode == "sliding" else settings.window, bos=stream.bos,
+                    dtype=str(dtype).removeprefix("torch.")).as_dict()
 
 
 def environment(device: torch.device) -> dict:
@@ -194,13 +256,17 @@ def manifest_problem(folder: Path, manifest: dict | None) -> str | None:
 
 def _unreadable(folder: Path, manifest: dict | None) -> str | None:
     """Why ``manifest`` cannot even be matched to a baseline: missing, not JSON or of another format, lacking a
-    field, or naming another reference (a manifest swapped or copied from another folder: the key is the folder's
+    field, without a whole, valid ``Identity``, or naming another reference (a manifest swapped or copied from another folder: the key is the folder's
     name). One that can is found, and its damage then said (``find_intact``), or refused under ``rescore: never``."""
     if manifest is None:
         return f"{MANIFEST} is missing, not JSON or not a format-{FORMAT} manifest (an older ppl-audit's: never used)"
     wrong = next((name for name, kind in FIELDS.items() if not isinstance(manifest.get(name), kind)), None)
     if wrong is not None:
         return f"{MANIFEST} lacks its {wrong!r}" if manifest.get(wrong) is None else f"{MANIFEST}'s {wrong!r} is damaged"
+    try:
+        Identity.parse(manifest["identity"])
+    except ValueError as wrong_identity:
+        return f"{MANIFEST}'s identity {wrong_identity}"
     if manifest["key"] != folder.name:
         return f"{MANIFEST} is reference {manifest['key']}'s, not {folder.name}'s (swapped or copied)"
     return None
@@ -236,14 +302,19 @@ class Reference:
         used = self.folder / USED
         return used.stat().st_mtime if used.exists() else self.created
 
+    @cached_property
+    def identity(self) -> Identity:
+        """Its manifest's identity, read once: whole and valid in every reference ``open`` gives (``_unreadable``)."""
+        return Identity.parse(self.manifest.get("identity"))
+
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.manifest["identity"]["dtype"]]
+        return DTYPES[self.identity.dtype]
 
     @property
     def tolerance(self) -> float:
         """How far its head on its hidden states may give a token's NLL from the stored one: float noise."""
-        return DRIFT_TOLERANCE[self.manifest["identity"]["dtype"]][0]
+        return DRIFT_TOLERANCE[self.identity.dtype][0]
 
     @classmethod
     def open(cls, folder: Path) -> Reference | None:
@@ -691,7 +762,7 @@ def drift(previous: Reference, result: PerplexityResult, environment_: dict) -> 
     """
     with np.load(previous.folder / SCORES) as scores:
         delta = result.token_nll.astype(np.float64) - scores["token_nll"].astype(np.float64)
-    token_limit, mean_limit = DRIFT_TOLERANCE.get(previous.manifest["identity"]["dtype"], DRIFT_TOLERANCE["float32"])
+    token_limit, mean_limit = DRIFT_TOLERANCE[previous.identity.dtype]
     mean_delta = result.mean_nll - previous.manifest["result"]["mean_nll"]
     then = previous.manifest["environment"]
     changed = {k: f"{then.get(k)} → {environment_.get(k)}" for k in sorted(set(then) | set(environment_))

@@ -8,7 +8,9 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.core import console
+from tasks.core.errors import InputError
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -24,9 +27,12 @@ def write_atomically(path: Path, text: str) -> None:
     A crash or a full disk leaves the old file (or none), never a truncated one that breaks every later
     run; the temporary file is removed on failure.
     """
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # a name no other writer has (a file system's longest names leave room for the rest); O_EXCL: a new file, never
+    # one that was there, nor whatever a link of that name points to
+    temporary = path.with_name(f".{path.name[:100]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
+        with open(descriptor, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
@@ -36,12 +42,71 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def output_file(path: Path, flag: str, example: str) -> Path:
+    """``path`` as a command's output may be: a regular file (``write_atomically`` replaces it whole) or a new name in
+    a folder that exists and takes files; else one line (InputError) naming ``flag``, before the command reads or
+    writes anything. A folder, a device (``/dev/full``), a FIFO or a socket cannot hold the output, and a symbolic
+    link would be replaced by a file (or, written through, replace what it points to). ``example``: a file name to
+    suggest in a folder given instead."""
+    try:
+        found = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        found = None
+    except OSError as error:  # a name longer than the file system takes, a folder that cannot be searched
+        raise InputError(f"{flag} {_start(path)}: {error.strerror}; name a file in a folder you can write") from None
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        raise InputError(f"{flag} {path} " + _not_a_file(path, found.st_mode, example))
+    if not path.parent.is_dir():
+        there = "is not a folder" if path.parent.exists() else "does not exist"
+        raise InputError(f"{flag} {path}: the folder {path.parent} {there}; create it or name another file")
+    try:  # a folder that takes no new file (/proc, read-only): said now, not after the output is made
+        descriptor, probe = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise InputError(f"{flag} {path}: cannot write a file in {path.parent} ({error.strerror}); name a file in "
+                         "a folder you can write") from None
+    os.close(descriptor)
+    os.unlink(probe)
+    return path
+
+
+def _not_a_file(path: Path, mode: int, example: str) -> str:
+    """What ``path`` is, said where a regular file was expected, and what to give instead."""
+    if stat.S_ISLNK(mode):
+        return f"is a symbolic link (to {os.readlink(path)}); name the file itself, or a new one"
+    if stat.S_ISDIR(mode):
+        return f"is a folder; name a file in it, e.g. {path / example}"
+    kind = "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "FIFO" if stat.S_ISFIFO(mode) else "socket"
+    return f"is a {kind}, not a regular file; name a file"
+
+
+def _start(path: Path) -> str:
+    """A path as a line quotes it: its start, where it may be thousands of characters long."""
+    text = str(path)
+    return text if len(text) <= 60 else f"{text[:60]}… ({len(text)} characters)"
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes, read in chunks: what a cache records of each file to check it when read."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(1 << 24):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+SAMPLED = 1 << 16  # bytes read at each of a file's start, middle and end by ``sample_digest``
+
+
+def sample_digest(path: Path) -> str:
+    """sha256 of a file's first, middle and last ``SAMPLED`` bytes (all of a small one): a cheap look at its content,
+    kept beside its size and modification time by a cache that would not read the whole file again (a model's
+    remembered digest), so that a file changed in place with its time set back is told from the one remembered."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for start in sorted({0, max(0, size // 2 - SAMPLED // 2), max(0, size - SAMPLED)}):
+            handle.seek(start)
+            digest.update(handle.read(SAMPLED))
     return digest.hexdigest()
 
 

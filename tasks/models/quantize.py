@@ -7,6 +7,7 @@ manifest saying how it was made, so an audit can check its calibration against w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -22,8 +23,8 @@ import torch
 
 from tasks.config import KERNEL_GROUP_SIZES, CalibrationConfig
 from tasks.core import console, sealed
-from tasks.core.errors import InputError
-from tasks.core.files import file_digest, publish, read_json, scratch, write_atomically
+from tasks.core.errors import InputError, one_line
+from tasks.core.files import file_digest, publish, read_json, sample_digest, scratch, write_atomically
 from tasks.core.places import cache_dir
 from tasks.core.versions import versions
 from tasks.data.corpus import cached_tokenize, corpus_text
@@ -114,15 +115,17 @@ def check_disjoint(manifest: dict, corpus_digest: str, evaluated: tuple[int, int
 def model_digest(path: str) -> str:
     """sha256 over a model folder's config and weight files, or over a single-file checkpoint (``.gguf``).
 
-    Remembered by the files' names, sizes and modification times: an audit asks for it every run, and
-    reading a 70B checkpoint again would take minutes. What is remembered keeps those (what it was made
+    Remembered by the files' names, sizes, modification times and a sample of their bytes (``sample_digest``): an
+    audit asks for it every run, and reading a 70B checkpoint again would take minutes. What is remembered keeps those (what it was made
     from) and a digest of itself, checked when read: an entry changed, or another model's copied over it,
     is never used (one line; the files are read again).
     """
     files = [Path(path)] if Path(path).is_file() else [
         file for file in sorted(Path(path).iterdir()) if file.name == "config.json" or file.suffix in WEIGHT_SUFFIXES]
     single = Path(path).is_file()
-    stamp = [single] + [[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in files]
+    # a sample of each file's bytes too: one changed in place with its time set back is not the file remembered
+    stamp = [single] + [[str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns, sample_digest(file)]
+                        for file in files]
     remembered = cache_dir() / "digests" / hashlib.sha256(json.dumps(stamp).encode()).hexdigest()
     if remembered.is_file():
         entry = sealed.read_entry(remembered)
@@ -340,6 +343,40 @@ def check_group_fits(model: Located, method: str, group_size: int) -> None:
     fits = [size for size in KERNEL_GROUP_SIZES[method] if size < 0 or all(width % size == 0 for width in widths)]
     raise InputError(f"group_size {group_size} does not divide the input widths of {model.name}'s layers "
                      f"({', '.join(map(str, widths))}); use one of {', '.join(map(str, fits))} (-1: per channel)")
+
+
+# torch's int4 matmul on a CPU (aten._weight_int4pack_mm_for_cpu) takes groups of these sizes alone ("expect
+# qGroupSize to be 32, 64, 128 or 256"); gptqmodel 7.6.0 picks a kernel on it for 4-bit modules on a CPU (TorchAtenLinear
+# for groups of 16 to 128, TorchFusedLinear for one group a row, whose size is then the row's width), and both declare
+# group size 16 all the same: a checkpoint of those loads, and fails at its first forward pass
+# (tests/test_tune.py checks both against the installed gptqmodel and torch)
+INT4PACK_CPU_GROUPS = (32, 64, 128, 256)
+INT4PACK_CPU_KERNELS = ("TorchAtenLinear", "TorchFusedLinear")
+
+
+@functools.cache
+def gptq_kernel_problem(bits: int, group_size: int, sym: bool, widths: tuple[int, ...], device_type: str) -> str | None:
+    """Why the kernel gptqmodel picks for gptq modules of ``bits`` in groups of ``group_size`` (-1: one a row) whose
+    input widths are ``widths`` cannot run them on a device of ``device_type``; None when it can. Asked of gptqmodel's
+    own choice (``select_quant_linear``, as loading asks it), before anything is quantized. On a GPU its kernels say
+    what they cannot run as they load (``tasks.models.kernel_start``): None."""
+    if device_type != "cpu":
+        return None
+    _prepare_gptqmodel()
+    from gptqmodel.utils.importer import select_quant_linear
+
+    try:
+        kernel = select_quant_linear(bits, group_size, False, sym, "cpu", format="gptq", quant_method="gptq",
+                                     pack_dtype=torch.int32).__name__
+    except (ValueError, NotImplementedError) as error:
+        return f"no gptqmodel kernel runs it on this CPU ({one_line(error)[:200]})"
+    groups = {group_size} if group_size > 0 else set(widths)  # one group a row: the row's width
+    if kernel in INT4PACK_CPU_KERNELS and not groups <= set(INT4PACK_CPU_GROUPS):
+        sizes = ", ".join(map(str, INT4PACK_CPU_GROUPS[:-1])) + f" or {INT4PACK_CPU_GROUPS[-1]}"
+        of = f"group size {group_size}" if group_size > 0 else f"groups of its rows' widths ({', '.join(map(str, sorted(groups)))})"
+        return (f"gptqmodel runs it on this CPU with {kernel}, whose matmul (torch's _weight_int4pack_mm_for_cpu) "
+                f"takes groups of {sizes} inputs, not {of}")
+    return None
 
 
 def check_destination(out: Path) -> None:

@@ -4,15 +4,15 @@ and checked once: ``QuantizeRequest``, opened by ``open_quantize``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
-
 from pydantic import Field, PrivateAttr, model_validator
 
 from tasks.config import (
     DEFAULT_BITS,
     DEFAULT_GROUP_SIZE,
     QUANTIZED_BY_US,
+    Bits,
     CalibrationConfig,
+    GptqDynamic,
     Strict,
     check_group_size,
     check_name,
@@ -36,17 +36,20 @@ class QuantizeRequest(Strict):
         out: the checkpoint's folder, new or empty.
         name: the variant's name in audits of this checkpoint (it picks the gate); recorded in the
             manifest and sent with the event.
+        dynamic: gptq only: gptqmodel's per-module overrides, a recipe as ``ppl-audit tune`` writes it
+            (``GptqDynamic``, the type a variant's ``dynamic`` has).
     """
 
     model: str
     method: str
     out: str
     calibration: CalibrationConfig
-    bits: Literal[2, 3, 4, 8] = DEFAULT_BITS
+    bits: Bits = DEFAULT_BITS
     group_size: int = DEFAULT_GROUP_SIZE
     sym: bool = True
     holdout_tokens: int = Field(0, ge=0)
     name: str | None = None
+    dynamic: GptqDynamic | None = None
     # set by ``open_quantize`` alone, never from a flow run's parameters: the model as this machine found it (once),
     # and its tokenizer; None: not checked here yet
     _found: tuple[Located, object] | None = PrivateAttr(None)
@@ -55,11 +58,14 @@ class QuantizeRequest(Strict):
     def _calibrated_on_a_corpus(self) -> QuantizeRequest:
         if self.calibration.corpus is None:
             raise ValueError("calibration.corpus: give the corpus to calibrate on (same forms as a corpus source)")
+        if self.dynamic is not None and self.method != "gptq":
+            raise ValueError(f"dynamic: gptqmodel's per-module overrides make gptq checkpoints, not {self.method} "
+                             "ones; use method gptq")
         return self
 
     @property
     def scheme(self) -> Scheme:
-        return Scheme(self.method, self.bits, self.group_size, self.sym)
+        return Scheme(self.method, self.bits, self.group_size, self.sym, self.dynamic)
 
     @property
     def opened(self) -> bool:

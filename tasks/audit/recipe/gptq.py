@@ -68,14 +68,42 @@ def parse(text: str, variant: Option) -> Option:
     return option
 
 
-def defaults(variant: Option) -> list[Option]:
-    """More bits at the variant's group size, its bits at half its group size (128 for one per channel), and left
-    unquantized: the three ways the issue's users give a module more precision."""
-    smaller = 128 if variant.group < 0 else variant.group // 2
-    found = [Option(8, variant.group)] if variant.bits != 8 else []
-    if smaller in KERNEL_GROUP_SIZES["gptq"]:
-        found.append(Option(variant.bits, smaller))
-    return found + [Option(None, variant.group)]
+def defaults(variant: Option, shapes: Shapes, kernels: Kernels) -> tuple[list[Option], list[str]]:
+    """More bits at the variant's group size, its bits at a smaller group size, and left unquantized: the three ways
+    the issue's users give a module more precision, each one this machine's kernels run. The smaller group is the
+    largest at most half the variant's (128 for one a row) that the model's widths take and a kernel here runs.
+    Returns the options, and a line for each left out saying why."""
+    half = 128 if variant.group < 0 else variant.group // 2
+    smaller = [Option(variant.bits, group) for group in sorted(KERNEL_GROUP_SIZES["gptq"], reverse=True)
+               if 0 < group <= half and shapes.fits(group)]
+    runs = [option for option in smaller if kernels.problem(option) is None]
+    wanted = ([Option(8, variant.group)] if variant.bits != 8 else []) + runs[:1] + [Option(None, variant.group)]
+    found = [option for option in wanted if kernels.problem(option) is None]
+    left_out = [f"tune leaves out option {option.label}: {kernels.problem(option)}" for option in wanted
+                if option not in found]
+    if smaller and smaller[0] not in runs:
+        which = "half the variant's group size" if smaller[0].group == half else "a smaller group size"
+        instead = f"; it takes {runs[0].label} instead" if runs else ""
+        left_out.insert(0, f"tune leaves out option {smaller[0].label} ({which}): {kernels.problem(smaller[0])}{instead}")
+    return found, left_out
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What runs a gptq tune's modules where it loads them (the variant's device): its options are those gptqmodel's
+    kernels there can run (``tasks.models.quantize.gptq_kernel_problem``), checked before anything is quantized."""
+
+    device_type: str
+    sym: bool
+    widths: tuple[int, ...]  # the inputs of the baseline's decoder-layer matrices
+
+    def problem(self, option: Option) -> str | None:
+        """Why ``option`` cannot run here; None when it can (an unquantized one always can)."""
+        from tasks.models.quantize import gptq_kernel_problem
+
+        if option.bits is None:
+            return None
+        return gptq_kernel_problem(option.bits, option.group, self.sym, self.widths, self.device_type)
 
 
 @dataclass(frozen=True)
@@ -101,6 +129,10 @@ class Shapes:
                     if pattern.fullmatch(name)}
         rest = sum(_count(shape) for name, shape in shapes.items() if name.removesuffix(".weight") not in matrices)
         return cls(prefix, matrices, rest)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(sorted({inputs for _, inputs in self.matrices.values()}))
 
     def fits(self, group: int) -> bool:
         """Whether groups of ``group`` inputs divide every matrix's inputs (-1, one group a channel, always does)."""
@@ -141,12 +173,13 @@ def held(folder: Path, shapes: Shapes) -> dict[str, str]:
     return found
 
 
-def larger(own: Option, shapes: Shapes) -> list[Option]:
+def larger(own: Option, shapes: Shapes, kernels: Kernels) -> list[Option]:
     """The uniform schemes a recipe of ``own`` may be audited beside, smallest first: its bits at a smaller group
-    size, and 8 bits at any group size, that fit the model's widths."""
+    size, and 8 bits at any group size, that fit the model's widths and this machine's kernels run."""
     groups = [g for g in KERNEL_GROUP_SIZES["gptq"] if shapes.fits(g)]
     found = [Option(bits, group) for bits in sorted({own.bits, 8}) for group in groups
-             if Option(bits, group) != own and (bits > own.bits or 0 < group < own.group or own.group < 0 < group)]
+             if Option(bits, group) != own and (bits > own.bits or 0 < group < own.group or own.group < 0 < group)
+             and kernels.problem(Option(bits, group)) is None]
     units = [(out, inputs) for out, inputs in shapes.matrices.values()]
     return sorted(found, key=lambda option: sum(option.bytes(*shape) for shape in units))
 

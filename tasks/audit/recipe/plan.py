@@ -7,9 +7,10 @@ from pathlib import Path
 
 from tasks.audit.checkpoints import Lineup, baseline_gguf
 from tasks.audit.recipe import gptq
-from tasks.audit.recipe.gptq import Option, Shapes
-from tasks.audit.recipe.sizes import Budget, Sizes, Span, Unit, span_of, units_of
+from tasks.audit.recipe.gptq import Kernels, Option, Shapes
+from tasks.audit.recipe.sizes import Budget, Sizes, Span, Unit, span_of, split, units_of
 from tasks.config import AuditConfig
+from tasks.core import console
 from tasks.core.errors import InputError
 
 
@@ -59,6 +60,7 @@ class Prepared:
     own: Option | None = None  # a gptq variant's bits and group size
     options: tuple[Option, ...] = ()
     shapes: Shapes | None = None
+    kernels: Kernels | None = None  # what runs a gptq variant's modules where the tune loads them
 
     def option_sizes(self) -> list[Sizes]:
         """A gptq tune's options' sizes, costed from the baseline's shapes."""
@@ -75,16 +77,51 @@ def alone(config: AuditConfig, variant: str) -> AuditConfig:
     return config.model_copy(update={"variants": [spec]})
 
 
+def requested(types: list[str] | None) -> list[str] | None:
+    """The options asked for, each stripped; None (none asked for) means the defaults. An empty request (``--types
+    ""``, a stray comma) is refused in one line: read as none, it ran minutes of a tune nobody asked for."""
+    if types is None:
+        return None
+    found = [t.strip() for t in types]
+    if not found or not all(found):
+        raise InputError("--types: an empty option; give some (Q6_K,Q8_0,F16 for a GGUF variant; 8bit,g32,bf16 for a "
+                         "gptq one), or leave --types out for the defaults")
+    return found
+
+
 def check_types(types: list[str]) -> tuple[str, ...]:
     """The option types, each a GGUF tensor type llama-quantize's --tensor-type takes; one line naming them when not."""
     from gguf import GGMLQuantizationType
 
     known = {t.name for t in GGMLQuantizationType}
     wrong = [t for t in types if t.upper() not in known]
-    if wrong or not types:
-        raise InputError(f"--types {','.join(types)}: {', '.join(wrong) or 'none given'} is not a GGUF tensor type; "
+    if wrong:
+        raise InputError(f"--types {','.join(types)}: {', '.join(wrong)} is not a GGUF tensor type; "
                          f"give some of {', '.join(sorted(known))}")
     return tuple(t.upper() for t in types)
+
+
+def check_buys(prepared: Prepared, option_sizes: list[Sizes], exact: bool) -> Prepared:
+    """Refuse, in one line, a tune that could choose nothing: no option takes a unit beyond the variant's own bytes,
+    or the budget allows less than the cheapest step any unit can take (with ``--per module``, a fused group's). It
+    would measure for minutes first. ``exact``: the options' sizes are what their files will hold (a gptq tune's),
+    not a lower bound (a GGUF tune's, costed before its files are made)."""
+    units = list(prepared.units) + ([part for unit in prepared.units for part in split(unit)]
+                                    if prepared.per == "module" else [])
+    steps = [(sizes.matrix_bytes([unit]) - prepared.sizes.matrix_bytes([unit]), unit, label)
+             for sizes, label in zip(option_sizes, prepared.types) for unit in units]
+    cheapest = min((step for step in steps if step[0] > 0), default=None, key=lambda step: step[0])
+    if cheapest is None:
+        raise InputError(f"--types {','.join(prepared.types)}: no option holds a unit in more bytes than the variant "
+                         f"({prepared.scheme}) does, so none can win anything back; give options of more bits")
+    cost, unit, label = cheapest
+    if prepared.extra < cost:
+        what = f"layer {unit.layer}'s matrices" if unit.part == "layer" else f"layer {unit.layer}'s {unit.part}"
+        smallest = prepared.span.budget_for(cost, prepared.budget)
+        raise InputError(f"--budget {prepared.budget}: it buys no unit any option: the cheapest step, {what} at "
+                         f"{label}, adds {'' if exact else 'at least '}{cost} bytes; the smallest budget that buys one "
+                         f"is {'' if exact else 'at least '}{smallest}; give that or more")
+    return prepared
 
 
 def prepare(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[str] | None = None) -> Prepared:
@@ -94,33 +131,45 @@ def prepare(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[
     [checkpoint] = lineup.variants
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
+    types = requested(types)
     if checkpoint.spec.method == "gptq":
-        return _prepare_gptq(lineup, variant, budget, per, types)
-    options = check_types(list(types or TYPES))
+        prepared = _prepare_gptq(lineup, variant, budget, per, types)
+        return check_buys(prepared, prepared.option_sizes(), exact=True)
+    options = check_types(list(TYPES if types is None else types))
     variant_file, baseline_file = Path(checkpoint.source), baseline_gguf(lineup.baseline.model)
     sizes = Sizes.of(variant_file)
     units = tuple(units_of(sizes.layers))
     span = span_of(sizes, Sizes.of(baseline_file), list(units))
-    return Prepared(variant, budget, per, options, variant_file, baseline_file, units, span, span.extra_bytes(budget),
-                    sizes, checkpoint.spec.type.upper())
+    prepared = Prepared(variant, budget, per, options, variant_file, baseline_file, units, span,
+                        span.extra_bytes(budget), sizes, checkpoint.spec.type.upper())
+    return check_buys(prepared, [sizes.at(option, list(units)) for option in options], exact=False)
 
 
 def _prepare_gptq(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[str] | None) -> Prepared:
-    from tasks.models.resolve import model_files
+    from tasks.models.resolve import device_and_dtype, model_files
 
     [checkpoint] = lineup.variants
-    bits, group, _ = checkpoint.spec.quantization
+    bits, group, sym = checkpoint.spec.quantization
     own = gptq.Option(bits, group)
     folder = model_files(lineup.baseline.source, fetch=True)
     shapes = gptq.Shapes.of(folder)
-    options = tuple(dict.fromkeys(gptq.parse(t, own) for t in types)) if types else tuple(
-        o for o in gptq.defaults(own) if shapes.fits(o.group))  # a default's smaller group where it fits the widths
+    kernels = Kernels(device_and_dtype(checkpoint.spec)[0].type, sym, shapes.widths)
+    if types is None:
+        options, left_out = gptq.defaults(own, shapes, kernels)
+        for line in left_out:
+            print(f"ppl-audit: note: {line}", file=console.err())
+    else:
+        options = list(dict.fromkeys(gptq.parse(t, own) for t in types))
     wrong = next((o for o in options if not shapes.fits(o.group)), None)
     if wrong is not None:
         raise InputError(f"--types {wrong.label}: group size {wrong.group} does not divide the input widths of "
                          f"{lineup.baseline.name}'s layers; give a group size that does")
+    # a module of an option no kernel here runs fails the tune after its models are quantized: refused now, by name
+    cannot = next(((o, problem) for o in options if (problem := kernels.problem(o))), None)
+    if cannot is not None:
+        raise InputError(f"--types {cannot[0].label}: {cannot[1]}; give options a kernel here runs")
     sizes = shapes.sizes(own)
     units = tuple(units_of(shapes.layers))
     span = span_of(sizes, shapes.sizes(gptq.Option(None, group)), list(units))
     return Prepared(variant, budget, per, tuple(o.label for o in options), None, folder, units, span,
-                    span.extra_bytes(budget), sizes, own.scheme, "gptq", own, options, shapes)
+                    span.extra_bytes(budget), sizes, own.scheme, "gptq", own, tuple(options), shapes, kernels)

@@ -130,7 +130,7 @@ def uniform_above(prepared: Prepared, bpw: float) -> tuple[str, float, dict] | N
     bits (``gptq.larger``), costed from the baseline's shapes."""
     units = list(prepared.units)
     if prepared.method == "gptq":
-        for option in gptq.larger(prepared.own, prepared.shapes):
+        for option in gptq.larger(prepared.own, prepared.shapes, prepared.kernels):
             found = prepared.span.bpw(prepared.shapes.sizes(option).matrix_bytes(units))
             if found >= bpw:
                 return option.scheme, found, {"bits": option.bits, "group_size": option.group}

@@ -3,6 +3,7 @@ of GGUF files' tensors, and the budget read against the variant's and the baseli
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str) -> Budget:
-        found = re.fullmatch(r"\s*(\+?)\s*(\d+(?:\.\d+)?)\s*(bpw|MiB)\s*", text, re.IGNORECASE)
+        found = re.fullmatch(r"\s*(\+?)\s*(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*(bpw|MiB)\s*", text, re.IGNORECASE)
         if found is None:
             raise InputError(f"--budget {text!r}: give bits per weight (4.5bpw), MiB of the file (120MiB), or what "
                              "is added to the variant's own (+0.25bpw, +8MiB)")
@@ -113,6 +114,17 @@ class Sizes:
             return unit.tensors
         return [f"{self.prefix}.{unit.layer}.{module}" for module in unit.modules]
 
+    def at(self, ggml_type: str, units: list[Unit]) -> Sizes:
+        """These sizes with ``units``' matrices in ``ggml_type`` (a GGUF file's), costed from their weights before the
+        file is made: what its blocks take, a lower bound where llama.cpp falls back to a larger type for a shape
+        ``ggml_type`` cannot hold (a 576-wide row in 256-weight K-quant blocks)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+        names = [name for unit in units for name in self.names(unit)]
+        return Sizes(self.bytes | {name: self.elements[name] // block * block_bytes for name in names},
+                     self.types | dict.fromkeys(names, ggml_type), self.total, self.elements, self.prefix)
+
     def matrix_bytes(self, units: list[Unit]) -> int:
         return sum(self.bytes[name] for unit in units for name in self.names(unit))
 
@@ -132,6 +144,15 @@ class Span:
 
     def bpw(self, matrix_bytes: float) -> float:
         return 8 * matrix_bytes / self.weights
+
+    def budget_for(self, extra: int, like: Budget) -> str:
+        """The smallest budget in ``like``'s form (bits per weight or MiB, added or whole) that allows ``extra`` bytes
+        beyond the variant's matrices: rounded up past it where it is printed, so that it does."""
+        if like.unit == "bpw":
+            value = 8 * extra / self.weights + (0 if like.added else self.bpw(self.variant_bytes))
+            return f"{'+' if like.added else ''}{(math.floor(value * 1000) + 1) / 1000:.3f}bpw"
+        value = (extra + (0 if like.added else self.file_bytes)) / MIB
+        return f"{'+' if like.added else ''}{(math.floor(value * 1000) + 1) / 1000:.3f}MiB"
 
     def extra_bytes(self, budget: Budget) -> int:
         """What the budget allows the matrices beyond the variant's own; one line when it is below the variant's
