@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import os
 import re
+import stat
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from mlflow import MlflowClient
 from flows.cli import main
 from tasks.record.card import ARTIFACTS, floor_cell, model_index, render
 from tasks.record.domains import domain_view
+from tasks.record.spool import sealed_record_json
 from tasks.record.tags import COMPLETE
 from tasks.record.verdict import said
 
@@ -244,7 +249,7 @@ def strangers(audited, tmp_path_factory) -> dict[str, str]:
     pytest.param("no complete audit never in experiment 'tests'", ["{never}"], id="config-never-audited"),
     pytest.param("no experiment 'elsewhere' in sqlite:", ["{elsewhere}"], id="config-experiment-missing"),
     pytest.param("no experiment 'nowhere' in sqlite:", ["{never}", "--experiment", "nowhere"], id="unknown-experiment"),
-    pytest.param("nonsense is neither an audit config (no such file) nor an MLflow run id", ["nonsense"],
+    pytest.param("'nonsense' is neither an audit config (no such file) nor an MLflow run id", ["nonsense"],
                  id="neither-config-nor-run"),
     pytest.param("config not found: {folder}/gone.yaml", ["{folder}/gone.yaml"], id="missing-config"),
     pytest.param("--experiment goes with a CONFIG", ["{plain}", "--experiment", "tests"], id="experiment-with-run-id"),
@@ -255,6 +260,44 @@ def test_bad_input_gets_one_line_and_exit_2(audited, strangers, capsys, expected
     argv = [arg.format(**strangers) for arg in argv]
     err = one_line_error(capsys, "card", *argv, "--tracking-uri", audited["uri"])
     assert expected.format(**strangers) in err
+
+
+def logged_record(audited: dict, text: str) -> str:
+    """A run of the audit's experiment, tagged as an audit, whose record.json artifact is ``text``; its id."""
+    client = audited["client"]
+    run = client.create_run(audited["parent"].info.experiment_id, run_name="logged",
+                            tags={"ppl_audit.kind": "audit", "ppl_audit.audit": "carded"}).info.run_id
+    client.log_text(run, text, "record.json")
+    return run
+
+
+def test_a_record_edited_in_the_artifact_store_is_one_line_not_a_card(audited, capsys, monkeypatch):
+    """Issue 67.12: an edited PPL gave a card of it, its ΔPPL no longer following from it, without a word."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # in-process, the download's bar is on stderr
+    run = logged_record(audited, audited["record_text"])
+    stored = Path(local_file_uri_to_path(audited["client"].get_run(run).info.artifact_uri))  # the store's own folder
+    record = json.loads((stored / "record.json").read_text())
+    record["variants"][1]["row"]["ppl"] *= 0.5
+    (stored / "record.json").write_text(json.dumps(record, indent=2))
+    err = one_line_error(capsys, "card", run, "--tracking-uri", audited["uri"])
+    assert err.startswith(f"ppl-audit: error: record.json of run {run} was changed after it was written: its figures "
+                          "are not the audit's; re-run the audit"), err
+    (stored / "record.json").write_text(audited["record_text"][:100])  # cut short: before, a JSON traceback
+    err = one_line_error(capsys, "card", run, "--tracking-uri", audited["uri"])
+    assert err.startswith(f"ppl-audit: error: record.json of run {run} is not a JSON record (cut short or "
+                          "overwritten): its figures are not the audit's"), err
+
+
+def test_a_record_from_before_records_were_sealed_is_read_with_a_warning(audited, capsys):
+    record = json.loads(audited["record_text"])
+    record.pop("digest", None)  # as an older ppl-audit wrote it
+    run = logged_record(audited, json.dumps(record))
+    out, err = card_of(capsys, audited, run)
+    assert f"ppl-audit: warning: record.json of run {run} keeps no digest of its content (written by an older " \
+           "ppl-audit): its figures are read unchecked" in err.splitlines()
+    assert out == card_of(capsys, audited, audited["parent"].info.run_id)[0].replace(audited["parent"].info.run_id, run)
 
 
 def test_a_tracking_server_that_is_down_is_one_line(capsys):
@@ -290,3 +333,179 @@ def test_the_card_reads_every_record_the_spool_has_written(audited):
     index = model_index(same, "runs:/x")
     assert [result["dataset"].get("config") for result in index[0]["results"]] == [None, "other"]
     assert eval_results_to_model_index(*model_index_to_eval_results(index)) == index
+
+
+DOWN = "http://127.0.0.1:{port}"  # a tracking server that is not there: a closed port on this machine
+RUN = "0123456789abcdef0123456789abcdef"  # a run id of MLflow's form
+
+
+def tiny_kl(record: dict) -> dict:
+    """``record``'s prose domain as a one-corpus record whose floor and ``half`` (the baseline in bfloat16) lost
+    1.6e-5 nats a token: what the float16 floor of a small model measures."""
+    view = copy.deepcopy(domain_view(record, "prose"))
+    rows = [view["floor"][0]["row"], next(e for e in view["variants"] if e["name"] == "half")["row"]]
+    for row in rows:
+        row.update(kld_mean=1.6e-5, kld_mean_low=1.2e-5, kld_mean_high=2.1e-5)
+    return view
+
+
+def test_a_tiny_kl_keeps_its_digits_in_every_view(audited):
+    """A mean KL of 1.6e-5 is never 0.0000: the card (Markdown, model index, .eval_results), report.html, the console
+    table, the run's description and compare's table give it, and its interval, to two significant digits."""
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    from tasks.record.history import Audited, format_history
+    from tasks.record.report import html_report
+    from tasks.record.tracking import description
+    from tasks.record.verdict import format_table
+
+    view = tiny_kl(json.loads(audited["record_text"]))
+    [(_, rows), (_, floors)] = markdown_tables(render(view, "md", "runs:/x"))
+    assert next(row for row in rows if row["variant"] == "half")["KL [95% CI]"] == "1.6e-05 [1.2e-05, 2.1e-05]"
+    assert floors[0]["KL [95% CI]"] == "1.6e-05 [1.2e-05, 2.1e-05]"
+    _, results = model_index_to_eval_results(model_index(view, "runs:/x"))
+    kl = next(result for result in results if result.metric_name.startswith("half mean KL"))
+    assert kl.metric_value == 1.6e-05 and kl.metric_name.endswith("[95% CI 1.2e-05, 2.1e-05]")
+    assert '<td class="n">1.6e-05</td>' in html_report(view, {})
+    floor = view["floor"][0]["row"]
+    assert "1.6e-05" in format_table([floor], {}).splitlines()[-1]
+    assert "| 1.6e-05 |" in description(view)
+    audited_row = Audited("half", "bf16", "carded", "r", "p", datetime.now(timezone.utc), False, "pass", 0.01, -0.1,
+                          0.1, 1.6e-5, 1.2e-5, 2.1e-5, 16.0, 1.0, math.nan, None)
+    assert "1.6e-05" in format_history([audited_row])
+
+
+WIKITEXT = {"source": "hf:Salesforce/wikitext", "hf_config": "wikitext-2-raw-v1", "hf_split": "test"}
+
+
+@pytest.fixture(scope="module")
+def on_the_hub(audited) -> str:
+    """An audit's run whose record says its prose domain read a Hub dataset (its other domain a local file): logged
+    to the audit's store as tracking logs a record, for the card of what only the Hub's datasets give."""
+    record = json.loads(audited["record_text"])
+    record["domains"]["prose"]["corpus"] |= WIKITEXT
+    client = audited["client"]
+    run = client.create_run(audited["parent"].info.experiment_id, run_name="on the hub",
+                            tags={"ppl_audit.kind": "audit", "ppl_audit.audit": "carded"}).info.run_id
+    client.log_text(run, sealed_record_json(record), "record.json")
+    return run
+
+
+def test_eval_results_are_the_hubs_files_one_per_hub_corpus(audited, on_the_hub, capsys, tmp_path):
+    """``--format eval-results --out FOLDER`` writes the Hub's ``.eval_results/`` files: one per domain read from a Hub
+    dataset (a local one left out, said on stderr), each what huggingface_hub parses and writes back unchanged, with
+    the model index's figures of that domain (value and name); on stdout, the files one after another."""
+    from huggingface_hub import eval_result_entries_to_yaml, parse_eval_result_entries
+
+    folder = tmp_path / ".eval_results"
+    out, err = card_of(capsys, audited, on_the_hub, "--format", "eval-results", "--out", str(folder), "--model-id",
+                       "my-org/carded")
+    assert out == "" and "other" in err and "left out" in err
+    assert f"hf upload my-org/carded {folder} .eval_results" in err  # the files name no model: its repo does
+    assert sorted(path.name for path in folder.iterdir()) == ["prose.yaml"]
+    entries = yaml.safe_load((folder / "prose.yaml").read_text())
+    assert eval_result_entries_to_yaml(parse_eval_result_entries(entries)) == entries
+    record = json.loads(audited["record_text"])
+    record["domains"]["prose"]["corpus"] |= WIKITEXT
+    [prose] = [result for result in model_index(record, f"runs:/{on_the_hub}")[0]["results"]
+               if result["dataset"]["name"] == "prose"]
+    assert [(entry["value"], entry["notes"]) for entry in entries] == \
+        [(metric["value"], metric["name"]) for metric in prose["metrics"]]
+    assert all(entry["dataset"] == {"id": "Salesforce/wikitext", "task_id": "wikitext-2-raw-v1"} and
+               entry["date"] == record["created"] and "source" not in entry for entry in entries)  # runs:/ is no page
+    shown, _ = card_of(capsys, audited, on_the_hub, "--format", "eval-results")
+    assert list(yaml.safe_load_all(shown)) == [entries] and shown.startswith("# .eval_results/prose.yaml\n")
+
+
+def test_an_audit_without_a_hub_corpus_has_no_eval_results(audited, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the console script sends it to its log
+    err = one_line_error(capsys, "card", audited["parent"].info.run_id, "--format", "eval-results", "--tracking-uri",
+                         audited["uri"])
+    assert "no corpus of audit carded is a Hugging Face dataset (hf:NAME)" in err
+
+
+def test_model_id_names_the_model_the_results_are_of(audited, capsys):
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    front, _ = card_of(capsys, audited, audited["parent"].info.run_id, "--format", "model-index", "--model-id",
+                       "my-org/carded-int8")
+    name, _ = model_index_to_eval_results(yaml.safe_load(front.strip("-\n"))["model-index"])
+    assert name == "my-org/carded-int8"
+    data, _ = card_of(capsys, audited, audited["parent"].info.run_id, "--format", "json", "--model-id", "my-org/m")
+    assert json.loads(data)["model-index"][0]["name"] == "my-org/m"
+
+
+@pytest.mark.parametrize("model_id", ["carded", "a/b/c", "my-org/carded int8", "/name", "org/", "org/na--me" + "e" * 100])
+def test_a_model_id_not_of_the_hubs_form_is_one_line(capsys, model_id):
+    err = one_line_error(capsys, "card", RUN, "--model-id", model_id, "--tracking-uri", DOWN.format(port=free_port()))
+    assert "--model-id" in err and "ORG/NAME" in err
+
+
+@pytest.fixture
+def places(tmp_path) -> dict[str, Path]:
+    """What ``--out`` must not replace: a device, a symbolic link to a file, a FIFO, a folder, a file of /proc."""
+    (tmp_path / "target.md").write_text("kept\n")
+    (tmp_path / "link.md").symlink_to(tmp_path / "target.md")
+    os.mkfifo(tmp_path / "fifo.md")
+    (tmp_path / "folder").mkdir()
+    return {"device": Path("/dev/full"), "symlink": tmp_path / "link.md", "fifo": tmp_path / "fifo.md",
+            "folder": tmp_path / "folder", "proc": Path("/proc/version")}
+
+
+SAID = {"device": "is a device", "symlink": "is a symbolic link", "fifo": "is a FIFO", "folder": "is a folder",
+        "proc": "cannot write a file in /proc"}
+
+
+@pytest.mark.parametrize("place", SAID)
+def test_out_is_a_regular_file_or_a_new_one_else_one_line_before_mlflow_is_read(capsys, places, place):
+    """Nothing but a regular file, or a new one in a folder, is replaced by the card; the rest is refused before the
+    tracking server is asked (here one that is down: its line would come first otherwise), and left as it was."""
+    path = places[place]
+    before = os.lstat(path)
+    err = one_line_error(capsys, "card", RUN, "--out", str(path), "--tracking-uri", DOWN.format(port=free_port()))
+    assert f"--out {path}" in err and SAID[place] in err, err
+    after = os.lstat(path)
+    assert (stat.S_IFMT(after.st_mode), after.st_ino) == (stat.S_IFMT(before.st_mode), before.st_ino)
+    if place == "symlink":
+        assert os.readlink(path) == str(places["symlink"].parent / "target.md")
+        assert (path.parent / "target.md").read_text() == "kept\n"
+    assert sorted(p.name for p in places["symlink"].parent.iterdir()) == ["fifo.md", "folder", "link.md", "target.md"]
+
+
+def test_out_replaces_a_regular_file_and_leaves_nothing_beside_it(audited, capsys, tmp_path):
+    file = tmp_path / "README.md"
+    file.write_text("an old card\n")
+    expected, _ = card_of(capsys, audited, audited["parent"].info.run_id)
+    card_of(capsys, audited, audited["parent"].info.run_id, "--out", str(file))
+    assert file.read_text() == expected and [p.name for p in tmp_path.iterdir()] == ["README.md"]
+
+
+LONG_ID = "f" * 1000
+
+
+@pytest.mark.parametrize("argv,expected", [
+    pytest.param(["card", LONG_ID], f"'{'f' * 40}…' (1000 characters) is neither an audit config", id="card-long"),
+    pytest.param(["card", "/" + "d" * 300 + ".yaml"], "(306 characters) is neither an audit config", id="card-long-yaml"),
+    pytest.param(["compare", "--audits", LONG_ID, RUN], f"--audits: '{'f' * 40}…' (1000 characters) is not an MLflow "
+                 "run id", id="compare-long"),
+    pytest.param(["compare", "--audits", "not-a-run", RUN], "'not-a-run' is not an MLflow run id (32 hex digits",
+                 id="compare-not-a-run-id"),
+])
+def test_a_run_id_argument_is_checked_for_form_first(capsys, argv, expected):
+    err = one_line_error(capsys, *argv, "--tracking-uri", DOWN.format(port=free_port()))
+    assert expected in err and len(err) < 300, err
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["card", "{config}"], id="card-config"),
+    pytest.param(["card", "{config}", "--tracking-uri", "{down}"], id="card-config-tracking-uri"),
+    pytest.param(["card", RUN, "--tracking-uri", "{down}"], id="card-run-id"),
+    pytest.param(["compare", "--audits", RUN, RUN[::-1], "--tracking-uri", "{down}"], id="compare-audits"),
+    pytest.param(["compare", "--baseline", "k", "--tracking-uri", "{down}"], id="compare-baseline"),
+])
+def test_a_tracking_server_that_is_down_is_the_same_line_everywhere(audited, capsys, tmp_path, argv):
+    down = DOWN.format(port=free_port())
+    config = yaml.safe_load(audited["config"].read_text())
+    (tmp_path / "down.yaml").write_text(yaml.safe_dump(config | {"tracking": config["tracking"] | {"uri": down}}))
+    err = one_line_error(capsys, *[arg.format(config=tmp_path / "down.yaml", down=down) for arg in argv])
+    assert err == f"ppl-audit: error: cannot reach the tracking server {down}; is it up, and is that its address?"

@@ -18,6 +18,7 @@ from mlflow import MlflowClient
 from flows.audit import audit, summary_of
 from flows.cli import main
 from tasks.record.history import Audited, mark_changes, mark_dominated
+from tasks.record.spool import sealed_record_json
 from tasks.record.tracking import replay
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -105,7 +106,9 @@ def earlier_run(source: Path, target: Path, days: int, worse: float) -> Path:
         if entry["name"] == "noisy":
             for key in ("delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high"):
                 entry["row"][key] += worse
-    (target / "record.json").write_text(json.dumps(record))
+        if entry["name"] == "int8" and worse:  # its table's method as a variant with an int8 cache is said
+            entry["row"]["method"] += " kv:int8"
+    (target / "record.json").write_text(sealed_record_json(record))  # as that run's spool would have sealed it
     return target
 
 
@@ -140,7 +143,11 @@ def test_compare_lists_exactly_the_audits_of_one_baseline_newest_first(store, ca
         figures = client.get_run(row["run_id"]).data.metrics
         assert row["delta_ppl_pct"] == figures["delta_ppl_pct"] and row["kld_mean"] == figures["kld_mean"]
         assert row["bpw"] == figures["bits_per_weight"] and row["mib"] == figures["weight_memory_bytes"] / 2**20
-    assert {row["method"] for row in by_key["variants"]} == {"torchao-int8", "baseline"}  # noisy: float weights
+    # each method as its audit's table said it (its format's label, its cache), not the bare method: gptq for "gptq
+    # 4-bit g32 tuned", torchao-int8 for "torchao-int8 kv:int8" (the 1d audit's)
+    said = {(row["name"], row["method"], row["run_id"] in children_of(client, [runs["1d"]])) for row in by_key["variants"]}
+    assert said == {("int8", "torchao-int8", False), ("noisy", "baseline", False), ("int8", "torchao-int8 kv:int8", True),
+                    ("noisy", "baseline", True)}
     # the config names the same audits: its baseline's key is worked out from its files and token stream
     by_config = compare(capsys, str(store["trained"]))
     assert by_config["baseline_key"] == key
@@ -212,3 +219,17 @@ def test_compare_reads_a_real_tracking_server_and_links_each_run(store, tmp_path
         assert [row["changed"] is not None for row in found["variants"]].count(True) == 1
     finally:
         server.stop()
+
+
+@pytest.mark.slow  # two whole audits
+def test_any_tokens_on_audits_of_the_same_tokens_sets_them_side_by_side_without_a_warning(store, capsys):
+    """Issue 67: ``--any-tokens`` said that figures on different tokens are not comparable of audits that scored the
+    same tokens: it is said only where their populations differ."""
+    runs, uri = store["runs"], store["uri"]
+    assert main(["compare", "--audits", runs["trained"], runs["2d"], "--tracking-uri", uri, "--any-tokens",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "not comparable" not in out
+    population = store["client"].get_run(runs["trained"]).data.tags["ppl_audit.population"]
+    assert list(json_line(out)["populations"]) == [population]  # as without --any-tokens: one population, named
+    # audits of different tokens still get the line: tests/test_floor.py (…_side_by_side_unless_asked)

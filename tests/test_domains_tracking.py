@@ -126,7 +126,7 @@ def test_the_by_domain_chart_and_a_report_section_per_domain(audited, tmp_path):
 
 def test_sync_replays_a_spooled_record_of_several_domains(audited, tmp_path, monkeypatch):
     from flows.cli import main
-    from tasks.record.spool import damage
+    from tasks.record.spool import damage, sealed_record_json
 
     client, parent, record, folder = audited
     home = tmp_path / "home"
@@ -134,8 +134,8 @@ def test_sync_replays_a_spooled_record_of_several_domains(audited, tmp_path, mon
     shutil.copytree(folder, spooled)
     uri = f"sqlite:///{tmp_path / 'synced.db'}"
     kept = json.loads((spooled / "record.json").read_text())
-    kept["config"]["tracking"]["uri"] = uri  # record.json is not sealed: sync sends it where it now says
-    (spooled / "record.json").write_text(json.dumps(kept))
+    kept["config"]["tracking"]["uri"] = uri  # sealed again, as written there: sync sends it where it now says
+    (spooled / "record.json").write_text(sealed_record_json(kept))
     assert damage(spooled) is None
     broken = dict(kept, domains={**kept["domains"], "other": {k: v for k, v in kept["domains"]["other"].items()
                                                               if k != "corpus"}})

@@ -85,7 +85,8 @@ def test_a_variant_equal_to_its_baseline_reads_zero_not_minus_zero():
     verdict = judge(same, GATE)
     table = format_table([same], {"q": verdict})
     assert "-0.00" not in table and "+0.00 [+0.00,+0.00]" in table
-    assert "ΔPPL +0.00% [+0.00, +0.00]" in verdict.reason and "KLD mean 0.0000 [0.0000, 0.0000]" in verdict.reason
+    # a KL keeps its significant digits (1e-12, not 0.0000), as every view gives it
+    assert "ΔPPL +0.00% [+0.00, +0.00]" in verdict.reason and "KLD mean 1e-12 [-1e-11, 1e-11]" in verdict.reason
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])

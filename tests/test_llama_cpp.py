@@ -171,3 +171,75 @@ def test_a_runtime_not_installed_is_one_line(tmp_path, texts):
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "the llama.cpp runtime is not installed; run `bash .ci/llama-cpp`" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("asked", ["auto", "off"])
+def test_a_llama_cpp_model_says_the_settings_it_ran_with(asked):
+    """``flash_attn: auto`` lets llama.cpp choose (on this CPU it moves Q4_K_M's PPL by 1.1% against off): the record
+    keeps the mode that ran, on or off, and what was asked beside it where that differs; and the context's sizes and
+    threads as llama.cpp took them (the batch is cut to the context)."""
+    from tasks.config import LlamaCppSettings
+    from tasks.data.embedded import embedded_gguf
+    from tasks.record.verdict import llama_cpp_text
+
+    settings = LlamaCppSettings(threads=1, flash_attn=asked)
+    model = llama_cpp.open_model(Path(embedded_gguf()), "v", settings, 65)
+    try:
+        ran = llama_cpp.described(settings, model.facts)
+    finally:
+        model.close()
+    assert ran["flash_attn"] in ("on", "off")
+    assert ran.get("flash_attn_asked") == ("auto" if asked == "auto" else None)
+    if asked == "off":
+        assert ran["flash_attn"] == "off"
+    assert ran["threads"] == 1 and ran["n_ctx"] >= 65 and ran["n_batch"] == ran["n_ubatch"] == 65
+    assert ran["batch_asked"] == 512 and (ran["type_k"], ran["type_v"]) == ("f16", "f16")
+    said = llama_cpp_text(ran)
+    assert f"flash attention {ran['flash_attn']}" in said and ("(asked: auto)" in said) == (asked == "auto")
+
+
+def test_gpu_layers_on_a_build_without_a_gpu_are_said_and_recorded(tmp_path, texts, capsys):
+    """A build that cannot offload (``llama_supports_gpu_offload``) ignored ``gpu_layers`` without a word: a warning
+    line when the plan is made, and the record's settings say the layers that ran on a GPU (none) and those asked."""
+    from tasks.audit.preflight import check_settings
+    from tasks.config import LlamaCppSettings, load_audit_config
+    from tasks.data.embedded import embedded_gguf
+
+    config = {"name": "gpu", "baseline": {"path": "embedded"}, "corpus": {"source": str(texts["austen"])},
+              "variants": [{"name": "v", "method": "gguf", "path": str(embedded_gguf()), "runtime": "llama.cpp",
+                            "llama_cpp": {"gpu_layers": 4}}]}
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    check_settings(load_audit_config(str(path), []))
+    warned = [line for line in capsys.readouterr().err.splitlines() if "gpu_layers" in line]
+    offload = llama_cpp.gpu_offload()
+    assert warned == ([] if offload else [
+        "ppl-audit: warning: variant 'v': llama_cpp.gpu_layers 4 is ignored: this llama.cpp build cannot offload to a "
+        "GPU (llama_supports_gpu_offload() is false); it runs on the CPU"])
+    settings = LlamaCppSettings(gpu_layers=4)
+    model = llama_cpp.open_model(Path(embedded_gguf()), "v", settings, 65)
+    try:
+        ran = llama_cpp.described(settings, model.facts)
+    finally:
+        model.close()
+    assert (ran["gpu_layers"], ran.get("gpu_layers_asked")) == ((4, None) if offload else (0, 4))
+
+
+def test_an_audit_says_the_flash_attention_llama_cpp_chose_in_its_row_table_and_mlflow(cli, tmp_path, texts):
+    """The packaged GGUF file run by llama.cpp with ``flash_attn: auto``: its row, the console's table and its MLflow
+    run say the mode that ran (on or off), not ``auto``, with what was asked beside it."""
+    from mlflow import MlflowClient
+
+    from tasks.data.embedded import embedded_gguf
+
+    said = audit(cli, tmp_path, texts["austen"], [{"name": "v", "method": "gguf", "path": str(embedded_gguf()),
+                                                    "runtime": "llama.cpp"}])
+    row = next(row for row in said["models"] if row["variant"] == "v")
+    ran = re.search(r"flash attention (on|off) \(asked: auto\)", row["llama_cpp"])
+    assert ran, row.get("llama_cpp")
+    assert f"llama.cpp: {row['llama_cpp']}" in said["out"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("served").experiment_id], "tags.`ppl_audit.variant` = 'v'")
+    params = run.data.params
+    assert (params["llama_cpp.flash_attn"], params["llama_cpp.flash_attn_asked"]) == (ran.group(1), "auto")
+    assert int(params["llama_cpp.n_ctx"]) >= CONTEXT

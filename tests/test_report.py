@@ -133,6 +133,33 @@ def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_
     assert ppl_axis.get_xlim()[0] == 0  # zero-based: bar lengths compare perplexities
 
 
+def test_a_chart_of_one_figure_says_which_gate_failed(audited):
+    """int8 held to a top-1 limit it misses beside a ΔPPL limit it meets: its slot on the ΔPPL chart said "fail,
+    limit ≤ 5%", as if its ΔPPL broke the limit; it says its ΔPPL is within it and which gate failed, and every
+    chart that names a verdict (the PPL chart's note, the legends of the per-token charts) names that gate."""
+    import copy
+
+    from tasks.config import Thresholds
+    from tasks.record.plots import delta_ppl_chart, kld_histogram, ppl_chart
+    from tasks.record.verdict import judge
+
+    _, _, record, folder = audited
+    record = copy.deepcopy(record)
+    record["config"]["thresholds"]["per_variant"]["int8"] = {"min_top1_agreement": 1.0}
+    int8 = next(v for v in record["variants"] if v["name"] == "int8")
+    verdict = judge(int8["row"], Thresholds.model_validate(record["config"]["thresholds"]))
+    assert verdict.status == "fail" and verdict.reason.startswith("top-1 agreement")  # its ΔPPL passes
+    int8["verdict"] = {"status": verdict.status, "reason": verdict.reason}
+    [axis] = delta_ppl_chart(record).axes
+    said = next(t.get_text() for t in axis.texts if t.get_text().startswith(f"{int8['row']['delta_ppl_pct']:+z.2f}%"))
+    assert "fail, limit" not in said
+    assert "fail: ΔPPL within the limit ≤ 5%; top-1 agreement " in said and "breaks the limit ≥ 1" in said
+    [ppl_axis] = ppl_chart(record).axes
+    assert any(t.get_text().endswith("fail: top-1 agreement") for t in ppl_axis.texts)
+    legend = [t.get_text() for t in kld_histogram(record, folder).legends[0].get_texts()]
+    assert "int8 (fail: top-1 agreement)" in legend and "noisy (fail: ΔPPL)" in legend
+
+
 def children_of(client: MlflowClient, parent) -> dict:
     """The parent's nested runs by model name."""
     return {r.data.tags["ppl_audit.variant"]: r for r in client.search_runs(

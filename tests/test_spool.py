@@ -23,7 +23,7 @@ from mlflow import MlflowClient
 from flows.audit import audit
 from flows.cli import main
 from tasks.core.places import spool_dir
-from tasks.record.spool import pending, read_record, write_record
+from tasks.record.spool import pending, read_record, sealed_record_json, write_record
 
 ROOT = Path(__file__).resolve().parents[1]  # the tree under test: its subprocesses import this code
 PARTIAL = ".partial-"  # spelled out, not imported: these tests also run against the code from before it
@@ -82,7 +82,7 @@ def spool_copy(audited: Path, target: Path, uri: str) -> str:
     record = read_record(audited) | {"audit_id": uuid.uuid4().hex}
     record["config"]["tracking"]["uri"] = uri
     shutil.copytree(audited, target)
-    (target / "record.json").write_text(json.dumps(record))
+    (target / "record.json").write_text(sealed_record_json(record))
     return record["audit_id"]
 
 
@@ -126,11 +126,14 @@ def gated_syncs(folder: Path, count: int) -> tuple[list[subprocess.Popen], Path]
     return syncs, gate
 
 
-@pytest.mark.slow  # two sync processes at once
-def test_two_syncs_at_once_log_each_audit_once(tmp_path, home, audited):
-    uri = fresh_store(tmp_path)
+@pytest.mark.slow  # three sync processes at once
+def test_syncs_at_once_log_each_audit_once_to_a_store_not_made_yet(tmp_path, home, audited):
+    """Each spooled audit is claimed by one sync alone; and (issue 67) processes tracking at once to a fresh SQLite
+    store (two audits on a fresh home) raced on MLflow's making of its tables: one failed with a page of SQL
+    (``table experiments already exists``)."""
+    uri = f"sqlite:///{tmp_path / 'fresh.db'}"  # not made: the syncs make it
     ids = spool_copies(audited, 4, uri)
-    syncs, gate = gated_syncs(tmp_path, 2)
+    syncs, gate = gated_syncs(tmp_path, 3)
     gate.touch()
     outputs = [process.communicate(timeout=300)[0] for process in syncs]
     for process, output in zip(syncs, outputs):
@@ -306,13 +309,22 @@ def test_writing_a_record_sweeps_what_dead_writers_left(home):
     record = {"audit_id": uuid.uuid4().hex, "name": "next", "created": datetime.now(timezone.utc).isoformat()}
     written = write_record(record, {})
     assert not unfinished.exists() and list(spool_dir().iterdir()) == pending() == [written]
-    assert read_record(written) == record
+    assert read_record(written) == json.loads(sealed_record_json(record))  # sealed: its digest in it
+
+
+def _ppl_halved(text: str) -> str:
+    """record.json with its variant's PPL edited (issue 67.12: sent as it was, its ΔPPL no longer following)."""
+    record = json.loads(text)
+    record["variants"][1]["row"]["ppl"] *= 0.5
+    return json.dumps(record, indent=2)
 
 
 @pytest.mark.parametrize("damage,expected", [
     (lambda text: text[: len(text) // 2], "record.json is not readable JSON (JSONDecodeError"),
     (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "verdict"}), "record.json lacks verdict"),
-], ids=["truncated", "a-field-missing"])
+    (_ppl_halved, "{name}/record.json was changed after it was written: its figures are not the audit's; "
+                    "to send it as it now is, remove its \"digest\" field"),
+], ids=["truncated", "a-field-missing", "a-ppl-edited"])
 def test_a_damaged_record_is_set_aside_and_the_others_sync(tmp_path, home, audited, capsys, damage, expected):
     """Before, a damaged record failed every later sync (exit 1) and was never set aside: a scheduled sync
     never succeeded again."""
@@ -323,7 +335,7 @@ def test_a_damaged_record_is_set_aside_and_the_others_sync(tmp_path, home, audit
     assert main(["sync"]) == 0
     out, err = capsys.readouterr()
     [warning] = [line for line in err.splitlines() if "damaged" in line]
-    assert warning.startswith(f"ppl-audit: warning: {folder.name} is damaged ({expected}") and \
+    assert warning.startswith(f"ppl-audit: warning: {folder.name} is damaged ({expected.format(name=folder.name)}") and \
         warning.endswith(f"moved to {home / 'quarantine' / folder.name}: inspect its record.json, then move it back "
                          "to the spool or delete it"), warning
     assert "1 of 2 spooled audit(s) synced, 1 damaged" in out
@@ -348,7 +360,7 @@ def _deeper_field_missing(folder: Path) -> None:
     """A field ``damage`` does not look for, which the replay reads: it fails on it, not on the server."""
     record = read_record(folder)
     del record["config"]["tracking"]["experiment"]
-    (folder / "record.json").write_text(json.dumps(record))
+    (folder / "record.json").write_text(sealed_record_json(record))  # as ppl-audit wrote it: its digest matches
 
 
 def _older_record_cut_short(folder: Path) -> None:

@@ -227,3 +227,28 @@ def test_ui_lists_each_experiment_with_its_model_training_link(tmp_path, monkeyp
     lines = ui.communicate(timeout=60)[0].splitlines(keepends=True)
     assert lines[0].startswith(f"MLflow UI on http://127.0.0.1:{port} ")
     assert lines[1] == f"  audits: http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs?workflowType=machine_learning\n"
+
+
+
+def test_a_tracking_failure_is_said_in_one_line():
+    """Issue 67: a tracking task that failed on a store's SQL said so with the statement, a page of it, in the line
+    that says where the record is kept."""
+    from prefect import flow, task
+
+    from flows.answers import failure_line, where_logged
+    from tasks.config import Tracking
+
+    @task
+    def log_it() -> str:
+        raise RuntimeError("(sqlite3.OperationalError) table experiments already exists\n[SQL: CREATE TABLE "
+                           "experiments (\n\texperiment_id INTEGER NOT NULL\n)]")
+
+    @flow
+    def tracked() -> tuple[str, str, str]:  # what the audit flow says of its tracking task's state
+        state = log_it(return_state=True)
+        return state.message, failure_line(state), where_logged(state, Tracking(), "/spool/x")["record"]
+
+    message, said, record = tracked()
+    assert "\n" in message  # Prefect's message holds the whole error
+    assert said.endswith("RuntimeError: (sqlite3.OperationalError) table experiments already exists"), said
+    assert record == f"kept in /spool/x (tracking failed: {said})"

@@ -103,7 +103,7 @@ def groups_by_hand(values: np.ndarray, edges) -> list[np.ndarray]:
 def check_row(row: dict, chosen: np.ndarray, figures: dict[str, np.ndarray], windows: np.ndarray) -> None:
     """A row's figures against a computation by hand: the mean, and a 95% interval whose error is taken over
     windows (each window's sum of residuals from the mean), Student's t with one degree of freedom less than
-    the windows."""
+    the windows (KL's on the log scale)."""
     from scipy import stats
 
     assert row["tokens"] == chosen.sum()
@@ -118,8 +118,11 @@ def check_row(row: dict, chosen: np.ndarray, figures: dict[str, np.ndarray], win
         stderr = math.sqrt(clusters / (clusters - 1) * sum(r * r for r in residuals)) / len(picked)
         half = stats.t.ppf(0.975, clusters - 1) * stderr
         assert row[name] == pytest.approx(picked.mean(), rel=1e-12)
-        assert row[f"{name}_low"] == pytest.approx(picked.mean() - half, rel=1e-9)
-        assert row[f"{name}_high"] == pytest.approx(picked.mean() + half, rel=1e-9)
+        # KL cannot be negative: its interval is taken on the log scale (delta method), the ΔNLL's as it is
+        low, high = (mean * math.exp(-half / mean), mean * math.exp(half / mean)) if name == "kl" else (mean - half,
+                                                                                                    mean + half)
+        assert row[f"{name}_low"] == pytest.approx(low, rel=1e-9)
+        assert row[f"{name}_high"] == pytest.approx(high, rel=1e-9)
 
 
 def random_tokens(rng, n: int, window: int) -> dict:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Literal, get_args, get_origin
 
+# an MLflow run id as MLflow makes them (uuid4().hex): MLflow 3.17's server takes any 1 to 256 word characters, but a
+# run it made has this form, and checking it first keeps a mistyped or pasted argument from reaching the store
+RUN_ID = re.compile(r"[0-9a-f]{32}")
 VERBOSE = "show library output (warnings, gptqmodel, Prefect) live on stderr; it is always in the log file"
 
 
@@ -47,3 +51,23 @@ def size(value: str) -> int:
     if not number.replace(".", "", 1).isdigit():
         raise argparse.ArgumentTypeError(f"'{value}' is not a size; use a number and K, M, G or T, e.g. 20G")
     return int(float(number) * units.get(unit, 1))
+
+
+def is_run_id(value: str) -> bool:
+    return RUN_ID.fullmatch(value) is not None
+
+
+def quoted(value: str) -> str:
+    """An argument as a line quotes it: its start, where it may be thousands of characters long."""
+    return f"'{value}'" if len(value) <= 40 else f"'{value[:40]}…' ({len(value)} characters)"
+
+
+def check_run_id(value: str, what: str) -> str:
+    """``value``, an argument (``what``) that names an MLflow run, checked for the form of one before any store is
+    asked; else one line."""
+    from tasks.core.errors import InputError
+
+    if not is_run_id(value):
+        raise InputError(f"{what}: {quoted(value)} is not an MLflow run id (32 hex digits, as the run's page in the "
+                         "MLflow UI shows it)")
+    return value

@@ -1,18 +1,21 @@
-"""``ppl-audit card``: an audit's model card (Markdown, Hugging Face's model-index, JSON), from its MLflow record alone."""
+"""``ppl-audit card``: an audit's model card (Markdown, Hugging Face's model-index or .eval_results/, JSON), from its
+MLflow record alone."""
 
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from flows.commands.arguments import is_run_id, quoted
 from tasks.core import console
 from tasks.core.errors import InputError
 
-NAME, LOGGED = "card", True  # MLflow draws a progress bar as it downloads the record: into the log, not the card
+if TYPE_CHECKING:
+    from tasks.record.card import EvalResults
 
-RUN_ID = re.compile(r"^[0-9a-f]{32}$")  # how MLflow names a run
+NAME, LOGGED = "card", True  # MLflow draws a progress bar as it downloads the record: into the log, not the card
 
 
 def add(commands) -> None:
@@ -25,68 +28,146 @@ def add(commands) -> None:
                            "audit of it in its tracking store")
     card.add_argument("--format", choices=FORMATS, default="md",
                       help="md: the card's text; model-index: the model card's YAML front matter (results the Hub "
-                           "shows); json: the same content as data (default: md)")
-    card.add_argument("--out", type=Path, metavar="FILE", help="write the card here (default: stdout)")
+                           "shows); eval-results: the Hub's .eval_results/ files, one per corpus read from a Hub "
+                           "dataset; json: the same content as data (default: md)")
+    card.add_argument("--out", type=Path, metavar="FILE",
+                      help="write the card here, a regular file or a new one (default: stdout); with --format "
+                           "eval-results, the folder of its files (e.g. MODEL_REPO/.eval_results)")
+    card.add_argument("--model-id", metavar="ORG/NAME",
+                      help="the Hub model the results are of: the model index's name (default: the audit's name)")
     card.add_argument("--tracking-uri", help="default: the config's, MLFLOW_TRACKING_URI, or the local store")
     card.add_argument("--experiment", help="with a CONFIG: the MLflow experiment (default: its tracking.experiment)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from tasks.core.files import write_atomically
-    from tasks.record.card import render, source_url
+def _model_id(value: str | None) -> str | None:
+    """``--model-id``: a Hub model's id, ORG/NAME, as the Hub checks one (``huggingface_hub``'s own check); else one
+    line."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    out = _out(args.out)  # refused before the store is read, as any bad input
-    client, run_id = _audit_run(args)
-    record = _record(client, run_id)
-    card = render(record, args.format, source_url(_page(client, run_id), run_id))
+    if value is None:
+        return None
+    try:
+        validate_repo_id(value)
+        valid = value.count("/") == 1
+    except HFValidationError:
+        valid = False
+    if not valid:
+        raise InputError(f"--model-id {quoted(value)} is not a Hub model id; give ORG/NAME (letters, digits, -, _ and ., "
+                         "at most 96 characters), e.g. my-org/my-model-GPTQ")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from tasks.core.files import output_file
+    from tasks.record.card import eval_results, render, source_url
+    from tasks.record.tracking import reaching
+
+    # refused before the store is read, as any bad input
+    model_id = _model_id(args.model_id)
+    several = args.format == "eval-results"
+    out = args.out and (_out_folder(args.out) if several else output_file(args.out, "--out", "README.md"))
+    client, uri, run_id = _audit_run(args)
+    with reaching(uri):
+        record = _record(client, run_id)
+        url = source_url(_page(client, run_id), run_id)
+    if several:
+        return _eval_results(eval_results(record, url), record["name"], out, model_id)
+    card = render(record, args.format, url, model_id)
     if out is None:
         print(card, end="", file=console.out())
         return 0
-    try:
-        write_atomically(out, card)
-    except OSError as error:
-        raise InputError(f"cannot write the card {out} ({error.strerror or error}); give --out a file in a folder you "
-                         "can write") from None
+    _write(out, card)
     print(f"card: {out}", file=console.err())
     return 0
 
 
-def _out(path: Path | None) -> Path | None:
-    """``--out`` as a file that can be written, or one line."""
-    if path is None:
-        return None
-    if path.is_dir():
-        raise InputError(f"--out {path} is a folder; name a file in it, e.g. {path / 'README.md'}")
-    if not path.parent.is_dir():
-        raise InputError(f"--out {path}: the folder {path.parent} does not exist; create it or name another file")
+def _write(path: Path, text: str) -> None:
+    from tasks.core.files import write_atomically
+
+    try:
+        write_atomically(path, text)
+    except OSError as error:
+        raise InputError(f"cannot write the card {path} ({error.strerror or error}); give --out a file in a folder you "
+                         "can write") from None
+
+
+def _out_folder(path: Path) -> Path:
+    """``--out`` of ``--format eval-results``: a folder there (made if new, in a folder that is), or one line."""
+    from tasks.core.files import output_file
+    from tasks.record.card import EVAL_RESULTS
+
+    if path.is_symlink() or not path.is_dir():
+        output_file(path, "--out", EVAL_RESULTS)  # a new name, or one line on what is there instead
+        if path.exists():
+            raise InputError(f"--out {path} is a file; --format eval-results writes a folder of files: name a folder, "
+                             f"e.g. {path.parent / EVAL_RESULTS}")
     return path
+
+
+def _eval_results(found: EvalResults, audit: str, out: Path | None, model_id: str | None) -> int:
+    """Write (``out``) or print the audit's ``.eval_results/`` files; the token streams left out said on stderr, and
+    with ``model_id``, how the files reach its repo."""
+    from tasks.core.files import output_file
+    from tasks.record.card import EVAL_RESULTS, eval_results_file, eval_results_text
+
+    if not found.files:
+        raise InputError(f"no corpus of audit {audit} is a Hugging Face dataset (hf:NAME), and each result in "
+                         f"{EVAL_RESULTS}/ names the Hub dataset it is on; give --format model-index")
+    for name, source in found.left_out.items():
+        print(f"{name} ({source}) left out of {EVAL_RESULTS}/: it is not a Hugging Face dataset, which each result "
+              "names", file=console.err())
+    if out is None:
+        print(eval_results_text(found), end="", file=console.out())
+        return 0
+    out.mkdir(exist_ok=True)
+    files = [output_file(out / name, "--out", name) for name in found.files]  # all checked before any is written
+    for file, entries in zip(files, found.files.values()):
+        _write(file, eval_results_file(entries))
+        print(f"card: {file}", file=console.err())
+    if model_id:  # the files name no model: the repo they are in does
+        print(f"to publish them: hf upload {model_id} {out} {EVAL_RESULTS} (with --create-pr on a model that is not "
+              "yours)", file=console.err())
+    return 0
 
 
 def _is_config(given: str) -> bool:
     """A config file, as the argument names one: a file, or a YAML file's name (one that is missing: the config
-    loader's line)."""
-    return Path(given).is_file() or given.endswith((".yaml", ".yml"))
+    loader's line); one line for a name no file can have."""
+    path = Path(given)
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return given.endswith((".yaml", ".yml"))
+    except OSError as error:  # a name longer than the file system takes: neither, said as such
+        raise InputError(f"{quoted(given)} is neither an audit config ({error.strerror}) nor an MLflow run id (32 hex "
+                         "digits)") from None
+    return path.is_file() or given.endswith((".yaml", ".yml"))
 
 
 def _audit_run(args: argparse.Namespace) -> tuple:
-    """The store and the parent run id of the audit the arguments name; one line when there is none."""
+    """The store, its URI and the parent run id of the audit the arguments name; one line when there is none."""
     from tasks.audit.plan import audit_settings
     from tasks.config import check_tracking
+    from tasks.record.tracking import reaching
 
     given = args.tracking_uri is not None
-    if _is_config(args.audit):
+    if not is_run_id(args.audit) and _is_config(args.audit):
         config = audit_settings(args.audit)
         uri = check_tracking(args.tracking_uri if given else config.tracking.uri,
                              "--tracking-uri" if given else "tracking.uri")
         client = _client(uri)
-        return client, _newest(client, uri, config.name, args.experiment or config.tracking.experiment, args.audit)
-    if not RUN_ID.match(args.audit):
-        raise InputError(f"{args.audit} is neither an audit config (no such file) nor an MLflow run id (32 hex digits)")
+        with reaching(uri):
+            return client, uri, _newest(client, uri, config.name, args.experiment or config.tracking.experiment,
+                                        args.audit)
+    if not is_run_id(args.audit):
+        raise InputError(f"{quoted(args.audit)} is neither an audit config (no such file) nor an MLflow run id (32 hex "
+                         "digits)")
     if args.experiment is not None:
         raise InputError("--experiment goes with a CONFIG: a run id names its own experiment")
     uri = check_tracking(args.tracking_uri, "--tracking-uri")
     client = _client(uri)
-    return client, _parent(client, uri, args.audit)
+    with reaching(uri):
+        return client, uri, _parent(client, uri, args.audit)
 
 
 def _client(uri: str):
@@ -101,10 +182,8 @@ def _client(uri: str):
 
 
 def _get_run(client, uri: str, run_id: str):
-    """The run ``run_id``, or one line: there is none in the store, or the store cannot be read."""
+    """The run ``run_id``, or one line: there is none in the store (a store that cannot be read: ``reaching``)."""
     from mlflow.exceptions import MlflowException
-
-    from tasks.core.errors import is_network_error
 
     try:
         return client.get_run(run_id)
@@ -112,8 +191,6 @@ def _get_run(client, uri: str, run_id: str):
         if error.error_code == "RESOURCE_DOES_NOT_EXIST":
             raise InputError(f"no run {run_id} in {uri}; give an audit's run id (its parent run's, or a model's) "
                              "and the --tracking-uri it was logged to") from None
-        if is_network_error(error):  # the first request: a server that is down or a wrong address, said as such
-            raise InputError(f"cannot reach the tracking server {uri}; is it up, and is that its address?") from None
         raise
 
 
@@ -162,7 +239,9 @@ def _record(client, run_id: str) -> dict:
 
     from mlflow.exceptions import MlflowException
 
+    from tasks.core.places import synced_dir
     from tasks.record.card import RECORD
+    from tasks.record.spool import record_damage
 
     if RECORD not in {artifact.path for artifact in client.list_artifacts(run_id)}:
         raise InputError(f"run {run_id} has no {RECORD}: it was tracked before ppl-audit logged records and cards; "
@@ -173,7 +252,16 @@ def _record(client, run_id: str) -> dict:
             path = client.download_artifacts(run_id, RECORD, folder)
         except MlflowException as error:
             raise InputError(f"cannot read {RECORD} of run {run_id}: {str(error).splitlines()[0][:200]}") from None
-        return json.loads(Path(path).read_text())
+        try:
+            record = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):  # cut short or overwritten in the store: damaged as a changed one is
+            record = None
+    problem = record_damage(record, f"{RECORD} of run {run_id}") if isinstance(record, dict) else \
+        f"{RECORD} of run {run_id} is not a JSON record (cut short or overwritten)"
+    if problem:  # its figures may not follow from each other: no card made from them
+        raise InputError(f"{problem}: its figures are not the audit's; re-run the audit (ppl-audit run CONFIG), or "
+                         f"log to the run in its place the record.json the spool kept (under {synced_dir()})")
+    return record
 
 
 def _page(client, run_id: str) -> str | None:

@@ -31,10 +31,9 @@ def add(commands) -> None:
     compare.add_argument("--chart", type=Path, metavar="PNG", help="where to write the chart of them all "
                                                                  "(default: <home>/compare/<key>.png; a config with "
                                                                  "corpora: PNG's name with .<domain> before .png)")
-    compare.add_argument("--audits", nargs="+", metavar="RUN_ID", help="instead of a config or key: these audits' "
-                                                                       "parent runs side by side, on the token streams "
-                                                                       "they all scored (refused where they scored "
-                                                                       "different tokens)")
+    compare.add_argument("--audits", nargs="+", metavar="RUN_ID",
+                         help="instead of a config or key: these audits' parent runs side by side, on the token streams "
+                              "they all scored (refused where they scored different tokens)")
     compare.add_argument("--any-tokens", action="store_true", help="with --audits: set them side by side even where "
                                                                   "they scored different tokens (each audit labelled "
                                                                   "with its token population)")
@@ -52,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if args.any_tokens and args.audits is None:
         raise InputError("--any-tokens sets the audits --audits names side by side: give --audits too")
     if args.audits is not None:
+        from flows.commands.arguments import check_run_id
+
+        for given in args.audits:  # each checked for form before any store is asked
+            check_run_id(given, "--audits")
         return _side_by_side(args)
     given = args.tracking_uri is not None
     plan = None
@@ -63,21 +66,32 @@ def run(args: argparse.Namespace) -> int:
     uri = check_tracking(args.tracking_uri if given else tracking.uri, "--tracking-uri" if given else "tracking.uri")
     chart = _chart(args.chart)
     keys = _keys(plan) if plan else {None: args.baseline}
+    for name in keys if chart and None not in keys else ():  # each domain's chart: as the one named, checked first
+        _chart(_domain_chart(chart, name))
     if uri == default_uri() and not (home() / "mlflow.db").exists():  # reading it would make an empty one
         raise InputError(f"no audits yet: the local MLflow store {uri} does not exist; run an audit first, or give "
                          "--tracking-uri")
     from mlflow import MlflowClient
 
+    from tasks.record.tracking import reaching
+
     client = MlflowClient(tracking_uri=uri)
     experiment = args.experiment or tracking.experiment
-    where = Where(client, experiment_of(client, experiment, uri), experiment, uri)
+    with reaching(uri):
+        return _histories(args, plan, keys, Where(client, experiment_of(client, experiment, uri), experiment, uri),
+                          chart)
+
+
+def _histories(args: argparse.Namespace, plan, keys: dict[str | None, str], where: Where, chart: Path | None) -> int:
+    """Print the history of each baseline key (one, or each domain's), write its chart; ``--json``: their JSON."""
+    experiment, uri = where.experiment, where.uri
     if None in keys:  # one corpus: one history, as before corpora
         said = _history(where, keys[None], chart, None)
         if said is None:
             raise InputError(f"no audit of baseline {keys[None]} in experiment '{experiment}' ({uri}); check the key "
                              "(ppl-audit reference ls, or a parent run's ppl_audit.baseline_key tag) or the experiment")
     else:
-        said = {"domains": {name: _history(where, key, chart and chart.with_name(f"{chart.stem}.{name}.png"), name)
+        said = {"domains": {name: _history(where, key, chart and _domain_chart(chart, name), name)
                             for name, key in keys.items()}}
         if not any(said["domains"].values()):
             raise InputError(f"no audit of any domain of {plan.name} ({', '.join(f'{n} baseline {k}' for n, k in keys.items())}) "
@@ -92,32 +106,22 @@ def run(args: argparse.Namespace) -> int:
 def _side_by_side(args: argparse.Namespace) -> int:
     """``compare --audits``: the named audits' variants in one table per token population they all scored."""
     from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
 
     from tasks.config import check_tracking
-    from tasks.record.history import audits_side_by_side, format_history
-    from tasks.record.tags import AUDIT_ID
+    from tasks.record.history import audits_side_by_side, format_history, scored_alike
+    from tasks.record.tracking import reaching
 
     if len(set(args.audits)) < 2:
         raise InputError("--audits: name at least two audits' runs to set side by side (for one audit's history, give "
                          "its config)")
     uri = check_tracking(args.tracking_uri, "--tracking-uri")
     client = MlflowClient(tracking_uri=uri)
-    parents = []
-    for run_id in dict.fromkeys(args.audits):
-        try:
-            run = client.get_run(run_id)
-        except MlflowException:
-            raise InputError(f"--audits: no run {run_id} in {uri}; give an audit's run id (its parent run: the "
-                             "ppl_audit.audit_id tag's)") from None
-        parent_id = run.data.tags.get("mlflow.parentRunId") if run.data.tags.get("ppl_audit.kind") != "audit" else None
-        run = client.get_run(parent_id) if parent_id else run
-        if run.data.tags.get("ppl_audit.kind") != "audit" or AUDIT_ID not in run.data.tags:
-            raise InputError(f"--audits: run {run_id} is not a ppl-audit audit's run; give an audit's parent run id")
-        parents.append(run)
-    tables = audits_side_by_side(client, parents, args.any_tokens)
+    with reaching(uri):
+        parents = _parents(client, uri, args.audits)
+        any_tokens = args.any_tokens and not scored_alike(parents)  # of the same tokens: as without --any-tokens
+        tables = audits_side_by_side(client, parents, any_tokens)
     say = console.out()
-    if args.any_tokens:
+    if any_tokens:
         print("side by side on the tokens each scored (--any-tokens): figures on different tokens are not comparable "
               "as they stand", file=say)
     for population, rows in tables.items():
@@ -128,6 +132,31 @@ def _side_by_side(args: argparse.Namespace) -> int:
         print(json.dumps({"populations": {str(p): [row.json() for row in rows] for p, rows in tables.items()}}),
               file=say)
     return 0
+
+
+def _parents(client, uri: str, run_ids: list[str]) -> list:
+    """The audits' parent runs of ``run_ids`` (each an audit's, or a model's run of one), once each; one line for a
+    run the store has not, or one not of an audit."""
+    from mlflow.exceptions import MlflowException
+
+    from tasks.core.errors import is_network_error
+    from tasks.record.tags import AUDIT_ID
+
+    parents = []
+    for run_id in dict.fromkeys(run_ids):
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as error:
+            if is_network_error(error):  # a server that is down: ``reaching``'s line
+                raise
+            raise InputError(f"--audits: no run {run_id} in {uri}; give an audit's run id (its parent run: the "
+                             "ppl_audit.audit_id tag's)") from None
+        parent_id = run.data.tags.get("mlflow.parentRunId") if run.data.tags.get("ppl_audit.kind") != "audit" else None
+        run = client.get_run(parent_id) if parent_id else run
+        if run.data.tags.get("ppl_audit.kind") != "audit" or AUDIT_ID not in run.data.tags:
+            raise InputError(f"--audits: run {run_id} is not a ppl-audit audit's run; give an audit's parent run id")
+        parents.append(run)
+    return parents
 
 
 def _keys(plan) -> dict[str | None, str]:
@@ -184,16 +213,20 @@ def _history(where: Where, key: str, chart: Path | None, domain: str | None) -> 
             "variants": [row.json() for row in rows]}
 
 
+def _domain_chart(chart: Path, domain: str) -> Path:
+    """Where the chart of ``domain`` goes in an audit of several corpora: ``--chart``'s name with the domain's."""
+    return chart.with_name(f"{chart.stem}.{domain}.png")
+
+
 def _chart(path: Path | None) -> Path | None:
     """``--chart`` as matplotlib will write it, or one line: it adds ``.png`` to a name without a suffix and writes
-    ``FOLDER.png`` for a folder, so that the path printed would not be the chart's."""
+    ``FOLDER.png`` for a folder, so that the path printed would not be the chart's; and, as any output, a regular
+    file or a new one (``output_file``)."""
+    from tasks.core.files import output_file
+
     if path is None:
         return None
     if path.suffix.lower() != ".png":
         raise InputError(f"--chart {path}: name a .png file (e.g. {path.with_name(path.name + '.png')}); the chart is "
                          "a PNG image")
-    if path.is_dir():
-        raise InputError(f"--chart {path} is a folder; name a .png file in it, e.g. {path / 'compare.png'}")
-    if not path.parent.is_dir():
-        raise InputError(f"--chart {path}: the folder {path.parent} does not exist; create it or name another file")
-    return path
+    return output_file(path, "--chart", "compare.png")

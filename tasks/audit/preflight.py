@@ -12,6 +12,7 @@ from tasks.audit.cluster import check_local_cluster, check_reachable, check_work
 from tasks.audit.reference import find_intact
 from tasks.audit.scoring import baseline_identity
 from tasks.config import DEFAULT_CALIBRATION, AuditConfig, VariantSpec, check_tracking
+from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.core.places import references_dir
 from tasks.data.corpus import corpus_text
@@ -54,6 +55,11 @@ def check_settings(config: AuditConfig) -> str:
             settings = spec.llama_cpp_settings
             llama_cpp.check_settings(f"{spec.role} '{spec.name}'", settings.type_k, settings.type_v, spec.type)
             _check_threads(f"{spec.role} '{spec.name}'", settings.threads)
+            if spec.runtime == "llama.cpp" and settings.gpu_layers and not llama_cpp.gpu_offload():
+                # llama.cpp runs them on the CPU without a word; the record keeps both (gpu_layers 0, _asked N)
+                print(f"ppl-audit: warning: {spec.role} '{spec.name}': llama_cpp.gpu_layers {settings.gpu_layers} is "
+                      "ignored: this llama.cpp build cannot offload to a GPU (llama_supports_gpu_offload() is false); "
+                      "it runs on the CPU", file=console.err())
     if "liger" in config.evaluation.body and importlib.util.find_spec("liger_kernel") is None:
         raise InputError(f"evaluation.body {config.evaluation.body} needs liger-kernel: pip install liger-kernel")
     return registry

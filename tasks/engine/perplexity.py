@@ -25,6 +25,7 @@ from tasks.core.errors import DamagedReference, NumericalError
 from tasks.engine import abandon, divergence
 from tasks.engine.kv_cache import KVCacheFormat, forward_arguments
 from tasks.engine.memory import PeakMemory
+from tasks.engine.paired import token_slots  # torch-free: the record reads it
 from tasks.engine.model_facts import input_device, max_positions
 from tasks.engine.scoring_options import Feed, ScoreOptions, Windowing
 from tasks.engine.stream import TokenStream
@@ -256,13 +257,6 @@ class WindowScores:
         return WindowScores(self.token_nll[slots], self.window_nll[windows], self.window_tokens[windows],
                             {key: value[slots] for key, value in self.extra.items()}, windows,
                             int(self.window_tokens.sum()))
-
-
-def token_slots(window_tokens: np.ndarray, windows: np.ndarray) -> np.ndarray:
-    """The places, in token arrays that hold every window's tokens window by window (``window_tokens`` each), of
-    the tokens of ``windows``, in the order given."""
-    starts = np.cumsum(window_tokens) - window_tokens
-    return np.concatenate([np.arange(starts[w], starts[w] + window_tokens[w]) for w in windows])
 
 
 PROGRESS_FIGURES = ("nll", "kl", "kl_reverse", "top1")  # the per-token figures a gate judges, summed by window

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import struct
 import sys
@@ -59,6 +60,24 @@ def _die_with_parent() -> None:
         pass
 
 
+# what llama.cpp's context says when it makes its flash-attention choice: with flash_attn auto, its probe of the
+# fused op ("resolve_fused_ops: Flash Attention enabled", or "... not supported, set to disabled"); else the setting
+# it took, once it has forced it where a model or a quantized V cache needs ("llama_context: flash_attn = enabled").
+# llama.h has no getter of the mode chosen (cparams.flash_attn): its log is the only place it is said.
+FLASH_PROBE = re.compile(r"Flash Attention (enabled|not supported, set to disabled)")
+FLASH_SETTING = re.compile(r"flash_attn\s+=\s+(enabled|disabled|auto)")
+
+
+def flash_attention_ran(said: str) -> str | None:
+    """``on`` or ``off``: the flash attention a context ran with, from what llama.cpp logged while making it; None
+    where it said neither."""
+    probe = FLASH_PROBE.search(said)
+    if probe:
+        return "on" if probe.group(1) == "enabled" else "off"
+    setting = FLASH_SETTING.search(said)
+    return {"enabled": "on", "disabled": "off"}.get(setting.group(1)) if setting else None
+
+
 class Worker:
     def __init__(self):
         import llama_cpp
@@ -67,6 +86,18 @@ class Worker:
         llama_cpp.llama_backend_init()
         self.model = self.ctx = self.vocab = None
         self.n_vocab = 0
+        self.said: list[str] | None = None  # what llama.cpp logs, kept while a context is made
+        self._log = llama_cpp.llama_log_callback(self._logged)  # held: ctypes frees a callback nothing holds
+        llama_cpp.llama_log_set(self._log, ctypes.c_void_p(0))
+
+    def _logged(self, level: int, text: bytes, user_data) -> None:
+        """llama.cpp's log line, to stderr (this worker's log, whose last line names a crash) as the binding's own
+        logger sends it, and kept while ``said`` is a list."""
+        line = text.decode("utf-8", "replace")
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if self.said is not None:
+            self.said.append(line)
 
     def open(self, header: dict) -> tuple[dict, bytes]:
         ll = self.ll
@@ -91,7 +122,11 @@ class Worker:
             ctx.type_k = getattr(ll, f"GGML_TYPE_{header['type_k'].upper()}")
             ctx.type_v = getattr(ll, f"GGML_TYPE_{header['type_v'].upper()}")
             ctx.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[header["flash_attn"]]
-            self.ctx = ll.llama_init_from_model(self.model, ctx)
+            self.said = []
+            try:
+                self.ctx = ll.llama_init_from_model(self.model, ctx)
+            finally:
+                said, self.said = "".join(self.said), None
             if not self.ctx:
                 raise RuntimeError("llama.cpp could not make a context with these settings (n_ctx "
                                    f"{header['n_ctx']}, type_k {header['type_k']}, type_v {header['type_v']}, "
@@ -100,7 +135,13 @@ class Worker:
             ll.llama_model_desc(self.model, buffer, 256)
             facts |= {"desc": buffer.value.decode(), "size": int(ll.llama_model_size(self.model)),
                       "n_params": int(ll.llama_model_n_params(self.model)), "threads": int(ctx.n_threads),
-                      "n_ctx": int(ll.llama_n_ctx(self.ctx))}
+                      "n_ctx": int(ll.llama_n_ctx(self.ctx)),
+                      # what ran, as the context took it (llama.h: "the requested values ... may differ")
+                      "ran": {"flash_attn": flash_attention_ran(said), "n_ctx": int(ll.llama_n_ctx(self.ctx)),
+                              "n_batch": int(ll.llama_n_batch(self.ctx)), "n_ubatch": int(ll.llama_n_ubatch(self.ctx)),
+                              "threads": int(ll.llama_n_threads(self.ctx)),
+                              "threads_batch": int(ll.llama_n_threads_batch(self.ctx)),
+                              "gpu_layers": params.n_gpu_layers if ll.llama_supports_gpu_offload() else 0}}
         return facts, b""
 
     def tokenize(self, header: dict, payload: bytes) -> tuple[dict, bytes]:

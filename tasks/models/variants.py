@@ -208,16 +208,17 @@ def load_served(spec: VariantSpec, model: Located, window: int | None):
     served = llama_cpp.open_model(file, spec.name, settings, (window or 4096) + 1)  # + a BOS prefix
     facts = gguf_facts(file)
     said = served.facts
+    ran = llama_cpp.described(settings, said)  # what ran: flash attention as llama.cpp chose it, the GPU's layers
     bits = facts["bits_per_weight"]
     return served, VariantFacts(
-        method=spec.method, source=model.source, device="cpu" if not settings.gpu_layers else "cuda", dtype="gguf",
+        method=spec.method, source=model.source, device="cuda" if ran["gpu_layers"] else "cpu", dtype="gguf",
         load_seconds=time.perf_counter() - started, size_on_disk_bytes=file.stat().st_size,
         weight_memory_bytes=said["size"], quantized_layers=sum(n for t, n in facts["tensor_types"].items()
                                                                 if t not in ("F32", "F16", "BF16")),
         linear_layers=0, backend=f"llama.cpp ({said['desc']})",
         versions=versions("llama_cpp_python", "gguf"),
         quantization=facts | {"runtime": "llama.cpp", "label": f"{facts['label']} @llama.cpp",
-                              "llama_cpp": llama_cpp.described(settings), "system_info": said["system_info"]},
+                              "llama_cpp": ran, "system_info": said["system_info"]},
         bits_per_weight=bits, model_bits_per_weight=bits,
         # the table labels a cache by its first word: "kv:q8_0/q8_0"
         kv_cache="" if (settings.type_k, settings.type_v) == ("f16", "f16") else f"{settings.type_k}/{settings.type_v} "

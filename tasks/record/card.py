@@ -1,21 +1,25 @@
 """An audit's model card: what a model publisher pastes into a Hugging Face model card, made from the audit's record
 alone (no model loaded, no corpus read).
 
-One content in three forms: Markdown (``markdown``: the verdict, a table per corpus, the noise floor, the token
+One content in four forms: Markdown (``markdown``: the verdict, a table per corpus, the noise floor, the token
 population and how to reproduce it), the model card's metadata (``model_index``: Hugging Face's ``model-index`` as the
-YAML front matter of a README.md, in the shape ``huggingface_hub``'s ``EvalResult`` reads and writes back unchanged)
-and plain data (``card_json``). Tracking logs the record and the three forms on every audit's parent run
+YAML front matter of a README.md, in the shape ``huggingface_hub``'s ``EvalResult`` reads and writes back unchanged),
+the Hub's ``.eval_results/`` files (``eval_results``: one per corpus read from a Hub dataset, in the shape
+``huggingface_hub``'s ``EvalResultEntry`` reads and writes back unchanged) and plain data (``card_json``). Tracking logs the record and the three forms on every audit's parent run
 (``log_card``), so that ``ppl-audit card`` needs nothing but the tracking server.
 
 The figures are the console table's (``tasks.record.verdict.format_table``), to the digit: a card that said +1.2%
 where the audit's own table said +1.19% would be a second, unchecked account of one measurement. The intervals of KL
-and top-1, which the console leaves out for width, are given in their figures' precision.
+and top-1, which the console leaves out for width, are given in their figures' precision; a KL, and each end of its
+interval, as every view gives it (``tasks.record.floor.kl_text``: two significant digits where four decimals would
+print 0.0000).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +27,14 @@ import yaml
 
 from tasks.config import EvaluationConfig
 from tasks.record.domains import domain_view
+from tasks.record.floor import kl_text
 from tasks.record.plots import verdict_of
 from tasks.record.spool import record_json
 from tasks.record.verdict import said as said_as
 
-FORMATS = ("md", "model-index", "json")
+FORMATS = ("md", "model-index", "json", "eval-results")
 RECORD = "record.json"  # the audit's record, as the spool keeps it: what the card command reads back
+EVAL_RESULTS = ".eval_results"  # the folder of a model's repo the Hub reads these files from
 ARTIFACTS = {"md": "card/card.md", "model-index": "card/model-index.yaml", "json": "card/card.json"}
 SOURCE = "ppl-audit"  # the model index's source.name: who measured (the Hub shows it beside each result)
 TASK = {"type": "text-generation", "name": "Text Generation"}
@@ -75,16 +81,28 @@ def card_row(entry: dict) -> dict:
             "floor": {key: floor.get(key) for key in ("dtype", "kld", "above", "said")} if floor else None}
 
 
-def _form(value: float | None, form: str, scale: float = 1.0) -> str | None:
-    return None if value is None else format(scale * value, form)
+Text = Callable[[float], str]  # a figure as the card writes it
 
 
-def _interval(row: dict, key: str, form: str, scale: float = 1.0, unit: str = "") -> str:
-    """``row[key]`` and its 95% interval, ``form`` each (the console's), or a dash where it was not measured."""
-    value = _form(row[key], form, scale)
+def fixed(form: str, scale: float = 1.0) -> Text:
+    """A figure in the format spec ``form`` (the console's), after ``scale`` (100 for a percentage)."""
+    return lambda value: format(scale * value, form)
+
+
+# each figure with an interval as the console writes it: ΔPPL to two decimals, KL as every view does, top-1 in %
+DELTA, KL, TOP1 = fixed("+z.2f"), kl_text, fixed(".1f", 100)
+
+
+def _form(value: float | None, text: Text) -> str | None:
+    return None if value is None else text(value)
+
+
+def _interval(row: dict, key: str, text: Text, unit: str = "") -> str:
+    """``row[key]`` and its 95% interval, each as ``text`` writes it, or a dash where it was not measured."""
+    value = _form(row[key], text)
     if value is None:
         return "—"
-    low, high = _form(row[f"{key}_low"], form, scale), _form(row[f"{key}_high"], form, scale)
+    low, high = _form(row[f"{key}_low"], text), _form(row[f"{key}_high"], text)
     return f"{value}{unit}" + (f" [{low}, {high}]" if low is not None and high is not None else "")
 
 
@@ -99,10 +117,10 @@ def floor_cell(floor: dict | None) -> str:
 def cells(row: dict) -> list[str]:
     """A card row's Markdown cells, in ``COLUMNS``' order; the figures as ``format_table`` prints them."""
     verdict = "baseline" if row["verdict"] == "baseline" else said_as(row["verdict"]).upper()
-    return [row["variant"], row["method"] or "—", _form(row["bits_per_weight"], ".2f") or "—",
-            _form(row["weight_mib"], ".0f") or "—", _form(row["ppl"], ".4f") or "—",
-            _interval(row, "delta_ppl_pct", "+z.2f"), _interval(row, "kld_mean", "z.4f"),
-            _interval(row, "top1_agreement", ".1f", 100, "%"), verdict, floor_cell(row["floor"])]
+    return [row["variant"], row["method"] or "—", _form(row["bits_per_weight"], fixed(".2f")) or "—",
+            _form(row["weight_mib"], fixed(".0f")) or "—", _form(row["ppl"], fixed(".4f")) or "—",
+            _interval(row, "delta_ppl_pct", DELTA), _interval(row, "kld_mean", KL),
+            _interval(row, "top1_agreement", TOP1, "%"), verdict, floor_cell(row["floor"])]
 
 
 def _cell(text: str) -> str:
@@ -167,7 +185,7 @@ def _plain(value):
     return value
 
 
-def card_data(record: dict, source_url: str) -> dict:
+def card_data(record: dict, source_url: str, model_id: str | None = None) -> dict:
     """The card as plain data: the verdict, each token stream's rows, floor and population, each variant's verdict
     across the audit, how to reproduce it, and the model index. ``source_url``: where the record is
     (``source_url``)."""
@@ -185,7 +203,7 @@ def card_data(record: dict, source_url: str) -> dict:
                      for section in sections(record)],
         "variants": verdicts(record),
         "reproduce": reproduce(record),
-        "model-index": model_index(record, source_url),
+        "model-index": model_index(record, source_url, model_id),
     })
 
 
@@ -194,7 +212,8 @@ def verdicts(record: dict) -> list[dict]:
     domains: on its worst domain, named)."""
     return [{"variant": entry["name"], "verdict": verdict_of(entry), "domain": entry.get("domain"),
              "reason": (entry.get("verdict") or {}).get("reason") or entry.get("reason") or None,
-             "floor": (entry["row"].get("floor") or {}).get("said")}
+             "floor": (entry["row"].get("floor") or {}).get("said"),
+             "llama_cpp": entry["row"].get("llama_cpp")}  # run by llama.cpp: the settings that ran, which move figures
             for entry in record["variants"] if entry["role"] == "variant"]
 
 
@@ -222,27 +241,31 @@ def _metrics(section: Section, baseline: str) -> list[dict]:
     metrics = []
     for row in (card_row(entry) for entry in section.record["variants"]):
         name = row["variant"]
-        figures = [("perplexity", "ppl", ".4f", 1, f"{name} perplexity")]
+        figures = [("perplexity", "ppl", fixed(".4f"), f"{name} perplexity")]
         if row["role"] == "variant":
-            figures += [("delta_ppl_pct", "delta_ppl_pct", "+z.2f", 1, f"{name} ΔPPL % against {baseline}"),
-                        ("kl_divergence", "kld_mean", "z.4f", 1, f"{name} mean KL divergence from {baseline}"),
-                        ("top1_agreement", "top1_agreement", ".1f", 100, f"{name} top-1 agreement % with {baseline}")]
-        for kind, key, form, scale, said in figures:
+            figures += [("delta_ppl_pct", "delta_ppl_pct", DELTA, f"{name} ΔPPL % against {baseline}"),
+                        ("kl_divergence", "kld_mean", KL, f"{name} mean KL divergence from {baseline}"),
+                        ("top1_agreement", "top1_agreement", TOP1, f"{name} top-1 agreement % with {baseline}")]
+        for kind, key, text, said in figures:
             if row[key] is None:
                 continue
-            low, high = _form(row.get(f"{key}_low"), form, scale), _form(row.get(f"{key}_high"), form, scale)
+            low, high = _form(row.get(f"{key}_low"), text), _form(row.get(f"{key}_high"), text)
             said += f" [95% CI {low}, {high}]" if low is not None and high is not None else ""
-            metrics.append({"type": kind, "value": float(_form(row[key], form, scale)), "name": said,
-                            "verified": False})
+            metrics.append({"type": kind, "value": float(text(row[key])), "name": said, "verified": False})
     return metrics
 
 
-def model_index(record: dict, source_url: str) -> list[dict]:
+def _baseline(record: dict) -> str:
+    return next((entry["name"] for entry in record["variants"] if entry["role"] == "baseline"), "baseline")
+
+
+def model_index(record: dict, source_url: str, model_id: str | None = None) -> list[dict]:
     """Hugging Face's ``model-index`` of the audit: one result per token stream (task text-generation, the stream's
     dataset, every model's figures), as ``huggingface_hub.repocard_data.eval_results_to_model_index`` writes it, so
     that reading it into ``EvalResult``s and writing them back gives it unchanged. The Hub keys results by task,
-    dataset type, config and split, not by name: where two domains read one source, each has its name as config."""
-    baseline = next((entry["name"] for entry in record["variants"] if entry["role"] == "baseline"), "baseline")
+    dataset type, config and split, not by name: where two domains read one source, each has its name as config.
+    ``model_id``: the Hub model the results are of, its name (default: the audit's)."""
+    baseline = _baseline(record)
     results, seen = [], set()
     for section in sections(record):
         metrics = _metrics(section, baseline)
@@ -255,18 +278,68 @@ def model_index(record: dict, source_url: str) -> list[dict]:
         seen.add((dataset["type"], dataset.get("config"), dataset.get("split")))
         results.append({"task": dict(TASK), "dataset": dataset, "metrics": metrics,
                         "source": {"name": SOURCE, "url": source_url}})
-    return [{"name": record["name"], "results": results}] if results else []
+    return [{"name": model_id or record["name"], "results": results}] if results else []
 
 
-def model_index_yaml(record: dict, source_url: str) -> str:
+def model_index_yaml(record: dict, source_url: str, model_id: str | None = None) -> str:
     """The model index as a README.md's YAML front matter (``---`` above and below): what
     ``huggingface_hub.repocard.metadata_load`` and ``ModelCard.load`` read."""
-    text = yaml.safe_dump({"model-index": model_index(record, source_url)}, sort_keys=False, allow_unicode=True)
+    text = _yaml({"model-index": model_index(record, source_url, model_id)})
     return f"---\n{text}---\n"
 
 
-def card_json(record: dict, source_url: str) -> str:
-    return json.dumps(card_data(record, source_url), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+def _yaml(data) -> str:
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+def card_json(record: dict, source_url: str, model_id: str | None = None) -> str:
+    return json.dumps(card_data(record, source_url, model_id), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+@dataclass(frozen=True)
+class EvalResults:
+    """The Hub's ``.eval_results/`` files of an audit: each file's entries by its name (``prose.yaml``), and the token
+    streams left out, by name, with their source (a local file or an embedded text: the Hub keys a result by the Hub
+    dataset it is on)."""
+
+    files: dict[str, list[dict]]
+    left_out: dict[str, str]
+
+
+def eval_results(record: dict, source_url: str) -> EvalResults:
+    """The audit's ``.eval_results/`` files (huggingface/community-evals; the Hub's ``eval_results.yaml``
+    specification), as ``huggingface_hub``'s ``eval_result_entries_to_yaml`` writes them: one per token stream read
+    from a Hub dataset, named for its domain (a one-corpus audit: for the dataset), holding an entry per figure of the
+    model index's result on it. Each entry: ``dataset.id`` the dataset, ``dataset.task_id`` its config (``default``
+    without one), ``value`` the figure as the model index has it, ``date`` when the audit ended, ``notes`` the model
+    index's metric name (which model, which figure, its interval), and ``source`` the run's page where there is one
+    (``runs:/ID`` of a local store is no link)."""
+    baseline = _baseline(record)
+    source = {"source": {"url": source_url, "name": SOURCE}} if source_url.startswith(("http://", "https://")) else {}
+    files, left_out = {}, {}
+    for section in sections(record):
+        corpus = section.record["corpus"]
+        dataset = corpus["source"].removeprefix("hf:")
+        name = section.domain or dataset.rsplit("/", 1)[-1]
+        if not corpus["source"].startswith("hf:"):
+            left_out[name] = corpus["source"]
+            continue
+        entries = [{"dataset": {"id": dataset, "task_id": corpus.get("hf_config") or "default"},
+                    "value": metric["value"], "date": record["created"], **source, "notes": metric["name"]}
+                   for metric in _metrics(section, baseline)]
+        if entries:
+            files[f"{name}.yaml"] = entries
+    return EvalResults(files, left_out)
+
+
+def eval_results_file(entries: list[dict]) -> str:
+    """One ``.eval_results/`` file's text: its entries as a YAML list."""
+    return _yaml(entries)
+
+
+def eval_results_text(found: EvalResults) -> str:
+    """The ``.eval_results/`` files one after another as YAML documents, each headed by its name as a comment."""
+    return "---\n".join(f"# {EVAL_RESULTS}/{name}\n{eval_results_file(entries)}" for name, entries in found.files.items())
 
 
 def _section_lines(section: Section, several: bool) -> list[str]:
@@ -284,8 +357,8 @@ def _section_lines(section: Section, several: bool) -> list[str]:
         lines += ["", "Noise floor: the baseline in each dtype against its float32 self, on the same tokens (a variant "
                       "*within* a floor lost no more than those numerics do):", ""]
         lines += _table(("floor", "dtype", "ΔPPL % [95% CI]", "KL [95% CI]"), [
-            [floor["name"], floor["dtype"] or "—", _interval(floor, "delta_ppl_pct", "+z.2f"),
-             _interval(floor, "kld_mean", "z.4f")] if floor["status"] == "ok" else
+            [floor["name"], floor["dtype"] or "—", _interval(floor, "delta_ppl_pct", DELTA),
+             _interval(floor, "kld_mean", KL)] if floor["status"] == "ok" else
             [floor["name"], floor["dtype"] or "—", f"not measured: {floor['reason']}", "—"] for floor in floors])
     return lines + ["", population_text(population(view)), ""]
 
@@ -311,7 +384,8 @@ def markdown(record: dict, source_url: str) -> str:
         lines += _section_lines(section, several)
     lines += ["### Why each verdict", ""]
     lines += [f"- **{row['variant']}**: {said_as(row['verdict']).upper()}" + (f": {row['reason']}" if row["reason"] else "")
-              + (f"; {row['floor']}" if row["floor"] else "") for row in verdicts(record)]
+              + (f"; {row['floor']}" if row["floor"] else "")
+              + (f"; llama.cpp: {row['llama_cpp']}" if row.get("llama_cpp") else "") for row in verdicts(record)]
     again = reproduce(record)
     environment = again["environment"]
     versions = ", ".join(f"{name} {version}" for name, version in (environment.get("versions") or {}).items())
@@ -323,12 +397,14 @@ def markdown(record: dict, source_url: str) -> str:
     return "\n".join(lines)
 
 
-RENDER = {"md": markdown, "model-index": model_index_yaml, "json": card_json}
-
-
-def render(record: dict, form: str, source_url: str) -> str:
-    """The card in ``form`` (one of ``FORMATS``)."""
-    return RENDER[form](record, source_url)
+def render(record: dict, form: str, source_url: str, model_id: str | None = None) -> str:
+    """The card in ``form`` (one of ``FORMATS``); ``model_id``: the Hub model the results are of, the model index's
+    name (default: the audit's)."""
+    if form == "md":
+        return markdown(record, source_url)
+    if form == "eval-results":
+        return eval_results_text(eval_results(record, source_url))
+    return {"model-index": model_index_yaml, "json": card_json}[form](record, source_url, model_id)
 
 
 def log_card(client, run_id: str, record: dict, page: str | None) -> None:

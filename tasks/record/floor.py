@@ -16,8 +16,7 @@ import math
 import numpy as np
 
 from tasks.config import FLOOR_SHORT as SHORT
-from tasks.engine.paired import cluster_mean
-from tasks.engine.perplexity import token_slots
+from tasks.engine.paired import cluster_mean, token_slots
 from tasks.record.results import VariantResult
 
 
@@ -71,8 +70,8 @@ def _said(found: dict, delta_ppl_pct: float | None) -> str:
     where = {True: "above", False: "within", None: "not judged against"}[found["above"]]
     if "kl" in found:
         paired = found["kl"]
-        text = f"KL {_kl(found['kld_variant'])}: {where} the {name} floor {_kl(found['kld'])}"
-        text += (f" (+{_kl(paired['difference'])} [{_kl(paired['low'], '+')}, {_kl(paired['high'], '+')}])"
+        text = f"KL {kl_text(found['kld_variant'])}: {where} the {name} floor {kl_text(found['kld'])}"
+        text += (f" (+{kl_text(paired['difference'])} [{kl_text(paired['low'], '+')}, {kl_text(paired['high'], '+')}])"
                  if found["above"] else "")
         if found["ppl_above"] is not None:  # the NLL, paired the same way: ΔPPL beyond the floor's, or not
             text += f", ΔPPL {'above' if found['ppl_above'] else 'within'} it"
@@ -89,10 +88,11 @@ def kept_as(floor: VariantResult) -> str:
     return said.baseline if said is not None and said.baseline else ""
 
 
-def _kl(value: float, sign: str = "") -> str:
-    """A mean KL as the table shows it (four decimals), or to two significant digits where that shows nothing: a
-    float16 floor of a small model is ~1e-5."""
-    return f"{value:{sign}.4f}" if abs(value) >= 0.001 or value == 0 else f"{value:{sign}.2g}"
+def kl_text(value: float, sign: str = "") -> str:
+    """A KL figure as every view gives it (the console, report.html, compare, the card, MLflow's description): four
+    decimals, or two significant digits where those would show next to nothing (a float16 floor of a small model is
+    ~1e-5, which four decimals print as 0.0000). ``sign``: ``+`` for a difference."""
+    return f"{value:{sign}z.4f}" if abs(value) >= 0.001 or value == 0 else f"{value:{sign}.2g}"
 
 
 def floor_row(row: dict, dtype: str, kept: str) -> dict:
@@ -104,7 +104,7 @@ def floor_figures(row: dict) -> str:
     """A floor row's KL and ΔPPL, short: ``KL 0.0009, ΔPPL -0.14%``."""
     if row["status"] != "ok":
         return "not measured"
-    kl = f"KL {_kl(row['kld_mean'])}, " if "kld_mean" in row else ""
+    kl = f"KL {kl_text(row['kld_mean'])}, " if "kld_mean" in row else ""
     return f"{kl}ΔPPL {row['delta_ppl_pct']:+.2f}%" if "delta_ppl_pct" in row else kl.rstrip(", ")
 
 

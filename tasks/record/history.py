@@ -128,11 +128,17 @@ def _domain_tag(tags: dict, tag: str, domain: str | None, unknown: str | None) -
     return tags.get(tag) if tags.get(DOMAIN) == domain else unknown
 
 
+def _method(params: dict) -> str:
+    """A model's method as its audit's table said it (``label``: "gptq 4-bit g32 tuned"), or, of a run logged before
+    the label was, its method."""
+    return params.get("label") or params.get("method", "?")
+
+
 def _row(child, parent, domain: str | None = None) -> Audited:
     """``child``'s row: its figures on ``domain`` in an audit of several corpora (its sizes are the model's own)."""
     metrics, tags = child.data.metrics, child.data.tags
     return Audited(
-        name=tags.get("ppl_audit.variant", child.info.run_name), method=child.data.params.get("method", "?"),
+        name=tags.get("ppl_audit.variant", child.info.run_name), method=_method(child.data.params),
         audit=parent.data.tags.get("ppl_audit.audit", "?"), run_id=child.info.run_id, parent_run_id=parent.info.run_id,
         started=datetime.fromtimestamp(parent.info.start_time / 1000, timezone.utc),
         scheduled=parent.data.tags.get(SCHEDULED) == "true", verdict=_domain_tag(tags, "audit.verdict", domain, "?"),
@@ -155,6 +161,14 @@ def populations_of(parent) -> dict[str | None, str | None]:
     digest}`` for several (None where it was recorded before populations were named)."""
     domains = parent.data.tags.get(DOMAINS)
     return {None: population_of(parent)} if not domains else {d: population_of(parent, d) for d in domains.split()}
+
+
+def scored_alike(parents: list) -> bool:
+    """Whether the audits of ``parents`` (parent runs) all name the same token populations, none of them unnamed: then
+    their figures are comparable side by side, ``--any-tokens`` or not."""
+    named = [populations_of(parent) for parent in parents]
+    return None not in {digest for found in named for digest in found.values()} and \
+        len({frozenset(found.items()) for found in named}) == 1
 
 
 def audits_side_by_side(client, parents: list, any_tokens: bool) -> dict[str | None, list[Audited]]:
@@ -301,7 +315,7 @@ def experiment_of(client, name: str, uri: str) -> str:
 def format_history(rows: list[Audited]) -> str:
     """The console table: a row per variant of each audit, newest first; the last column says its verdict, what
     dominates it and what changed, and names its run (a link on a tracking server)."""
-    from tasks.record.report import delta_text, figure_text
+    from tasks.record.report import delta_text, figure_text, kl_figure
     from tasks.record.verdict import fixed_width
 
     columns = [("variant", "<16"), ("method", "<10"), ("audit", "<12"), ("date", "<17"), ("bpw", ">7"), ("MiB", ">7"),
@@ -314,7 +328,7 @@ def format_history(rows: list[Audited]) -> str:
         audit = f"{row.audit}/{row.domain}" if row.domain else row.audit  # which of its corpora, in an audit of several
         body.append(([row.name, row.method, audit, f"{row.started:%Y-%m-%d %H:%M}",
                       figure_text(figures, "bpw", ".2f"), figure_text(figures, "mib", ".0f"), delta_text(figures),
-                      figure_text(figures, "kld_mean", "z.4f")],
+                      kl_figure(figures)],
                      f"{said}  {row.link or row.run_id}"))
     return fixed_width(columns, body, "verdict, run")
 

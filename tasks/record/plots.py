@@ -22,8 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from tasks.config import Thresholds
-from tasks.record.verdict import said as said_as
+from tasks.config import Gate, Thresholds
+from tasks.record.verdict import gate_checks, said as said_as
 
 COLOURS = {"baseline": "#1565c0", "pass": "#2e7d32", "fail": "#c62828", "error": "#9e9e9e", "ungated": "#f9a825"}
 LIMIT_COLOUR = "#212121"
@@ -41,13 +41,38 @@ def verdict_of(entry: dict) -> str:
     return (entry["verdict"] or {}).get("status") or "error"
 
 
-def ppl_limit(record: dict, name: str) -> float | None:
-    """The gate's ``max_ppl_increase_pct`` for variant ``name`` (its own override, else the audit's), or None. In an
-    audit of several domains, the gate of the variant's worst domain: the one its figures at the top come from."""
+def gate_of(record: dict, name: str) -> Gate:
+    """Variant ``name``'s gate (its own overrides, else the audit's). In an audit of several domains, the gate of the
+    variant's worst domain: the one its figures at the top come from."""
     entry = next((v for v in record["variants"] if v["name"] == name), {})
     if entry.get("domain") in record.get("domains", {}):  # a domain's config holds its own gate (``per_corpus``)
         record = record["domains"][entry["domain"]]
-    return Thresholds.model_validate(record["config"]["thresholds"]).for_variant(name).max_ppl_increase_pct
+    return Thresholds.model_validate(record["config"]["thresholds"]).for_variant(name)
+
+
+def ppl_limit(record: dict, name: str) -> float | None:
+    """The gate's ``max_ppl_increase_pct`` for variant ``name`` (``gate_of``), or None."""
+    return gate_of(record, name).max_ppl_increase_pct
+
+
+def gates_said(record: dict, entry: dict) -> list[tuple[str, str, str]]:
+    """``(gate's name, status, reason)`` of each limit of a scored variant's gate (``tasks.record.verdict``); none
+    for the baseline, a model not scored, or a row that lacks a gated figure (its verdict's reason says why)."""
+    row = entry["row"]
+    if entry["role"] != "variant" or row.get("status") != "ok":
+        return []
+    try:
+        return gate_checks(row, gate_of(record, entry["name"]))
+    except KeyError:
+        return []
+
+
+def verdict_label(record: dict, entry: dict) -> str:
+    """A model's verdict as a chart of one figure names it: with the gates it did not pass (``fail: top-1
+    agreement``), so that a chart of ΔPPL or of KL does not read as if its own figure failed."""
+    verdict = verdict_of(entry)
+    missed = [what for what, status, _ in gates_said(record, entry) if status != "pass"]
+    return f"{verdict}: {', '.join(missed)}" if missed and verdict != "pass" else verdict
 
 
 def measured(value) -> bool:
@@ -173,7 +198,28 @@ def _delta_slot(axis: Axes, y: int, record: dict, entry: dict, drawn: tuple[floa
                   color=COLOURS[verdict], markeredgecolor="black", ecolor="black", capsize=6, linewidth=1.6,
                   zorder=3)  # the diamond shows an estimate too close to zero for its bar to be seen
     shown.add("interval")
-    _note(axis, y, f"{delta:+z.2f}% [{interval[0]:+z.2f}, {interval[1]:+z.2f}]   {verdict}, {limit_text}", verdict)
+    _note(axis, y, f"{delta:+z.2f}% [{interval[0]:+z.2f}, {interval[1]:+z.2f}]   "
+                   f"{_delta_verdict(record, entry, limit_text)}", verdict)
+
+
+# a ΔPPL gate's status (``tasks.record.verdict``) as its slot says it
+PPL_SAID = {"pass": "within", "fail": "breaks", "noise": "is inside the noise of", "unjudged": "cannot be judged against"}
+
+
+def _delta_verdict(record: dict, entry: dict, limit_text: str) -> str:
+    """A ΔPPL slot's verdict: a pass with its limit; any other verdict with what its ΔPPL did against its limit and
+    which other gate failed it (``fail: ΔPPL within the limit ≤ 2%; top-1 agreement 0.8700 […] breaks the limit ≥
+    0.9``): "fail, limit ≤ 2%" beside a ΔPPL within 2% read as if the ΔPPL had failed."""
+    verdict = verdict_of(entry)
+    if verdict in ("pass", "ungated"):
+        return f"{verdict}, {limit_text}"
+    checks = gates_said(record, entry)
+    ppl = next((status for what, status, _ in checks if what == "ΔPPL"), None)
+    said = [limit_text if ppl is None else f"ΔPPL {PPL_SAID[ppl]} the {limit_text}"]
+    others = [reason for what, status, reason in checks if what != "ΔPPL" and status != "pass"]
+    if not others and ppl in (None, "pass"):  # not a gate's figure: what kept it from a verdict
+        others = [_why(entry)]
+    return f"{verdict}: {'; '.join(said + others)}"
 
 
 def _delta_marks(shown: set) -> list:
@@ -313,7 +359,7 @@ def ppl_chart(record: dict) -> Figure:
         axis.barh(y + 0.2, row["ppl"], height=0.4, color=COLOURS[verdict], zorder=2)
         axis.errorbar(row["ppl"], y + 0.2, xerr=error, fmt="none", ecolor="black", capsize=6, linewidth=1.6, zorder=3)
         top = max(top, row["ppl"] + error)
-        _note(axis, y, f"PPL {row['ppl']:.4f} ± {error:.4f}   {verdict}", verdict)
+        _note(axis, y, f"PPL {row['ppl']:.4f} ± {error:.4f}   {verdict_label(record, entry)}", verdict)
     handles = _verdict_handles(models)
     base = next((m for m in models if m["role"] == "baseline" and measured(m["row"].get("ppl"))), None)
     if base is not None:
@@ -335,7 +381,7 @@ def delta_nll_per_window(record: dict, folder: Path) -> Figure:
         for style, entry in _scored_variants(record):
             change = _window_nll(folder, entry) - reference
             axis.plot(change.index, change, color=COLOURS[verdict_of(entry)], linestyle=style, linewidth=1.5,
-                      label=_model_label(entry))
+                      label=_model_label(record, entry))
     axis.axhline(0, color="black", linewidth=0.8)
     axis.set_xlabel("window", fontsize=TEXT)
     axis.set_ylabel("ΔNLL against the baseline (nats/token)", fontsize=TEXT)
@@ -358,7 +404,7 @@ def kld_histogram(record: dict, folder: Path) -> Figure:
             continue
         kl = np.clip(table.column("kl").to_numpy(), 1e-8, None)  # exact zeros cannot sit on a log axis
         axis.hist(kl, bins=np.logspace(-8, max(1, np.log10(kl.max()) + 0.1), 60), histtype="step", linewidth=1.6,
-                  color=COLOURS[verdict_of(entry)], linestyle=style, label=_model_label(entry))
+                  color=COLOURS[verdict_of(entry)], linestyle=style, label=_model_label(record, entry))
     axis.set_xscale("log")
     axis.set_xlabel("KL(baseline ‖ variant) per token (nats)", fontsize=TEXT)
     axis.set_ylabel("tokens", fontsize=TEXT)
@@ -406,8 +452,8 @@ def _why(entry: dict) -> str:
     return reason if len(reason) <= 90 else reason[:89] + "…"
 
 
-def _model_label(entry: dict) -> str:
-    return f"{entry['name']} ({verdict_of(entry)})"
+def _model_label(record: dict, entry: dict) -> str:
+    return f"{entry['name']} ({verdict_label(record, entry)})"
 
 
 def _scored_variants(record: dict) -> list[tuple[str, dict]]:
@@ -442,7 +488,9 @@ def where_chart(entry: dict, domain: str | None = None) -> Figure:
             axis.set_xticks(range(len(rows)), labels=ticks, fontsize=SMALL - 1 if len(rows) > 6 else SMALL)
             axis.set_ylabel(name, fontsize=SMALL)
             axis.set_xlabel(title, fontsize=SMALL)
-    handles = [Patch(color=colour, label=f"{entry['name']} ({verdict_of(entry)}): mean over the bin's tokens"),
+    verdict = verdict_of(entry)  # a verdict other than a pass with its reason: this chart's figures may not be why
+    said = verdict if verdict in ("pass", "ungated") else f"{verdict}: {_why(entry)}"
+    handles = [Patch(color=colour, label=f"{entry['name']} ({said}): mean over the bin's tokens"),
                Line2D([], [], color="black", linewidth=1.6, label=where["interval"])]
     on = f" on {domain}" if domain else ""
     return titled(figure, f"{entry['name']}: where in the text{on} it loses against the baseline", handles)

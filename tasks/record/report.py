@@ -16,7 +16,7 @@ from html import escape
 
 from tasks.config import EvaluationConfig, Thresholds
 from tasks.record import plots
-from tasks.record.floor import floor_text
+from tasks.record.floor import floor_text, kl_text
 from tasks.record.population import population_line
 from tasks.record.verdict import said as said_as
 
@@ -88,7 +88,7 @@ def _comparison(record: dict) -> str:
         reason = (entry["verdict"] or {}).get("reason") or entry["reason"]
         error = f" ± {row['ppl_stderr']:.4f}" if plots.measured(row.get("ppl_stderr")) else ""
         cells = [figure_text(row, "ppl", ".4f") + error,
-                 delta_text(row), figure_text(row, "kld_mean", ".4f"),
+                 delta_text(row), kl_figure(row),
                  f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—",
                  "—" if limit is None else f"≤ {limit:g}", figure_text(row, "bits_per_weight", ".2f")]
         if row.get("dominated_by"):
@@ -103,7 +103,7 @@ def _comparison(record: dict) -> str:
             rows.append(f'<tr><td class="reason" colspan="{9 + several}">{escape(reason)}</td></tr>')
     for floor in record.get("floor", []):  # the noise floor: the baseline in 16 bits, never judged
         row = floor["row"]
-        cells = [figure_text(row, "ppl", ".4f"), delta_text(row), figure_text(row, "kld_mean", ".4f"),
+        cells = [figure_text(row, "ppl", ".4f"), delta_text(row), kl_figure(row),
                  f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—", "—",
                  figure_text(row, "bits_per_weight", ".2f")]
         rows.append(f'<tr class="model"><th>{escape(floor["name"])}</th><td>floor</td>' + "<td>—</td>" * several
@@ -354,6 +354,12 @@ def _badge(verdict: str) -> str:
 def figure_text(row: dict, key: str, form: str) -> str:
     """``row[key]`` in ``form``, or a dash where it was not measured (here and in the run's description)."""
     return format(row[key], form) if plots.measured(row.get(key)) else "—"
+
+
+def kl_figure(row: dict, key: str = "kld_mean") -> str:
+    """``row[key]``, a KL figure, as every view gives it (``tasks.record.floor.kl_text``), or a dash where it was not
+    measured."""
+    return kl_text(row[key]) if plots.measured(row.get(key)) else "—"
 
 
 def delta_text(row: dict) -> str:

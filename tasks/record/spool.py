@@ -37,6 +37,25 @@ def record_json(record: dict) -> str:
     return json.dumps(record, indent=2, default=str)
 
 
+def sealed_record_json(record: dict) -> str:
+    """``record.json``'s text: the record with the digest of its content (``sealed.seal``), computed on the record as
+    its JSON reads back (keys made strings, tuples lists, other values ``str``-ed) so that a reader's digest is of the
+    same fields. The spool writes it and tracking logs it: an edit to either copy is told (``record_damage``)."""
+    return record_json(sealed.seal(json.loads(record_json(record))))
+
+
+def record_damage(record: object, where: str) -> str | None:
+    """Why a record read back cannot be trusted (``where`` was changed after ppl-audit wrote it), or None. A record
+    written before records were sealed has no digest: it is read, with a one-line warning that it is unchecked."""
+    if not isinstance(record, dict):
+        return f"{where} does not hold a record"
+    if sealed.DIGEST not in record:
+        print(f"ppl-audit: warning: {where} keeps no digest of its content (written by an older ppl-audit): its "
+              "figures are read unchecked", file=console.err())
+        return None
+    return sealed.damage(record, where)
+
+
 def folder_name(record: dict) -> str:
     return f"{datetime.fromisoformat(record['created']):%Y%m%dT%H%M%S}-{record['name']}-{record['audit_id'][:8]}"
 
@@ -56,10 +75,10 @@ def write_record(record: dict, arrays: dict[str, pa.Table]) -> Path:
         partial.mkdir()
         for name, table in arrays.items():
             pq.write_table(table, partial / name)
-        # the arrays' sizes and sha256, checked before a replay (``damage``); record.json is not in it: a person may
-        # mend a quarantined one and move it back, and its JSON is checked field by field
+        # the arrays' sizes and sha256, checked before a replay (``damage``); record.json is not in it: it keeps its
+        # own digest (``sealed_record_json``), which a person who mends a quarantined one removes
         write_atomically(partial / FILES, json.dumps(sealed.seal({"files": sealed.files_entry(partial, arrays)})))
-        write_atomically(partial / "record.json", record_json(record))
+        write_atomically(partial / "record.json", sealed_record_json(record))
         partial.rename(folder)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -159,14 +178,22 @@ def _arrays_damage(folder: Path, record: dict) -> str | None:
 
 def damage(folder: Path) -> str | None:
     """Why a spooled record cannot be replayed however often it is tried (not JSON, a field missing or of the wrong
-    type, its per-token arrays missing or not as written), or None. Reads its arrays once (their sha256)."""
+    type, changed after it was written, its per-token arrays missing or not as written), or None. Reads its arrays
+    once (their sha256)."""
     try:
         record = read_record(folder)
     except (OSError, ValueError) as error:
         return f"record.json is not readable JSON ({type(error).__name__}: {str(error)[:100]})"
     if not isinstance(record, dict):
         return "record.json does not hold a record"
-    return _wrong_fields(record) or _arrays_damage(folder, record)
+    return _wrong_fields(record) or _changed(folder, record) or _arrays_damage(folder, record)
+
+
+def _changed(folder: Path, record: dict) -> str | None:
+    """That record.json was changed after it was written, and how to send it anyway; None when it was not."""
+    problem = record_damage(record, f"{folder.name}/record.json")
+    return problem and f"{problem}: its figures are not the audit's; to send it as it now is, remove its " \
+                       f"\"{sealed.DIGEST}\" field"
 
 
 def quarantine(folder: Path) -> Path:

@@ -7,9 +7,11 @@ Two processes never replay one record at once: they hold it first (``tasks.recor
 
 from __future__ import annotations
 
+import fcntl
 import tempfile
 import warnings
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from tasks.config import EvaluationConfig
@@ -45,6 +47,20 @@ def is_tracking_outage(error: BaseException) -> bool:
     return is_network_error(error) or type(error).__name__ == "MlflowException"
 
 
+@contextmanager
+def reaching(uri: str) -> Iterator[None]:
+    """Read the store at ``uri`` inside: a server that is down or a wrong address is one line (what every command
+    that reads a store says), not MLflow's exception after its retries."""
+    from tasks.core.errors import InputError, is_network_error
+
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, InputError) or not is_network_error(error):
+            raise
+        raise InputError(f"cannot reach the tracking server {uri}; is it up, and is that its address?") from None
+
+
 def ui_link(server: str, experiment_id: str, run_id: str | None = None) -> str:
     """An experiment's runs, or one run, in the MLflow UI at ``server``, in its model-training view.
 
@@ -63,6 +79,20 @@ def run_link(uri: str, run_id: str) -> str | None:
     from mlflow import MlflowClient
 
     return ui_link(uri, MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id, run_id)
+
+
+def client_of(uri: str):
+    """An MlflowClient of the store at ``uri``. MLflow makes a local SQLite store's tables as the client is made, and
+    two processes making a fresh one at once (two audits on a fresh home) fail on each other's tables with a page of
+    SQL: one process at a time makes it, under a lock beside its file."""
+    from mlflow import MlflowClient
+
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    database = Path(uri.removeprefix("sqlite:///").partition("?")[0])  # four slashes: an absolute path
+    with open(database.with_name(f"{database.name}.lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # let go as the file closes
+        return MlflowClient(tracking_uri=uri)
 
 
 def _experiment(client, name: str, uri: str) -> str:
@@ -159,7 +189,8 @@ def _audit_params(record: dict) -> dict:
 def _variant_params(record: dict, entry: dict) -> dict:
     spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
     params = {**_audit_params(record), "variant": entry["name"], "method": facts.get("method") or spec["method"],
-              "path": spec["path"],
+              # the method as the audit's table says it (its format's label: "gptq 4-bit g32 tuned", "baseline kv:int8")
+              "label": entry["row"].get("method"), "path": spec["path"],
               "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
               "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
               "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
@@ -249,7 +280,7 @@ def description(record: dict) -> str:
     baseline at the end.
     """
     from tasks.record.plots import ppl_limit, verdict_of
-    from tasks.record.report import delta_text, figure_text
+    from tasks.record.report import delta_text, figure_text, kl_figure
 
     several = "domains" in record  # each row's figures are its worst domain's: a column names it
     lines = ["| model | verdict |" + " domain |" * several + " ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 | bpw |",
@@ -264,7 +295,7 @@ def description(record: dict) -> str:
         domain = f" {entry.get('domain') or '—'} |" if several else ""
         lines.append(f"| {entry['name']} | {said} |{domain} {delta_text(row)} | "
                      f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
-                     f"{figure_text(row, 'kld_mean', '.4f')} | {top1} | {figure_text(row, 'bits_per_weight', '.2f')} |")
+                     f"{kl_figure(row)} | {top1} | {figure_text(row, 'bits_per_weight', '.2f')} |")
     return "\n".join(lines)
 
 
@@ -353,13 +384,11 @@ def _delete_partial(client, experiment_id: str, audit_id: str) -> str | None:
 def replay(folder: Path, uri: str | None = None, experiment: str | None = None) -> str:
     """Log a spooled audit record to MLflow; returns the parent run id. Raises if the server fails, leaving the
     parent run it made FAILED."""
-    from mlflow import MlflowClient
-
     from tasks.record import plots
 
     record = read_record(folder)
     uri = tracking_uri(uri or record["config"]["tracking"]["uri"])
-    client = MlflowClient(tracking_uri=uri)
+    client = client_of(uri)
     experiment_id = _experiment(client, experiment or record["config"]["tracking"]["experiment"], uri)
     done = _delete_partial(client, experiment_id, record["audit_id"])
     if done:
@@ -504,12 +533,10 @@ def _log_history(client, experiment_id: str, parent: str, record: dict) -> None:
 def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
     """Log a diagnosis made by ``ppl-audit diagnose`` to MLflow, a child of its audit's latest run when there is
     one (the MLflow UI shows it under that run); returns its run id."""
-    from mlflow import MlflowClient
-
     from tasks.record.diagnosis import log_run
 
     uri = tracking_uri(uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = client_of(uri)
     experiment_id = _experiment(client, experiment, uri)
     latest = client.search_runs([experiment_id], filter_string=f"tags.`ppl_audit.audit` = '{found['audit']}' and "
                                                                "tags.`ppl_audit.kind` = 'audit'",
@@ -523,12 +550,10 @@ def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
 def track_tune(found: dict, uri: str | None, experiment: str, parent: str | None) -> str:
     """Log a tune to MLflow, a child of the audit of its recipe (run ``parent``, when it was tracked); returns its
     run id."""
-    from mlflow import MlflowClient
-
     from tasks.record.tuning import log_run
 
     uri = tracking_uri(uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = client_of(uri)
     experiment_id = _experiment(client, experiment, uri)
     tags = {}
     if parent:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.config import Thresholds
-from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference
-from tasks.engine.perplexity import token_slots
-from tasks.record.floor import floor_text
+from tasks.config import Gate, Thresholds
+from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference, token_slots
+from tasks.record.floor import floor_text, kl_text
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.sequential_said import SequentialSaid
@@ -43,6 +43,8 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int)
         if facts.kv_cache:  # the cache it was scored with: "baseline kv:int8"
             row["method"] += f" kv:{facts.kv_cache.split()[0]}"
             row["kv_cache"] = facts.kv_cache
+        if facts.quantization.get("llama_cpp"):  # run by llama.cpp: the settings that ran, which move its figures
+            row["llama_cpp"] = llama_cpp_text(facts.quantization["llama_cpp"])
         row.update(kv_bytes_per_token=facts.kv_bytes_per_token, kv_window_mib=facts.kv_bytes_per_token * window / 2**20)
         if baseline.ok and outcome is not baseline:
             row["kv_saving_pct"] = 100 * (1 - facts.kv_bytes_per_token / baseline.facts.kv_bytes_per_token)
@@ -96,16 +98,17 @@ def _sequential_figures(row: dict, said: SequentialSaid, base_ppl: float) -> dic
 
 
 # each gate: its name, the row's figure, the Gate's limit, whether the limit is a maximum, and how a figure reads
-GATES = (("ΔPPL", "delta_ppl_pct", "max_ppl_increase_pct", True, "{:+z.2f}", "%"),
-         ("KLD mean", "kld_mean", "max_kld_mean", True, "{:z.4f}", ""),
-         ("top-1 agreement", "top1_agreement", "min_top1_agreement", False, "{:.4f}", ""))
+GATES = (("ΔPPL", "delta_ppl_pct", "max_ppl_increase_pct", True, "{:+z.2f}".format, "%"),
+         ("KLD mean", "kld_mean", "max_kld_mean", True, kl_text, ""),
+         ("top-1 agreement", "top1_agreement", "min_top1_agreement", False, "{:.4f}".format, ""))
 
 
-def _check(row: dict, what: str, key: str, limit: float, above: bool, number: str, unit: str) -> tuple[str, str]:
+def _check(row: dict, what: str, key: str, limit: float, above: bool, number: Callable[[float], str],
+           unit: str) -> tuple[str, str]:
     """One gate, on the pessimistic end of the figure's interval: 'fail' when the estimate is past the limit,
     'noise' when only that end is, 'unjudged' when the estimate or an end is not a finite number."""
     value, low, high = row[key], row[f"{key}_low"], row[f"{key}_high"]
-    interval = f"{number.format(value)}{unit} [{number.format(low)}, {number.format(high)}]"
+    interval = f"{number(value)}{unit} [{number(low)}, {number(high)}]"
     sign = "≤" if above else "≥"
     if not all(math.isfinite(x) for x in (value, low, high)):
         windows = row.get("windows", 0)
@@ -119,6 +122,13 @@ def _check(row: dict, what: str, key: str, limit: float, above: bool, number: st
     if past(worst):
         return "noise", f"{what} {interval} is inside the noise of the limit {sign} {limit:g}"
     return "pass", f"{what} {interval} {sign} {limit:g}"
+
+
+def gate_checks(row: dict, gate: Gate) -> list[tuple[str, str, str]]:
+    """``(gate's name, status, reason)`` of each limit ``gate`` sets, on a row whose gated figures were measured
+    (``judge``'s, and a chart's of one figure, which says which gate a verdict rests on)."""
+    return [(what, *_check(row, what, key, getattr(gate, limit), above, number, unit))
+            for what, key, limit, above, number, unit in GATES if getattr(gate, limit) is not None]
 
 
 def judge(row: dict, thresholds: Thresholds) -> Verdict:
@@ -140,8 +150,7 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
     if (gate.max_kld_mean is not None or gate.min_top1_agreement is not None) and "kld_mean" not in row:
         why = row.get("divergence_absent") or "evaluation.divergence is off"
         return Verdict(name, "error", f"KL divergence was not measured: {why}")
-    checks = [_check(row, what, key, getattr(gate, limit), above, number, unit)
-              for what, key, limit, above, number, unit in GATES if getattr(gate, limit) is not None]
+    checks = [(status, reason) for _, status, reason in gate_checks(row, gate)]
     if not checks:  # nothing to judge against: a variant at +9000% must not read as passing
         return Verdict(name, "ungated", f"ΔPPL {row['delta_ppl_pct']:+z.2f}%, judged against no limit (thresholds)")
     failed = [reason for status, reason in checks if status != "pass"]
@@ -224,6 +233,8 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             said += f"; dominated by {row['dominated_by']}"
         if row.get("kv_cache"):
             said += f"; {kv_cache_text(row)}"
+        if row.get("llama_cpp"):
+            said += f"; llama.cpp: {row['llama_cpp']}"
         cells = [row["variant"], row["method"]] + ([row.get("domain", "")] if domains else [])
         cells += [""] * (len(columns) - len(cells))
         first = len(cells) - 10  # where the figures start
@@ -232,7 +243,7 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             if "delta_ppl_pct_low" in row:
                 delta += f" [{row['delta_ppl_pct_low']:+z.2f},{row['delta_ppl_pct_high']:+z.2f}]"
             cells[first:] = [f"{row['ppl']:.4f}", f"{row['ppl_stderr']:.4f}", delta, str(row.get("windows", "")),
-                         f"{row['kld_mean']:z.4f}" if "kld_mean" in row else "",
+                         kl_text(row["kld_mean"]) if "kld_mean" in row else "",
                          f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "",
                          f"{row['bits_per_byte']:.4f}" if row["bits_per_byte"] is not None else "",
                          f"{row['tokens_per_second']:.0f}",
@@ -242,6 +253,22 @@ def format_table(rows: list[dict], verdicts: dict[str, Verdict]) -> str:
             cells[first] = "—"
         body.append((cells, said))
     return fixed_width(columns, body, "verdict")
+
+
+def llama_cpp_text(settings: dict) -> str:
+    """What llama.cpp ran a model with (``tasks.models.llama_cpp.described``), in a line: ``flash attention on (asked:
+    auto), K/V cache f16/f16, n_ctx 65, batch 65/65, 2 threads`` (a record from before what ran was kept: its
+    settings as asked)."""
+    asked = f" (asked: {settings['flash_attn_asked']})" if "flash_attn_asked" in settings else ""
+    said = [f"flash attention {settings['flash_attn']}{asked}", f"K/V cache {settings['type_k']}/{settings['type_v']}"]
+    if "n_ctx" in settings:
+        said += [f"n_ctx {settings['n_ctx']}", f"batch {settings['n_batch']}/{settings['n_ubatch']}"]
+    said.append(f"{settings['threads']} threads")
+    if settings.get("gpu_layers") or settings.get("gpu_layers_asked"):
+        said.append(f"{settings['gpu_layers']} layers on a GPU" + (f" ({settings['gpu_layers_asked']} asked: this "
+                                                                 "build cannot offload)" if settings.get(
+                                                                     "gpu_layers_asked") else ""))
+    return ", ".join(said)
 
 
 def kv_cache_text(row: dict) -> str:

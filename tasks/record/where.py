@@ -5,7 +5,8 @@ call ``where_figures``.
 
 Each group's figures are means over its tokens with a 95% interval whose error is taken over windows, as every
 interval of an audit is (``tasks.engine.paired.cluster_mean``): the tokens of one window are correlated, and an
-interval that took them as independent would be too narrow to tell a group's difference from noise.
+interval that took them as independent would be too narrow to tell a group's difference from noise. KL's, which
+cannot be negative, is taken on the log scale (``positive_mean``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import math
 
 import numpy as np
 
-from tasks.engine.paired import cluster_mean
+from tasks.engine.paired import cluster_mean, positive_mean
 
 POSITION_BINS = 8  # equal bins of the window, from its first position to its last
 CONFIDENCE_EDGES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)  # of the baseline's top-1 probability; the last bin holds 1
 TOP_TOKENS = 20  # the tokens of largest KL listed
-INTERVAL = "95%, Student's t with the error taken over windows (tokens of a window are not independent)"
+INTERVAL = ("95%, Student's t with the error taken over windows (tokens of a window are not independent); KL's on "
+            "the log scale")
 
 
 def position_edges(window: int) -> np.ndarray:
@@ -34,7 +36,7 @@ def _mean(values: np.ndarray, windows: np.ndarray, name: str) -> dict[str, float
     if not len(values):
         return {name: None, f"{name}_low": None, f"{name}_high": None}
     _, counts = np.unique(windows, return_counts=True)
-    found = cluster_mean(values, counts)
+    found = (positive_mean if name == "kl" else cluster_mean)(values, counts)  # KL's interval stays above zero
     return {name: float(found.value)} | {f"{name}_{end}": float(bound) if math.isfinite(bound) else None
                                          for end, bound in (("low", found.low), ("high", found.high))}
 
