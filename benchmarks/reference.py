@@ -64,7 +64,7 @@ import numpy as np
 import psutil
 import torch
 
-from tasks.audit.reference import Reference, Writer, building
+from tasks.audit.reference import FORMAT, Identity, Reference, Writer, building, stream_digest
 from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import evaluation
@@ -177,7 +177,11 @@ def run_baseline(args: argparse.Namespace, source: str, stream: TokenStream) -> 
         writer.staging.mkdir()
         result, build = score(model, stream, args, forwards, keep_hidden=writer)
         # the warm-up wrote the first rows too; the measured run wrote them again, as a batch of its own
-        manifest = {"identity": {"dtype": str(model.dtype).removeprefix("torch.")}, "environment": {}, "facts": {},
+        # a whole identity (a reference lacking one is damaged, never opened): the benchmark's own stream and settings
+        identity = Identity(format=FORMAT, model="benchmark", tokenizer="benchmark", stream=stream_digest(stream),
+                            mode="sliding", window=args.window, stride=args.stride, bos=stream.bos,
+                            dtype=str(model.dtype).removeprefix("torch."))
+        manifest = {"identity": identity.as_dict(), "environment": {}, "facts": {},
                     "source": source, "softcap": getattr(model.config, "final_logit_softcapping", None)}
         stored = writer.publish("benchmark", manifest, result, model.get_output_embeddings(), replace=True)
     files = {file.name: file.stat().st_size for file in stored.folder.iterdir() if file.is_file()}

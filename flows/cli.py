@@ -64,7 +64,9 @@ def _log_file(args: argparse.Namespace) -> Path:
     folder = log_dir()
     if folder.is_dir():
         prune(folder, LOG_BYTES)
-    about = f"-{Path(args.config).stem}" if getattr(args, "config", None) else ""
+    # the config's name shortened: a name the file system takes whole may be too long beside the rest, and a
+    # "cannot write the log" would blame the home for it
+    about = f"-{Path(args.config).stem[:60]}" if getattr(args, "config", None) else ""
     return folder / f"{datetime.now():%Y%m%dT%H%M%S}-{args.command}{about}-{os.getpid()}.log"
 
 

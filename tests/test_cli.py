@@ -218,3 +218,10 @@ def test_input_without_read_permission_is_one_line(tmp_path, tiny_model_dir, cor
                            *args], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     locked.chmod(0o755)
     assert done.returncode == 2 and done.stderr.strip() == expected, done.stderr
+
+
+def test_a_config_name_too_long_for_the_log_s_name_is_said_not_blamed_on_the_home(cli, tmp_path):
+    """The log file is named after the config: a 250-character name, which the file system takes, made the log's name
+    too long, and the command said it could not write its log and to set PPL_AUDIT_HOME (issue 67's probe)."""
+    code, _, err = cli("run", str(tmp_path / ("a" * 250 + ".yaml")))
+    assert code == 2 and "config not found" in err and "cannot write the log" not in err, err

@@ -314,7 +314,11 @@ def test_a_gptq_tune_gives_the_fragile_module_8_bits_through_gptqmodel_s_dynamic
     # the audit of the recipe: every model loaded as the recipe is (dynamic {}: by gptqmodel), the recipe's overrides
     audited = {v["name"]: v for v in yaml.safe_load((Path(found["folder"]) / "audit.yaml").read_text())["variants"]}
     assert audited["g4"]["dynamic"] == {} and audited["g4-tuned"]["dynamic"] == stored
-    assert audited["g4-as-4-bit-g16"] | {"name": "g4", "group_size": 32} == audited["g4"]
+    # beside it the uniform scheme next in size that this machine's kernels run: not 4-bit g16, which no CPU kernel
+    # here runs (torch's int4 matmul takes groups of 32 to 256)
+    beside = [name for name in audited if name.startswith("g4-as-")]
+    assert len(beside) == 1 and beside[0] != "g4-as-4-bit-g16", beside
+    assert audited[beside[0]] | {"name": "g4", "bits": 4, "group_size": 32} == audited["g4"]
     assert found["proven"]["uniform"] and found["verdicts"][0].startswith("proven better than uniform 4-bit g32")
     assert "g4-tuned" in out and "gptq 4-bit g32 tuned" in out
     assert not (Path(found["folder"]) / "llama-quantize-tensor-types.txt").exists()

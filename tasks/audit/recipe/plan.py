@@ -142,7 +142,7 @@ def prepare(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[
     span = span_of(sizes, Sizes.of(baseline_file), list(units))
     prepared = Prepared(variant, budget, per, options, variant_file, baseline_file, units, span,
                         span.extra_bytes(budget), sizes, checkpoint.spec.type.upper())
-    return check_buys(prepared, [sizes.at(option, list(units)) for option in options], exact=False)
+    return check_buys(prepared, [sizes.in_type(option, list(units)) for option in options], exact=False)
 
 
 def _prepare_gptq(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[str] | None) -> Prepared:

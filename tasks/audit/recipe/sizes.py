@@ -114,7 +114,7 @@ class Sizes:
             return unit.tensors
         return [f"{self.prefix}.{unit.layer}.{module}" for module in unit.modules]
 
-    def at(self, ggml_type: str, units: list[Unit]) -> Sizes:
+    def in_type(self, ggml_type: str, units: list[Unit]) -> Sizes:
         """These sizes with ``units``' matrices in ``ggml_type`` (a GGUF file's), costed from their weights before the
         file is made: what its blocks take, a lower bound where llama.cpp falls back to a larger type for a shape
         ``ggml_type`` cannot hold (a 576-wide row in 256-weight K-quant blocks)."""
