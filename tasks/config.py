@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from tasks.core.errors import InputError
+from tasks.core.errors import InputError, start_of
 from tasks.core.places import embedded_corpus_name
 from tasks.engine.scoring_options import Windowing
 from tasks.engine.settings import BosPolicy, Mode
@@ -233,18 +233,12 @@ class KVCache(Strict):
         return KVCacheFormat(self.dtype, self.group_size, self.residual)
 
 
-def _start(value: object) -> str:
-    """A value as a line quotes it: its start, where it may be 100,000 characters long."""
-    text = str(value)
-    return text if len(text) <= 40 else f"{text[:40]}…"
-
-
 def check_name(name: str | None) -> None:
     """Refuse a variant name given outside a config (``quantize --name``, ``notify --name``) that no audit could use."""
     if name is not None and not re.match(NAME, name):
         raise InputError(f"name '{name}' may hold only letters, digits, '_', '.' and '-'")
     if name is not None and len(name) > NAME_MAX:
-        raise InputError(f"name '{_start(name)}' is {len(name)} characters; use at most {NAME_MAX} (it becomes a file name)")
+        raise InputError(f"name '{start_of(name)}' is {len(name)} characters; use at most {NAME_MAX} (it becomes a file name)")
 
 
 def check_group_size(method: str, group_size: int) -> None:
@@ -462,10 +456,10 @@ def one_line(error: ValidationError, where: str) -> str:
     if first["type"] == "extra_forbidden":
         message = "unknown key; check its spelling against the documented keys"
     if first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] == NAME:
-        message = (f"'{_start(first['input'])}' is not a name: use letters, digits, '_', '-' and '.', not dots alone "
+        message = (f"'{start_of(first['input'])}' is not a name: use letters, digits, '_', '-' and '.', not dots alone "
                    "(a name becomes a folder and an MLflow run)")
     if first["type"] == "string_too_long":
-        message = (f"'{_start(first['input'])}' is {len(first['input'])} characters; use at most "
+        message = (f"'{start_of(first['input'])}' is {len(first['input'])} characters; use at most "
                    f"{first['ctx']['max_length']} (it becomes a file name)")
     more = len(error.errors()) - 1
     return f"{where}: {key + ': ' if key else ''}{message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
@@ -488,7 +482,7 @@ def _given_by(error: ValidationError, overrides: list[str] | tuple[str, ...]) ->
     for override in overrides:
         key = override.partition("=")[0].split(".")
         if at and (at[:len(key)] == key or (key[:len(at)] == at and first["type"] == "extra_forbidden")):
-            return f"--set {_start(override)}"
+            return f"--set {start_of(override)}"
     return None
 
 
@@ -534,7 +528,7 @@ class EvaluationConfig(Strict):
         named = [floor] if isinstance(floor, str) and floor.lower() not in YES_NO else floor
         for dtype in named if isinstance(named, list) else ():
             if dtype not in FLOOR_DTYPES:
-                raise ValueError(f"{_start(dtype)} is not a dtype the noise floor can take; give "
+                raise ValueError(f"{start_of(dtype)} is not a dtype the noise floor can take; give "
                                  f"{', '.join(FLOOR_DTYPES)} or both (or on, or off)")
         return floor
 
@@ -930,7 +924,7 @@ def read_yaml(text: str, where: str):
                 except TypeError:  # an unhashable key: SafeLoader's own error says so
                     break
                 if first is not None:
-                    raise InputError(f"{where}: key '{_start(key)}' is given twice (lines {first} and {line}); "
+                    raise InputError(f"{where}: key '{start_of(key)}' is given twice (lines {first} and {line}); "
                                      "keep one of them")
                 lines[key] = line
             return super().construct_mapping(node, deep)

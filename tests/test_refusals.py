@@ -109,17 +109,6 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_refused_before_anything_starts(capsys, tmp_path, cache, tiny_model_dir, corpus_file, case):
-    args, expected = CASES[case]
-    (tmp_path / "folder.png").mkdir()
-    fill = {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file,
-            "config": audit_yaml(tmp_path, tiny_model_dir, corpus_file)}
-    err = one_line_error(capsys, *[arg.format(**fill) for arg in args])
-    assert err.startswith("ppl-audit: error: ") and expected.format(**fill) in err, err
-    assert not (tmp_path / "q").exists()
-
-
 @pytest.mark.skipif(importlib.util.find_spec("MySQLdb") is not None, reason="mysqlclient is installed here")
 @pytest.mark.parametrize("variable", ["MLFLOW_TRACKING_URI", "tracking.uri"])
 def test_a_database_without_its_driver_is_refused(capsys, monkeypatch, tmp_path, tiny_model_dir, corpus_file, variable):
@@ -223,15 +212,6 @@ SIBLINGS = {
 }
 
 
-@pytest.mark.parametrize("case", SIBLINGS)
-def test_siblings_are_refused_too(capsys, tmp_path, cache, tiny_model_dir, corpus_file, case):
-    args, expected = SIBLINGS[case]
-    fill = {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file,
-            "config": audit_yaml(tmp_path, tiny_model_dir, corpus_file)}
-    err = one_line_error(capsys, *[arg.format(**fill) for arg in args])
-    assert expected.format(**fill) in err, err
-
-
 @pytest.mark.parametrize("variable", ["PPL_AUDIT_HOME", "PPL_AUDIT_CACHE"])
 def test_a_folder_setting_set_but_empty_is_refused(capsys, monkeypatch, tiny_model_dir, corpus_file, variable):
     """Path("") is the current folder: records or caches would be written wherever the command ran."""
@@ -285,13 +265,15 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("case", MISTAKES)
-def test_config_mistakes_are_one_line_naming_the_key(capsys, tmp_path, cache, tiny_model_dir, corpus_file, case):
-    args, expected = MISTAKES[case]
+@pytest.mark.parametrize("case", {**CASES, **SIBLINGS, **MISTAKES})
+def test_refused_before_anything_starts(capsys, tmp_path, cache, tiny_model_dir, corpus_file, case):
+    """Each of ``CASES``, ``SIBLINGS`` and ``MISTAKES``: one line naming what is wrong, before anything is made."""
+    args, expected = {**CASES, **SIBLINGS, **MISTAKES}[case]
+    (tmp_path / "folder.png").mkdir()
     fill = {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file,
             "config": audit_yaml(tmp_path, tiny_model_dir, corpus_file)}
     err = one_line_error(capsys, *[arg.format(**fill) for arg in args])
-    assert expected.format(**fill) in err, err
+    assert err.startswith("ppl-audit: error: ") and expected.format(**fill) in err, err
     assert not (tmp_path / "q").exists()
 
 

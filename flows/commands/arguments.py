@@ -58,8 +58,10 @@ def is_run_id(value: str) -> bool:
 
 
 def quoted(value: str) -> str:
-    """An argument as a line quotes it: its start, where it may be thousands of characters long."""
-    return f"'{value}'" if len(value) <= 40 else f"'{value[:40]}…' ({len(value)} characters)"
+    """An argument as a line quotes it (``start_of``), in quotes, and how long it is where it was cut."""
+    from tasks.core.errors import start_of
+
+    return f"'{start_of(value)}'" + (f" ({len(value)} characters)" if len(value) > 40 else "")
 
 
 def check_run_id(value: str, what: str) -> str:

@@ -133,15 +133,12 @@ def _eval_results(found: EvalResults, audit: str, out: Path | None, model_id: st
 def _is_config(given: str) -> bool:
     """A config file, as the argument names one: a file, or a YAML file's name (one that is missing: the config
     loader's line); one line for a name no file can have."""
-    path = Path(given)
     try:
-        path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        return given.endswith((".yaml", ".yml"))
+        a_file = Path(given).is_file()  # False where nothing is there; raises for a name no file can have
     except OSError as error:  # a name longer than the file system takes: neither, said as such
         raise InputError(f"{quoted(given)} is neither an audit config ({error.strerror}) nor an MLflow run id (32 hex "
                          "digits)") from None
-    return path.is_file() or given.endswith((".yaml", ".yml"))
+    return a_file or given.endswith((".yaml", ".yml"))
 
 
 def _audit_run(args: argparse.Namespace) -> tuple:

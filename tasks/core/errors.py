@@ -26,6 +26,15 @@ class TransientError(RuntimeError):
     """A failure worth retrying: network or remote storage. Prefect tasks retry on it, nothing else."""
 
 
+def start_of(value: object, width: int = 40, count: bool = False) -> str:
+    """A value as a line quotes it: its first ``width`` characters, where it may be thousands long (a name, a path, an
+    argument); ``count``: the whole length said after it."""
+    text = str(value)
+    if len(text) <= width:
+        return text
+    return f"{text[:width]}…" + (f" ({len(text)} characters)" if count else "")
+
+
 def one_line(error: BaseException) -> str:
     """An error's first line (its type's name when it has no message): what a user is shown."""
     text = str(error).strip().splitlines()

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.core import console
-from tasks.core.errors import InputError
+from tasks.core.errors import InputError, start_of
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -53,7 +53,7 @@ def output_file(path: Path, flag: str, example: str) -> Path:
     except (FileNotFoundError, NotADirectoryError):
         found = None
     except OSError as error:  # a name longer than the file system takes, a folder that cannot be searched
-        raise InputError(f"{flag} {_start(path)}: {error.strerror}; name a file in a folder you can write") from None
+        raise InputError(f"{flag} {start_of(path, 60, count=True)}: {error.strerror}; name a file in a folder you can write") from None
     if found is not None and not stat.S_ISREG(found.st_mode):
         raise InputError(f"{flag} {path} " + _not_a_file(path, found.st_mode, example))
     if not path.parent.is_dir():
@@ -77,12 +77,6 @@ def _not_a_file(path: Path, mode: int, example: str) -> str:
         return f"is a folder; name a file in it, e.g. {path / example}"
     kind = "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "FIFO" if stat.S_ISFIFO(mode) else "socket"
     return f"is a {kind}, not a regular file; name a file"
-
-
-def _start(path: Path) -> str:
-    """A path as a line quotes it: its start, where it may be thousands of characters long."""
-    text = str(path)
-    return text if len(text) <= 60 else f"{text[:60]}… ({len(text)} characters)"
 
 
 def file_digest(path: Path) -> str:
