@@ -179,6 +179,28 @@ def pytest_configure(config):
     ensure_logging_setup()
 
 
+_FILE_SECONDS: dict[str, float] = {}  # each test file's tests' durations (set-up, call, tear-down), summed
+
+
+def pytest_runtest_logreport(report):
+    """Each file's time, for the table CI prints at the end (``pytest_terminal_summary``): with xdist the workers'
+    reports reach the controller, which sums them."""
+    _FILE_SECONDS[report.nodeid.split("::")[0]] = _FILE_SECONDS.get(report.nodeid.split("::")[0], 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test file's time, slowest first (with ``--durations=20``'s slowest tests above it): where the suite's
+    time goes, as docs/benchmarks.md keeps it. A file's tests run on one worker (``--dist loadfile``), so its sum is
+    the least wall time the suite can take."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.write_sep("=", "time by test file (set-up, call and tear-down of its tests, summed)")
+    total = sum(_FILE_SECONDS.values())
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:5.1f}%  {path}")
+    terminalreporter.write_line(f"{total:8.1f} s  100.0%  every file")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def audit_home(tmp_path_factory):
     """Spooled records, baseline references and the local MLflow store of every test (and of the processes tests start) stay

@@ -233,3 +233,42 @@ def test_any_tokens_on_audits_of_the_same_tokens_sets_them_side_by_side_without_
     population = store["client"].get_run(runs["trained"]).data.tags["ppl_audit.population"]
     assert list(json_line(out)["populations"]) == [population]  # as without --any-tokens: one population, named
     # audits of different tokens still get the line: tests/test_floor.py (…_side_by_side_unless_asked)
+
+
+@pytest.mark.slow  # two whole audits
+def test_an_audit_whose_record_or_figures_were_changed_is_named_not_printed(store, capsys, tmp_path, monkeypatch):
+    """Issue 67.12: compare printed whatever the store held: an audit whose record.json was edited, or whose model's
+    ΔPPL was logged again with another value, was shown as if the audit had found it. Each is held to the audit's
+    sealed record: named in one line and left out, or, named with --audits, refused."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # in-process, a download's bar is on stderr
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    source = next(f for f in (store["folder"] / "home" / "synced").iterdir() if "-trained-" in f.name)
+    runs = {days: replay(earlier_run(source, tmp_path / f"{days}d", days, 0.0), uri) for days in (3, 2, 1)}
+    client = MlflowClient(uri)
+    key = client.get_run(runs[1]).data.tags["ppl_audit.baseline_key"]
+    argv = ("--baseline", key, "--tracking-uri", uri, "--experiment", EXPERIMENT)
+    intact = compare(capsys, *argv)
+    assert len(intact["variants"]) == 6  # three audits held to their records: nothing said
+    record_path = Path(local_file_uri_to_path(client.get_run(runs[2]).info.artifact_uri)) / "record.json"
+    record = json.loads(record_path.read_text())
+    record["variants"][1]["row"]["ppl"] *= 0.5
+    record_path.write_text(json.dumps(record, indent=2))
+    noisy = next(run for run in children_of(client, [runs[1]])
+                 if client.get_run(run).data.tags["ppl_audit.variant"] == "noisy")
+    logged = client.get_run(noisy).data.metrics["delta_ppl_pct"]
+    client.log_metric(noisy, "delta_ppl_pct", -5.0, timestamp=client.get_run(noisy).info.end_time + 1000, step=0)
+    assert main(["compare", *argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    shown = json_line(out)["variants"]
+    assert {row["parent_run_id"] for row in shown} == {runs[3]} and len(shown) == 2
+    warnings = [line for line in err.splitlines() if line.startswith("ppl-audit: warning: left out audit")]
+    assert len(warnings) == 2, err
+    assert f"(run {runs[2]}): record.json of run {runs[2]} was changed after it was written" in warnings[0] + warnings[1]
+    assert (f"(run {runs[1]}): its runs' figures are not its sealed record.json's (delta_ppl_pct of noisy: logged -5, "
+            f"recorded {logged})") in warnings[0] + warnings[1]
+    for named in (runs[2], runs[1]):  # named by the user: refused
+        assert main(["compare", "--audits", runs[3], named, "--tracking-uri", uri]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"(run {named}): " in err and "its figures are not the audit's" in err

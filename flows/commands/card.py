@@ -4,7 +4,6 @@ MLflow record alone."""
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -231,33 +230,19 @@ def _newest(client, uri: str, name: str, experiment: str, config: str) -> str:
 
 
 def _record(client, run_id: str) -> dict:
-    """The audit's record as its run keeps it (``record.json``), or one line for a run tracked before it did."""
-    import json
-
-    from mlflow.exceptions import MlflowException
-
+    """The audit's record as its run keeps it (``record.json``), checked against its seal, or one line."""
     from tasks.core.places import synced_dir
-    from tasks.record.card import RECORD
-    from tasks.record.spool import record_damage
+    from tasks.record.logged import RECORD, Untrusted, logged_record
 
-    if RECORD not in {artifact.path for artifact in client.list_artifacts(run_id)}:
+    try:
+        record = logged_record(client, run_id)
+    except Untrusted as error:  # its figures may not follow from each other: no card made from them
+        raise InputError(f"{error}: its figures are not the audit's; re-run the audit (ppl-audit run CONFIG), or "
+                         f"log to the run in its place the record.json the spool kept (under {synced_dir()})") from None
+    if record is None:
         raise InputError(f"run {run_id} has no {RECORD}: it was tracked before ppl-audit logged records and cards; "
                          "re-run the audit (ppl-audit run CONFIG), or ppl-audit sync an audit still spooled, then make "
                          "the card of its new run")
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            path = client.download_artifacts(run_id, RECORD, folder)
-        except MlflowException as error:
-            raise InputError(f"cannot read {RECORD} of run {run_id}: {str(error).splitlines()[0][:200]}") from None
-        try:
-            record = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):  # cut short or overwritten in the store: damaged as a changed one is
-            record = None
-    problem = record_damage(record, f"{RECORD} of run {run_id}") if isinstance(record, dict) else \
-        f"{RECORD} of run {run_id} is not a JSON record (cut short or overwritten)"
-    if problem:  # its figures may not follow from each other: no card made from them
-        raise InputError(f"{problem}: its figures are not the audit's; re-run the audit (ppl-audit run CONFIG), or "
-                         f"log to the run in its place the record.json the spool kept (under {synced_dir()})")
     return record
 
 

@@ -28,12 +28,12 @@ import yaml
 from tasks.config import EvaluationConfig
 from tasks.record.domains import domain_view
 from tasks.record.floor import kl_text
+from tasks.record.logged import RECORD
 from tasks.record.plots import verdict_of
 from tasks.record.spool import record_json
 from tasks.record.verdict import said as said_as
 
 FORMATS = ("md", "model-index", "json", "eval-results")
-RECORD = "record.json"  # the audit's record, as the spool keeps it: what the card command reads back
 EVAL_RESULTS = ".eval_results"  # the folder of a model's repo the Hub reads these files from
 ARTIFACTS = {"md": "card/card.md", "model-index": "card/model-index.yaml", "json": "card/card.json"}
 SOURCE = "ppl-audit"  # the model index's source.name: who measured (the Hub shows it beside each result)

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.record.dominance import no_larger
 from tasks.record.tags import (BASELINE_KEY, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS, DOMAIN_REFERENCES,
@@ -184,7 +185,7 @@ def audits_side_by_side(client, parents: list, any_tokens: bool) -> dict[str | N
         for domain, digest in units[parent.info.run_id].items():
             if shared is not None and digest not in shared:  # a stream only some of them scored
                 continue
-            rows = [_row(child, parent, domain) for child in children]
+            rows = _checked(client, parent, [_row(child, parent, domain) for child in children], refuse=True)
             if any_tokens:
                 for row in rows:
                     row.audit = f"{row.audit}@{(digest or 'unnamed')[:8]}"
@@ -245,10 +246,27 @@ def audited(client, experiment_id: str, key: str, also: str | None = None) -> li
     rows = []
     for parent, domain in _audits(client, experiment_id, key, also):
         children = _variant_runs(client, experiment_id, parent.info.run_id)
-        rows += [_row(child, parent, domain) for child in children]
+        rows += _checked(client, parent, [_row(child, parent, domain) for child in children], refuse=False)
     _newest_first(rows)
     mark_changes(rows)
     return rows
+
+
+def _checked(client, parent, rows: list[Audited], refuse: bool) -> list[Audited]:
+    """``rows``, of the audit whose parent run is ``parent``, when their figures are its sealed record's (or it keeps
+    none, tracked before records were); else, as its figures are not the audit's, none of them with a warning line
+    naming it, or (``refuse``: an audit the user named) one error line."""
+    from tasks.record.logged import RECORD, untrusted_audit
+
+    problem = untrusted_audit(client, parent, rows)
+    if problem is None:
+        return rows
+    said = f"audit {_named(parent)} (run {parent.info.run_id}): {problem}"
+    mend = f"re-run the audit, or log to its run in place of {RECORD} the one the spool kept"
+    if refuse:
+        raise InputError(f"{said}: its figures are not the audit's; {mend}")
+    print(f"ppl-audit: warning: left out {said}; {mend}", file=console.err())
+    return []
 
 
 def _newest_first(rows: list[Audited]) -> None:
