@@ -23,7 +23,6 @@ from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import shard_bounds
-from tasks.engine.windows import plan
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.steps import join_baseline_reference, look_up_baseline, make, score_baseline, score_variant
@@ -225,8 +224,7 @@ def _bounds(shards: int, scored: Evaluation) -> list[tuple[int, int]]:
     """The windows of each of a model's ``shards`` shards (``runner.shards``; aligned to the batch size)."""
     settings = scored.settings
     batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
-    return shard_bounds(len(plan(scored.stream, settings.window, settings.stride, settings.mode)),
-                        shards, batch)
+    return shard_bounds(len(scored.windows), shards, batch)
 
 
 PIECES_PER_SHARD = 4  # a sequential run on a cluster: its windows in this many pieces per shard, judged as each returns
@@ -247,7 +245,7 @@ def score_sampled(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, base
     from tasks.engine.sequential import window_order
 
     settings, shards = scored.settings, scheduler.settings.shards
-    planned = plan(scored.stream, settings.window, settings.stride, settings.mode)
+    planned = scored.windows
     tokens = torch.tensor([w.n_scored for w in planned])
     batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
     pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),

@@ -30,7 +30,7 @@ from tasks.engine.paired import CONFIDENCE
 from tasks.engine.perplexity import Baseline, WindowScores, score_windows, token_slots
 from tasks.engine.scoring_options import Feed, ScoreOptions
 from tasks.engine.sequential import window_order
-from tasks.engine.windows import Window, plan
+from tasks.engine.windows import Window
 from tasks.models.cost import decoder_layer_bytes, weight_bytes
 from tasks.models.variants import check_same_tokenizer, load_variant
 
@@ -67,8 +67,7 @@ def narrowed(config: AuditConfig, variant: str) -> AuditConfig:
 def sample(evaluation_: Evaluation, windows: int | None, seed: int) -> list[Window]:
     """The windows a diagnosis scores: ``windows`` of the audit's plan drawn by ``seed`` (all of them when the
     plan has no more, or ``windows`` is None), in the plan's order."""
-    settings = evaluation_.settings
-    planned = plan(evaluation_.stream, settings.window, settings.stride, settings.mode)
+    planned = evaluation_.windows
     count = len(planned) if windows is None else min(windows, len(planned))
     return [planned[i] for i in sorted(window_order(len(planned), seed)[:count])]
 
@@ -209,9 +208,7 @@ def examine(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: E
     extra = {key: value.numpy() for key, value in scores.extra.items()}
     indices = np.array([w.index for w in windows])
     counts = np.array([w.n_scored for w in windows])
-    settings = evaluation_.settings
-    planned = plan(evaluation_.stream, settings.window, settings.stride, settings.mode)
-    slots = token_slots(np.array([w.n_scored for w in planned]), indices)
+    slots = token_slots(np.array([w.n_scored for w in evaluation_.windows]), indices)
     base_nll, nll = base.token_nll.double().numpy(), scores.token_nll.double().numpy()
     where = located(base_nll, nll, extra, slots, np.repeat(indices, counts), evaluation_, lineup.tokenizer)
     return Examination(pair.name, pair.method, indices.tolist(), counts, base_nll, nll, extra.pop("kl"), extra, errors,

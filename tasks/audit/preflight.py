@@ -20,7 +20,7 @@ from tasks.data.evaluation import Evaluation
 from tasks.engine.kv_cache import INTS, head_dim
 from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
-from tasks.engine.windows import check_window, plan
+from tasks.engine.windows import check_window
 from tasks.models import llama_cpp
 from tasks.models.formats import check_compressed, check_kernel, detect, require
 from tasks.models.loading import check_checkpoint
@@ -153,7 +153,7 @@ def check_stream(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> Non
     it cannot show); under ``rescore: never`` the stored reference is all there is, and a damaged one is refused
     (with ``auto`` the audit removes it and scores the baseline again)."""
     settings = scored.settings
-    windows = len(plan(scored.stream, settings.window, settings.stride, settings.mode))
+    windows = len(scored.windows)
     if windows < MIN_WINDOWS and gated(config):
         raise InputError(f"evaluation: the token stream ({len(scored.stream.ids)} tokens) makes {windows} window(s) "
                          f"of {settings.window}; a gate's paired interval needs at least {MIN_WINDOWS}: use a longer "

@@ -37,7 +37,6 @@ from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import Part, PerplexityResult, combine, score_part, scored_targets
 from tasks.engine.scoring_options import ScoreOptions
 from tasks.engine.sequential import window_order
-from tasks.engine.windows import plan
 from tasks.models.placement import devices, is_split, main_device, run_on
 from tasks.models.quantize import check_disjoint
 from tasks.models.resolve import Located, device_and_dtype, model_files
@@ -93,8 +92,7 @@ def check_parity(spec: VariantSpec, source: Located, model, facts: VariantFacts,
     The one-device copy is loaded in host memory and computes on the split's first device (``run_on``), so
     the check needs host memory for one more copy of the model, not GPU memory. Returns what it compared.
     """
-    windows = (0, min(PARITY_WINDOWS, len(plan(evaluation_.stream, evaluation_.settings.window,
-                                                evaluation_.settings.stride, evaluation_.settings.mode))))
+    windows = (0, min(PARITY_WINDOWS, len(evaluation_.windows)))
     form = cache_format(spec)
     split = score_with_backoff(model, evaluation_, spec.name, False, windows, kv_cache=form).scores.token_nll.double()
     alone = spec.model_copy(update={"device_map": None, "max_memory": None, "device": "cpu", "dtype": facts.dtype})
@@ -252,7 +250,7 @@ def _baseline_slice(checkpoint: Checkpoint, evaluation_: Evaluation, lookup: Loo
     settings = evaluation_.settings
     model, facts = _loaded(checkpoint.spec, checkpoint.model, evaluation_)
     targets = scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode)
-    counts = [w.n_scored for w in plan(evaluation_.stream, settings.window, settings.stride, settings.mode)]
+    counts = [w.n_scored for w in evaluation_.windows]
     first, stop = sum(counts[:windows[0]]), sum(counts[:windows[1]])
     with ExitStack() as stack:
         writer = lookup.writer(stack, targets[first:stop], first)
@@ -470,7 +468,7 @@ def _measured(model, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evalua
     if baseline is not None and settings.mode == "llama.cpp":  # llama-perplexity's KLD too, to set beside its tables
         baseline = replace(baseline, llama_kld=True)
     watch, sequence = None, {}
-    n_windows = len(plan(evaluation_.stream, settings.window, settings.stride, settings.mode))
+    n_windows = len(evaluation_.windows)
     if isinstance(piece, Sample):
         rest = np.setdiff1d(np.arange(n_windows), piece.windows)
         sequence = {"order": np.concatenate([np.asarray(piece.windows, np.int64), rest]), "stop_at": len(piece.windows)}

@@ -8,7 +8,7 @@ import numpy as np
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import scored_positions, scored_targets, token_slots
 from tasks.engine.stream import TokenStream
-from tasks.engine.windows import Window, plan
+from tasks.engine.windows import Window
 from tasks.record.contents import token_windows
 from tasks.record.results import VariantResult
 from tasks.record.where import where_figures
@@ -42,7 +42,7 @@ def located(base_nll: np.ndarray, nll: np.ndarray, extra: dict[str, np.ndarray],
     plan_of = (stream, settings.window, settings.stride, settings.mode)
     found = where_figures(base_nll, nll, extra, scored_positions(*plan_of)[slots], windows,
                           scored_targets(*plan_of).numpy()[slots], settings.window)
-    planned = plan(*plan_of)
+    planned = evaluation_.windows
     for row in found.get("top_kl", []):
         row |= _decoded(row, planned[row["window"]], stream, tokenizer)
     return found

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from tasks.config import EvaluationConfig
 from tasks.core.errors import InputError
 from tasks.data.corpus import cached_tokenize, default_bos
 from tasks.engine.perplexity import count_scored_text
 from tasks.engine.stream import TokenStream
-from tasks.engine.windows import chunk_limit
+from tasks.engine.windows import Window, chunk_limit, plan
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class Evaluation:
     # (``tasks.models.llama_cpp.stream_difference``), None where they agree or were not compared
     tokens_differ: dict | None = None
     tokenized_by: str = "transformers"  # what made the stream: transformers' tokenizer, or llama.cpp's of a file
+
+    @cached_property
+    def windows(self) -> list[Window]:
+        """The windows every model is scored on (``tasks.engine.windows.plan`` of the stream and settings): planned
+        once per domain, then carried."""
+        return plan(self.stream, self.settings.window, self.settings.stride, self.settings.mode)
 
     @property
     def calibration(self) -> Evaluation:
