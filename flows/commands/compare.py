@@ -6,9 +6,13 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.core import console
 from tasks.core.errors import InputError
+
+if TYPE_CHECKING:
+    from tasks.record.logged import Records
 
 NAME, LOGGED = "compare", True  # working out a config's baseline key tokenizes its corpus: the libraries talk
 
@@ -73,12 +77,13 @@ def run(args: argparse.Namespace) -> int:
                          "--tracking-uri")
     from mlflow import MlflowClient
 
+    from tasks.record.logged import Records
     from tasks.record.tracking import reaching
 
     client = MlflowClient(tracking_uri=uri)
     experiment = args.experiment or tracking.experiment
     with reaching(uri):
-        return _histories(args, plan, keys, Where(client, experiment_of(client, experiment, uri), experiment, uri),
+        return _histories(args, plan, keys, Where(Records(client), experiment_of(client, experiment, uri), experiment, uri),
                           chart)
 
 
@@ -109,6 +114,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
 
     from tasks.config import check_tracking
     from tasks.record.history import audits_side_by_side, format_history, scored_alike
+    from tasks.record.logged import Records
     from tasks.record.tracking import reaching
 
     if len(set(args.audits)) < 2:
@@ -119,7 +125,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
     with reaching(uri):
         parents = _parents(client, uri, args.audits)
         any_tokens = args.any_tokens and not scored_alike(parents)  # of the same tokens: as without --any-tokens
-        tables = audits_side_by_side(client, parents, any_tokens)
+        tables = audits_side_by_side(Records(client), parents, any_tokens)
     say = console.out()
     if any_tokens:
         print("side by side on the tokens each scored (--any-tokens): figures on different tokens are not comparable "
@@ -171,9 +177,9 @@ def _keys(plan) -> dict[str | None, str]:
 
 @dataclass(frozen=True)
 class Where:
-    """The store and experiment the histories are read from."""
+    """The store and experiment the histories are read from (``records``: its audits' records, each checked once)."""
 
-    client: object
+    records: Records
     experiment_id: str
     experiment: str
     uri: str
@@ -187,7 +193,7 @@ def _history(where: Where, key: str, chart: Path | None, domain: str | None) -> 
     from tasks.record.tracking import ui_link
 
     say = console.out()
-    rows = audited(where.client, where.experiment_id, key)
+    rows = audited(where.records, where.experiment_id, key)
     if not rows:
         if domain is not None:  # the others' histories are still shown
             print(f"domain {domain}, baseline {key}: no audit in experiment '{where.experiment}'\n", file=say)

@@ -26,6 +26,7 @@ from matplotlib.patches import Patch
 from tasks.core import console
 from tasks.core.errors import InputError
 from tasks.record.dominance import no_larger
+from tasks.record.logged import RECORD, Records
 from tasks.record.tags import (BASELINE_KEY, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS, DOMAIN_REFERENCES,
                                DOMAINS, DOMINATED_BY, POPULATION, REFERENCE, SCHEDULED)
 from tasks.record.plots import COLOURS, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured, size_quality_figure, titled
@@ -172,7 +173,7 @@ def scored_alike(parents: list) -> bool:
         len({frozenset(found.items()) for found in named}) == 1
 
 
-def audits_side_by_side(client, parents: list, any_tokens: bool) -> dict[str | None, list[Audited]]:
+def audits_side_by_side(records: Records, parents: list, any_tokens: bool) -> dict[str | None, list[Audited]]:
     """The variants of the audits ``parents`` (parent runs) set side by side, by token population: every population
     that all of them scored gets one table (by its digest; a stream only some of them scored is left out). Audits
     that scored no tokens in common are refused in one line naming what differs, unless ``any_tokens``: then all of
@@ -181,11 +182,11 @@ def audits_side_by_side(client, parents: list, any_tokens: bool) -> dict[str | N
     shared = None if any_tokens else _same_tokens(parents, units)
     tables: dict[str | None, list[Audited]] = {}
     for parent in parents:
-        children = _variant_runs(client, parent.info.experiment_id, parent.info.run_id)
+        children = _variant_runs(records.client, parent.info.experiment_id, parent.info.run_id)
         for domain, digest in units[parent.info.run_id].items():
             if shared is not None and digest not in shared:  # a stream only some of them scored
                 continue
-            rows = _checked(client, parent, [_row(child, parent, domain) for child in children], refuse=True)
+            rows = _checked(records, parent, [_row(child, parent, domain) for child in children], refuse=True)
             if any_tokens:
                 for row in rows:
                     row.audit = f"{row.audit}@{(digest or 'unnamed')[:8]}"
@@ -236,7 +237,7 @@ def _named(parent) -> str:
     return f"{tags.get('ppl_audit.audit', '?')}, {datetime.fromtimestamp(parent.info.start_time / 1000, timezone.utc):%Y-%m-%d %H:%M}"
 
 
-def audited(client, experiment_id: str, key: str, also: str | None = None) -> list[Audited]:
+def audited(records: Records, experiment_id: str, key: str, also: str | None = None) -> list[Audited]:
     """Every variant of every complete audit of the baseline ``key`` in the experiment, newest first, its
     dominator and any change since the previous scheduled run marked; ``[]`` when no audit has that key.
 
@@ -244,28 +245,28 @@ def audited(client, experiment_id: str, key: str, also: str | None = None) -> li
         also: the parent run id of an audit being logged (not complete yet), to include.
     """
     rows = []
-    for parent, domain in _audits(client, experiment_id, key, also):
-        children = _variant_runs(client, experiment_id, parent.info.run_id)
-        rows += _checked(client, parent, [_row(child, parent, domain) for child in children], refuse=False)
+    for parent, domain in _audits(records.client, experiment_id, key, also):
+        children = _variant_runs(records.client, experiment_id, parent.info.run_id)
+        rows += _checked(records, parent, [_row(child, parent, domain) for child in children], refuse=False)
     _newest_first(rows)
     mark_changes(rows)
     return rows
 
 
-def _checked(client, parent, rows: list[Audited], refuse: bool) -> list[Audited]:
+def _checked(records: Records, parent, rows: list[Audited], refuse: bool) -> list[Audited]:
     """``rows``, of the audit whose parent run is ``parent``, when their figures are its sealed record's (or it keeps
     none, tracked before records were); else, as its figures are not the audit's, none of them with a warning line
-    naming it, or (``refuse``: an audit the user named) one error line."""
-    from tasks.record.logged import RECORD, untrusted_audit
-
-    problem = untrusted_audit(client, parent, rows)
+    naming it (once), or (``refuse``: an audit the user named) one error line."""
+    problem = records.untrusted(parent, rows)
     if problem is None:
         return rows
     said = f"audit {_named(parent)} (run {parent.info.run_id}): {problem}"
     mend = f"re-run the audit, or log to its run in place of {RECORD} the one the spool kept"
     if refuse:
         raise InputError(f"{said}: its figures are not the audit's; {mend}")
-    print(f"ppl-audit: warning: left out {said}; {mend}", file=console.err())
+    if said not in records.told:
+        records.told.add(said)
+        print(f"ppl-audit: warning: left out {said}; {mend}", file=console.err())
     return []
 
 

@@ -91,20 +91,35 @@ def figures_differ(record: dict, row) -> str | None:
     return None
 
 
-def untrusted_audit(client, parent, rows: list) -> str | None:
-    """Why the figures compare read of the audit ``parent`` (its parent run) cannot be printed (its record changed,
-    or its runs' figures differ from the record), or None. An audit tracked before records were logged is read as
-    it is, with a one-line warning."""
-    try:
-        record = logged_record(client, parent.info.run_id)
-    except Untrusted as error:
-        return str(error)
-    if record is None:
-        print(f"ppl-audit: warning: audit run {parent.info.run_id} keeps no {RECORD} (tracked by an older "
-              "ppl-audit): its figures are read unchecked", file=console.err())
+class Records:
+    """The sealed records of the audits one command reads (``client``'s store), each downloaded and checked once, however
+    many of its domains are read; the lines said of them, said once."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self._kept: dict[str, dict | Untrusted | None] = {}
+        self.told: set[str] = set()
+
+    def _record(self, run_id: str) -> dict | Untrusted | None:
+        if run_id not in self._kept:
+            try:
+                self._kept[run_id] = logged_record(self.client, run_id)
+            except Untrusted as error:
+                self._kept[run_id] = error
+            if self._kept[run_id] is None:
+                print(f"ppl-audit: warning: audit run {run_id} keeps no {RECORD} (tracked by an older ppl-audit): "
+                      "its figures are read unchecked", file=console.err())
+        return self._kept[run_id]
+
+    def untrusted(self, parent, rows: list) -> str | None:
+        """Why the figures compare read of the audit ``parent`` (its parent run: ``rows``, of one of its domains)
+        cannot be printed (its record changed, or its runs' figures differ from the record), or None. An audit
+        tracked before records were logged is read as it is, with a one-line warning."""
+        record = self._record(parent.info.run_id)
+        if isinstance(record, Untrusted):
+            return str(record)
+        for row in rows if record is not None else ():
+            differ = figures_differ(record, row)
+            if differ:
+                return f"its runs' figures are not its sealed {RECORD}'s ({differ})"
         return None
-    for row in rows:
-        differ = figures_differ(record, row)
-        if differ:
-            return f"its runs' figures are not its sealed {RECORD}'s ({differ})"
-    return None

@@ -514,11 +514,12 @@ def _log_history(client, experiment_id: str, parent: str, record: dict) -> None:
     (``history.png``), and on each variant whose ΔPPL moved since the previous scheduled run, a ``changed`` tag
     (on the parent too, with a line under the description's table)."""
     from tasks.record.history import audited, history_chart
+    from tasks.record.logged import Records
 
     key = _baseline_key(record)
     if key is None:
         return
-    rows = audited(client, experiment_id, key, also=parent)
+    rows = audited(Records(client), experiment_id, key, also=parent)
     if len({row.parent_run_id for row in rows}) > 1:
         client.log_figure(parent, history_chart(rows, key), "history.png")
     changed = [row for row in rows if row.parent_run_id == parent and row.changed]
