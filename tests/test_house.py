@@ -1,0 +1,70 @@
+"""The house the next features land in (issue #68): figures of the code that say how far it is from one typed result,
+held where they are today so that they only go down. Each ceiling is today's figure with the issue's target beside it;
+lower a ceiling when a change lowers its figure."""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = ("tasks", "flows")
+
+# string-key subscripts (``row["ppl"]``): results travelling as untyped dicts. Target (#68): at most 300, all in the
+# serialization and MLflow modules
+SUBSCRIPTS_CEILING = 1200
+# flows/audit.py reads top to bottom: target (#68) at most 120 lines
+AUDIT_FLOW_LINES_CEILING = 233
+# no function in flows/ over 40 lines (#68): those over it today, each at most as long as it is
+LONG_FLOW_FUNCTIONS = {("flows/runners.py", "score_concurrently"): 71, ("flows/commands/reference.py", "run"): 68,
+                       ("flows/audit.py", "audit"): 64, ("flows/runners.py", "score_sampled"): 61,
+                       ("flows/cli.py", "main"): 49, ("flows/commands/ppl.py", "run"): 47, ("flows/tune.py", "tune"): 41}
+FUNCTION_LINES = 40
+
+
+def _modules() -> list[Path]:
+    return sorted(path for package in CODE for path in (ROOT / package).rglob("*.py"))
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def string_subscripts() -> Counter:
+    """The string-key subscripts of each module of tasks/ and flows/."""
+    found = Counter()
+    for path in _modules():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                    and isinstance(node.slice.value, str):
+                found[str(path.relative_to(ROOT))] += 1
+    return found
+
+
+def test_string_key_subscripts_only_go_down():
+    found = string_subscripts()
+    total = sum(found.values())
+    most = ", ".join(f"{module} {count}" for module, count in found.most_common(5))
+    assert total <= SUBSCRIPTS_CEILING, (f"{total} string-key subscripts in tasks/ and flows/, more than the "
+                                         f"{SUBSCRIPTS_CEILING} of before (most in {most}): a new figure belongs in "
+                                         "a typed value, not a dict")
+
+
+def test_the_audit_flow_only_gets_shorter():
+    lines = len((ROOT / "flows" / "audit.py").read_text(encoding="utf-8").splitlines())
+    assert lines <= AUDIT_FLOW_LINES_CEILING, f"flows/audit.py has {lines} lines, more than {AUDIT_FLOW_LINES_CEILING}"
+
+
+def test_no_function_in_flows_grows_past_forty_lines():
+    over = {}
+    for path in _modules():
+        if path.relative_to(ROOT).parts[0] != "flows":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    over[(str(path.relative_to(ROOT)), node.name)] = length
+    grown = {name: length for name, length in over.items() if length > LONG_FLOW_FUNCTIONS.get(name, FUNCTION_LINES)}
+    assert not grown, f"functions in flows/ over {FUNCTION_LINES} lines, or longer than before: {grown}"
