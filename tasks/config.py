@@ -18,22 +18,30 @@ from tasks.core.places import embedded_corpus_name
 from tasks.engine.scoring_options import Windowing
 from tasks.engine.settings import BosPolicy, Mode
 from tasks.engine.windows import check_plan, chunk_limit
+from tasks.methods.method import Method as MethodBackend
+from tasks.methods.registry import (  # noqa: F401  (QUANTIZED_*, KERNEL_GROUP_SIZES: imported from here too)
+    KERNEL_GROUP_SIZES,
+    METHODS,
+    QUANTIZED_AT_LOAD,
+    QUANTIZED_BY_US,
+    RUNTIMES,
+    TAKE_SETTINGS,
+    method_of,
+    runtime_of,
+)
+from tasks.methods.runtimes import Runtime
 
-# auto: read from the checkpoint (tasks.models.formats); baseline: a float model as it is
-Method = Literal["auto", "baseline", "bnb-int8", "bnb-nf4", "gptq", "awq", "torchao-int8", "compressed-tensors",
-                 "gguf", "hqq", "fp8"]
+# each method's own module in tasks.methods says what it is (auto: read from the checkpoint, tasks.models.formats;
+# baseline: a float model as it is); the registry names them all
+Method = Literal[tuple(METHODS)]
 # audit and variant names: MLflow run names, file names, YAML keys; not dots alone (".." is a path)
 NAME = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
 # a name becomes part of a file name (a record's folder: time, name, id; a cached checkpoint's: name, digest) that a
 # file system caps at 255 bytes: bounded here, so that a long one is refused before scoring, not after it
 NAME_MAX = 100
-QUANTIZED_BY_US = ("gptq", "awq")  # made from the baseline with gptqmodel when no path is given
-QUANTIZED_AT_LOAD = ("bnb-int8", "bnb-nf4", "torchao-int8", "hqq")  # without a path: the baseline, quantized as it loads
 Bits = Literal[2, 3, 4, 8]  # what gptq and awq quantize to here
 QUANTIZED_BITS = get_args(Bits)
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
-# what gptqmodel 7.6.0's torch kernels (TorchLinear, AwqTorchLinear) take: the kernels that run on every device
-KERNEL_GROUP_SIZES = {"gptq": (-1, 16, 32, 64, 128, 256, 512, 1024), "awq": (-1, 16, 32, 64, 128)}
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
 # the numerics a deployment may run the baseline in, whose difference from its float32 self is the noise floor
 FLOOR_DTYPES = ("bfloat16", "float16")
@@ -243,10 +251,9 @@ def check_name(name: str | None) -> None:
 
 def check_group_size(method: str, group_size: int) -> None:
     """Refuse a group size no kernel of ``method`` could run, before hours of quantization."""
-    sizes = KERNEL_GROUP_SIZES[method]
-    if group_size not in sizes:
-        raise ValueError(f"group_size {group_size} is not one {method} kernels support; use one of "
-                         f"{', '.join(map(str, sizes))} (-1: per channel)")
+    problem = method_of(method).group_size_problem(group_size)
+    if problem:
+        raise ValueError(problem)
 
 
 def _overrides_gptqmodel_can_take(dynamic: dict) -> dict:
@@ -301,7 +308,7 @@ class VariantSpec(Strict):
     kv_cache: KVCache | None = None
     kernel: str | None = Field(None, min_length=1, description="gptq/awq: the gptqmodel kernel that runs it (marlin, "
                                "triton, torch, exllama_v2, gemm, ...) instead of the one gptqmodel picks")
-    runtime: Literal["transformers", "llama.cpp"] = Field(
+    runtime: Literal[tuple(RUNTIMES)] = Field(
         "transformers", description="what scores it: transformers (a GGUF file dequantized: what its weights lost), "
         "or llama.cpp's own kernels and tokenizer (a GGUF file as it is served)")
     llama_cpp: LlamaCppSettings | None = None
@@ -335,56 +342,51 @@ class VariantSpec(Strict):
 
     @model_validator(mode="after")
     def _settings_fit_the_method(self) -> VariantSpec:
-        if self.imatrix and (self.method != "gguf" or self.type is None):
+        # the rules in the order a variant with two mistakes has always been told of them; what each method
+        # takes is its descriptor's (tasks.methods)
+        backend, runtime = self.backend, self.runtime_backend
+        if self.imatrix and (not backend.gguf or self.type is None):
             raise ValueError("imatrix quantizes a GGUF file llama.cpp's quantizer makes: give it with method gguf and "
                              "a type")
         # with imatrix, calibration is the text its importance matrix is computed from
         settings = [key for key in ("bits", "group_size", "sym", "calibration") if getattr(self, key) is not None
                     and not (key == "calibration" and self.imatrix)]
-        if self.method == "hqq":
-            if {"sym", "calibration"} & set(settings):
-                raise ValueError("hqq quantizes at load without calibration: give bits and group_size only")
-            if self.group_size is not None and (self.group_size < 1 or self.group_size % 8):  # HQQ asserts it
-                raise ValueError(f"hqq group_size {self.group_size} is not a positive multiple of 8 (HQQ's groups); "
-                                 "use 64, say")
-        elif settings and self.method not in QUANTIZED_BY_US:
-            raise ValueError(f"{', '.join(settings)} only apply to gptq, awq and hqq, not to method {self.method}")
-        if settings and self.path is not None and self.method != "hqq":  # hqq quantizes whatever float model it loads
+        if set(settings) - set(backend.settings):
+            raise ValueError(backend.settings_refusal or f"{', '.join(settings)} only apply to "
+                             f"{', '.join(TAKE_SETTINGS[:-1])} and {TAKE_SETTINGS[-1]}, not to method {self.method}")
+        if settings and self.path is not None and not backend.settings_with_a_path:
             raise ValueError(f"give either path (a quantized checkpoint) or {', '.join(settings)}, not both")
-        if self.group_size is not None and self.method in KERNEL_GROUP_SIZES:
-            check_group_size(self.method, self.group_size)
-        if self.gguf_file is not None and (self.path is None or self.method not in ("gguf", "auto")):
+        problem = backend.group_size_problem(self.group_size) if self.group_size is not None else None
+        if problem:
+            raise ValueError(problem)
+        if self.gguf_file is not None and (self.path is None or not (backend.gguf or backend.detected)):
             raise ValueError("gguf_file names a file in the folder given as path, with method gguf (or auto)")
-        if (self.method == "gguf" and self.path not in (None, "embedded") and self.gguf_file is None
-                and not self.path.endswith(".gguf")):
-            raise ValueError(f"method gguf loads a .gguf file, and {self.path} is not one: give the file as path, "
-                             "or its folder as path and the file's name as gguf_file")
+        problem = backend.path_problem(self)
+        if problem:
+            raise ValueError(problem)
         if self.tensor_types is not None and self.type is None:
             raise ValueError("tensor_types sets some tensors' types in a GGUF file llama.cpp's quantizer makes: give it "
                              "with method gguf and a type")
-        if self.dynamic is not None and not (self.method == "gptq" and self.path is None):
+        if self.dynamic is not None and not (backend.takes_dynamic and self.path is None):
             raise ValueError("dynamic overrides how gptqmodel quantizes some modules of a gptq variant made here from "
                              "the baseline: give it with method gptq and no path")
-        if self.type is not None and (self.method != "gguf" or self.path is not None):
+        if self.type is not None and (not backend.gguf or self.path is not None):
             raise ValueError("type is the GGUF type llama.cpp's quantizer makes from the baseline: give it with method "
                              "gguf and no path")
-        if self.method == "gguf" and self.path is None and self.type is None:
-            raise ValueError("method gguf loads a .gguf file (path) or makes one from the baseline (type: Q4_K_M, ...)")
-        if self.method in ("auto", "compressed-tensors", "fp8") and self.path is None:
-            raise ValueError(f"method {self.method} loads a checkpoint: give its path")
-        if self.runtime == "llama.cpp" and not (self.method == "gguf" or (
-                self.method in ("auto", "baseline") and (self.location or "").endswith(".gguf"))):
-            what = self.path if self.method in ("auto", "baseline") else f"{self.method} {self.path or ''}".strip()
-            raise ValueError(f"runtime llama.cpp runs a GGUF file, and this {self.role} is {what}: use method gguf "
-                             f"with a .gguf path{' or a type' if self.role == 'variant' else ''}")
-        if self.llama_cpp is not None and self.runtime != "llama.cpp":
+        problem = backend.source_problem(self)
+        if problem:
+            raise ValueError(problem)
+        if runtime.llama_cpp and not backend.is_gguf(self.location):
+            raise ValueError(f"runtime llama.cpp runs a GGUF file, and this {self.role} is {backend.what(self.path)}: "
+                             f"use method gguf with a .gguf path{' or a type' if self.role == 'variant' else ''}")
+        if self.llama_cpp is not None and not runtime.llama_cpp:
             raise ValueError("llama_cpp sets how llama.cpp runs a variant: give it with runtime llama.cpp")
-        if self.diagnose and self.runtime == "llama.cpp":
+        if self.diagnose and not runtime.in_transformers:
             raise ValueError("diagnose swaps a variant's layers in transformers, and llama.cpp runs this one whole: "
                              "diagnose the same file without runtime llama.cpp")
-        if self.kv_cache is not None and self.runtime == "llama.cpp":
+        if self.kv_cache is not None and not runtime.in_transformers:
             raise ValueError("kv_cache emulates a cache in transformers; in llama.cpp set llama_cpp.type_k and type_v")
-        if self.kernel is not None and self.method not in ("gptq", "awq", "auto"):
+        if self.kernel is not None and not backend.takes_kernel:
             raise ValueError(f"kernel picks gptqmodel's kernel for a gptq or awq checkpoint, not for method {self.method}")
         if self.kernel is not None and self.path is None:
             raise ValueError("kernel applies to a gptq or awq checkpoint that is loaded: give its path")
@@ -392,7 +394,7 @@ class VariantSpec(Strict):
             raise ValueError("max_memory bounds what device_map places on each device: give device_map too")
         if self.device_map is not None and self.device != "auto":
             raise ValueError("give device (one device) or device_map (a model split over several), not both")
-        if self.device_map is not None and self.method == "hqq":
+        if self.device_map is not None and backend.one_device:
             raise ValueError("hqq quantizes through its own API, on one device: device_map is not for it")
         if isinstance(self.device_map, dict):
             for module, device in self.device_map.items():
@@ -406,13 +408,24 @@ class VariantSpec(Strict):
         return self.llama_cpp or LlamaCppSettings()
 
     @property
+    def backend(self) -> MethodBackend:
+        """What its method is (``tasks.methods``): the settings it takes, whether it is made here, its package."""
+        return method_of(self.method)
+
+    @property
+    def runtime_backend(self) -> Runtime:
+        """What scores it: transformers, or llama.cpp's own kernels."""
+        return runtime_of(self.runtime)
+
+    @property
     def label(self) -> str:
         """What scored it, where that is not transformers: ``@llama.cpp``, appended to its method in the table."""
-        return " @llama.cpp" if self.runtime == "llama.cpp" else ""
+        return self.runtime_backend.label
 
     @property
     def quantize_here(self) -> bool:
-        return self.method in QUANTIZED_BY_US and self.path is None
+        """Made here from the baseline with gptqmodel (a gptq or awq variant without a path)."""
+        return self.backend.quantized_here and self.path is None
 
     @property
     def location(self) -> str | None:
@@ -798,7 +811,7 @@ class AuditConfig(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> AuditConfig:
-        if self.baseline.method != "baseline" or self.baseline.path is None:
+        if not self.baseline.backend.float_model or self.baseline.path is None:
             raise ValueError("baseline needs a path (model folder, Hub id or embedded) and method baseline")
         if not self.variants:
             raise ValueError("variants is empty: an audit compares variants with the baseline; add one "
@@ -824,7 +837,7 @@ class AuditConfig(Strict):
         if not floors:
             return
         base = self.baseline
-        if base.runtime == "llama.cpp":
+        if not base.runtime_backend.in_transformers:
             raise ValueError("evaluation.floor loads the baseline in bfloat16/float16 in transformers, and this baseline "
                              "runs in llama.cpp, whose numerics are its own: set floor off")
         if base.dtype in FLOOR_DTYPES:

@@ -57,7 +57,8 @@ def _variant(args: argparse.Namespace):
     """The one model `ppl` measures: --variant, else --model with --method, as a validated spec."""
     import yaml
 
-    from tasks.config import QUANTIZED_AT_LOAD, QUANTIZED_BY_US, VariantSpec, parse, read_yaml, yaml_problem
+    from tasks.config import VariantSpec, parse, read_yaml, yaml_problem
+    from tasks.methods.registry import method_of
 
     if args.variant:
         path = Path(args.variant)
@@ -66,11 +67,12 @@ def _variant(args: argparse.Namespace):
         except yaml.YAMLError as error:
             raise InputError(f"--variant is not valid YAML: {yaml_problem(error)}") from None
         return parse(VariantSpec, data, "--variant")
-    method = args.method or "auto"
-    name = (Path(args.model).name or args.model) if method in ("auto", "baseline") else method
+    method = args.method or "auto"  # one of the registry's: --method's choices are the config's methods
+    backend = method_of(method)
+    name = (Path(args.model).name or args.model) if backend.detected or backend.float_model else method
     spec = {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype, "device": args.device,
             "runtime": args.runtime}
-    if method not in QUANTIZED_BY_US + QUANTIZED_AT_LOAD:  # a checkpoint measured as it is, not made from --model
+    if not (backend.quantized_here or backend.quantized_at_load):  # a checkpoint measured as it is, not made from --model
         spec["path"] = args.model
     return parse(VariantSpec, spec, "arguments")
 

@@ -91,13 +91,14 @@ def prepare(baseline: BaselineSpec, variants: list[VariantSpec], registry: str |
         thresholds: the audit's, which give each variant its gate.
     """
     # a path error names the path; a baseline llama.cpp runs is its GGUF file (embedded: the packaged one)
-    where = locate(baseline, registry) if baseline.runtime == "llama.cpp" else resolve_model_path(baseline.path, registry)
+    where = (locate(baseline, registry) if baseline.runtime_backend.llama_cpp
+             else resolve_model_path(baseline.path, registry))
     model = Located.at(where, baseline.path)
     tokenizer = _tokenizer(model)
     lead = Checkpoint(baseline, "baseline", model, tokenizer_digest(tokenizer), read_manifest(model.source))
     gates = thresholds or Thresholds()
     found = [replace(_variant(spec, lead, registry), gate=gates.for_variant(spec.name)) for spec in variants]
-    served = next((c for c in [lead, *found] if c.spec.runtime == "llama.cpp" and not c.problem), None)
+    served = next((c for c in [lead, *found] if c.spec.runtime_backend.llama_cpp and not c.problem), None)
     if served is None:
         return Lineup(lead, found, tokenizer)
     # the stream as served: llama.cpp's tokenizer of the file it runs (one made later: of the file it is made from);
@@ -134,7 +135,7 @@ def served_tokenizer(file: Path, digest: str):
 
 
 def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> Checkpoint:
-    if spec.method == "gguf" and spec.type is not None:  # made from the baseline's GGUF file by llama.cpp's quantizer
+    if spec.type is not None:  # a gguf variant made from the baseline's GGUF file by llama.cpp's quantizer
         from tasks.models import llama_cpp
 
         try:
@@ -160,7 +161,7 @@ def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> C
     try:
         model = Located.at(locate(spec, registry), spec.location)
         detected = ""
-        if spec.method == "auto":
+        if spec.backend.detected:
             method, detected = detect(model)
             spec = spec.model_copy(update={"method": method})
         return _with_files(Checkpoint(spec, "variant", detected=detected), model)
@@ -192,7 +193,7 @@ def _tokenizer(model: Located):
 def locate(spec: VariantSpec, registry: str | None = None) -> str:
     """The files a variant with a ``path`` loads: its folder, Hub id or ``.gguf`` file; ``embedded`` with method gguf
     is the packaged GGUF file the embedded model is dequantized from."""
-    if spec.method == "gguf" and spec.path == "embedded":
+    if spec.backend.gguf and spec.path == "embedded":
         from tasks.data.embedded import embedded_gguf
 
         return str(embedded_gguf())

@@ -56,7 +56,7 @@ def narrowed(config: AuditConfig, variant: str) -> AuditConfig:
     if spec.kv_cache is not None:  # the layers are compared with their own inputs, through no cache
         raise InputError(f"variant '{variant}' is scored with a quantized key/value cache, which a diagnosis of its "
                          "layers does not model; diagnose the variant without kv_cache, or compare caches in an audit")
-    served = next((s for s in (config.baseline, spec) if s.runtime == "llama.cpp"), None)
+    served = next((s for s in (config.baseline, spec) if s.runtime_backend.llama_cpp), None)
     if served is not None:  # llama.cpp gives logits, not the layers' outputs a diagnosis compares and swaps
         raise InputError(f"{served.role} '{served.name}' runs in llama.cpp, whose layers a diagnosis cannot reach; "
                          "diagnose the same GGUF file in transformers (runtime: transformers) against a transformers "

@@ -22,7 +22,7 @@ from tasks.engine.model_facts import max_positions
 from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window
 from tasks.models import llama_cpp
-from tasks.models.formats import check_compressed, check_kernel, detect, require
+from tasks.models.formats import check_files, check_kernel, require
 from tasks.models.loading import check_checkpoint
 from tasks.models.quantize_request import check_calibration_length
 from tasks.models.resolve import device_problem, resolve_device, visible_gpus
@@ -51,11 +51,11 @@ def check_settings(config: AuditConfig) -> str:
             raise InputError(f"evaluation.body {config.evaluation.body}: liger-kernel's fused ops run on CUDA, and "
                              f"{spec.name} runs on {device.type}; use compile (or eager) there")
     for spec in [config.baseline, *config.variants]:  # llama.cpp runs it or makes its file: installed, its types
-        if spec.runtime == "llama.cpp" or spec.type is not None:
+        if spec.runtime_backend.llama_cpp or spec.type is not None:
             settings = spec.llama_cpp_settings
             llama_cpp.check_settings(f"{spec.role} '{spec.name}'", settings.type_k, settings.type_v, spec.type)
             _check_threads(f"{spec.role} '{spec.name}'", settings.threads)
-            if spec.runtime == "llama.cpp" and settings.gpu_layers and not llama_cpp.gpu_offload():
+            if spec.runtime_backend.llama_cpp and settings.gpu_layers and not llama_cpp.gpu_offload():
                 # llama.cpp runs them on the CPU without a word; the record keeps both (gpu_layers 0, _asked N)
                 print(f"ppl-audit: warning: {spec.role} '{spec.name}': llama_cpp.gpu_layers {settings.gpu_layers} is "
                       "ignored: this llama.cpp build cannot offload to a GPU (llama_supports_gpu_offload() is false); "
@@ -108,13 +108,10 @@ def preflight(config: AuditConfig, lineup: Lineup, strict: bool = True) -> None:
             if Path(model.source).exists():  # its own positions bound the window too, and its tokens must be the baseline's
                 _check_window(config, model.config, spec.name)
                 check_same_tokenizer(spec.name, baseline.tokenizer, checkpoint.tokenizer)
-            if spec.method == "hqq":  # a saved HQQ checkpoint is refused as auto refuses it
-                detect(model)
-            if spec.method == "compressed-tensors" and Path(model.source).is_dir():
-                check_compressed(model)
+            check_files(spec, model)  # its method's checks of its files: a saved HQQ one, a compressed-tensors config
         try:
             require(spec.method, resolve_device(spec.device).type)
-            if spec.kernel is not None and spec.method in ("gptq", "awq"):
+            if spec.kernel is not None and spec.backend.gptqmodel_kernels:
                 check_kernel(spec.method, spec.kernel)
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None

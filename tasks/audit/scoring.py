@@ -142,7 +142,7 @@ def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[
     folder = model_files(checkpoint.source)  # on this machine, now: a worker may see what the lineup's did not
     identity = None if folder is None else reference.identity(folder, checkpoint.tokenizer, evaluation_.stream,
                                                               evaluation_.settings, dtype)
-    if identity is not None and checkpoint.spec.runtime == "llama.cpp":  # its kernels and settings make its logits
+    if identity is not None and checkpoint.spec.runtime_backend.llama_cpp:  # its kernels and settings make its logits
         from tasks.models import llama_cpp
 
         settings = llama_cpp.described(checkpoint.spec.llama_cpp_settings)

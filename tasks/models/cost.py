@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.config import QUANTIZED_AT_LOAD, VariantSpec
+from tasks.config import VariantSpec
 from tasks.engine.layers import decoder_layers
 from tasks.models.gguf_file import read_header
 from tasks.models.quantize import per_module
@@ -92,7 +92,7 @@ def tensor_shapes(source: str) -> dict[str, list[int]]:
 
 def _shipped(spec: VariantSpec, source: str) -> bool:
     """Whether the model's layers are costed from its files: a checkpoint on disk, not quantized as it loads."""
-    return spec.method not in QUANTIZED_AT_LOAD and Path(source).exists()
+    return not spec.backend.quantized_at_load and Path(source).exists()
 
 
 def decoder_layer_bytes(model, spec: VariantSpec, source: str) -> list[int]:

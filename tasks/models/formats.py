@@ -14,6 +14,7 @@ import torch
 
 from tasks.config import VariantSpec
 from tasks.core.errors import InputError
+from tasks.methods.registry import method_of
 from tasks.engine.model_facts import input_device
 from tasks.models.gguf import gguf_facts
 from tasks.models.resolve import Located
@@ -22,13 +23,6 @@ from tasks.models.resolve import Located
 QUANT_METHODS = {"gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors", "fp8": "fp8",
                  "torchao": "torchao-int8"}
 HQQ_DEFAULTS = (4, 64)  # bits, group size: HQQ's own defaults
-# the module each method imports and what to pip install for it (the versions pyproject.toml pins)
-PACKAGES = {"gptq": ("gptqmodel", "gptqmodel==7.6.0"), "awq": ("gptqmodel", "gptqmodel==7.6.0"),
-            "compressed-tensors": ("compressed_tensors", "compressed-tensors==0.20.0"),
-            "hqq": ("hqq", "hqq==0.2.8.post1"), "bnb-int8": ("bitsandbytes", "bitsandbytes"),
-            "bnb-nf4": ("bitsandbytes", "bitsandbytes"), "torchao-int8": ("torchao", "torchao"),
-            "gguf": ("gguf", "gguf")}
-FORMATS_EXTRA = ("compressed-tensors", "hqq")  # the methods whose packages pyproject's `formats` extra installs
 
 
 def detect(model: Located) -> tuple[str, str]:
@@ -56,16 +50,16 @@ def detect(model: Located) -> tuple[str, str]:
 def require(method: str, device_type: str) -> None:
     """Refuse a method whose package is not installed, in one line naming what to install, and one that
     cannot run on ``device_type``."""
-    if method == "fp8" and device_type == "cpu":  # transformers' FP8 quantizer checks for a GPU itself
-        raise InputError("fp8 checkpoints (transformers' fine-grained FP8) need a GPU; on CPU audit a "
-                         "compressed-tensors FP8 checkpoint, whose activation quantization is emulated")
-    if method not in PACKAGES:
+    backend = method_of(method)
+    if backend.gpu_only and device_type == "cpu":
+        raise InputError(backend.gpu_only)
+    if backend.package is None:
         return
-    module, pip = PACKAGES[method]
+    module, pip = backend.package
     try:
         import_package(module)
     except ImportError:
-        extra = " (all formats: pip install 'ppl-audit[formats]')" if method in FORMATS_EXTRA else ""
+        extra = " (all formats: pip install 'ppl-audit[formats]')" if backend.in_formats_extra else ""
         raise InputError(f"method {method} needs the package {pip.split('==')[0]}: pip install '{pip}'{extra}") from None
 
 
@@ -112,61 +106,105 @@ def check_kernel(method: str, kernel: str) -> None:
 
 def distributions(method: str) -> tuple[str, ...]:
     """The packages whose versions a model loaded with ``method`` depends on (recorded in its facts)."""
-    found = (PACKAGES[method][1].split("==")[0],) if method in PACKAGES else ()
-    return found + (("optimum",) if method == "gptq" else ())
+    backend = method_of(method)
+    found = (backend.package[1].split("==")[0],) if backend.package else ()
+    return found + backend.also_versions
 
 
 def ready(spec: VariantSpec, model) -> None:
-    """Bring a loaded model into the state it scores in.
+    """Bring a loaded model into the state it scores in: its method's step (``READY``), where it has one."""
+    step = READY.get(spec.method)
+    if step is not None:
+        step(spec, model)
 
-    A compressed-tensors model decompresses its weights on its first forward, through a hook on its top
+
+def _decompress(spec: VariantSpec, model) -> None:
+    """A compressed-tensors model decompresses its weights on its first forward, through a hook on its top
     module that the engine's calls of the base model would skip: it is decompressed here (its layers keep
-    their scheme and quantize their inputs as they run). An hqq variant is quantized here with HQQ's own
-    API: transformers 5.23 no longer quantizes HQQ at load (``HqqConfig`` raises NotImplementedError).
-    """
-    if spec.method == "compressed-tensors" and hasattr(model, "ct_decompress_hook"):
+    their scheme and quantize their inputs as they run)."""
+    if hasattr(model, "ct_decompress_hook"):
         model.hf_quantizer.compressor.decompress_model(model)
-    if spec.method == "hqq":
-        from hqq.core.quantize import BaseQuantizeConfig
-        from hqq.models.hf.base import AutoHQQHFModel
 
-        group = spec.group_size or HQQ_DEFAULTS[1]
-        head = model.get_output_embeddings()  # HQQ leaves the head as it is
-        uneven = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
-                       and module is not head and module.weight.numel() % group), None)
-        if uneven is not None:  # HQQ asserts it, layer by layer, after quantizing the ones before
-            raise InputError(f"{spec.name}: hqq group_size {group} does not divide the {model.get_submodule(uneven).weight.numel()} "
-                             f"weights of {uneven}; use a group size that divides every layer's (64, say)")
-        settings = BaseQuantizeConfig(nbits=spec.bits or HQQ_DEFAULTS[0], group_size=group)
-        AutoHQQHFModel.quantize_model(model, quant_config=settings, compute_dtype=model.dtype, device=str(model.device))
+
+def _quantize_hqq(spec: VariantSpec, model) -> None:
+    """An hqq variant is quantized here with HQQ's own API: transformers 5.23 no longer quantizes HQQ at load
+    (``HqqConfig`` raises NotImplementedError)."""
+    from hqq.core.quantize import BaseQuantizeConfig
+    from hqq.models.hf.base import AutoHQQHFModel
+
+    group = spec.group_size or HQQ_DEFAULTS[1]
+    head = model.get_output_embeddings()  # HQQ leaves the head as it is
+    uneven = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+                   and module is not head and module.weight.numel() % group), None)
+    if uneven is not None:  # HQQ asserts it, layer by layer, after quantizing the ones before
+        raise InputError(f"{spec.name}: hqq group_size {group} does not divide the {model.get_submodule(uneven).weight.numel()} "
+                         f"weights of {uneven}; use a group size that divides every layer's (64, say)")
+    settings = BaseQuantizeConfig(nbits=spec.bits or HQQ_DEFAULTS[0], group_size=group)
+    AutoHQQHFModel.quantize_model(model, quant_config=settings, compute_dtype=model.dtype, device=str(model.device))
 
 
 def describe(spec: VariantSpec, source: str, model) -> dict:
-    """The facts of a loaded model's format, with a short ``label`` for the table where the method name
-    alone would hide what was loaded."""
-    if spec.method == "gguf":
-        facts = gguf_facts(Path(source))
-        if spec.tensor_types:  # a recipe's: some tensors in other types than the file type's (``ppl-audit tune``)
-            facts |= {"tensor_overrides": len(spec.tensor_types), "label": f"{facts['label']} tuned"}
-        return facts
-    if spec.method == "hqq":
-        from hqq.core.quantize import HQQLinear
+    """The facts of a loaded model's format (its method's, ``DESCRIBE``; none for a float model or one quantized at
+    load by bitsandbytes or torchao), with a short ``label`` for the table where the method name alone would hide
+    what was loaded."""
+    facts = DESCRIBE.get(spec.method)
+    return facts(spec, source, model) if facts is not None else {}
 
-        meta = next(m.meta for m in model.modules() if isinstance(m, HQQLinear))
-        return {"bits": meta["nbits"], "group_size": meta["group_size"], "axis": meta["axis"],
-                "packing": meta["packing"], "backend": HQQLinear.backend.name,
-                "label": f"hqq {meta['nbits']}-bit g{meta['group_size']}"}
+
+def _settings(model) -> dict | None:
+    """A loaded model's ``quantization_config`` as a dict (None: it has none)."""
     settings = getattr(model.config, "quantization_config", None)
-    settings = settings if isinstance(settings, dict) or settings is None else settings.to_dict()
-    if spec.method == "compressed-tensors" and settings:
-        return compressed_facts(settings, model)
-    if spec.method in ("gptq", "awq") and settings:
-        facts = {key: settings[key] for key in ("bits", "group_size", "sym", "desc_act", "format") if key in settings}
-        if settings.get("dynamic"):  # a recipe's: some modules at other bits or group sizes (``ppl-audit tune``)
-            facts |= {"module_overrides": len(settings["dynamic"]),
-                      "label": f"{spec.method} {facts.get('bits')}-bit g{facts.get('group_size')} tuned"}
-        return facts
-    return {}
+    return settings if isinstance(settings, dict) or settings is None else settings.to_dict()
+
+
+def _gguf_described(spec: VariantSpec, source: str, model) -> dict:
+    facts = gguf_facts(Path(source))
+    if spec.tensor_types:  # a recipe's: some tensors in other types than the file type's (``ppl-audit tune``)
+        facts |= {"tensor_overrides": len(spec.tensor_types), "label": f"{facts['label']} tuned"}
+    return facts
+
+
+def _hqq_described(spec: VariantSpec, source: str, model) -> dict:
+    from hqq.core.quantize import HQQLinear
+
+    meta = next(m.meta for m in model.modules() if isinstance(m, HQQLinear))
+    return {"bits": meta["nbits"], "group_size": meta["group_size"], "axis": meta["axis"],
+            "packing": meta["packing"], "backend": HQQLinear.backend.name,
+            "label": f"hqq {meta['nbits']}-bit g{meta['group_size']}"}
+
+
+def _compressed_described(spec: VariantSpec, source: str, model) -> dict:
+    settings = _settings(model)
+    return compressed_facts(settings, model) if settings else {}
+
+
+def _gptqmodel_described(spec: VariantSpec, source: str, model) -> dict:
+    """A gptq or awq checkpoint's bits and groups, from its config."""
+    settings = _settings(model)
+    if not settings:
+        return {}
+    facts = {key: settings[key] for key in ("bits", "group_size", "sym", "desc_act", "format") if key in settings}
+    if settings.get("dynamic"):  # a recipe's: some modules at other bits or group sizes (``ppl-audit tune``)
+        facts |= {"module_overrides": len(settings["dynamic"]),
+                  "label": f"{spec.method} {facts.get('bits')}-bit g{facts.get('group_size')} tuned"}
+    return facts
+
+
+def check_files(spec: VariantSpec, model: Located) -> None:
+    """Refuse a checkpoint given as path that its method could not load right (``FILE_CHECKS``), before anything
+    loads."""
+    check = FILE_CHECKS.get(spec.method)
+    if check is not None:
+        check(model)
+
+
+def _not_saved_hqq(model: Located) -> None:
+    detect(model)  # a saved HQQ checkpoint is refused as auto refuses it
+
+
+def _compressed_folder(model: Located) -> None:
+    if Path(model.source).is_dir():
+        check_compressed(model)
 
 
 def _args_text(args: dict) -> str:
@@ -252,3 +290,11 @@ def compressed_facts(settings: dict, model) -> dict:
     return {"scheme": scheme, "format": settings.get("format"), "weights": [_args_text(a) for a in weights],
             "activations": [_args_text(a) for a in inputs], "activation_quantization": state,
             "ignored": settings.get("ignore") or [], "label": label}
+
+
+# What each method needs of torch and its package, by the method's name (its descriptor, tasks.methods, says the rest):
+# the step that readies a loaded model, the facts of its format, the checks of its files
+READY = {"compressed-tensors": _decompress, "hqq": _quantize_hqq}
+DESCRIBE = {"gguf": _gguf_described, "hqq": _hqq_described, "compressed-tensors": _compressed_described,
+            "gptq": _gptqmodel_described, "awq": _gptqmodel_described}
+FILE_CHECKS = {"hqq": _not_saved_hqq, "compressed-tensors": _compressed_folder}

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from tasks.config import KERNEL_GROUP_SIZES, CalibrationConfig
+from tasks.config import CalibrationConfig
 from tasks.core import console, sealed
 from tasks.core.errors import InputError, one_line
 from tasks.core.files import file_digest, publish, read_json, sample_digest, scratch, write_atomically
 from tasks.core.places import cache_dir
 from tasks.core.versions import versions
 from tasks.data.corpus import cached_tokenize, corpus_text
+from tasks.methods.registry import method_of
 from tasks.engine import abandon
 from tasks.models.formats import import_package
 from tasks.models.loading import WEIGHT_SUFFIXES
@@ -244,11 +245,12 @@ def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path
     try:
         with scratch(cache_dir() / "scratch") as staging, scratch(partials) as partial:
             made = partial / "checkpoint"
-            settings = (GPTQConfig if method == "gptq" else AWQConfig)(bits=bits, group_size=group_size, sym=sym,
-                                                                     dynamic=dynamic or None,
-                                                                     offload_to_disk_path=str(staging / "offload"))
+            made_with = {"gptq": GPTQConfig, "awq": AWQConfig}[method]  # gptqmodel's config of each method made here
+            settings = made_with(bits=bits, group_size=group_size, sym=sym, dynamic=dynamic or None,
+                                 offload_to_disk_path=str(staging / "offload"))
             quantizer = GPTQModel.load(_with_pad(source, tokenizer, staging), settings, device=device)
-            options = {"backend": BACKEND.AWQ_TORCH} if method == "awq" and device == "cpu" else {}
+            # awq's kernel that quantizes on a CPU: gptqmodel picks a GPU one otherwise
+            options = {"awq": {"backend": BACKEND.AWQ_TORCH}}.get(method, {}) if device == "cpu" else {}
             rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
             with logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress), \
                     clip_search_by_matmul():
@@ -340,7 +342,7 @@ def check_group_fits(model: Located, method: str, group_size: int) -> None:
     widths = quantized_widths(model) if group_size > 0 else None
     if not widths or all(width % group_size == 0 for width in widths):
         return
-    fits = [size for size in KERNEL_GROUP_SIZES[method] if size < 0 or all(width % size == 0 for width in widths)]
+    fits = [size for size in method_of(method).kernel_group_sizes if size < 0 or all(width % size == 0 for width in widths)]
     raise InputError(f"group_size {group_size} does not divide the input widths of {model.name}'s layers "
                      f"({', '.join(map(str, widths))}); use one of {', '.join(map(str, fits))} (-1: per channel)")
 

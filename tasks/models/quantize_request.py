@@ -9,7 +9,6 @@ from pydantic import Field, PrivateAttr, model_validator
 from tasks.config import (
     DEFAULT_BITS,
     DEFAULT_GROUP_SIZE,
-    QUANTIZED_BY_US,
     Bits,
     CalibrationConfig,
     GptqDynamic,
@@ -19,6 +18,7 @@ from tasks.config import (
 )
 from tasks.core.errors import InputError
 from tasks.engine.model_facts import max_positions
+from tasks.methods.registry import find
 from tasks.models.quantize import Scheme, calibration_of, check_destination, check_group_fits, check_quantizable
 from tasks.models.resolve import Located, locate_model, read_tokenizer
 
@@ -58,7 +58,7 @@ class QuantizeRequest(Strict):
     def _calibrated_on_a_corpus(self) -> QuantizeRequest:
         if self.calibration.corpus is None:
             raise ValueError("calibration.corpus: give the corpus to calibrate on (same forms as a corpus source)")
-        if self.dynamic is not None and self.method != "gptq":
+        if self.dynamic is not None and not getattr(find(self.method), "takes_dynamic", False):
             raise ValueError(f"dynamic: gptqmodel's per-module overrides make gptq checkpoints, not {self.method} "
                              "ones; use method gptq")
         return self
@@ -86,7 +86,8 @@ def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
     ``ppl-audit quantize`` opens its request before Prefect starts; the flow opens one it was handed unopened (a run
     of the deployment, whose parameters came through the API).
     """
-    if request.method not in QUANTIZED_BY_US:
+    made = find(request.method)
+    if made is None or not made.quantized_here:
         raise InputError(f"method {request.method} cannot be quantized here; use gptq or awq")
     check_name(request.name)
     model = locate_model(request.model)  # the one place the quantize command finds its model

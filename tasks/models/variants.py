@@ -68,29 +68,41 @@ class VariantFacts:
 
 
 def quantization_config(method: str, dtype: torch.dtype, kernel: str | None = None, config=None):
-    """The transformers quantization config for methods quantized at load, or the loading settings that pick
-    ``kernel`` for a gptq/awq checkpoint whose transformers config is ``config``; else None."""
+    """The transformers quantization config for methods quantized at load (``AT_LOAD``), or the loading settings
+    that pick ``kernel`` for a gptq/awq checkpoint whose transformers config is ``config``; else None."""
     if kernel is not None:
-        from transformers import AwqConfig, GPTQConfig
+        import transformers
 
         # transformers takes only the loading settings (the backend) from it; bits must still be the checkpoint's
         bits = config.quantization_config["bits"]
-        return (GPTQConfig if method == "gptq" else AwqConfig)(bits=bits, backend=kernel)
-    if method in ("bnb-int8", "bnb-nf4"):
-        from transformers import BitsAndBytesConfig
+        return getattr(transformers, KERNEL_CONFIGS[method])(bits=bits, backend=kernel)
+    made = AT_LOAD.get(method)
+    return made(dtype) if made is not None else None
 
-        # bitsandbytes warns on every int8 forward that it casts inputs; once is news, every call is noise
-        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        if method == "bnb-int8":
-            return BitsAndBytesConfig(load_in_8bit=True)
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    if method == "torchao-int8":
-        from torchao.quantization import Int8WeightOnlyConfig
-        from transformers import TorchAoConfig
 
-        return TorchAoConfig(Int8WeightOnlyConfig())
-    return None
+def _bitsandbytes(**settings):
+    from transformers import BitsAndBytesConfig
+
+    # bitsandbytes warns on every int8 forward that it casts inputs; once is news, every call is noise
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    return BitsAndBytesConfig(**settings)
+
+
+def _torchao_int8(dtype: torch.dtype):
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(Int8WeightOnlyConfig())
+
+
+# transformers' config of each method quantized at load, by the method's name (tasks.methods: quantized_at_load;
+# hqq's is none: tasks.models.formats quantizes it once loaded)
+AT_LOAD = {"bnb-int8": lambda dtype: _bitsandbytes(load_in_8bit=True),
+           "bnb-nf4": lambda dtype: _bitsandbytes(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                  bnb_4bit_compute_dtype=dtype),
+           "torchao-int8": _torchao_int8}
+KERNEL_CONFIGS = {"gptq": "GPTQConfig", "awq": "AwqConfig"}  # transformers' config that picks a gptqmodel kernel
 
 
 def layer_census(model) -> tuple[int, dict[str, str]]:
@@ -143,14 +155,14 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
         (``cache_format(spec)``) goes to the engine beside it.
     """
     found = as_located(model)
-    if spec.runtime == "llama.cpp":
+    if spec.runtime_backend.llama_cpp:
         return load_served(spec, found, window)
     source = found.source
     device, dtype = device_and_dtype(spec)
     require(spec.method, device.type)
-    if spec.method == "bnb-nf4" and spec.path is not None and device.type == "cpu":
-        raise InputError(f"variant '{spec.name}': a saved NF4 checkpoint reloads corrupted on CPU; "
-                         "drop path to quantize the baseline at load")
+    method = spec.backend
+    if method.saved_on_cpu and spec.path is not None and device.type == "cpu":
+        raise InputError(f"variant '{spec.name}': {method.saved_on_cpu}")
     extra = {}
     config = quantization_config(spec.method, dtype, spec.kernel, found.config)
     if config is not None:
@@ -163,22 +175,22 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         # gptqmodel picks and readies its kernel as the checkpoint loads
         with (kernel_start.said_as_the_kernel(spec.name, spec.method, spec.kernel, device.type)
-              if spec.method in ("gptq", "awq") else contextlib.nullcontext()):
+              if method.gptqmodel_kernels else contextlib.nullcontext()):
             # a recipe's (made by gptqmodel's dynamic), or one given dynamic: {} to be loaded as a recipe is
-            if spec.method == "gptq" and (spec.dynamic is not None or per_module(found.config)):
+            if method.takes_dynamic and (spec.dynamic is not None or per_module(found.config)):
                 model = load_per_module(found, dtype, device)
             else:
                 model = load_model(found, dtype, device, **extra, **split)
     forget_with(model, split)
     ready(spec, model)
     weights = weight_bytes(model)  # as loaded: a kernel may repack its weights at its first forward, just below
-    if spec.method in ("gptq", "awq"):
+    if method.gptqmodel_kernels:
         kernel_start.first_forward(model, spec.name, spec.method, spec.kernel)
     load_seconds = time.perf_counter() - started
     form = cache_format(spec)
     linear, kernels = layer_census(model)
     quantized, backend = len(kernels), ",".join(sorted(set(kernels.values()))) or "torch.nn.Linear"
-    if spec.method not in ("baseline", "gguf") and quantized == 0:  # a GGUF file is dequantized as it loads
+    if method.quantized_layers and quantized == 0:  # a GGUF file is dequantized as it loads
         raise InputError(f"variant '{spec.name}' ({spec.method}) loaded with no quantized layer; check its path")
     whole = model_bits(model, list(kernels))
     facts = VariantFacts(

@@ -276,7 +276,7 @@ def measure(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, w
     import gc
 
     [checkpoint] = lineup.variants
-    if prepared.method == "gptq":
+    if prepared.tune.gptqmodel:
         checkpoint, donors = gptq_donors(lineup, checkpoint, prepared, evaluations[0])
         donor_sizes = prepared.option_sizes()
     else:

@@ -12,6 +12,8 @@ from tasks.audit.recipe.sizes import Budget, Sizes, Span, Unit, span_of, split, 
 from tasks.config import AuditConfig
 from tasks.core import console
 from tasks.core.errors import InputError
+from tasks.methods.method import Tune
+from tasks.methods.registry import method_of
 
 
 TYPES = ("Q6_K", "Q8_0", "F16")  # the options a GGUF unit may take by default: more bits, and left unquantized
@@ -22,11 +24,10 @@ def check_tunable(config: AuditConfig, variant: str) -> None:
     from tasks.audit.diagnose import variant_spec
 
     spec = variant_spec(config, variant)
-    gguf, gptq = spec.method == "gguf" and spec.type is not None, spec.method == "gptq" and spec.path is None
-    if not (gguf or gptq):
+    method = spec.backend  # what tune may do with it: its descriptor's tune, for a variant made here
+    if method.tune is None or not method.made_here(spec):
         what = f"method {spec.method}" + (f" ({spec.path})" if spec.path else "")
-        also = (" (gptqmodel 7.6.0's AWQ quantizes every module at one bit width and group size: its dynamic only "
-                "skips modules)") if spec.method == "awq" else ""
+        also = method.tune_refusal
         raise InputError(f"variant '{variant}' is {what}: tune sets each module's precision in a model made here from "
                          "the baseline, so give the variant as method gguf with a type (type: Q4_0), or as method gptq "
                          f"without a path{also}")
@@ -56,11 +57,16 @@ class Prepared:
     extra: int
     sizes: Sizes  # the variant's
     scheme: str  # the uniform variant's, as the verdicts name it: Q4_0, 4-bit g64
-    method: str = "gguf"
+    method: str = "gguf"  # a tunable method's name (tasks.methods: its tune)
     own: Option | None = None  # a gptq variant's bits and group size
     options: tuple[Option, ...] = ()
     shapes: Shapes | None = None
     kernels: Kernels | None = None  # what runs a gptq variant's modules where the tune loads them
+
+    @property
+    def tune(self) -> Tune:
+        """What its method's tune is: a gptq one's checkpoints made by gptqmodel, a GGUF one's files by llama.cpp."""
+        return method_of(self.method).tune
 
     def option_sizes(self) -> list[Sizes]:
         """A gptq tune's options' sizes, costed from the baseline's shapes."""
@@ -132,7 +138,7 @@ def prepare(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[
     if checkpoint.problem:
         raise InputError(checkpoint.problem)
     types = requested(types)
-    if checkpoint.spec.method == "gptq":
+    if checkpoint.spec.backend.tune.gptqmodel:
         prepared = _prepare_gptq(lineup, variant, budget, per, types)
         return check_buys(prepared, prepared.option_sizes(), exact=True)
     options = check_types(list(TYPES if types is None else types))

@@ -16,6 +16,7 @@ from tasks.config import AuditConfig
 from tasks.data.evaluation import Evaluation
 from tasks.engine.layers import recovered_share
 from tasks.engine.paired import CONFIDENCE
+from tasks.methods.registry import method_of
 
 # Uniform file types by their nominal bits per weight (llama.cpp's table): the uniform variant of equal or larger size
 # the recipe is audited beside is the first of these at least as large as the recipe, as built
@@ -35,7 +36,7 @@ def report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes]) -> dict
                 "units": [units[c.unit].label for c in found.chosen]}
 
     def scheme(option: int) -> dict:  # a gptq option's bits (None: unquantized) and group size
-        if prepared.method != "gptq":
+        if not prepared.tune.gptqmodel:
             return {}
         return {"bits": prepared.options[option].bits, "group_size": prepared.options[option].group}
 
@@ -47,7 +48,7 @@ def report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes]) -> dict
     every = [{"unit": units[c.unit].label, "type": types[c.option], "gain": c.gain, "share": list(c.share),
               "cost": c.cost} for c in tuning.choices]
     own = {"bits": prepared.own.bits, "group_size": prepared.own.group,
-           "prefix": prepared.shapes.prefix} if prepared.method == "gptq" else {}
+           "prefix": prepared.shapes.prefix} if prepared.tune.gptqmodel else {}
     return {"variant": prepared.variant, "method": prepared.method, "file_type": prepared.scheme,
             "budget": str(prepared.budget), "per": prepared.per,
             "types": list(types), "budget_bpw": span.bpw(span.variant_bytes + prepared.extra),
@@ -56,7 +57,7 @@ def report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes]) -> dict
             "variant_delta_nll": tuning.variant_delta_nll, "windows": tuning.windows, "tokens": tuning.tokens,
             "chosen": chosen, "every": every, "first": point(tuning.first), "final": point(tuning.final),
             "curve": [point(m) for m in tuning.curve], "tried": tuning.tried, "seconds": tuning.seconds,
-            "tensor_types": tuning.tensor_types() if prepared.method == "gguf" else []} | own
+            "tensor_types": tuning.tensor_types() if not prepared.tune.gptqmodel else []} | own
 
 
 def built(found: dict, tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes], lineup: Lineup,
@@ -67,7 +68,7 @@ def built(found: dict, tuning: Tuning, prepared: Prepared, donor_sizes: list[Siz
     tensors' shapes."""
     recipe = recipe_of(found)
     path = Path(_made(recipe, prepared, lineup, evaluation_))
-    if prepared.method == "gptq":
+    if prepared.tune.gptqmodel:
         held = gptq.held(path, prepared.shapes)
         sizes = Sizes(_stored(path, list(held)), held, _file_bytes(path), {}, prepared.shapes.prefix)
     else:
@@ -85,7 +86,7 @@ def _made(recipe: dict, prepared: Prepared, lineup: Lineup, evaluation_: Evaluat
     """The recipe's file (llama.cpp's quantizer) or checkpoint (gptqmodel, with the variant's calibration), named as
     the audit of it names the tuned variant, so that the audit finds it made."""
     [checkpoint] = lineup.variants
-    if prepared.method == "gptq":
+    if prepared.tune.gptqmodel:
         from tasks.audit.checkpoints import quantized_checkpoint
         from tasks.data.corpus import corpus_text
 
@@ -102,7 +103,7 @@ def recipe_of(found: dict) -> dict:
     """What the recipe changes in the variant's spec: a GGUF tune's ``tensor_types``, a gptq tune's ``dynamic``."""
     from tasks.record.tuning import gptqmodel_dynamic
 
-    if found["method"] == "gptq":
+    if method_of(found["method"]).tune.gptqmodel:
         return {"dynamic": gptqmodel_dynamic(found)["dynamic"]}
     return {"tensor_types": found["tensor_types"]}
 
@@ -129,7 +130,7 @@ def uniform_above(prepared: Prepared, bpw: float) -> tuple[str, float, dict] | N
     llama.cpp's quantizer makes them from the baseline; a gptq variant's the same bits at a smaller group size, or 8
     bits (``gptq.larger``), costed from the baseline's shapes."""
     units = list(prepared.units)
-    if prepared.method == "gptq":
+    if prepared.tune.gptqmodel:
         for option in gptq.larger(prepared.own, prepared.shapes, prepared.kernels):
             found = prepared.span.bpw(prepared.shapes.sizes(option).matrix_bytes(units))
             if found >= bpw:
@@ -156,7 +157,7 @@ def audit_of(config: AuditConfig, variant: str, recipe: dict, larger: tuple[str,
     names = {"uniform": variant, "tuned": f"{variant}-tuned"}
     # gptq: every model of the audit loaded as the recipe's is (by gptqmodel, its scales exact): transformers' route,
     # which rounds them to bfloat16, would hand the recipe a small edge of its own (KL 0.0007 of 0.46 on the demo)
-    same = {"dynamic": {}} if spec.method == "gptq" else {}
+    same = {"dynamic": {}} if spec.backend.tune.gptqmodel else {}
     own = spec.model_dump(mode="json", exclude_defaults=True) | same
     variants = [own, own | {"name": names["tuned"]} | recipe]
     if larger is not None:

@@ -1,0 +1,17 @@
+"""hqq: the baseline (or any float model given as path) quantized as it loads, with HQQ's own API on one device."""
+
+from tasks.methods.method import Method
+
+
+class Hqq(Method):
+    def group_size_problem(self, group_size: int) -> str | None:
+        if group_size < 1 or group_size % 8:  # HQQ asserts it
+            return f"hqq group_size {group_size} is not a positive multiple of 8 (HQQ's groups); use 64, say"
+        return None
+
+
+METHOD = Hqq(
+    "hqq", quantized_at_load=True, settings=("bits", "group_size"),
+    settings_refusal="hqq quantizes at load without calibration: give bits and group_size only",
+    settings_with_a_path=True,  # hqq quantizes whatever float model it loads
+    one_device=True, package=("hqq", "hqq==0.2.8.post1"), in_formats_extra=True)
