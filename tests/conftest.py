@@ -185,7 +185,8 @@ _FILE_SECONDS: dict[str, float] = {}  # each test file's tests' durations (set-u
 def pytest_runtest_logreport(report):
     """Each file's time, for the table CI prints at the end (``pytest_terminal_summary``): with xdist the workers'
     reports reach the controller, which sums them."""
-    _FILE_SECONDS[report.nodeid.split("::")[0]] = _FILE_SECONDS.get(report.nodeid.split("::")[0], 0.0) + report.duration
+    file = report.nodeid.split("::")[0]
+    _FILE_SECONDS[file] = _FILE_SECONDS.get(file, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
