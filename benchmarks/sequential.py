@@ -21,7 +21,7 @@ import torch
 from tasks.audit.sequential import Watch
 from tasks.config import Gate
 from tasks.engine.paired import CONFIDENCE, cluster_mean
-from tasks.engine.perplexity import Progress
+from tasks.engine.progress import Progress
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence, window_order
 
 

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from prefect.states import Failed
+
+if TYPE_CHECKING:
+    from tasks.record.result import AuditResult
 
 
 class AuditFailed(Exception):
     """A flow's answer that is not a pass (a failed verdict, a refusal), as the data of its Failed state;
-    ``summary`` is what ``audit`` computed.
+    ``result`` is what ``audit`` found (its ``AuditResult``).
 
     Prefect 3 resolves a Failed state's data into the exception a run raises, so it must be one.
     """
 
-    def __init__(self, reason: str, summary: dict | None = None):
+    def __init__(self, reason: str, result: AuditResult | None = None):
         super().__init__(reason)
-        self.summary = summary
+        self.result = result
 
 
 class _VerdictIsNotACrash(logging.Filter):
@@ -31,14 +35,14 @@ class _VerdictIsNotACrash(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], AuditFailed))
 
 
-def failed(reason: str, summary: dict | None = None):
+def failed(reason: str, result: AuditResult | None = None):
     """A flow's Failed state for an answer (a verdict, a refusal), logged as one line, not a crash. The filter
     goes on where the run's process logs (it passes every record but one carrying an ``AuditFailed``), once
     per process."""
     runs = logging.getLogger("prefect.flow_runs")
     if not any(isinstance(f, _VerdictIsNotACrash) for f in runs.filters):
         runs.addFilter(_VerdictIsNotACrash())
-    return Failed(message=reason, data=AuditFailed(reason, summary))
+    return Failed(message=reason, data=AuditFailed(reason, result))
 
 
 def failure_line(state) -> str:

@@ -100,13 +100,8 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
     command = next(command for command in COMMANDS if command.NAME == args.command)
     logged = command.LOGGED or getattr(args, "action", None) in getattr(command, "LOGGED_ACTIONS", ())
     log = _log_file(args) if capture and logged else None
-    if log is not None:
-        try:
-            console.capture(log, live=args.verbose)
-        except OSError as error:
-            print(f"ppl-audit: error: cannot write the log {log} ({error.strerror}); set PPL_AUDIT_HOME to a "
-                  "folder you can write", file=sys.stderr)
-            return 2
+    if log is not None and not _captured(log, args.verbose):
+        return 2
     code, started = 1, time.time()
     try:
         check_places()
@@ -130,12 +125,29 @@ def main(argv: list[str] | None = None, capture: bool = False) -> int:
         traceback.print_exc()  # into the log
         print(f"ppl-audit: crashed: {type(error).__name__}: {one_line(error)}", file=console.err())
     finally:
-        console.settle()
-        if log is not None and code == 2:  # bad input: the one line says it all, and no log is left behind
-            log.unlink(missing_ok=True)
-        elif log is not None:
-            print(f"log: {log}", file=console.err())
+        _settled(log, code)
     return code
+
+
+def _settled(log, code: int) -> None:
+    """The console flushed, and the log named on stderr; bad input's log (exit 2) removed: its one line says it all."""
+    console.settle()
+    if log is not None and code == 2:
+        log.unlink(missing_ok=True)
+    elif log is not None:
+        print(f"log: {log}", file=console.err())
+
+
+def _captured(log, live: bool) -> bool:
+    """Library output sent to ``log`` (and to the terminal too when ``live``); False, said in one line, when the log
+    cannot be written."""
+    try:
+        console.capture(log, live=live)
+    except OSError as error:
+        print(f"ppl-audit: error: cannot write the log {log} ({error.strerror}); set PPL_AUDIT_HOME to a "
+              "folder you can write", file=sys.stderr)
+        return False
+    return True
 
 
 def _say_interrupted(signum: signal.Signals, started: float) -> None:

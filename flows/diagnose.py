@@ -9,6 +9,7 @@ here, sharing the models loaded once).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 from prefect import flow
@@ -22,6 +23,7 @@ from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
 from tasks.data.evaluation import Evaluation
 from tasks.record.diagnosis import keep
+from tasks.record.result import AuditResult
 from tasks.steps import examine_variant, log_diagnosis, open_plan, restore_layers
 
 
@@ -75,6 +77,20 @@ def diagnoses(config: AuditConfig, lineup: Lineup, scored: Evaluation, verdicts:
         except Exception as error:  # noqa: BLE001 -- whatever stops one diagnosis, the audit keeps its results
             found[checkpoint.name] = {"variant": checkpoint.name, "problem": f"{type(error).__name__}: {one_line(error)}"}
     return found
+
+
+def audit_diagnoses(plan: AuditPlan, result: AuditResult) -> AuditResult:
+    """The audit's result with the diagnoses its config asks for (after the verdict: they never change it), each
+    variant's on the domain that decides its verdict (its worst, in an audit of several: diagnosed once, where it
+    loses most)."""
+    domains = {}
+    for domain in plan.domains:
+        judged = result.domains[domain.name]
+        picked = [(c, v) for c, v in zip(plan.lineup.variants, result.verdicts) if result.worst[c.name] == domain.name]
+        found = diagnoses(domain.config, replace(plan.lineup, variants=[c for c, _ in picked]), domain.evaluation,
+                          [v for _, v in picked])
+        domains[domain.name] = replace(judged, findings=replace(judged.findings, diagnoses=found))
+    return replace(result, domains=domains)
 
 
 def on_domain(plan: AuditPlan, corpus: str | None) -> tuple[AuditPlan, str | None]:

@@ -16,6 +16,7 @@ from prefect import get_run_logger
 from flows.scheduler import Scheduler
 from tasks.audit import floor
 from tasks.audit.checkpoints import Lineup
+from tasks.audit.judge import Scored
 from tasks.audit.plan import Domain
 from tasks.audit.pieces import Sample, Slices, Windows
 from tasks.audit.scoring import BaselineSlice, Lookup, look_up, merge_shards
@@ -293,8 +294,7 @@ def score_sampled(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, base
     return merged
 
 
-def score_domains(config: AuditConfig, lineup: Lineup, domains: tuple[Domain, ...]
-                  ) -> list[tuple[VariantResult, list[VariantResult], list[VariantResult]]]:
+def score_domains(config: AuditConfig, lineup: Lineup, domains: tuple[Domain, ...]) -> list[Scored]:
     """Each domain's baseline, variants and noise floor, one domain after another on one scheduler (started once):
     every domain scored as its one-corpus audit (``Domain.config``) would be, its variants watched against its own
     gates."""
@@ -303,7 +303,7 @@ def score_domains(config: AuditConfig, lineup: Lineup, domains: tuple[Domain, ..
         for domain in domains:
             baseline, variants = score_all(scheduler, domain.config, lineup.gated(domain.config.thresholds),
                                            domain.evaluation)
-            scored.append((baseline, variants, score_floors(scheduler, lineup, domain.evaluation, baseline)))
+            scored.append(Scored(baseline, variants, score_floors(scheduler, lineup, domain.evaluation, baseline)))
         return scored
 
 

@@ -19,12 +19,13 @@ import yaml
 from prefect import flow
 
 from flows.answers import where_logged
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 from tasks.audit.plan import AuditPlan
 from tasks.audit.recipe.plan import alone, prepare
 from tasks.audit.recipe.proof import audit_of, compared, uniform_above
 from tasks.audit.recipe.sizes import Budget
 from tasks.core.places import home
+from tasks.record.result import AuditResult
 from tasks.record.tuning import gptqmodel_dynamic, llm_compressor_recipe, tensor_type_lines, tune_json
 from tasks.steps import log_tune, measure_tune, open_plan
 
@@ -34,6 +35,7 @@ def _written(found: dict, audit_config: dict) -> Path:
     before the audit runs, so nothing measured is lost if it fails."""
     folder = home() / "tunes" / f"{datetime.now():%Y%m%dT%H%M%S}-{audit_config['name']}-{found['variant']}"
     folder.mkdir(parents=True, exist_ok=True)
+    print(f"the recipe and its audit: {folder}")
     if found["tensor_types"]:  # a GGUF recipe's; a gptq recipe is gptqmodel's dynamic
         (folder / "llama-quantize-tensor-types.txt").write_text(tensor_type_lines(found))
     (folder / "gptqmodel-dynamic.json").write_text(json.dumps(gptqmodel_dynamic(found), indent=2) + "\n")
@@ -43,13 +45,8 @@ def _written(found: dict, audit_config: dict) -> Path:
     return folder
 
 
-def _results(summary: dict) -> dict[str, list]:
-    """The audit's models by domain (one unnamed domain for an audit of one corpus)."""
-    results = summary["results"]
-    return results if isinstance(results, dict) else {"": results}
-
-
-def verdicts(summary: dict, names: dict[str, str], found: dict, larger: tuple[str, float, dict] | None) -> dict:
+def verdicts(result: AuditResult, names: dict[str, str], found: dict, larger: tuple[str, float, dict] | None
+             ) -> dict:
     """Per uniform variant (and per domain), whether the recipe is proven better there (``lines``), whether it is
     in every domain (``proven``, by role: ``uniform``, ``larger``), and each model's audit figures for the chart
     (``audited``). A model that failed makes no claim: not proven."""
@@ -58,11 +55,10 @@ def verdicts(summary: dict, names: dict[str, str], found: dict, larger: tuple[st
     against = [("uniform", found["variant_bpw"], f"uniform {found['file_type']}")]
     if larger is not None:
         against.append(("larger", larger[1], f"uniform {larger[0]}"))
-    results = _results(summary)
-    for domain, models in results.items():
-        by_name = {m.name: m for m in models}
+    for domain, judged in result.domains.items():
+        by_name = {m.name: m for m in judged.results}
         tuned = by_name.get(names["tuned"])
-        on = f" on {domain}" if domain else ""
+        on = f" on {domain}" if result.named else ""
         for role, bpw, label in against:
             other = by_name.get(names[role])
             if tuned is None or other is None or not (tuned.ok and other.ok) or "kl" not in tuned.result.extra:
@@ -73,7 +69,7 @@ def verdicts(summary: dict, names: dict[str, str], found: dict, larger: tuple[st
             better, line = compared(tuned, other, tuned_bpw, bpw, label)
             lines.append(line + on)
             proven[role] = proven.get(role, True) and better
-            if domain == next(iter(results)):
+            if domain == next(iter(result.domains)):
                 audited[names[role]] = {"bpw": bpw, "kl": float(np.mean(other.result.extra["kl"]))}
                 audited[names["tuned"]] = {"bpw": tuned_bpw, "kl": float(np.mean(tuned.result.extra["kl"]))}
     return {"lines": lines, "proven": proven, "audited": audited}
@@ -105,17 +101,16 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
     audit_config, names = audit_of(settings, variant, found["built"]["recipe"], larger)
     folder = _written(found, audit_config)
     found["folder"] = str(folder)
-    print(f"the recipe and its audit: {folder}")
     state = audit(config=str(folder / "audit.yaml"), return_state=True)  # it opens its plan, as a run Prefect starts
-    summary = summary_of(state)
-    if summary is None:
+    result = result_of(state)
+    if result is None:
         found |= {"verdicts": [f"no claim: the audit of the recipe failed ({state.message})"], "proven": {}}
         parent = None
     else:
-        said = verdicts(summary, names, found, larger)
+        said = verdicts(result, names, found, larger)
         found |= {"verdicts": said["lines"], "proven": said["proven"], "audited": said["audited"],
-                  "audit_table": summary["table"], "audit_verdict": summary["verdict"].said}
-        parent = summary.get("mlflow_run_id")
+                  "audit_table": result.table, "audit_verdict": result.verdict.said}
+        parent = result.mlflow_run_id
     (folder / "tune.json").write_text(tune_json(found) + "\n")
     tracking = settings.tracking
     logged = log_tune(found, tracking.uri, tracking.experiment, parent, return_state=True)

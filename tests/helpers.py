@@ -365,7 +365,7 @@ def audit_two_domains(folder: Path, baseline: Path, corpus: Path, name: str, **s
     import pytest
     import yaml
 
-    from flows.audit import audit, summary_of
+    from flows.audit import audit, result_of
 
     other = folder / "other.txt"
     other.write_text(make_text(1500, seed=1))
@@ -376,6 +376,27 @@ def audit_two_domains(folder: Path, baseline: Path, corpus: Path, name: str, **s
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPL_AUDIT_HOME", str(folder / "home"))
-        summary = summary_of(audit(config=str(folder / f"{name}.yaml"), return_state=True))
+        summary = result_of(audit(config=str(folder / f"{name}.yaml"), return_state=True))
     [record_folder] = (folder / "home" / "synced").iterdir()
     return summary, record_folder
+
+
+def only(result):
+    """The one domain's result (``DomainResult``) of an audit of one corpus (``AuditResult``)."""
+    [domain] = result.domains.values()
+    return domain
+
+
+def assert_reads_back(result, record: dict) -> None:
+    """The audit's ``record`` read back (``from_record``) prints what its live ``result`` printed: every form of the
+    console's answer and its JSON line, to the last digit."""
+    from dataclasses import replace
+
+    from tasks.record.answer import answer_json, answer_text
+    from tasks.record.serial import from_record
+
+    back = replace(from_record(record), record=result.record, mlflow_run_id=result.mlflow_run_id)
+    for by_domain in (False, True):
+        for stats in ("summary", "full"):
+            assert answer_text(back, by_domain, stats) == answer_text(result, by_domain, stats), (by_domain, stats)
+    assert answer_json(back) == answer_json(result)

@@ -1,5 +1,6 @@
 """The layout is the architecture: import-linter's contracts in pyproject.toml hold, and they catch a break."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,41 @@ def test_an_upward_import_or_a_cycle_breaks_a_contract(tmp_path):
     assert "Layers: each imports only those below it BROKEN" in done.stdout, done.stdout
     assert "No import cycle inside any package BROKEN" in done.stdout, done.stdout
     assert "tasks.engine.windows -> tasks.record.tracking" in done.stdout, done.stdout
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules of flows/ and tasks/ a module names at its top level, those named for annotations alone
+    (``if TYPE_CHECKING:``) too; imports inside functions are left out: they are how a module defers a heavy one."""
+    tree = ast.parse(path.read_text())
+    body = [*tree.body, *(node for block in tree.body if isinstance(block, ast.If) for node in block.body)]
+    named = set()
+    for node in body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            named |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            named |= {alias.name for alias in node.names}
+    return named
+
+
+def test_no_module_names_another_that_names_it_even_for_a_type():
+    """import-linter leaves out imports made for annotations (``exclude_type_checking_imports``), so it did not see
+    perplexity.py and scoring_options.py naming each other (#68): a circle a reader has to hold either way."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for package in ("flows", "tasks") for p in (ROOT / package).rglob("*.py")}
+    graph = {name: (_imports(path) & modules.keys()) - {name} for name, path in modules.items()}
+    circles = set()
+    for start in graph:  # breadth first from each module: a path back to it is a circle
+        paths, frontier = {start: (start,)}, [start]
+        while frontier:
+            step = []
+            for module in frontier:
+                if start in graph[module]:
+                    circles.add(" -> ".join(sorted(paths[module])))
+                for name in graph[module] - paths.keys():
+                    paths[name] = (*paths[module], name)
+                    step.append(name)
+            frontier = step
+    assert not circles, "modules that name each other: " + "; ".join(sorted(circles))
 
 
 # a command run as the console script runs it, then a last line naming the heavy libraries it imported

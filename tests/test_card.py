@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import audit_two_domains, free_port, one_line_error
+from helpers import assert_reads_back, audit_two_domains, free_port, one_line_error
 from mlflow import MlflowClient
 
 from flows.cli import main
@@ -47,7 +47,7 @@ def audited(tmp_path_factory, tiny_model_dir, corpus_path, cache, prefect_harnes
                   {"name": "half", "path": str(tiny_model_dir), "dtype": "bfloat16"}],
         thresholds={"max_ppl_increase_pct": 50})
     client = MlflowClient(uri)
-    return {"uri": uri, "client": client, "parent": client.get_run(summary["mlflow_run_id"]),
+    return {"uri": uri, "client": client, "parent": client.get_run(summary.mlflow_run_id), "result": summary,
             "config": folder / "carded.yaml", "record_text": (record_folder / "record.json").read_text()}
 
 
@@ -88,6 +88,12 @@ def markdown_tables(card: str) -> list[tuple[str, list[dict[str, str]]]]:
                 body.append(dict(zip(header, row[2:-2].split(" | "))))
             tables.append((heading, body))
     return tables
+
+
+def test_a_record_of_two_domains_and_a_floor_reads_back_as_the_result_every_view_read(audited):
+    """``from_record`` gives back what the console printed, ``--by-domain`` and ``--stats full`` too, and the JSON
+    line, from the record of an audit of two domains with a noise floor (#68)."""
+    assert_reads_back(audited["result"], json.loads(audited["record_text"]))
 
 
 def test_the_markdown_card_has_the_console_tables_figures(audited, cli):

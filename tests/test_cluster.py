@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers import free_port, place_prefect_database, wait_for, write_config
+from helpers import free_port, place_prefect_database, wait_for, write_config, only
 
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 from tasks.engine.sequential import minimum_windows
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -98,10 +98,10 @@ def test_an_audit_on_an_existing_dask_cluster_scores_as_sequential_and_names_eac
     state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     on_cluster = state.result()
-    assert [r["ppl"] for r in on_cluster["rows"]] == [r["ppl"] for r in sequential["rows"]]  # to the last bit
-    ran_on = {outcome.name: outcome.facts.worker for outcome in on_cluster["results"]}
+    assert [r["ppl"] for r in on_cluster.rows] == [r["ppl"] for r in sequential.rows]  # to the last bit
+    ran_on = {outcome.name: outcome.facts.worker for outcome in only(on_cluster).results}
     assert set(ran_on.values()) <= set(workers)  # every model, the baseline too, ran on the cluster's workers
-    baseline = on_cluster["results"][0]
+    baseline = only(on_cluster).results[0]
     assert baseline.reference.baseline == "scored" and baseline.shards[0]["worker"] == ran_on["baseline"]
 
 
@@ -192,7 +192,7 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "noisy", "path": str(noisy_model_dir)}]
     whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
                   return_state=True).result()
-    written = Path(whole["results"][0].reference.path)
+    written = Path(only(whole).results[0].reference.path)
     data = (reference.HIDDEN, reference.SCORES, reference.HEAD)  # the manifest says when; `used` is touched on reuse
     files = {name: (written / name).read_bytes() for name in data if (written / name).exists()}
     manifest = reference.Reference.open(written).manifest
@@ -202,7 +202,7 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     sharded = state.result()
-    baseline = sharded["results"][0]
+    baseline = only(sharded).results[0]
     assert [row["windows"] for row in baseline.shards] == [[0, 16], [16, 32], [32, 46]]
     assert {row["worker"] for row in baseline.shards} <= set(workers)
     with get_client(sync_client=True) as api:  # the shards ran at once, one on each worker, not one after another
@@ -226,9 +226,9 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     assert joined.verify() is None
     assert not any((references_dir() / ".slices").iterdir())  # the slices are gone once joined
     timing = {"tokens_per_second", "load_seconds", "weight_mib", "baseline", "drift", "drift_from"}  # how long, how made
-    assert [{k: v for k, v in row.items() if k not in timing} for row in sharded["rows"]] == \
-        [{k: v for k, v in row.items() if k not in timing} for row in whole["rows"]]
-    for one, split in zip(whole["results"][1:], sharded["results"][1:]):
+    assert [{k: v for k, v in row.items() if k not in timing} for row in sharded.rows] == \
+        [{k: v for k, v in row.items() if k not in timing} for row in whole.rows]
+    for one, split in zip(only(whole).results[1:], only(sharded).results[1:]):
         a, b = one.result, split.result
         assert (a.nll_sum, a.n_tokens, a.stderr) == (b.nll_sum, b.n_tokens, b.stderr)
         for name, x, y in [("nll", a.token_nll, b.token_nll), ("windows", a.window_nll, b.window_nll),
@@ -247,16 +247,16 @@ def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_
     variants = [{"name": "clear", "path": str(noisy_model_dir)}, {"name": "borderline", "path": str(noisy_model_dir)}]
     whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants[1:])),
                   return_state=True).result()
-    fixed = whole["rows"][1]
+    fixed = whole.rows[1]
     thresholds = {"max_ppl_increase_pct": 1000, "per_variant": {
         "borderline": {"max_ppl_increase_pct": (fixed["delta_ppl_pct"] + fixed["delta_ppl_pct_high"]) / 2}}}
     address, workers = two_workers
     config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants, thresholds=thresholds,
                           runner={"kind": "dask", "address": address, "shards": 2})
     state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
-    summary = summary_of(state)
-    rows, verdicts = {r["variant"]: r for r in summary["rows"]}, {v.name: v for v in summary["verdicts"]}
-    clear, borderline = summary["results"][1], summary["results"][2]
+    summary = result_of(state)
+    rows, verdicts = {r["variant"]: r for r in summary.rows}, {v.name: v for v in summary.verdicts}
+    clear, borderline = only(summary).results[1], only(summary).results[2]
     assert verdicts["clear"].status == "pass" and "stopped at" in verdicts["clear"].reason
     assert rows["clear"]["scored_fraction"] < 1 and clear.sequential.decision == "pass"
     assert minimum_windows(46, 4) <= len(clear.sequential.windows) < 46
@@ -297,7 +297,7 @@ def kill_a_worker_mid_shard(address: str, name: str, killed: list, unless: str |
 
 
 @pytest.fixture(scope="module")
-def smollm2_int8_here(tmp_path_factory, prefect_harness) -> dict:
+def smollm2_int8_here(tmp_path_factory, prefect_harness):
     """``embedded_int8``'s audit run here, once for the module's tests that need its figures or its baseline reference
     (which stays in the worker's references folder): SmolLM2 and its int8 variant, loaded and scored."""
     return audit(config=str(embedded_int8(tmp_path_factory.mktemp("smollm2") / "s.yaml")), return_state=True).result()
@@ -313,7 +313,7 @@ def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_i
     from tasks.audit.reference import HIDDEN
 
     whole = smollm2_int8_here
-    hidden = (Path(whole["results"][0].reference.path) / HIDDEN).read_bytes()
+    hidden = (Path(only(whole).results[0].reference.path) / HIDDEN).read_bytes()
     killed: list[str] = []
 
     def kill_one_each(address: str) -> None:
@@ -329,11 +329,11 @@ def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_i
     assert state.is_completed(), state.message
     # two workers killed: the second may be the first one started again by its nanny, under a new address
     assert len(set(killed)) == 2 and killed[0] in workers
-    for outcome, alone, dead in zip(state.result()["results"], whole["results"], killed):
+    for outcome, alone, dead in zip(only(state.result()).results, only(whole).results, killed):
         assert dead not in {row["worker"] for row in outcome.shards}  # its shard ran again on a live worker
         assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
         assert outcome.result.nll_sum == alone.result.nll_sum
-    baseline = state.result()["results"][0]
+    baseline = only(state.result()).results[0]
     assert (Path(baseline.reference.path) / HIDDEN).read_bytes() == hidden
 
 
@@ -414,7 +414,7 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
                               runner={"kind": "dask", "address": address, "shards": 4})
         state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message
-    outcome = state.result()["results"][1]
+    outcome = only(state.result()).results[1]
     failed = [row for row in outcome.shards if "failed" in row]
     assert failed, outcome.shards  # the hidden worker took shards
     for row in failed:
@@ -424,8 +424,8 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
     done = [row for row in outcome.shards if "failed" not in row]
     assert [row["windows"] for row in done] == [[0, 12], [12, 24], [24, 36], [36, 46]]
     assert all(row["worker"] != failed[0]["worker"] for row in done)
-    assert np.array_equal(outcome.result.extra["kl"], whole["results"][1].result.extra["kl"])
-    assert outcome.result.nll_sum == whole["results"][1].result.nll_sum
+    assert np.array_equal(outcome.result.extra["kl"], only(whole).results[1].result.extra["kl"])
+    assert outcome.result.nll_sum == only(whole).results[1].result.nll_sum
 
 
 def embedded_int8(path: Path, **sections) -> Path:
@@ -446,7 +446,7 @@ def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path
 
     with dask_cluster(1, hide=references_dir()) as (address, _):
         config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
-        _, variant = summary_of(audit(config=str(config), return_state=True))["results"]
+        _, variant = only(result_of(audit(config=str(config), return_state=True))).results
     assert variant.reason.endswith("; no other worker is left to run it again"), variant.reason
     assert len(variant.shards) == 2, variant.shards  # one try each
     assert all("failed" in row for row in variant.shards), variant.shards
@@ -483,7 +483,7 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
         state = audit(config=str(config), return_state=True)
         killer.join()
     assert killed == [workers[0]]
-    _, variant = summary_of(state)["results"]
+    _, variant = only(result_of(state)).results
     assert re.fullmatch(r"shard \d of 4: the baseline reference .* is not on tcp://127\.0\.0\.1:\d+; every worker "
                         r"must see \$PPL_AUDIT_REFERENCES at the same path; no other worker is left to run it again",
                         variant.reason), variant.reason
@@ -514,14 +514,14 @@ def test_an_audit_on_a_ray_cluster_in_shards_scores_as_sequential(tmp_path, trai
                           runner={"kind": "ray", "address": ray_address, "shards": 2})
     state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
-    for outcome, alone in zip(state.result()["results"], whole["results"]):  # the baseline scored again, in shards
+    for outcome, alone in zip(only(state.result()).results, only(whole).results):  # the baseline scored again, in shards
         assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
         assert outcome.result.nll_sum == alone.result.nll_sum
         assert [row["windows"] for row in outcome.shards] == [[0, 24], [24, 46]]
         assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
         assert os.getpid() not in {int(re.search(r"pid (\d+)", row["worker"]).group(1)) for row in outcome.shards}
-    baseline, variant = state.result()["results"]
-    assert np.array_equal(variant.result.extra["kl"], whole["results"][1].result.extra["kl"])
+    baseline, variant = only(state.result()).results
+    assert np.array_equal(variant.result.extra["kl"], only(whole).results[1].result.extra["kl"])
     assert baseline.reference.drift["max_abs_delta_nll"] == 0 and baseline.reference.problem is None
 
 
@@ -533,7 +533,7 @@ def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_pat
                           runner={"kind": "ray", "address": ray_address, "shards": 2})
     state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
     assert state.is_completed(), state.message
-    outcome = state.result()["results"][1]
+    outcome = only(state.result()).results[1]
     assert outcome.sequential.decision == "pass" and outcome.result.scored_fraction < 1
     assert 1 < len(outcome.shards) < 8
     assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
@@ -572,7 +572,7 @@ def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_mo
                               runner={"kind": "dask", "address": address, "shards": 3})
         state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
-    sharded = state.result()["results"][1]
+    sharded = only(state.result()).results[1]
     assert len(list((tmp_path / "cache" / "quantized").iterdir())) == 1
     with get_client(sync_client=True) as api:
         def runs(like: str) -> list:
@@ -667,10 +667,10 @@ def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(caplog, tmp_pat
         state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message
     on_hosts = state.result()
-    assert [r["ppl"] for r in on_hosts["rows"]] == [r["ppl"] for r in sequential["rows"]]  # to the last bit
-    for one, split in zip(sequential["results"][1:], on_hosts["results"][1:]):
+    assert [r["ppl"] for r in on_hosts.rows] == [r["ppl"] for r in sequential.rows]  # to the last bit
+    for one, split in zip(only(sequential).results[1:], only(on_hosts).results[1:]):
         assert np.array_equal(one.result.token_nll, split.result.token_nll)
-    ran_on = {row["worker"] for outcome in on_hosts["results"][1:] for row in outcome.shards}
+    ran_on = {row["worker"] for outcome in only(on_hosts).results[1:] for row in outcome.shards}
     assert ran_on == set(workers) and {w.split("//")[1].split(":")[0] for w in workers} == {a for _, a in network.hosts}
     host = r"tcp://10\.\d+\.\d+\.1[12]:\d+"
     for name in ("int8", "copy"):  # the run's log says which host scored which windows
@@ -716,7 +716,7 @@ def test_a_task_that_fails_before_prefect_records_it_fails_its_variant_not_the_a
                           runner={"kind": "dask", "address": hosts[0], "shards": 2})
     state = audit(config=str(config), return_state=True)
     assert state.is_failed()
-    baseline, variant = summary_of(state)["results"]
+    baseline, variant = only(result_of(state)).results
     assert baseline.ok and baseline.result.ppl > 1
     assert not variant.ok
     assert re.fullmatch(r"shard 1 of 2: RuntimeError: Failed to reach API at http://127\.0\.0\.1:\d+/api/",

@@ -16,7 +16,7 @@ import pytest
 from helpers import MlflowServer, json_line, write_config
 from mlflow import MlflowClient
 
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 from flows.cli import main
 from tasks.record.history import Audited, mark_changes, mark_dominated
 from tasks.record.spool import sealed_record_json
@@ -81,7 +81,7 @@ def store(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path):
                                name="trained", tracking=tracking)
         other = write_config(folder / "other.yaml", noisy_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}],
                              name="other", tracking=tracking)
-        runs = {name: summary_of(audit(config=str(config), return_state=True))["mlflow_run_id"]
+        runs = {name: result_of(audit(config=str(config), return_state=True)).mlflow_run_id
                 for name, config in (("trained", trained), ("other", other))}
         synced = folder / "home" / "synced"
         record_folder = next(f for f in synced.iterdir() if "-trained-" in f.name)

@@ -89,7 +89,8 @@ def test_restoring_every_layer_gives_the_baseline_back(deep_base, stream):
 def test_restored_scores_run_from_the_first_restored_layer_with_the_bits_of_a_whole_pass(deep_base, stream):
     """Layers before the first restored one are replayed from the variant's own pass, not run again: the figures
     are those of the variant with the layers restored, run whole, to the bit."""
-    from tasks.engine.perplexity import Baseline, hidden_states
+    from tasks.engine.perplexity import hidden_states
+    from tasks.engine.baseline import Baseline
 
     variant = faulty(deep_base, [0, 2])
     planned = windows(stream)

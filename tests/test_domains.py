@@ -18,7 +18,8 @@ from helpers import build_llama, make_text, train_briefly
 
 from tasks.config import Thresholds
 from tasks.engine.paired import paired_difference
-from tasks.record.domains import DomainSummary, across
+from tasks.record.domains import across
+from tasks.record.result import DomainResult
 from tasks.record.verdict import judge
 
 # Russian words for a second domain in another script: the test tokenizer is byte-level BPE trained on English
@@ -104,7 +105,7 @@ def audit_config(path: Path, baseline: Path, variant: Path, texts: dict[str, Pat
 @pytest.fixture(scope="module")
 def audits(prefect_harness, cache, tmp_path_factory, bilingual_dir, planted, domains):
     """The audit of both domains (its final state) and each domain's one-corpus audit (its summary), run once."""
-    from flows.audit import audit, summary_of
+    from flows.audit import audit, result_of
 
     folder = tmp_path_factory.mktemp("domain-audits")
     variant, _ = planted
@@ -113,7 +114,7 @@ def audits(prefect_harness, cache, tmp_path_factory, bilingual_dir, planted, dom
     for name, text in domains.items():
         state = audit(config=audit_config(folder / f"{name}.yaml", bilingual_dir, variant, {name: text}),
                       return_state=True)
-        alone[name] = summary_of(state)
+        alone[name] = result_of(state)
     return both, alone
 
 
@@ -134,37 +135,38 @@ def test_the_planted_variant_differs_only_in_the_input_rows_of_the_other_script(
 def test_a_fault_planted_in_one_domain_fails_that_domain_alone(audits):
     import json
 
-    from flows.audit import summary_json, summary_of
+    from flows.audit import result_of
+    from tasks.record.answer import answer_json
 
     both, _ = audits
     assert both.is_failed()
     assert both.message.startswith("fail: planted: fails on russian: ΔPPL +"), both.message
     assert "breaks the limit ≤ 5; ΔPPL by domain: english +0.00%, russian +" in both.message
-    summary = summary_of(both)
-    said = json.loads(summary_json(summary))
+    summary = result_of(both)
+    said = json.loads(answer_json(summary))
     assert said["verdict"] == "fail"
     assert {name: domain["verdict"] for name, domain in said["domains"].items()} == {"english": "pass",
                                                                                        "russian": "fail"}
     assert [m["verdict"] for m in said["domains"]["english"]["models"]] == ["baseline", "pass"]
     assert [m["verdict"] for m in said["domains"]["russian"]["models"]] == ["baseline", "fail"]
-    english, russian = (summary["domains"][name]["rows"][1] for name in ("english", "russian"))
+    english, russian = (summary.domains[name].rows[1] for name in ("english", "russian"))
     # English never meets a noised row: the variant's predictions there are the baseline's, bit for bit
     assert english["delta_ppl_pct"] == 0 and english["kld_mean"] == 0 and english["top1_agreement"] == 1
     assert russian["delta_ppl_pct_low"] > 5
-    assert summary["rows"][1]["domain"] == "russian" and summary["rows"][1]["ppl"] == russian["ppl"]
+    assert summary.rows[1]["domain"] == "russian" and summary.rows[1]["ppl"] == russian["ppl"]
 
 
 def test_each_domain_is_scored_and_judged_as_its_one_corpus_audit(audits):
     both, alone = audits
-    from flows.audit import summary_of
+    from flows.audit import result_of
 
-    domains = summary_of(both)["domains"]
+    domains = result_of(both).domains
     assert list(domains) == ["english", "russian"]
     for name, summary in domains.items():
         one = alone[name]
-        assert [v.status for v in summary["verdicts"]] == [v.status for v in one["verdicts"]]
-        assert [v.reason for v in summary["verdicts"]] == [v.reason for v in one["verdicts"]]
-        for row, single in zip(summary["rows"], one["rows"], strict=True):
+        assert [v.status for v in summary.verdicts] == [v.status for v in one.verdicts]
+        assert [v.reason for v in summary.verdicts] == [v.reason for v in one.verdicts]
+        for row, single in zip(summary.rows, one.rows, strict=True):
             assert set(row) == set(single), name
             compared = set(row) - NOT_FIGURES
             assert {"ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean", "top1_agreement",
@@ -173,8 +175,8 @@ def test_each_domain_is_scored_and_judged_as_its_one_corpus_audit(audits):
                       if not (row[key] == single[key] or row[key] != row[key] and single[key] != single[key])}
             assert not differ, f"{name} {row['variant']}: {differ}"
         # the reference each domain's baseline made is the one its one-corpus audit found: the same tokens
-        assert (summary["rows"][0]["baseline"], one["rows"][0]["baseline"]) == ("scored", "reused")
-    assert domains["russian"]["rows"][1]["n_tokens"] < domains["english"]["rows"][1]["n_tokens"]  # its own
+        assert (summary.rows[0]["baseline"], one.rows[0]["baseline"]) == ("scored", "reused")
+    assert domains["russian"].rows[1]["n_tokens"] < domains["english"].rows[1]["n_tokens"]  # its own
 
 
 # -- bad input: one line, exit 2, before anything loads --------------------------------------------------------
@@ -291,8 +293,8 @@ def pass_rates(true_pcts: list[float], draws: int, seed: int) -> tuple[float, li
             row = synthetic_row(rng, true_pct)
             verdict = judge(row, GATE)
             each[k] += verdict.status == "pass"
-            domains.append(DomainSummary(f"d{k}", {"rows": [{"variant": "baseline", "status": "ok"}, row],
-                                                   "verdicts": [verdict]}))
+            domains.append(DomainResult(f"d{k}", (), ({"variant": "baseline", "status": "ok"}, row), (verdict,),
+                                        verdict, ""))
         passed += across(domains, 0).status == "pass"
     return passed / draws, list(each / draws)
 

@@ -32,7 +32,7 @@ def audited(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path, p
     client = MlflowClient(uri)
     record = json.loads((record_folder / "record.json").read_text())
     assert list(record["domains"]) == list(DOMAINS)
-    return client, client.get_run(summary["mlflow_run_id"]), record, record_folder
+    return client, client.get_run(summary.mlflow_run_id), record, record_folder
 
 
 def children(client: MlflowClient, parent) -> dict:

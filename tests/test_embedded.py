@@ -80,7 +80,8 @@ def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
     """Plain NLL, NLL while the hidden states are kept (a reference being written) and NLL beside a
     baseline reference (KL being taken) are one computation."""
     from tasks.audit.reference import Writer
-    from tasks.engine.perplexity import Baseline, hidden_states, perplexity, scored_targets
+    from tasks.engine.perplexity import hidden_states, perplexity, scored_targets
+    from tasks.engine.baseline import Baseline
     from tasks.engine.scoring_options import ScoreOptions, Windowing
 
     model, _, stream = embedded

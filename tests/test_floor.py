@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import json_line, one_line_error, scored_log_probs, write_config
+from helpers import json_line, one_line_error, scored_log_probs, write_config, only
 from mlflow import MlflowClient
 
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 from flows.cli import main
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -33,25 +33,25 @@ def audits(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path):
         config = write_config(folder / "floor.yaml", trained_model_dir, corpus_path, variants, name="floored",
                               tracking=tracking, evaluation={"window": 64, "stride": 32, "batch_size": 4,
                                                              "max_tokens": 1500, "floor": True})
-        summaries = {"cold": summary_of(audit(config=str(config), return_state=True))}
-        summaries["warm"] = summary_of(audit(config=str(config), return_state=True))
+        summaries = {"cold": result_of(audit(config=str(config), return_state=True))}
+        summaries["warm"] = result_of(audit(config=str(config), return_state=True))
         floors = list((folder / "references").glob("*/floors/floor-bf16"))
         scores = floors[0] / "scores.npz"
         scores.write_bytes(scores.read_bytes()[:-8] + b"\0" * 8)
-        summaries["damaged"] = summary_of(audit(config=str(config), overrides=[], return_state=True))
+        summaries["damaged"] = result_of(audit(config=str(config), overrides=[], return_state=True))
         other = write_config(folder / "other.yaml", trained_model_dir, corpus_path, variants[:1], name="shorter",
                              tracking=tracking, evaluation={"window": 64, "stride": 32, "batch_size": 4,
                                                             "max_tokens": 1000})
-        summaries["other"] = summary_of(audit(config=str(other), return_state=True))
+        summaries["other"] = result_of(audit(config=str(other), return_state=True))
         yield {"summaries": summaries, "floors": floors, "config": config, "uri": tracking["uri"], "folder": folder}
 
 
 def _floor(summary: dict, name: str) -> dict:
-    return next(row for row in summary["floor"] if row["variant"] == name)
+    return next(row for row in only(summary).floor if row["variant"] == name)
 
 
 def _row(summary: dict, name: str) -> dict:
-    return next(row for row in summary["rows"] if row["variant"] == name)
+    return next(row for row in summary.rows if row["variant"] == name)
 
 
 @pytest.mark.slow  # four audits of the tiny model, two floors each
@@ -117,7 +117,7 @@ def test_mlflow_holds_the_floor_and_the_token_population(audits):
 @pytest.mark.slow
 def test_compare_refuses_audits_of_other_tokens_side_by_side_unless_asked(audits, capsys):
     summaries, uri = audits["summaries"], audits["uri"]
-    cold, warm, other = (summaries[k]["mlflow_run_id"] for k in ("cold", "warm", "other"))
+    cold, warm, other = (summaries[k].mlflow_run_id for k in ("cold", "warm", "other"))
     err = one_line_error(capsys, "compare", "--audits", cold, other, "--tracking-uri", uri)
     assert "scored different tokens" in err and "max_tokens 1500 against 1000" in err and "--any-tokens" in err
     assert main(["compare", "--audits", cold, warm, "--tracking-uri", uri, "--json"]) == 0

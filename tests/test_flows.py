@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_config
+from helpers import write_config, only
 
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 from flows.cli import main
 from tasks.core.errors import TransientError
 from tasks.record.verdict import FRONT
@@ -26,9 +26,9 @@ def test_audit_passes_when_every_variant_is_within_its_gate(tmp_path, cache, tra
     state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    assert [row["variant"] for row in summary["rows"]] == ["baseline", "int8", "gptq"]
-    assert all(v.status == "pass" for v in summary["verdicts"])
-    assert summary["rows"][1]["ppl"] == pytest.approx(summary["rows"][0]["ppl"], rel=0.01)
+    assert [row["variant"] for row in summary.rows] == ["baseline", "int8", "gptq"]
+    assert all(v.status == "pass" for v in summary.verdicts)
+    assert summary.rows[1]["ppl"] == pytest.approx(summary.rows[0]["ppl"], rel=0.01)
 
 
 def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, cache, trained_model_dir,
@@ -41,14 +41,14 @@ def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, 
     assert state.is_failed()
     assert state.message.startswith("fail: noisy: ΔPPL +") and "breaks the limit ≤ 1" in state.message
     assert "\n" not in state.message
-    summary = summary_of(state)
-    statuses = {v.name: v.status for v in summary["verdicts"]}
+    summary = result_of(state)
+    statuses = {v.name: v.status for v in summary.verdicts}
     assert statuses == {"noisy": "fail", "int8": "pass"}
     # the noisy float model is 32 bits a weight and clearly worse than 8-bit LLM.int8: dominated
-    rows = {row["variant"]: row for row in summary["rows"]}
+    rows = {row["variant"]: row for row in summary.rows}
     assert rows["noisy"]["bits_per_weight"] == 32 and 8 < rows["int8"]["bits_per_weight"] < 8.5
     assert rows["noisy"]["dominated_by"] == "int8" and rows["int8"]["dominated_by"] is None
-    assert state.message.endswith(f"{FRONT}: int8") and "dominated by int8" in summary["table"]
+    assert state.message.endswith(f"{FRONT}: int8") and "dominated by int8" in summary.table
 
 
 def test_a_failing_variant_is_isolated(tmp_path, cache, trained_model_dir, noisy_model_dir, corpus_path):
@@ -59,7 +59,7 @@ def test_a_failing_variant_is_isolated(tmp_path, cache, trained_model_dir, noisy
     state = audit(config=str(config), overrides=[f"variants.1.path={tmp_path / 'gone'}"], return_state=True)
     assert state.is_failed()
     assert state.message.startswith("error: noisy: model folder not found")
-    rows = {row["variant"]: row for row in summary_of(state)["rows"]}
+    rows = {row["variant"]: row for row in result_of(state).rows}
     assert rows["noisy"]["status"] == "failed" and "ppl" not in rows["noisy"]
     assert rows["baseline"]["ppl"] > 1 and rows["int8"]["ppl"] > 1 and "delta_ppl_pct" in rows["int8"]
 
@@ -262,14 +262,14 @@ def test_a_chinese_corpus_is_audited_end_to_end(tmp_path, cache, trained_model_d
     state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    for outcome in summary["results"]:
+    for outcome in only(summary).results:
         result = outcome.result
         assert result.word_ppl is None and result.ppl > 1 and result.bits_per_byte > 0
         assert result.absent == {"word_ppl": f"e^{result.nll_sum / result.n_words:.0f} is past a float: the scored "
                                              f"text has too few words ({result.n_words})"}
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("ppl-audit").experiment_id],
-                              filter_string=f"tags.`mlflow.parentRunId` = '{summary['mlflow_run_id']}'")
+                              filter_string=f"tags.`mlflow.parentRunId` = '{summary.mlflow_run_id}'")
     assert len(runs) == 2
     for run in runs:
         assert "word_ppl" not in run.data.metrics and run.data.metrics["ppl"] > 1

@@ -13,13 +13,11 @@ CODE = ("tasks", "flows")
 
 # string-key subscripts (``row["ppl"]``): results travelling as untyped dicts. Target (#68): at most 300, all in the
 # serialization and MLflow modules
-SUBSCRIPTS_CEILING = 1200
+SUBSCRIPTS_CEILING = 1171
 # flows/audit.py reads top to bottom: target (#68) at most 120 lines
-AUDIT_FLOW_LINES_CEILING = 233
+AUDIT_FLOW_LINES_CEILING = 118
 # no function in flows/ over 40 lines (#68): those over it today, each at most as long as it is
-LONG_FLOW_FUNCTIONS = {("flows/runners.py", "score_concurrently"): 71, ("flows/commands/reference.py", "run"): 68,
-                       ("flows/audit.py", "audit"): 64, ("flows/runners.py", "score_sampled"): 61,
-                       ("flows/cli.py", "main"): 49, ("flows/commands/ppl.py", "run"): 47, ("flows/tune.py", "tune"): 41}
+LONG_FLOW_FUNCTIONS = {("flows/runners.py", "score_concurrently"): 71, ("flows/runners.py", "score_sampled"): 61}
 FUNCTION_LINES = 40
 
 

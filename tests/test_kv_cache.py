@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import write_config
 
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 from flows.cli import main
 from tasks.engine.kv_cache import KVCacheFormat, cache, residual_mask
 from tasks.engine.perplexity import perplexity
@@ -195,8 +195,8 @@ def test_an_audit_reports_each_cache_its_cost_and_its_paired_loss(tmp_path, cach
                            {"name": "int8-kv-fp8", "method": "torchao-int8", "kv_cache": {"dtype": "fp8_e5m2"}}],
                           name="kv", thresholds={"max_ppl_increase_pct": 50},
                           tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "kv"})
-    summary = summary_of(audit(config=str(config), return_state=True))
-    rows = {row["variant"]: row for row in summary["rows"]}
+    summary = result_of(audit(config=str(config), return_state=True))
+    rows = {row["variant"]: row for row in summary.rows}
     assert rows["kv8"]["method"] == "baseline kv:int8" and rows["int8-kv-fp8"]["method"] == "torchao-int8 kv:fp8_e5m2"
     assert rows["kv8"]["kv_saving_pct"] == pytest.approx(100 * (1 - 8.5 / 32))
     assert rows["kv4"]["kv_saving_pct"] == pytest.approx(100 * (1 - 4.5 / 32))
@@ -205,7 +205,7 @@ def test_an_audit_reports_each_cache_its_cost_and_its_paired_loss(tmp_path, cach
         assert row["delta_ppl_pct_low"] <= row["delta_ppl_pct"] <= row["delta_ppl_pct_high"] and row["kld_mean"] > 0
     assert rows["kv4"]["kld_mean"] > rows["kv8"]["kld_mean"]
     said = "KV cache int8 g32 (llama.cpp q8_0): 272 B/token, 0.02 MiB a window, 73% less than the baseline's"
-    assert said in summary["table"] and rows["kv8"]["kv_window_mib"] == 272 * 64 / 2**20
+    assert said in summary.table and rows["kv8"]["kv_window_mib"] == 272 * 64 / 2**20
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

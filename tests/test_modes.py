@@ -107,7 +107,8 @@ def test_a_long_stream_s_divergence_is_compiled_and_gives_the_float64_figures():
     """From a real model's long stream up the divergence kernel is compiled (a test model's short ones are measured
     eagerly, through every test above): chunk by chunk, it gives what both models' full log-softmax gives in
     float64."""
-    from tasks.engine.perplexity import COMPILE_FROM_LOGITS, BaselineBatch, _divergence, divergence_kernel, token_stats
+    from tasks.engine.perplexity import COMPILE_FROM_LOGITS, _divergence, divergence_kernel, token_stats
+    from tasks.engine.baseline import BaselineBatch
 
     vocabulary, width, tokens = 8192, 32, 300
     assert divergence_kernel("cpu", COMPILE_FROM_LOGITS) is not _divergence

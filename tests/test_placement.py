@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import build_llama, write_config
+from helpers import build_llama, only, write_config
 
 from flows.audit import audit
 from tasks.config import VariantSpec, parse
@@ -34,7 +34,7 @@ def test_a_split_model_scores_as_on_one_device_and_says_where_it_ran(tmp_path, t
     state = audit(config=str(write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path, variants)),
                   return_state=True)
     assert state.is_completed(), state.message
-    baseline, split = state.result()["results"]
+    baseline, split = only(state.result()).results
     assert split.ok, split.reason
     assert split.facts.device == placed
     assert np.array_equal(split.result.token_nll, baseline.result.token_nll)  # the same model, split: the same bits

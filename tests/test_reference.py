@@ -25,7 +25,8 @@ from tasks.core.errors import InputError
 from tasks.data.corpus import tokenize
 from tasks.data.evaluation import evaluation
 from tasks.engine.paired import divergence_summary
-from tasks.engine.perplexity import Baseline, hidden_states, perplexity
+from tasks.engine.perplexity import hidden_states, perplexity
+from tasks.engine.baseline import Baseline
 from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.models.loading import load_model
 from tasks.record.verdict import comparison_row, format_stats, format_table, judge

@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import write_config
+from helpers import assert_reads_back, write_config
 from matplotlib.colors import to_rgb
 from mlflow import MlflowClient
 
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -25,7 +25,7 @@ HOSTILE = "gone<b>x</b>&amp;|*y*"  # a folder name that markup would swallow if 
 def audited(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path, prefect_harness):
     """One audit with a verdict of each kind: int8 passes (limit 5%), noisy fails its own limit (1%),
     missing errs (its folder, named with markup, does not exist). Returns (client, parent run, record, the record's
-    folder)."""
+    folder, the audit's result)."""
     folder = tmp_path_factory.mktemp("report")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPL_AUDIT_HOME", str(folder / "home"))
@@ -37,12 +37,19 @@ def audited(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path, p
                               name="reported", tracking={"uri": uri, "experiment": "tests"},
                               thresholds={"max_ppl_increase_pct": 5,
                                           "per_variant": {"noisy": {"max_ppl_increase_pct": 1}}})
-        summary = summary_of(audit(config=str(config), return_state=True))
+        summary = result_of(audit(config=str(config), return_state=True))
         [record_folder] = (folder / "home" / "synced").iterdir()
     client = MlflowClient(uri)
     record = json.loads((record_folder / "record.json").read_text())
-    assert {v.name: v.status for v in summary["verdicts"]} == {"int8": "pass", "noisy": "fail", "missing": "error"}
-    return client, client.get_run(summary["mlflow_run_id"]), record, record_folder
+    assert {v.name: v.status for v in summary.verdicts} == {"int8": "pass", "noisy": "fail", "missing": "error"}
+    return client, client.get_run(summary.mlflow_run_id), record, record_folder, summary
+
+
+def test_the_record_reads_back_as_the_result_every_view_read(audited):
+    """``from_record`` gives back what the audit's console and ``--json`` printed, from the record alone: a pass, a
+    fail, an error (#68)."""
+    *_, record, _, result = audited
+    assert_reads_back(result, record)
 
 
 def report_of(client: MlflowClient, run, tmp_path: Path) -> str:
@@ -52,7 +59,7 @@ def report_of(client: MlflowClient, run, tmp_path: Path) -> str:
 def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audited, tmp_path):
     from PIL import Image
 
-    client, parent, record, _ = audited
+    client, parent, record, _, _ = audited
     report = report_of(client, parent, tmp_path)
     # nothing fetched from elsewhere: a mailed copy reads the same offline
     assert not re.search(r"""((src|href)\s*=\s*["']?|url\(\s*["']?)\s*(https?:|//)|@import""", report, re.IGNORECASE)
@@ -86,7 +93,7 @@ def test_the_report_stands_alone_and_shows_every_variant_with_its_verdict(audite
 def test_the_run_description_shows_each_verdict_before_show_more(audited):
     from markdown_it import MarkdownIt
 
-    _, parent, _, _ = audited
+    _, parent, _, _, _ = audited
     note = parent.data.tags["mlflow.note.content"]
     page = MarkdownIt("commonmark").enable("table").render(note)
     rows = re.findall(r"<tr>(.*?)</tr>", page, re.DOTALL)
@@ -105,7 +112,7 @@ def test_the_delta_chart_has_a_bar_per_scored_variant_in_its_verdict_colour_and_
 
     from tasks.record.plots import delta_ppl_chart, ppl_chart
 
-    _, _, record, _ = audited
+    _, _, record, _, _ = audited
     rows = {v["name"]: v["row"] for v in record["variants"]}
     [axis] = delta_ppl_chart(record).axes
     bars = {round(bar.get_y() + bar.get_height() / 2): bar for bar in axis.patches if isinstance(bar, Rectangle)}
@@ -143,7 +150,7 @@ def test_a_chart_of_one_figure_says_which_gate_failed(audited):
     from tasks.record.plots import delta_ppl_chart, kld_histogram, ppl_chart
     from tasks.record.verdict import judge
 
-    _, _, record, folder = audited
+    _, _, record, folder, _ = audited
     record = copy.deepcopy(record)
     record["config"]["thresholds"]["per_variant"]["int8"] = {"min_top1_agreement": 1.0}
     int8 = next(v for v in record["variants"] if v["name"] == "int8")
@@ -171,7 +178,7 @@ def test_each_scored_variant_says_where_in_the_text_it_loses(audited, tmp_path):
     judged, and its 20 tokens of largest KL shown in their context as text."""
     from tasks.record.plots import where_chart
 
-    client, parent, record, _ = audited
+    client, parent, record, _, _ = audited
     entries = {entry["name"]: entry for entry in record["variants"]}
     assert "where" not in entries["baseline"] and "where" not in entries["missing"]
     runs = children_of(client, parent)
@@ -205,7 +212,7 @@ def test_a_record_from_before_where_was_kept_still_replays(audited, tmp_path):
 
     from tasks.record.tracking import replay
 
-    client, _, _, folder = audited
+    client, _, _, folder, _ = audited
     older = shutil.copytree(folder, tmp_path / folder.name)
     record = json.loads((older / "record.json").read_text())
     assert any("where" in entry for entry in record["variants"])
@@ -221,7 +228,7 @@ def test_a_record_from_before_where_was_kept_still_replays(audited, tmp_path):
 def test_the_size_chart_puts_each_costed_variant_at_its_bits_hollow_where_dominated(audited):
     from tasks.record.plots import COLOURS, size_quality_chart
 
-    _, _, record, _ = audited
+    _, _, record, _, _ = audited
     rows = {v["name"]: v["row"] for v in record["variants"]}
     panels = [(key, size) for key in ("delta_ppl_pct", "kld_mean") for size in ("bits_per_weight", "weight_mib")]
     axes = size_quality_chart(record).axes

@@ -11,7 +11,8 @@ from tasks.audit.sequential import Watch, gated, settled
 from tasks.config import Gate
 from tasks.data.corpus import tokenize
 from tasks.engine.paired import cluster_mean
-from tasks.engine.perplexity import Progress, perplexity, score_part, summarize
+from tasks.engine.perplexity import perplexity, score_part, summarize
+from tasks.engine.progress import Progress
 from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence, window_order
 from tasks.engine.windows import plan
@@ -175,13 +176,14 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
 
     from mlflow import MlflowClient
 
-    from flows.audit import audit, summary_json, summary_of
+    from flows.audit import audit, result_of
+    from tasks.record.answer import answer_json
     from tasks.core.places import tracking_uri
 
     variants = [{"name": "noisy-clear", "path": str(noisy_model_dir)},
                 {"name": "noisy-failing", "path": str(broken_model_dir)},
                 {"name": "noisy-borderline", "path": str(noisy_model_dir)}]
-    off = summary_of(audit(config=str(write_config(tmp_path / "off.yaml", trained_model_dir, corpus_path, variants[:2])),
+    off = result_of(audit(config=str(write_config(tmp_path / "off.yaml", trained_model_dir, corpus_path, variants[:2])),
                            return_state=True))
     fixed, broken = off["rows"][1], off["rows"][2]
     borderline = (fixed["delta_ppl_pct"] + fixed["delta_ppl_pct_high"]) / 2
@@ -189,7 +191,7 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
         "noisy-failing": {"max_ppl_increase_pct": broken["delta_ppl_pct_low"] / 4},
         "noisy-borderline": {"max_ppl_increase_pct": borderline}}}
     config = write_config(tmp_path / "on.yaml", trained_model_dir, corpus_path, variants, thresholds=thresholds)
-    on = summary_of(audit(config=str(config), overrides=["evaluation.sequential=on", "evaluation.order_seed=5"],
+    on = result_of(audit(config=str(config), overrides=["evaluation.sequential=on", "evaluation.order_seed=5"],
                           return_state=True))
     rows = {row["variant"]: row for row in on["rows"]}
     verdicts = {v.name: v for v in on["verdicts"]}
@@ -204,7 +206,7 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
     said = next(r for r in on["results"] if r.name == "noisy-clear").sequential
     assert said.seed == 5 and said.stopped == "settled" and said.decision == "pass"
     assert len(said.windows) == rows["noisy-clear"]["windows"] >= minimum_windows(len(said.windows), 4)
-    models = {m["variant"]: m for m in json.loads(summary_json(on))["models"]}
+    models = {m["variant"]: m for m in json.loads(answer_json(on))["models"]}
     assert models["baseline"]["scored_fraction"] == 1.0 and models["noisy-clear"]["scored_fraction"] < 1
     client = MlflowClient(tracking_uri(None))
     children = client.search_runs([client.get_experiment_by_name("ppl-audit").experiment_id],

@@ -13,7 +13,7 @@ import pytest
 from helpers import MlflowServer, free_port, wait_for, write_config
 from mlflow import MlflowClient
 
-from flows.audit import audit, summary_of
+from flows.audit import audit, result_of
 from flows.cli import main
 from tasks.record.plots import COLOURS
 
@@ -40,7 +40,7 @@ def config_for(tmp_path: Path, baseline, corpus, uri: str, name: str = "tracked"
 def run_audit(config: str, tmp_path: Path):
     """Run the flow after the config was checked, then remove the 'missing' checkpoint's stand-in."""
     state = audit(config=config, return_state=True)
-    return summary_of(state)
+    return result_of(state)
 
 
 def audits(client: MlflowClient, name: str) -> list:
@@ -190,10 +190,10 @@ def test_registered_model_version_is_audited_and_tagged(tmp_path, trained_model_
                           [{"name": "good", "path": f"models:/tiny-good/{versions['good']}"},
                            {"name": "bad", "path": f"models:/tiny-bad/{versions['bad']}"}],
                           name="registry", thresholds={"max_ppl_increase_pct": 2}, tracking={"uri": uri, "experiment": "tests"})
-    summary = summary_of(audit(config=str(config), return_state=True))
-    assert {v.name: v.status for v in summary["verdicts"]} == {"good": "pass", "bad": "fail"}
+    summary = result_of(audit(config=str(config), return_state=True))
+    assert {v.name: v.status for v in summary.verdicts} == {"good": "pass", "bad": "fail"}
     good = client.get_model_version("tiny-good", versions["good"])
-    assert good.tags["ppl_audit.verdict"] == "pass" and good.tags["ppl_audit.audit_run_id"] == summary["mlflow_run_id"]
+    assert good.tags["ppl_audit.verdict"] == "pass" and good.tags["ppl_audit.audit_run_id"] == summary.mlflow_run_id
     assert client.get_model_version_by_alias("tiny-good", "ppl-audit-passed").version == versions["good"]
     bad = client.get_model_version("tiny-bad", versions["bad"])
     assert bad.tags["ppl_audit.verdict"] == "fail" and "breaks the limit" in bad.tags["ppl_audit.reason"]

@@ -30,29 +30,16 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = args.set + (["evaluation.sequential=true"] if args.sequential else [])
     plan = open_audit(args.config, overrides)  # bad input ends here, before any model loads or Prefect starts
-    from flows.audit import audit, summary_json, summary_of  # Prefect and the flow: not for a config refused above
+    from flows.audit import audit, result_of  # Prefect and the flow: not for a config refused above
+    from tasks.record.answer import answer_json, answer_text
 
     state = audit(config=args.config, overrides=overrides, plan=plan, return_state=True)
-    summary = summary_of(state)
-    if summary is None:
+    result = result_of(state)
+    if result is None:
         print(f"ppl-audit: audit failed: {state.message}", file=console.err())
         return 1
-    verdict, say = summary["verdict"], console.out()
-    domains = summary.get("domains", {})
-    if args.by_domain and domains:
-        from tasks.record.domains import by_domain_table
-
-        print(by_domain_table(summary), file=say)
-    else:
-        print(summary["table"], file=say)
-    if args.stats == "full":
-        from tasks.record.verdict import format_stats
-
-        for name, judged in domains.items() or [("", summary)]:
-            title = f"domain {name}:\n" if name else ""
-            print(f"\n{title}{format_stats(judged['rows'])}\n", file=say)
-    print(f"verdict: {verdict.said.upper()} — {verdict.reason}", file=say)
-    print(f"record: {summary['record']}", file=say)
+    say = console.out()
+    print(answer_text(result, args.by_domain, args.stats), file=say)
     if args.json:
-        print(summary_json(summary), file=say)
-    return 0 if verdict.status in ("pass", "ungated") else 1  # no gate: nothing failed, and it is not said to pass
+        print(answer_json(result), file=say)
+    return 0 if result.passed else 1  # no gate: nothing failed, and it is not said to pass

@@ -97,10 +97,6 @@ def run(args: argparse.Namespace) -> int:
     from tasks.config import BaselineSpec
     from tasks.data.corpus import corpus_text
     from tasks.data.evaluation import evaluation
-    from tasks.engine.model_facts import max_positions
-    from tasks.engine.windows import check_window
-    from tasks.models.loading import check_checkpoint
-    from tasks.models.quantize import check_group_fits
     from tasks.models.resolve import device_and_dtype
 
     spec = _variant(args)
@@ -109,18 +105,7 @@ def run(args: argparse.Namespace) -> int:
     text = corpus_text(corpus)
     lineup = prepare(BaselineSpec(name="baseline", path=args.model), [spec])  # each model found once
     [checkpoint] = lineup.variants
-    if checkpoint.model is not None or not checkpoint.problem:
-        check_window(settings.window, max_positions((checkpoint.model or lineup.baseline.model).config))
-    if spec.quantize_here:  # made from --model here: a group size no kernel could score is refused now
-        try:
-            check_group_fits(lineup.baseline.model, spec.method, spec.quantization[1])
-        except InputError as error:
-            raise InputError(f"--method {spec.method} quantizes {args.model} here: {error} in --variant "
-                             f"'{{name: {spec.method}, method: {spec.method}, group_size: N}}'; to measure a "
-                             f"{spec.method} checkpoint as it is, leave --method out") from None
-    if checkpoint.problem:
-        raise InputError(checkpoint.problem)
-    check_checkpoint(checkpoint.model or lineup.baseline.model)  # the files it loads: made from --model, or its own
+    _check(args, spec, lineup, settings.window)
     scored = evaluation(text, _stream_tokenizer(lineup, checkpoint, settings.mode), settings, progress=True)
     outcome = score_variant(checkpoint, lineup, scored, progress=True)
     if not outcome.ok:
@@ -138,6 +123,29 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**result.summary(), "name": spec.name, "model": spec.path or args.model,
                           "method": spec.method, "variant": outcome.facts.summary()}), file=say)
     return 0
+
+
+def _check(args: argparse.Namespace, spec, lineup, window: int) -> None:
+    """What would stop the variant scoring, said before it loads: a window past its positions, a group size no
+    kernel could score when it is quantized here, a problem finding it, files it cannot load."""
+    from tasks.engine.model_facts import max_positions
+    from tasks.engine.windows import check_window
+    from tasks.models.loading import check_checkpoint
+    from tasks.models.quantize import check_group_fits
+
+    [checkpoint] = lineup.variants
+    if checkpoint.model is not None or not checkpoint.problem:
+        check_window(window, max_positions((checkpoint.model or lineup.baseline.model).config))
+    if spec.quantize_here:  # made from --model here: a group size no kernel could score is refused now
+        try:
+            check_group_fits(lineup.baseline.model, spec.method, spec.quantization[1])
+        except InputError as error:
+            raise InputError(f"--method {spec.method} quantizes {args.model} here: {error} in --variant "
+                             f"'{{name: {spec.method}, method: {spec.method}, group_size: N}}'; to measure a "
+                             f"{spec.method} checkpoint as it is, leave --method out") from None
+    if checkpoint.problem:
+        raise InputError(checkpoint.problem)
+    check_checkpoint(checkpoint.model or lineup.baseline.model)  # the files it loads: made from --model, or its own
 
 
 def _stream_tokenizer(lineup, checkpoint, mode: str):

@@ -36,58 +36,76 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tasks.audit import reference
-    from tasks.core.places import references_dir
+    actions = {"build": _build, "ls": _listed, "verify": lambda a: _verify_references(a.keys, a.all), "rm": _removed}
+    return actions[args.action](args)
+
+
+def _build(args: argparse.Namespace) -> int:
+    """``reference build``: each domain's baseline scored and stored, with the noise floor the config asks for; 1
+    when any could not be stored."""
+    from flows.reference import build_reference
+    from tasks.audit.plan import baseline_alone, open_audit
+
+    plan = open_audit(args.config, args.set, narrow=baseline_alone)  # before Prefect starts: the baseline only
+    outcomes = build_reference(config=args.config, overrides=args.set, plan=plan)
+    stored = True
+    for domain, (outcome, floors) in outcomes.items():
+        on = f" on {domain}" if plan.by_domain else ""
+        if not outcome.ok:
+            print(f"ppl-audit: failed: {outcome.name}{on}: {outcome.reason}", file=console.err())
+            stored = False
+            continue
+        _said_built(outcome, floors, on)
+        stored = stored and bool(outcome.reference.path)
+    return 0 if stored else 1
+
+
+def _said_built(outcome, floors: list, on: str) -> None:
+    """A stored baseline's lines: its perplexity and where its reference is, its drift, its noise floor."""
     from tasks.record.floor import kept_as
     from tasks.record.verdict import drift_text
 
-    say = console.out()
-    if args.action == "build":
-        from flows.reference import build_reference
-        from tasks.audit.plan import baseline_alone, open_audit
+    say, said, result = console.out(), outcome.reference, outcome.result
+    where = f"reference {said.key} in {said.path}" if said.path else f"no reference: {said.problem}"
+    print(f"baseline {said.baseline}{on}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over "
+          f"{result.n_tokens} tokens; {where}", file=say)
+    if said.drift:
+        print(drift_text(said.drift), file=say)
+    for floor in floors:  # the noise floor the config asks for, kept with the reference
+        kl = f", KL {floor.result.extra['kl'].astype('float64').mean():.4g}" if floor.ok and "kl" in floor.result.extra \
+            else ""
+        print(f"noise floor {floor.name}{on}: " + (f"{kept_as(floor)}, PPL {floor.result.ppl:.4f}{kl}" if floor.ok
+                                                    else f"failed: {floor.reason}"), file=say)
 
-        plan = open_audit(args.config, args.set, narrow=baseline_alone)  # before Prefect starts: the baseline only
-        outcomes = build_reference(config=args.config, overrides=args.set, plan=plan)
-        stored = True
-        for domain, (outcome, floors) in outcomes.items():
-            on = f" on {domain}" if plan.by_domain else ""
-            if not outcome.ok:
-                print(f"ppl-audit: failed: {outcome.name}{on}: {outcome.reason}", file=console.err())
-                stored = False
-                continue
-            said, result = outcome.reference, outcome.result
-            where = f"reference {said.key} in {said.path}" if said.path else f"no reference: {said.problem}"
-            print(f"baseline {said.baseline}{on}: PPL {result.ppl:.4f} ± {result.ppl_stderr:.4f} over "
-                  f"{result.n_tokens} tokens; {where}", file=say)
-            if said.drift:
-                print(drift_text(said.drift), file=say)
-            for floor in floors:  # the noise floor the config asks for, kept with the reference
-                print(f"noise floor {floor.name}{on}: " + (
-                    f"{kept_as(floor)}, PPL {floor.result.ppl:.4f}" + (f", KL {floor.result.extra['kl'].astype('float64').mean():.4g}"
-                                                                       if "kl" in floor.result.extra else "")
-                    if floor.ok else f"failed: {floor.reason}"), file=say)
-            stored = stored and bool(said.path)
-        return 0 if stored else 1
-    if args.action == "ls":
-        found = reference.listed()
-        print(f"{'key':<17}{'created':<17}{'last used':<17}{'size':>10}  {'tokens':>8}  {'dtype':<9}{'device':<12}"
-              "torch / transformers  model", file=say)
-        for r, problem in found:
-            m = r.manifest
-            about = (f"{m['result'].get('n_tokens')!s:>8}  {m['identity'].get('dtype')!s:<9}"
-                     f"{str(m['environment'].get('device'))[:11]:<12}{m['environment'].get('torch')} / "
-                     f"{m['environment'].get('transformers')}  {m['source']}"
-                     # a baseline llama.cpp ran: its logits are the reference, whatever torch computes after
-                     + (f" (scored in {m['identity']['runtime']})" if "runtime" in m["identity"] else "")) \
-                if problem is None else \
-                f"DAMAGED: {problem}; the audit of its baseline replaces it (or: ppl-audit reference rm {r.key})"
-            print(f"{r.key:<17}{_when(r.created):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  {about}", file=say)
-        damaged = sum(problem is not None for _, problem in found)
-        print(f"{len(found)} reference(s){f' ({damaged} damaged)' if damaged else ''}, "
-              f"{_mib(sum(r.size_bytes for r, _ in found))} in {references_dir()}", file=say)
-        return 0
-    if args.action == "verify":
-        return _verify_references(args.keys, args.all)
+
+def _listed(args: argparse.Namespace) -> int:
+    """``reference ls``: one line per stored reference, a damaged one saying what to do."""
+    from tasks.audit import reference
+    from tasks.core.places import references_dir
+
+    say, found = console.out(), reference.listed()
+    print(f"{'key':<17}{'created':<17}{'last used':<17}{'size':>10}  {'tokens':>8}  {'dtype':<9}{'device':<12}"
+          "torch / transformers  model", file=say)
+    for r, problem in found:
+        m = r.manifest
+        about = (f"{m['result'].get('n_tokens')!s:>8}  {m['identity'].get('dtype')!s:<9}"
+                 f"{str(m['environment'].get('device'))[:11]:<12}{m['environment'].get('torch')} / "
+                 f"{m['environment'].get('transformers')}  {m['source']}"
+                 # a baseline llama.cpp ran: its logits are the reference, whatever torch computes after
+                 + (f" (scored in {m['identity']['runtime']})" if "runtime" in m["identity"] else "")) \
+            if problem is None else \
+            f"DAMAGED: {problem}; the audit of its baseline replaces it (or: ppl-audit reference rm {r.key})"
+        print(f"{r.key:<17}{_when(r.created):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  {about}", file=say)
+    damaged = sum(problem is not None for _, problem in found)
+    print(f"{len(found)} reference(s){f' ({damaged} damaged)' if damaged else ''}, "
+          f"{_mib(sum(r.size_bytes for r, _ in found))} in {references_dir()}", file=say)
+    return 0
+
+
+def _removed(args: argparse.Namespace) -> int:
+    """``reference rm``: by key, all, by age or to a size."""
+    from tasks.audit import reference
+
     if not (args.keys or args.all or args.older_than is not None or args.over is not None):
         raise InputError("reference rm: name the keys to remove (see `ppl-audit reference ls`), or give --all, "
                          "--older-than AGE or --over SIZE")
@@ -101,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if args.older_than is not None or args.over is not None:
         removed += reference.prune(args.older_than, args.over)
     print(f"removed {len(removed)} reference(s), {_mib(sum(r.size_bytes for r in removed))}"
-          + "".join(f"\n  {r.key}" for r in removed), file=say)
+          + "".join(f"\n  {r.key}" for r in removed), file=console.out())
     return 0
 
 

@@ -27,7 +27,8 @@ from tasks.data.evaluation import Evaluation
 from tasks.engine.layers import LayerErrors, decoder_layers, layer_errors, recovered_share, restored_scores
 from tasks.engine.model_facts import input_device
 from tasks.engine.paired import CONFIDENCE
-from tasks.engine.perplexity import Baseline, WindowScores, score_windows, token_slots
+from tasks.engine.perplexity import WindowScores, score_windows, token_slots
+from tasks.engine.baseline import Baseline
 from tasks.engine.scoring_options import Feed, ScoreOptions
 from tasks.engine.sequential import window_order
 from tasks.engine.windows import Window

@@ -43,7 +43,8 @@ from tasks.core.files import discard, file_digest, read_json, scratch, write_ato
 from tasks.core.places import references_dir
 from tasks.core.versions import versions
 from tasks.engine.logits_head import LogitsHead
-from tasks.engine.perplexity import Baseline, BaselineBatch, PerplexityResult, token_stats
+from tasks.engine.perplexity import PerplexityResult, token_stats
+from tasks.engine.baseline import Baseline, BaselineBatch
 from tasks.engine.settings import BOS_POLICIES, MODES, BosPolicy, Mode
 from tasks.engine.stream import TokenStream
 from tasks.models.gguf_file import read_header, tensor_data

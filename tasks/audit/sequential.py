@@ -17,7 +17,8 @@ import torch
 
 from tasks.config import Gate
 from tasks.engine.paired import CONFIDENCE, Estimate
-from tasks.engine.perplexity import PROGRESS_FIGURES, PerplexityResult, Progress, WindowScores
+from tasks.engine.perplexity import PerplexityResult, WindowScores
+from tasks.engine.progress import PROGRESS_FIGURES, Progress
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence
 from tasks.record.sequential_said import SequentialSaid
 from tasks.record.verdict import GATES

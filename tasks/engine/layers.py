@@ -21,7 +21,8 @@ import torch
 from tasks.core import console
 from tasks.engine.model_facts import input_device
 from tasks.engine.paired import t_quantile
-from tasks.engine.perplexity import Baseline, BaselineBatch, batch_inputs, hidden_states, token_stats
+from tasks.engine.perplexity import batch_inputs, hidden_states, token_stats
+from tasks.engine.baseline import Baseline, BaselineBatch
 from tasks.engine.scoring_options import Feed
 from tasks.engine.windows import Window
 

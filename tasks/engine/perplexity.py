@@ -14,19 +14,20 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
 from tasks.core import console
-from tasks.core.errors import DamagedReference, NumericalError
+from tasks.core.errors import NumericalError
 from tasks.engine import abandon, divergence
 from tasks.engine.kv_cache import KVCacheFormat, forward_arguments
 from tasks.engine.memory import PeakMemory
 from tasks.engine.paired import token_slots  # torch-free: the record reads it
 from tasks.engine.model_facts import input_device, max_positions
+from tasks.engine.baseline import BaselineBatch
+from tasks.engine.progress import PROGRESS_FIGURES, Progress
 from tasks.engine.scoring_options import Feed, ScoreOptions, Windowing
 from tasks.engine.stream import TokenStream
 from tasks.engine.windows import Window, check_settings, plan, plan_chunks
@@ -180,57 +181,6 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
 
 
 @dataclass
-class BaselineBatch:
-    """The baseline's head and its final hidden states ``[T, H]`` for the batch a variant is scoring, with
-    the NLL the baseline gave these tokens when it was scored (``nll``, ``[T]``; None: not checked)."""
-
-    head: torch.nn.Module
-    hidden: torch.Tensor
-    softcap: float | None
-    nll: torch.Tensor | None = None
-    tolerance: float = 0.0
-    source: str = "the baseline reference"
-    llama_kld: bool = False  # also KL as llama-perplexity estimates it (``divergence.as_llama_perplexity``)
-
-    def check(self, base_nll: torch.Tensor, start: int) -> None:
-        """Refuse a reference whose head and hidden states do not give back its own NLL (rows ``start:``):
-        damaged hidden states would give every variant a wrong KL, not an error."""
-        if self.nll is None:
-            return
-        stored = self.nll[start : start + len(base_nll)].to(base_nll.device, base_nll.dtype)
-        difference = (base_nll - stored).abs()
-        worst = float(difference.max()) if len(difference) else 0.0
-        if not worst <= self.tolerance:  # NaN too
-            raise DamagedReference(f"{self.source} is damaged: its LM head on its hidden states gives NLLs up to "
-                                   f"{worst:.3g} away from its stored ones (float noise is {self.tolerance:g}); "
-                                   "the next audit scores the baseline again (`ppl-audit reference verify` checks "
-                                   "every stored reference)")
-
-
-@dataclass
-class Baseline:
-    """What a variant's divergence is measured against: the baseline's LM head and a source of its final
-    hidden states at the scored positions (a stored reference, ``tasks.audit.reference``).
-
-    Attributes:
-        states: ``(slots, inputs) -> [T, H]``: the hidden states of the scored tokens ``slots`` (their
-            places in the token arrays), given the batch's ``(input_ids, mask, row_index, columns)``.
-        nll: ``slots -> [T]``: the NLL the baseline gave those tokens when it was scored, checked against
-            what its head makes of ``states`` (within ``tolerance``); None: not checked.
-        source: how a damaged one is named.
-        llama_kld: also measure each token's KL as llama-perplexity estimates it (``kl_llama``, mode llama.cpp).
-    """
-
-    head: torch.nn.Module
-    softcap: float | None
-    states: Callable[[torch.Tensor, tuple], torch.Tensor]
-    nll: Callable[[torch.Tensor], torch.Tensor] | None = None
-    tolerance: float = 0.0
-    source: str = "the baseline reference"
-    llama_kld: bool = False
-
-
-@dataclass
 class WindowScores:
     """Per-token and per-window results of scoring a stream.
 
@@ -257,27 +207,6 @@ class WindowScores:
         return WindowScores(self.token_nll[slots], self.window_nll[windows], self.window_tokens[windows],
                             {key: value[slots] for key, value in self.extra.items()}, windows,
                             int(self.window_tokens.sum()))
-
-
-PROGRESS_FIGURES = ("nll", "kl", "kl_reverse", "top1")  # the per-token figures a gate judges, summed by window
-
-
-@dataclass
-class Progress:
-    """What a run scoring windows in a given order has done so far, for ``until`` to judge after each batch.
-
-    Attributes:
-        order: the plan's indices of the windows scored, in the order scored.
-        sums: per-window float64 sums of each figure of ``PROGRESS_FIGURES`` (``nll``, and ``kl``, ``kl_reverse``,
-            ``top1`` with a baseline), by window index; the windows not scored yet hold 0.
-        tokens: ``[n_windows]`` tokens each window of the plan scores.
-        batch_size: windows per forward pass.
-    """
-
-    order: list[int]
-    sums: dict[str, torch.Tensor]
-    tokens: torch.Tensor
-    batch_size: int
 
 
 def batch_inputs(ids: torch.Tensor, batch: list[Window], prefix: torch.Tensor, first_token: int | None = None):

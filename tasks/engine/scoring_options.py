@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     import torch
 
     from tasks.engine.kv_cache import KVCacheFormat
-    from tasks.engine.perplexity import Baseline, Progress
+    from tasks.engine.baseline import Baseline
+    from tasks.engine.progress import Progress
     from tasks.engine.stream import TokenStream
 
 

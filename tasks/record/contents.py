@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,9 +20,11 @@ from tasks.core.places import embedded_corpus_name
 from tasks.core.versions import versions
 from tasks.data.evaluation import Evaluation
 from tasks.record.results import VariantResult
+from tasks.record.serial import SCHEMA
 
 if TYPE_CHECKING:
     from tasks.engine.perplexity import PerplexityResult
+    from tasks.record.result import DomainResult
 
 # a variant's per-token divergence from the baseline (``tasks.engine.perplexity.token_stats``), kept beside its NLL
 TOKEN_COLUMNS = ("kl", "kl_reverse", "top1", "base_top", "top", "base_top_p", "base_right", "kl_llama")
@@ -72,24 +74,15 @@ class Started:
     scheduled: bool = False
 
 
-@dataclass(frozen=True)
-class Findings:
-    """What an audit found beyond its figures, by variant: where in the text it loses (``where``,
-    ``tasks.audit.where.where_of``), for the variants it was found for, and the diagnosis the audit asked for
-    (``diagnoses``, ``diagnose``), or its ``problem``."""
-
-    where: dict[str, dict] = field(default_factory=dict)
-    diagnoses: dict[str, dict] = field(default_factory=dict)
-
-
-def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summary: dict,
-                 results: list[VariantResult], started: Started, findings: Findings = Findings()) -> dict:
-    """An audit's record: everything it computed but the per-token arrays (``token_arrays``)."""
-    where, diagnoses = findings.where, findings.diagnoses
+def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, judged: DomainResult,
+                 started: Started) -> dict:
+    """A domain's record, as its one-corpus audit's: everything it computed but the per-token arrays
+    (``token_arrays``)."""
+    where, diagnoses = judged.findings.where, judged.findings.diagnoses
     created = datetime.now(timezone.utc)
-    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
+    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in judged.verdicts}
     variants = []
-    for outcome, row in zip(results, summary["rows"]):
+    for outcome, row in zip(judged.results, judged.rows):
         spec = config.baseline if outcome.name == config.baseline.name else next(
             v for v in config.variants if v.name == outcome.name)
         entry = {"name": outcome.name, "role": "baseline" if spec is config.baseline else "variant",
@@ -113,7 +106,7 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
         variants.append(entry)
     stream = scored.stream
     return {
-        "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.at.isoformat(),
+        "schema": SCHEMA, "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.at.isoformat(),
         "created": created.isoformat(), "scheduled": started.scheduled,
         "config": config.model_dump(mode="json"), "config_path": str(config_path),
         "config_text": Path(config_path).read_text() if Path(config_path).is_file() else "",
@@ -124,12 +117,14 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, summ
                    "hf_split": config.corpus.hf_split},
         "environment": {"hardware": hardware(), "python": platform.python_version(),
                         "versions": versions("gptqmodel", "bitsandbytes", "torchao", "optimum", "prefect", "mlflow")},
-        "verdict": {"status": summary["verdict"].status, "reason": summary["verdict"].reason},
-        "table": summary["table"],
+        "verdict": {"status": judged.verdict.status, "reason": judged.verdict.reason},
+        "table": judged.table,
         "variants": variants,
         # which tokens were scored, named (tasks.audit.population), and the noise floor's rows (tasks.audit.floor)
-        "population": summary.get("population"),
-        "floor": [{"name": row["variant"], "dtype": row["floor_of"], "row": row} for row in summary.get("floor", [])],
+        "population": judged.population,
+        # the lines under its table, apart (schema 2): what llama.cpp's runtime costs, and its tokenizer's stream
+        "runtime_costs": list(judged.runtime_costs), "tokens_differ": judged.tokens_differ,
+        "floor": [{"name": row["variant"], "dtype": row["floor_of"], "row": row} for row in judged.floor],
     }
 
 

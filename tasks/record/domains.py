@@ -11,24 +11,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
 from tasks.record.floor import floor_figures, floor_text
 from tasks.record.population import population_line
+from tasks.record.result import AuditResult, DomainResult
 from tasks.record.runtime_cost import runtime_cost_lines, stream_line
 from tasks.record.verdict import Verdict, format_table, overall
 
 # how bad a domain's verdict is, worst first: what decides a variant's verdict across domains
 SEVERITY = {"fail": 0, "error": 1, "pass": 2, "ungated": 3}
-
-
-@dataclass(frozen=True)
-class DomainSummary:
-    """One domain's comparison, as its one-corpus audit's summary holds it (``rows``, ``verdicts``, ``verdict``,
-    ``table``)."""
-
-    name: str
-    summary: dict
 
 
 def _pessimistic(row: dict) -> float:
@@ -39,24 +30,23 @@ def _pessimistic(row: dict) -> float:
     return -math.inf
 
 
-def worst_domain(domains: list[DomainSummary], v: int) -> str:
+def worst_domain(domains: list[DomainResult], v: int) -> str:
     """The domain that decides variant ``v``'s verdict: its worst verdict, and among equals the largest ΔPPL at the
     pessimistic end of its interval."""
-    def badness(domain: DomainSummary) -> tuple:
-        verdict = domain.summary["verdicts"][v]
-        return SEVERITY[verdict.status], -_pessimistic(domain.summary["rows"][v + 1])
+    def badness(domain: DomainResult) -> tuple:
+        return SEVERITY[domain.verdicts[v].status], -_pessimistic(domain.rows[v + 1])
 
     return min(domains, key=badness).name
 
 
-def across(domains: list[DomainSummary], v: int) -> Verdict:
+def across(domains: list[DomainResult], v: int) -> Verdict:
     """Variant ``v``'s verdict over every domain: its worst domain's, naming it, and the others that fail with it;
     its ΔPPL on each domain after."""
-    by_name = {d.name: d.summary["verdicts"][v] for d in domains}
+    by_name = {d.name: d.verdicts[v] for d in domains}
     worst = worst_domain(domains, v)
     decided = by_name[worst]
     statuses = {verdict.status for verdict in by_name.values()}
-    each = "; ΔPPL by domain: " + ", ".join(_delta(d.name, d.summary["rows"][v + 1]) for d in domains)
+    each = "; ΔPPL by domain: " + ", ".join(_delta(d.name, d.rows[v + 1]) for d in domains)
     if statuses == {"ungated"}:
         return Verdict(decided.name, "ungated", f"no limit on any of the {len(domains)} domains{each}")
     if decided.status in ("pass", "ungated"):
@@ -77,22 +67,18 @@ def _delta(name: str, row: dict) -> str:
     return f"{name} {value:+.2f}%" if isinstance(value, float) and math.isfinite(value) else f"{name} —"
 
 
-def combined(name: str, domains: list[DomainSummary]) -> dict:
-    """The summary of an audit of several domains: per variant its worst domain's row (``domain`` names it) and its
-    verdict across domains (``across``); the audit's verdict from those; ``table``, one line per model;
-    ``domains``, each domain's own summary."""
-    first = domains[0].summary
-    failed_baseline = next((d for d in domains if d.summary["rows"][0]["status"] != "ok"), None)
+def combined(name: str, domains: list[DomainResult]) -> AuditResult:
+    """An audit of several domains judged as one: per variant its worst domain's row (``domain`` names it) and its
+    verdict across domains (``across``); the audit's verdict from those; ``table``, one line per model."""
+    failed_baseline = next((d for d in domains if d.rows[0]["status"] != "ok"), None)
     base = failed_baseline or domains[0]
-    rows = [base.summary["rows"][0] | {"domain": base.name}]
-    verdicts = []
-    for v in range(len(first["verdicts"])):
-        worst = worst_domain(domains, v)
-        rows.append(next(d for d in domains if d.name == worst).summary["rows"][v + 1] | {"domain": worst})
+    rows, verdicts, worst = [base.rows[0] | {"domain": base.name}], [], {}
+    for v, variant in enumerate(domains[0].verdicts):
+        worst[variant.name] = worst_domain(domains, v)
+        rows.append(next(d for d in domains if d.name == worst[variant.name]).rows[v + 1] | {"domain": worst[variant.name]})
         verdicts.append(across(domains, v))
-    drifted = [d.name for d in domains if d.summary["rows"][0].get("drift") == "environment drift"]
-    stopped = sum(any(d.summary["rows"][v + 1].get("scored_fraction", 1.0) < 1 for d in domains)
-                  for v in range(len(verdicts)))
+    drifted = [d.name for d in domains if d.rows[0].get("drift") == "environment drift"]
+    stopped = sum(any(d.rows[v + 1].get("scored_fraction", 1.0) < 1 for d in domains) for v in range(len(verdicts)))
     verdict = overall(rows[0], verdicts, None, stopped)
     if verdict.status == "pass":
         verdict = Verdict("audit", "pass", f"{verdict.reason} on every one of {len(domains)} domains "
@@ -102,39 +88,35 @@ def combined(name: str, domains: list[DomainSummary]) -> dict:
                                                    f"(its table says how much); {verdict.reason}")
     # each domain's runtime cost and tokenization, under the table of worst domains, named by their domain
     said = [f"{d.name}: {line}" for d in domains
-            for line in [*runtime_cost_lines(d.summary.get("runtime_costs", [])), *stream_line(d.summary.get("tokens_differ")),
-                         *([population_line(d.summary["population"])] if d.summary.get("population") else [])]]
-    return {"name": name, "rows": rows, "verdicts": verdicts, "verdict": verdict,
-            "table": "\n".join([format_table(rows, {v.name: v for v in verdicts}), *floor_lines(domains), *said]),
-            "domains": {d.name: d.summary for d in domains}}
+            for line in [*runtime_cost_lines(list(d.runtime_costs)), *stream_line(d.tokens_differ),
+                         *([population_line(d.population)] if d.population else [])]]
+    table = "\n".join([format_table(rows, {v.name: v for v in verdicts}), *floor_lines(domains), *said])
+    return AuditResult(name, {d.name: d for d in domains}, True, tuple(rows), tuple(verdicts), verdict, table, worst)
 
 
-def floor_lines(domains: list[DomainSummary]) -> list[str]:
+def floor_lines(domains: list[DomainResult]) -> list[str]:
     """A line per noise floor under the table of worst domains: its figures on every domain (each variant's row says
     whether it is above its worst domain's floor; ``--by-domain`` shows every floor row)."""
-    names = dict.fromkeys(row["variant"] for d in domains for row in d.summary.get("floor", []))
+    names = dict.fromkeys(row["variant"] for d in domains for row in d.floor)
     lines = []
     for name in names:
-        rows = {d.name: row for d in domains for row in d.summary.get("floor", []) if row["variant"] == name}
+        rows = {d.name: row for d in domains for row in d.floor if row["variant"] == name}
         figures = ", ".join(f"{domain} {floor_figures(row)}" for domain, row in rows.items())
         lines.append(f"{name}: {floor_text(next(iter(rows.values())))}; by domain: {figures}")
     return lines
 
 
-def by_domain_table(summary: dict) -> str:
+def by_domain_table(result: AuditResult) -> str:
     """Every domain's full table, each under a line naming it and its verdict (``run --by-domain``, the report)."""
-    blocks = []
-    for name, domain in summary["domains"].items():
-        verdict = domain["verdict"]
-        blocks.append(f"domain {name}: {verdict.said.upper()} — {verdict.reason}\n{domain['table']}")
-    return "\n\n".join(blocks)
+    return "\n\n".join(f"domain {name}: {domain.verdict.said.upper()} — {domain.verdict.reason}\n{domain.table}"
+                       for name, domain in result.domains.items())
 
 
 # what every domain's record shares with the audit's: said once, at the top
-SHARED = ("audit_id", "name", "started", "created", "scheduled", "config_path", "config_text", "environment")
+SHARED = ("schema", "audit_id", "name", "started", "created", "scheduled", "config_path", "config_text", "environment")
 
 
-def domains_record(config: dict, records: dict[str, dict], summary: dict) -> dict:
+def domains_record(config: dict, records: dict[str, dict], result: AuditResult) -> dict:
     """The record of an audit of several domains, from each domain's own (``audit_record``: what its one-corpus audit
     would record, under ``domains``): at the top, each model's worst domain's entry (``domain`` names it) with its
     verdict across domains, and the corpus as the sum of the domains'. ``config``: the audit's, every corpus in it.
@@ -146,8 +128,8 @@ def domains_record(config: dict, records: dict[str, dict], summary: dict) -> dic
             if entry.get("arrays"):
                 entry["arrays"] = f"{name}.{entry['arrays']}"
     first = next(iter(records.values()))
-    rows = {row["variant"]: row for row in summary["rows"]}
-    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in summary["verdicts"]}
+    rows = {row["variant"]: row for row in result.rows}
+    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in result.verdicts}
     variants = []
     for entry in first["variants"]:
         worst = rows[entry["name"]]["domain"]
@@ -159,11 +141,12 @@ def domains_record(config: dict, records: dict[str, dict], summary: dict) -> dic
               "digest": hashlib.sha256(" ".join(c["digest"] for c in corpora).encode()).hexdigest(),
               "n_tokens": sum(c["n_tokens"] for c in corpora), "n_bytes": sum(c["n_bytes"] for c in corpora),
               "bos": first["corpus"]["bos"], "hf_config": None, "hf_split": None, "domains": list(records)}
-    verdict = summary["verdict"]
+    verdict = result.verdict
     populations = {name: (record.get("population") or {}).get("digest") for name, record in records.items()}
     population = {"digest": hashlib.sha256(json.dumps(populations).encode()).hexdigest()[:16], "domains": populations}
-    return first | {"config": config, "corpus": corpus, "population": population, "floor": [], "verdict": {"status": verdict.status, "reason": verdict.reason},
-                    "table": summary["table"], "variants": variants,
+    return first | {"config": config, "corpus": corpus, "population": population, "floor": [], "runtime_costs": [],
+                    "tokens_differ": None, "verdict": {"status": verdict.status, "reason": verdict.reason},
+                    "table": result.table, "variants": variants,
                     "domains": {name: {k: v for k, v in record.items() if k not in SHARED}
                                 for name, record in records.items()}}
 

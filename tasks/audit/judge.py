@@ -1,0 +1,93 @@
+"""Judge what an audit scored: each domain's comparison and verdicts, then the audit's over its domains
+(``judge``), and the record of it (``recorded``). Plain Python over the scores, no Prefect: the flow scores, this
+judges, and every view reads the ``AuditResult`` it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tasks.audit.checkpoints import Lineup
+from tasks.audit.plan import AuditPlan, Domain
+from tasks.audit.population import population
+from tasks.audit.where import where_of
+from tasks.config import AuditConfig
+from tasks.record.contents import Started, audit_record, token_arrays
+from tasks.record.domains import combined, domain_arrays, domains_record
+from tasks.record.dominance import dominated_by
+from tasks.record.floor import floor_row, judged, kept_as
+from tasks.record.population import population_line
+from tasks.record.result import AuditResult, DomainResult, Findings
+from tasks.record.results import VariantResult
+from tasks.record.runtime_cost import runtime_cost_lines, runtime_costs, stream_line
+from tasks.record.verdict import comparison_row, format_table, judge as gate, overall
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One domain's models as scored: the baseline, its variants (in the config's order) and its noise floor."""
+
+    baseline: VariantResult
+    variants: list[VariantResult]
+    floors: list[VariantResult]
+
+
+def _rows(config: AuditConfig, scored: Scored, dominated: dict[str, str | None]) -> tuple[list[dict], list[dict]]:
+    """The comparison rows (the baseline's first), each variant's saying whether it lost more than the floor beyond
+    noise (``floor``) and which variant dominates it (``dominated_by``); and the floor's rows."""
+    window, baseline = config.evaluation.window, scored.baseline
+    rows = [comparison_row(model, baseline, window) for model in (baseline, *scored.variants)]
+    for row, variant in zip(rows[1:], scored.variants):
+        found = judged(variant, scored.floors, row.get("delta_ppl_pct"))
+        if found is not None:
+            row["floor"] = found
+        if variant.name in dominated:
+            row["dominated_by"] = dominated[variant.name]
+    floor_rows = [floor_row(comparison_row(f, baseline, window), dtype, kept_as(f))
+                  for f, dtype in zip(scored.floors, config.evaluation.floors)]
+    return rows, floor_rows
+
+
+def judge_domain(domain: Domain, lineup: Lineup, scored: Scored) -> DomainResult:
+    """A domain's comparison and verdicts (its own gates: ``Domain.config``), each variant against the noise floor,
+    the front of size against quality, and where each variant loses in its text."""
+    config, evaluation, baseline = domain.config, domain.evaluation, scored.baseline
+    dominated = dominated_by(scored.variants)
+    rows, floor_rows = _rows(config, scored, dominated)
+    verdicts = [gate(row, config.thresholds) for row in rows[1:]]
+    stopped = sum(row.get("scored_fraction", 1.0) < 1 for row in rows[1:])
+    front = [name for name, by in dominated.items() if by is None] if len(dominated) > 1 else []
+    verdict = overall(rows[0], verdicts, baseline.reference.drift if baseline.reference else None, stopped, front)
+    costs = runtime_costs(scored.variants)
+    named = population(evaluation, lineup.baseline.tokenizer)
+    table = [format_table(rows[:1] + floor_rows + rows[1:], {v.name: v for v in verdicts}),
+             *runtime_cost_lines(costs), population_line(named), *stream_line(evaluation.tokens_differ)]
+    lost = {v.name: found for v in scored.variants
+            if (found := where_of(v, baseline, evaluation, lineup.tokenizer))}
+    return DomainResult(domain.name, (baseline, *scored.variants), tuple(rows), tuple(verdicts), verdict,
+                        "\n".join(table), tuple(floor_rows), tuple(costs), named, evaluation.tokens_differ,
+                        Findings(lost))
+
+
+def judge(plan: AuditPlan, scored: Sequence[Scored]) -> AuditResult:
+    """The audit's answer: each domain judged as its one-corpus audit would be, and, in an audit that names its
+    domains, each variant by its worst domain (``tasks.record.domains.combined``)."""
+    domains = [judge_domain(domain, plan.lineup, each) for domain, each in zip(plan.domains, scored)]
+    if plan.by_domain:
+        return combined(plan.name, domains)
+    only = domains[0]
+    return AuditResult(plan.name, {only.name: only}, False, only.rows, only.verdicts, only.verdict, only.table,
+                       {v.name: only.name for v in only.verdicts})
+
+
+def recorded(plan: AuditPlan, result: AuditResult, started: Started) -> tuple[dict, dict]:
+    """The audit's record and its per-token arrays by file name: an audit of one corpus records it as it always
+    has; one that names its domains, each domain's under ``domains`` (``domains_record``)."""
+    records = {d.name: audit_record(d.config, plan.path, d.evaluation, result.domains[d.name], started)
+               for d in plan.domains}
+    if not result.named:
+        only = next(iter(result.domains.values()))
+        return records[only.name], token_arrays(list(only.results))
+    arrays = domain_arrays({name: token_arrays(list(d.results)) for name, d in result.domains.items()})
+    return domains_record(plan.config.model_dump(mode="json"), records, result), arrays

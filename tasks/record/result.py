@@ -1,0 +1,93 @@
+"""What an audit found, as one typed value built once (``tasks.audit.judge.judge``) that every view reads: the
+console's table, ``--by-domain``, ``--stats full`` and ``--json`` (``tasks.record.answer``), the record
+(``tasks.record.contents``), tune's claims.
+
+Always keyed by domain: an audit of one corpus is an audit of one domain. Pure Python, no Prefect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tasks.record.verdict import Verdict
+
+if TYPE_CHECKING:
+    from tasks.record.results import VariantResult
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What an audit found beyond its figures, by variant: where in the text it loses (``where``,
+    ``tasks.audit.where.where_of``), for the variants it was found for, and the diagnosis the audit asked for
+    (``diagnoses``, ``diagnose``), or its ``problem``."""
+
+    where: dict[str, dict] = field(default_factory=dict)
+    diagnoses: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DomainResult:
+    """One domain scored and judged as its one-corpus audit would be.
+
+    Attributes:
+        name: the domain's (``corpora:``'s key; the corpus's for an audit of one).
+        results: the models as scored, the baseline first.
+        rows: each model's comparison row (``tasks.record.verdict.comparison_row``), the baseline first.
+        verdicts: each variant's, in the order of ``rows[1:]``.
+        verdict: the domain's.
+        table: the domain's table as printed, with the lines under it.
+        floor: the noise floor's rows (shown under the baseline, never judged).
+        runtime_costs: what llama.cpp's runtime costs a file against its weights in transformers.
+        population: which tokens were scored, named (``tasks.audit.population``).
+        tokens_differ: where llama.cpp's tokenizer of the served file parts from transformers'.
+        findings: where each variant loses in the text, and the diagnoses asked for.
+    """
+
+    name: str
+    results: tuple[VariantResult, ...]
+    rows: tuple[dict, ...]
+    verdicts: tuple[Verdict, ...]
+    verdict: Verdict
+    table: str
+    floor: tuple[dict, ...] = ()
+    runtime_costs: tuple[dict, ...] = ()
+    population: dict | None = None
+    tokens_differ: dict | None = None
+    findings: Findings = field(default_factory=Findings)
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """An audit's answer: each domain's result, and over them each model's worst domain and the audit's verdict.
+
+    Attributes:
+        name: the audit's.
+        domains: each domain's result, in the config's order.
+        named: whether the audit names its domains (``corpora:``): each is shown and recorded by name.
+        rows: each model's row on its worst domain (its verdict's), the baseline first; in an audit that names its
+            domains each holds ``domain``.
+        verdicts: each variant's across its domains.
+        verdict: the audit's.
+        table: one line per model (its worst domain's, in an audit of several), with the lines under it.
+        worst: each variant's worst domain, by name.
+        record: where the audit's record went (MLflow's run and link, or the spool's folder); "" until recorded.
+        mlflow_run_id: the parent run's, when tracked.
+    """
+
+    name: str
+    domains: Mapping[str, DomainResult]
+    named: bool
+    rows: tuple[dict, ...]
+    verdicts: tuple[Verdict, ...]
+    verdict: Verdict
+    table: str
+    worst: Mapping[str, str]
+    record: str = ""
+    mlflow_run_id: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        """Whether nothing failed: passed, or judged against no limit (which is never said to pass)."""
+        return self.verdict.status in ("pass", "ungated")

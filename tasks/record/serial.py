@@ -1,0 +1,58 @@
+"""An audit's record read back as the ``AuditResult`` it was written from (``from_record``), so that a view of a
+record (``card``, ``compare``, a replayed audit) reads the value the live audit's views read.
+
+``SCHEMA`` is the record's version, written at its top (``schema``). A record without one was written before the
+version was kept (schema 1, before 2026-11-29): it reads the same, without the lines under a domain's table that
+it did not keep apart (each domain's ``runtime_costs`` and ``tokens_differ``: its ``table`` still says them).
+Light: no torch, so that ``sync`` and ``ui`` stay quick.
+"""
+
+from __future__ import annotations
+
+from tasks.record.result import AuditResult, DomainResult, Findings
+from tasks.record.verdict import Verdict
+
+SCHEMA = 2
+ONE_CORPUS = "corpus"  # the domain an audit of one corpus is (``AuditConfig.domains``)
+
+
+class UnknownSchema(ValueError):
+    """A record written by a later ppl-audit than this one: its fields may mean what this one cannot tell."""
+
+
+def _verdict(name: str, said: dict) -> Verdict:
+    return Verdict(name, said["status"], said["reason"])
+
+
+def _domain(name: str, record: dict) -> DomainResult:
+    """Domain ``name`` of a record: its one-corpus audit's record (``domain_view``)."""
+    entries = record["variants"]
+    variants = entries[1:]
+    return DomainResult(
+        name, (), tuple(entry["row"] for entry in entries),
+        tuple(_verdict(entry["name"], entry["verdict"]) for entry in variants),
+        _verdict("audit", record["verdict"]), record["table"],
+        tuple(floor["row"] for floor in record.get("floor", [])), tuple(record.get("runtime_costs", [])),
+        record.get("population"), record.get("tokens_differ"),
+        Findings({e["name"]: e["where"] for e in variants if "where" in e},
+                 {e["name"]: e["diagnosis"] for e in variants if "diagnosis" in e}))
+
+
+def from_record(record: dict) -> AuditResult:
+    """The ``AuditResult`` an audit's record was written from, less what a record does not hold: the models' scores
+    token by token (``DomainResult.results`` is empty: they are the record's Parquet files) and where the record
+    went (``record``, ``mlflow_run_id``: the reader knows)."""
+    schema = record.get("schema", 1)
+    if schema > SCHEMA:
+        raise UnknownSchema(f"the record of audit {record.get('name')} has schema {schema}, and this ppl-audit reads "
+                            f"up to {SCHEMA}: read it with a later ppl-audit")
+    if "domains" not in record:
+        only = _domain(ONE_CORPUS, record)
+        return AuditResult(record["name"], {ONE_CORPUS: only}, False, only.rows, only.verdicts, only.verdict,
+                           only.table, {v.name: ONE_CORPUS for v in only.verdicts})
+    domains = {name: _domain(name, domain) for name, domain in record["domains"].items()}
+    entries = record["variants"]
+    return AuditResult(record["name"], domains, True, tuple(entry["row"] for entry in entries),
+                       tuple(_verdict(entry["name"], entry["verdict"]) for entry in entries[1:]),
+                       _verdict("audit", record["verdict"]), record["table"],
+                       {entry["name"]: entry["domain"] for entry in entries[1:]})
