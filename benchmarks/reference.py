@@ -64,7 +64,7 @@ import numpy as np
 import psutil
 import torch
 
-from tasks.audit.reference import FORMAT, Identity, Reference, Writer, building, stream_digest
+from tasks.audit.reference import REFERENCE_FORMAT, Identity, Reference, Writer, building, stream_digest
 from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import evaluation
@@ -178,7 +178,7 @@ def run_baseline(args: argparse.Namespace, source: str, stream: TokenStream) -> 
         result, build = score(model, stream, args, forwards, keep_hidden=writer)
         # the warm-up wrote the first rows too; the measured run wrote them again, as a batch of its own
         # a whole identity (a reference lacking one is damaged, never opened): the benchmark's own stream and settings
-        identity = Identity(format=FORMAT, model="benchmark", tokenizer="benchmark", stream=stream_digest(stream),
+        identity = Identity(format=REFERENCE_FORMAT, model="benchmark", tokenizer="benchmark", stream=stream_digest(stream),
                             mode="sliding", window=args.window, stride=args.stride, bos=stream.bos,
                             dtype=str(model.dtype).removeprefix("torch."))
         manifest = {"identity": identity.as_dict(), "environment": {}, "facts": {},

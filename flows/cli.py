@@ -153,7 +153,7 @@ def _captured(log, live: bool) -> bool:
 def _say_interrupted(signum: signal.Signals, started: float) -> None:
     """Print the interrupted line, then tell the supervisor it was said (it adds none of its own)."""
     print(interrupted(signum, started), file=console.err(), flush=True)
-    lifetime.said()
+    lifetime.said_interrupted()
 
 
 def interrupted(signum: signal.Signals, started: float, how: str = "") -> str:

@@ -17,7 +17,7 @@ from prefect import flow
 from flows.answers import where_logged
 from flows.scheduler import Scheduler
 from tasks.audit.checkpoints import Checkpoint, Lineup
-from tasks.audit.diagnose import Bench, Restored, narrowed, report, sample, search
+from tasks.audit.diagnose import Bench, Restored, narrowed, diagnosis_report, sample, search
 from tasks.audit.plan import AuditPlan
 from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
@@ -28,7 +28,7 @@ from tasks.steps import examine_variant, log_diagnosis, open_plan, restore_layer
 
 
 def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoint: Checkpoint) -> dict:
-    """``checkpoint``'s diagnosis as plain data (``tasks.audit.diagnose.report``); raises what it meets."""
+    """``checkpoint``'s diagnosis as plain data (``tasks.audit.diagnose.diagnosis_report``); raises what it meets."""
     started = time.perf_counter()
     settings = config.diagnosis
     windows = sample(scored, settings.windows, settings.seed)
@@ -56,7 +56,7 @@ def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoin
             alone, curve = search(seen, evaluate, settings.restore)
     finally:
         bench.forget()
-    return report(seen, alone, curve, time.perf_counter() - started) | {"seed": settings.seed}
+    return diagnosis_report(seen, alone, curve, time.perf_counter() - started) | {"seed": settings.seed}
 
 
 def wanted(config: AuditConfig, checkpoint: Checkpoint, verdict: str) -> bool:

@@ -12,7 +12,7 @@ So the command runs in a forked child, and the process the user started becomes 
 - Ctrl-Z stops the child's group with the supervisor, and ``fg``/``bg`` (SIGCONT) continues it;
 - it forwards SIGTERM, SIGHUP and SIGINT to the child and exits with the child's status; a child still
   running ``STOP_S`` after the first signal is killed, with its descendants. The supervisor says so only
-  when the child had not said its own line (``said``): an exception raised by a signal handler can be
+  when the child had not said its own line (``said_interrupted``): an exception raised by a signal handler can be
   swallowed (inside a ``__del__``, it is only printed), or the child's cleanup can be slow, on a busy
   machine, after its line;
 - the child gets SIGTERM when the supervisor dies, ``kill -9`` included (``PR_SET_PDEATHSIG``);
@@ -53,7 +53,7 @@ STOPPING = (signal.SIGTERM, signal.SIGHUP)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 JOB_CONTROL = (signal.SIGTSTP, signal.SIGCONT)  # Ctrl-Z and fg/bg: the child's group follows the supervisor
 
-_said: int | None = None  # in the child: the pipe ``said`` writes to the supervisor
+_said: int | None = None  # in the child: the pipe ``said_interrupted`` writes to the supervisor
 _signalled = False  # in the child: it was interrupted, so its descendants get KILL_GRACE_S, not GRACE_S
 
 
@@ -62,7 +62,7 @@ def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoR
 
     Args:
         killed: the line to print when the child did not stop within ``STOP_S`` of a signal and was killed
-            before it had said its own (``said``).
+            before it had said its own (``said_interrupted``).
     """
     global _said
     if not sys.platform.startswith("linux"):
@@ -95,7 +95,7 @@ def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoR
     sys.exit(main())  # it runs last: after Prefect stops its server
 
 
-def said() -> None:
+def said_interrupted() -> None:
     """Tell the supervisor the command has said how it was interrupted: if its cleanup then outlasts
     ``STOP_S``, it is killed without a second line; and what it started gets a short grace. Nothing outside
     ``run``'s child."""

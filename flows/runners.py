@@ -206,7 +206,7 @@ def _joined(scheduler: Scheduler, found: Lookup, merged: VariantResult, shards: 
     return replace(merged, reference=said)
 
 
-def baseline_alone(scheduler: Scheduler, lineup: Lineup, scored: Evaluation) -> VariantResult:
+def baseline_on_cluster(scheduler: Scheduler, lineup: Lineup, scored: Evaluation) -> VariantResult:
     """The baseline alone on the cluster, for variants that need all of it before they start (a sequential run
     judges each piece against its windows): reused (``_baseline_found``), or scored in ``runner.shards`` tasks, each
     writing its slice of the reference, a failed one tried again elsewhere, merged here and joined by a worker."""
@@ -319,7 +319,7 @@ def score_floors(scheduler: Scheduler | None, lineup: Lineup, scored: Evaluation
         if unmeasurable:
             found.append(VariantResult.failed(checkpoint.name, checkpoint.spec.method, unmeasurable))
             continue
-        kept = floor.stored(baseline, checkpoint.name)
+        kept = floor.stored_floor(baseline, checkpoint.name)
         if kept is not None:
             found.append(kept)
             continue
@@ -352,7 +352,7 @@ def score_all(scheduler: Scheduler | None, config: AuditConfig, lineup: Lineup, 
         return baseline, variants
     making = submit_makes(scheduler, lineup, scored)
     if scored.settings.sequential and config.runner.shards > 1:
-        baseline = baseline_alone(scheduler, lineup, scored)
+        baseline = baseline_on_cluster(scheduler, lineup, scored)
         variants = score_sampled(scheduler, lineup, scored, baseline, making)
     else:
         baseline, variants = score_concurrently(scheduler, lineup, scored, making)

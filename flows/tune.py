@@ -21,7 +21,7 @@ from prefect import flow
 from flows.answers import where_logged
 from flows.audit import audit, result_of
 from tasks.audit.plan import AuditPlan
-from tasks.audit.recipe.plan import alone, prepare
+from tasks.audit.recipe.plan import alone, prepare_tune
 from tasks.audit.recipe.proof import audit_of, compared, uniform_above
 from tasks.audit.recipe.sizes import Budget
 from tasks.core.places import home
@@ -45,7 +45,7 @@ def _written(found: dict, audit_config: dict) -> Path:
     return folder
 
 
-def verdicts(result: AuditResult, names: dict[str, str], found: dict, larger: tuple[str, float, dict] | None
+def claims(result: AuditResult, names: dict[str, str], found: dict, larger: tuple[str, float, dict] | None
              ) -> dict:
     """Per uniform variant (and per domain), whether the recipe is proven better there (``lines``), whether it is
     in every domain (``proven``, by role: ``uniform``, ``larger``), and each model's audit figures for the chart
@@ -84,16 +84,16 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
     Args:
         per: what gets one choice: ``layer`` (a decoder layer's matrices) or ``module`` (its fused groups).
         types: what a unit may take: GGUF tensor types (default ``TYPES``), or a gptq variant's options (8bit, g32,
-            bf16: ``tasks.audit.recipe.gptq.parse``; by default all three).
+            bf16: ``tasks.audit.recipe.gptq.parse_options``; by default all three).
         plan: the audit of the variant alone (``opened``: the CLI makes it); without it, made here once.
 
     Returns:
-        the tune, with ``verdicts``, ``folder`` (the recipe's files) and ``record`` (where it was logged).
+        the tune, with ``verdicts`` (``claims``' lines), ``folder`` (the recipe's files) and ``record`` (where it was logged).
     """
     wanted = Budget.parse(budget)
     if plan is None:
         plan = open_plan(config, overrides or [], narrow=partial(alone, variant=variant))
-    prepared = prepare(plan.lineup, variant, wanted, per, types)
+    prepared = prepare_tune(plan.lineup, variant, wanted, per, types)
     settings = plan.config
     found = measure_tune(plan.lineup, [d.evaluation for d in plan.domains], prepared, settings.diagnosis.windows,
                          settings.diagnosis.seed)
@@ -107,7 +107,7 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
         found |= {"verdicts": [f"no claim: the audit of the recipe failed ({state.message})"], "proven": {}}
         parent = None
     else:
-        said = verdicts(result, names, found, larger)
+        said = claims(result, names, found, larger)
         found |= {"verdicts": said["lines"], "proven": said["proven"], "audited": said["audited"],
                   "audit_table": result.table, "audit_verdict": result.verdict.said}
         parent = result.mlflow_run_id

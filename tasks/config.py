@@ -33,7 +33,7 @@ from tasks.methods.runtimes import Runtime
 
 # each method's own module in tasks.methods says what it is (auto: read from the checkpoint, tasks.models.formats;
 # baseline: a float model as it is); the registry names them all
-Method = Literal[tuple(METHODS)]
+MethodName = Literal[tuple(METHODS)]
 # audit and variant names: MLflow run names, file names, YAML keys; not dots alone (".." is a path)
 NAME = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
 # a name becomes part of a file name (a record's folder: time, name, id; a cached checkpoint's: name, digest) that a
@@ -293,7 +293,7 @@ class VariantSpec(Strict):
 
     role: ClassVar[str] = "variant"  # what its refusals call it (BaselineSpec: the baseline)
     name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
-    method: Method = "baseline"
+    method: MethodName = "baseline"
     path: str | None = None
     gguf_file: str | None = None
     bits: Bits | None = None
@@ -461,7 +461,7 @@ class BaselineSpec(VariantSpec):
         return self
 
 
-def one_line(error: ValidationError, where: str) -> str:
+def validation_line(error: ValidationError, where: str) -> str:
     """The first validation error as one line naming the key; the count of any others after it."""
     first = error.errors()[0]
     key = ".".join(str(part) for part in first["loc"])
@@ -484,7 +484,7 @@ def parse(model: type[Strict], data: object, where: str, overrides: list[str] | 
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise InputError(one_line(error, _given_by(error, overrides) or where)) from None
+        raise InputError(validation_line(error, _given_by(error, overrides) or where)) from None
 
 
 def _given_by(error: ValidationError, overrides: list[str] | tuple[str, ...]) -> str | None:

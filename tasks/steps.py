@@ -69,7 +69,7 @@ def score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, piece: Whole
     writing its slice of the reference under what ``look_up_baseline`` found. A failure is a failed result, not a
     failed task."""
     with asking(let_go):  # on a cluster, stops between batches once the audit no longer waits for it
-        return scoring.score_baseline(checkpoint, evaluation_, piece, progress=True)
+        return scoring.baseline_outcome(checkpoint, evaluation_, piece, progress=True)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name=_score_name,
@@ -83,7 +83,7 @@ def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluatio
     it, the slices of its reference that the baseline's shards wrote (``Slices``).
     """
     with asking(let_go):  # on a cluster, stops between batches once the audit no longer waits for it
-        return scoring.score_variant(checkpoint, lineup, evaluation_, against, piece, corpus_text, progress=True)
+        return scoring.variant_outcome(checkpoint, lineup, evaluation_, against, piece, corpus_text, progress=True)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, retry_condition_fn=_transient)
@@ -208,7 +208,7 @@ def measure_tune(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepar
     (``built``)."""
     with asking(let_go):
         tuning, donor_sizes, measured = measure.measure(lineup, evaluations, prepared, windows, seed)
-        found = proof.report(tuning, prepared, donor_sizes)
+        found = proof.tune_report(tuning, prepared, donor_sizes)
         made = replace(lineup, variants=[measured])
         found["built"] = proof.built(found, tuning, prepared, donor_sizes, made, evaluations[0])
     return found

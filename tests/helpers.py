@@ -155,7 +155,7 @@ def stored_reference(model, stream, window: int, stride: int, source: Path, key:
     """Score ``model`` as an audit scores its baseline, writing its reference under ``key``; returns
     ``(Reference, PerplexityResult)``. The manifest holds what reading it back needs: a whole identity, but for a
     model named by ``key`` rather than by its files' digest."""
-    from tasks.audit.reference import FORMAT, Identity, Writer, building, environment, stream_digest
+    from tasks.audit.reference import REFERENCE_FORMAT, Identity, Writer, building, environment, stream_digest
     from tasks.engine.perplexity import perplexity, scored_targets
     from tasks.engine.scoring_options import ScoreOptions, Windowing
 
@@ -163,7 +163,7 @@ def stored_reference(model, stream, window: int, stride: int, source: Path, key:
         writer = Writer(scratch / key, scored_targets(stream, window, stride))
         writer.staging.mkdir()
         result = perplexity(model, stream, Windowing(window, stride), batch_size, ScoreOptions(keep_hidden=writer))
-        identity = Identity(FORMAT, key, key, stream_digest(stream), "sliding", window, stride, stream.bos,
+        identity = Identity(REFERENCE_FORMAT, key, key, stream_digest(stream), "sliding", window, stride, stream.bos,
                             str(model.dtype).removeprefix("torch."))
         manifest = {"identity": identity.as_dict(),
                     "environment": environment(model.device), "facts": {},

@@ -582,8 +582,8 @@ def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_mo
         assert (len(runs("make-gptq")), len(runs("score-gptq-windows"))) == (1, 3)
         assert runs("make-gptq")[0].start_time < max(run.end_time for run in runs("score-baseline-windows"))
     assert {row["worker"] for row in sharded.shards} <= set(workers)
-    alone = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
-                  return_state=True).result()["results"][1]
+    alone = only(audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
+                       return_state=True).result()).results[1]
     assert alone.manifest == sharded.manifest  # the checkpoint the sharded audit made
     assert np.array_equal(alone.result.token_nll, sharded.result.token_nll)
 

@@ -44,8 +44,8 @@ def audit(model_dir: Path, variant_dir: Path, text: str, rescore: str = "auto"):
                      [VariantSpec(name="noisy", path=str(variant_dir))])
     settings = parse(EvaluationConfig, {"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 500}, "test")
     scored = evaluation(text, lineup.tokenizer, settings)
-    base = scoring.score_baseline(lineup.baseline, scored)
-    return base, scoring.score_variant(lineup.variants[0], lineup, scored, against=base)
+    base = scoring.baseline_outcome(lineup.baseline, scored)
+    return base, scoring.variant_outcome(lineup.variants[0], lineup, scored, against=base)
 
 
 def figures(base, variant) -> dict:

@@ -235,7 +235,7 @@ def test_diagnose_refuses_an_unknown_variant_in_one_line(tmp_path, capsys, deep_
 def _diagnose_here(baseline: str, spec, settings, text: str, restore_k: int = 1):
     """A diagnosis through the library, its evaluations one after another here (the flow's sequential runner)."""
     from tasks.audit.checkpoints import prepare
-    from tasks.audit.diagnose import Bench, examine, report, restore, sample, search
+    from tasks.audit.diagnose import Bench, examine, diagnosis_report, restore, sample, search
     from tasks.config import BaselineSpec
     from tasks.data.evaluation import evaluation
     from tasks.models.resolve import load_tokenizer
@@ -250,7 +250,7 @@ def _diagnose_here(baseline: str, spec, settings, text: str, restore_k: int = 1)
         alone, curve = search(seen, lambda sets: restore(bench, checkpoint, lineup, scored, windows, sets), restore_k)
     finally:
         bench.forget()
-    return report(seen, alone, curve, 0.0)
+    return diagnosis_report(seen, alone, curve, 0.0)
 
 
 def _lined_up(deep_dirs, variant: str = "fault-2"):

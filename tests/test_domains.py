@@ -20,7 +20,7 @@ from tasks.config import Thresholds
 from tasks.engine.paired import paired_difference
 from tasks.record.domains import across
 from tasks.record.result import DomainResult
-from tasks.record.verdict import judge
+from tasks.record.verdict import judge_row
 
 # Russian words for a second domain in another script: the test tokenizer is byte-level BPE trained on English
 # words only, so it encodes Cyrillic as single bytes, tokens that English text never uses
@@ -291,7 +291,7 @@ def pass_rates(true_pcts: list[float], draws: int, seed: int) -> tuple[float, li
         domains = []
         for k, true_pct in enumerate(true_pcts):
             row = synthetic_row(rng, true_pct)
-            verdict = judge(row, GATE)
+            verdict = judge_row(row, GATE)
             each[k] += verdict.status == "pass"
             domains.append(DomainResult(f"d{k}", (), ({"variant": "baseline", "status": "ok"}, row), (verdict,),
                                         verdict, ""))

@@ -126,7 +126,7 @@ def test_the_by_domain_chart_and_a_report_section_per_domain(audited, tmp_path):
 
 def test_sync_replays_a_spooled_record_of_several_domains(audited, tmp_path, monkeypatch):
     from flows.cli import main
-    from tasks.record.spool import damage, sealed_record_json
+    from tasks.record.spool import spooled_damage, sealed_record_json
 
     client, parent, record, folder = audited
     home = tmp_path / "home"
@@ -136,12 +136,12 @@ def test_sync_replays_a_spooled_record_of_several_domains(audited, tmp_path, mon
     kept = json.loads((spooled / "record.json").read_text())
     kept["config"]["tracking"]["uri"] = uri  # sealed again, as written there: sync sends it where it now says
     (spooled / "record.json").write_text(sealed_record_json(kept))
-    assert damage(spooled) is None
+    assert spooled_damage(spooled) is None
     broken = dict(kept, domains={**kept["domains"], "other": {k: v for k, v in kept["domains"]["other"].items()
                                                               if k != "corpus"}})
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "record.json").write_text(json.dumps(broken))
-    assert damage(tmp_path / "broken") == "record.json lacks domains.other.corpus"
+    assert spooled_damage(tmp_path / "broken") == "record.json lacks domains.other.corpus"
     monkeypatch.setenv("PPL_AUDIT_HOME", str(home))
     assert main(["sync"]) == 0
     synced = MlflowClient(uri)

@@ -9,7 +9,7 @@ from tasks.audit import scoring
 from tasks.audit.checkpoints import prepare
 from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
 from tasks.data.evaluation import evaluation
-from tasks.record.verdict import comparison_row, format_table, judge
+from tasks.record.verdict import comparison_row, format_table, judge_row
 
 ONE_CHUNK = {"mode": "llama.cpp", "window": 64, "chunks": 1, "batch_size": 1}
 GATE = {"max_ppl_increase_pct": 5, "max_kld_mean": 0.5, "min_top1_agreement": 0.5}
@@ -34,10 +34,10 @@ def test_one_window_scored_anyway_is_judged_an_error_not_a_pass(tiny_model_dir, 
     lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)),
                      [VariantSpec(name="noisy", path=str(noisy_model_dir))])
     scored = evaluation(corpus_path.read_text(), lineup.tokenizer, parse(EvaluationConfig, ONE_CHUNK, "test"))
-    base = scoring.score_baseline(lineup.baseline, scored)
-    variant = scoring.score_variant(lineup.variants[0], lineup, scored, against=base)
+    base = scoring.baseline_outcome(lineup.baseline, scored)
+    variant = scoring.variant_outcome(lineup.variants[0], lineup, scored, against=base)
     rows = [comparison_row(base, base, 64), comparison_row(variant, base, 64)]
-    verdict = judge(rows[1], Thresholds(**GATE))
+    verdict = judge_row(rows[1], Thresholds(**GATE))
     assert rows[1]["windows"] == 1 and verdict.status == "error"
     assert verdict.reason.count("cannot be judged") == 3 and "rests on 1 window(s)" in verdict.reason
     table = format_table(rows, {"noisy": verdict}).splitlines()

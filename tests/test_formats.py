@@ -13,7 +13,7 @@ from helpers import make_compressed, make_text, rewrite_gguf, write_config
 
 from tasks.audit import reference
 from tasks.audit.checkpoints import prepare
-from tasks.audit.scoring import score_baseline, score_variant
+from tasks.audit.scoring import baseline_outcome, variant_outcome
 from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
 from tasks.core.files import file_digest
 from tasks.data.embedded import embedded_gguf, ensure_embedded_model
@@ -32,14 +32,14 @@ def embedded_audit():
     """The embedded baseline, scored on a short stream: what the GGUF variants are compared with."""
     tokens = evaluation(make_text(1500), load_tokenizer("embedded"), SETTINGS)
     lineup = prepare(BaselineSpec(name="baseline", path="embedded"), [])
-    outcome = score_baseline(lineup.baseline, tokens)
+    outcome = baseline_outcome(lineup.baseline, tokens)
     assert outcome.ok, outcome.reason
     return {"evaluation": tokens, "baseline": outcome}
 
 
 def score_gguf(embedded_audit, spec: VariantSpec):
     lineup = prepare(BaselineSpec(name="baseline", path="embedded"), [spec])
-    return score_variant(lineup.variants[0], lineup, embedded_audit["evaluation"],
+    return variant_outcome(lineup.variants[0], lineup, embedded_audit["evaluation"],
                          against=embedded_audit["baseline"])
 
 
@@ -108,16 +108,16 @@ def test_a_gguf_baseline_keeps_a_reference_and_gives_its_variants_kl(embedded_au
     q8_0 = VariantSpec(name="q8_0", path=str(rewrite_gguf(embedded_gguf(), tmp_path / "smollm2.Q8_0.gguf", "Q8_0")))
     lineup = prepare(BaselineSpec(name="baseline", path=str(embedded_gguf())), [q8_0])
     scored = embedded_audit["evaluation"]
-    baseline = score_baseline(lineup.baseline, scored)
+    baseline = baseline_outcome(lineup.baseline, scored)
     assert baseline.ok and baseline.reference.baseline == "scored" and baseline.reference.key, baseline.reference
     manifest = reference.Reference.open(Path(baseline.reference.path)).manifest
     assert manifest["head"] | {"digest": ""} == {"name": "token_embd.weight", "stored": False, "digest": "",
                                                   "softcap": None}
     assert manifest["identity"]["model"] == file_digest(embedded_gguf())
-    again = score_baseline(lineup.baseline, scored)
+    again = baseline_outcome(lineup.baseline, scored)
     assert again.reference.baseline == "reused" and again.reference.key == baseline.reference.key
     assert np.array_equal(again.result.token_nll, baseline.result.token_nll)
-    variant = score_variant(lineup.variants[0], lineup, scored, against=again)
+    variant = variant_outcome(lineup.variants[0], lineup, scored, against=again)
     assert variant.ok and variant.divergence.reference == baseline.reference.key, variant.reason
     against_folder = score_gguf(embedded_audit, q8_0)  # the same weights as a folder: the same KL
     assert np.abs(variant.result.extra["kl"] - against_folder.result.extra["kl"]).max() < 1e-6
@@ -171,14 +171,14 @@ def small_audit(trained_model_dir):
     tokens = evaluation(make_text(3000), load_tokenizer(str(trained_model_dir)),
                         EvaluationConfig(max_tokens=1000, window=64, stride=32, batch_size=8))
     lineup = prepare(BaselineSpec(name="baseline", path=str(trained_model_dir)), [])
-    outcome = score_baseline(lineup.baseline, tokens)
+    outcome = baseline_outcome(lineup.baseline, tokens)
     assert outcome.ok, outcome.reason
     return {"evaluation": tokens, "baseline": outcome, "path": str(trained_model_dir)}
 
 
 def score_small(small_audit, spec: VariantSpec):
     lineup = prepare(BaselineSpec(name="baseline", path=small_audit["path"]), [spec])
-    return score_variant(lineup.variants[0], lineup, small_audit["evaluation"], against=small_audit["baseline"])
+    return variant_outcome(lineup.variants[0], lineup, small_audit["evaluation"], against=small_audit["baseline"])
 
 
 # scheme -> (label, whether its activations are quantized); W4A16 moves PPL by 0.3%, the 8-bit ones by < 0.2%

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tasks.config import Thresholds
-from tasks.record.verdict import judge, overall
+from tasks.record.verdict import judge_row, overall
 
 
 def row(delta=0.5, low=0.2, high=0.8, kld=0.01, kld_high=0.012, top1=0.97, top1_low=0.96, **extra):
@@ -21,7 +21,7 @@ GATE = Thresholds(max_ppl_increase_pct=1.0, max_kld_mean=0.02, min_top1_agreemen
 
 
 def test_clear_pass():
-    verdict = judge(row(), GATE)
+    verdict = judge_row(row(), GATE)
     assert verdict.status == "pass"
     assert "ΔPPL +0.50% [+0.20, +0.80] ≤ 1" in verdict.reason and "top-1 agreement" in verdict.reason
 
@@ -32,7 +32,7 @@ def test_clear_pass():
     ({"top1": 0.90, "top1_low": 0.88}, "top-1 agreement 0.9000"),
 ])
 def test_clear_fail(changes, expected):
-    verdict = judge(row(**changes), GATE)
+    verdict = judge_row(row(**changes), GATE)
     assert verdict.status == "fail" and expected in verdict.reason and "breaks the limit" in verdict.reason
 
 
@@ -42,21 +42,21 @@ def test_clear_fail(changes, expected):
     ({"top1": 0.955, "top1_low": 0.945}, "top-1 agreement 0.9550"),
 ])
 def test_inside_the_noise_is_judged_on_the_pessimistic_end(changes, expected):
-    verdict = judge(row(**changes), GATE)
+    verdict = judge_row(row(**changes), GATE)
     assert verdict.status == "fail" and expected in verdict.reason and "inside the noise" in verdict.reason
 
 
 def test_per_variant_override_and_missing_figures():
     relaxed = Thresholds(max_ppl_increase_pct=1.0, per_variant={"q": {"max_ppl_increase_pct": 5}})
-    assert judge(row(delta=1.5, low=1.2, high=1.8), relaxed).status == "pass"
+    assert judge_row(row(delta=1.5, low=1.2, high=1.8), relaxed).status == "pass"
     no_kl = {k: v for k, v in row().items() if not k.startswith(("kld", "top1"))}
-    assert judge(no_kl, GATE).status == "error"
+    assert judge_row(no_kl, GATE).status == "error"
     failed = {"variant": "q", "method": "gptq", "status": "failed", "reason": "out of memory at batch size 1"}
-    assert judge(failed, GATE).reason == "out of memory at batch size 1"
+    assert judge_row(failed, GATE).reason == "out of memory at batch size 1"
 
 
 def test_overall_verdict():
-    passing, failing = judge(row(), GATE), judge(row(delta=2, low=1.5, high=2.5), GATE)
+    passing, failing = judge_row(row(), GATE), judge_row(row(delta=2, low=1.5, high=2.5), GATE)
     assert overall({"status": "ok"}, [passing]).status == "pass"
     assert overall({"status": "ok"}, [passing, failing]).status == "fail"
     assert overall({"status": "failed", "reason": "gone"}, [passing]).reason == "baseline failed: gone"
@@ -69,7 +69,7 @@ def test_table_shows_interval_kl_agreement_and_failures():
     base = {"variant": "base", "method": "baseline", "status": "ok", "reason": "", "ppl": 24.9, "ppl_stderr": 0.5,
             "bits_per_byte": 1.19, "tokens_per_second": 310, "weight_mib": 500}
     broken = {"variant": "gone", "method": "awq", "status": "failed", "reason": "model folder not found"}
-    table = format_table([base, ok, broken], {"q": judge(ok, GATE)}).splitlines()
+    table = format_table([base, ok, broken], {"q": judge_row(ok, GATE)}).splitlines()
     assert "ΔPPL % [95% CI]" in table[0] and "KLD" in table[0] and "top-1" in table[0]
     assert "+0.50 [+0.20,+0.80]" in table[3] and "0.0100" in table[3] and "97.0%" in table[3] and "pass:" in table[3]
     assert table[4].split()[:3] == ["gone", "awq", "—"] and table[4].endswith("model folder not found")
@@ -82,7 +82,7 @@ def test_a_variant_equal_to_its_baseline_reads_zero_not_minus_zero():
     same = row(delta=-1e-9, low=-2e-9, high=1e-9, kld=1e-12, kld_high=1e-11, top1=1.0, top1_low=1.0, ppl=25.0,
                ppl_stderr=0.5, bits_per_byte=1.2, tokens_per_second=300, weight_mib=100)
     same["kld_mean_low"] = -1e-11
-    verdict = judge(same, GATE)
+    verdict = judge_row(same, GATE)
     table = format_table([same], {"q": verdict})
     assert "-0.00" not in table and "+0.00 [+0.00,+0.00]" in table
     # a KL keeps its significant digits (1e-12, not 0.0000), as every view gives it
@@ -96,7 +96,7 @@ def test_a_variant_equal_to_its_baseline_reads_zero_not_minus_zero():
 def test_no_gate_passes_what_is_not_a_finite_number(what, key, where, bad):
     """`x > limit` is False for NaN: a NaN KLD once printed `pass: KLD mean nan [nan, nan] ≤ 0.01`."""
     crafted = row(windows=40) | {f"{key}{where}": bad}
-    verdict = judge(crafted, GATE)
+    verdict = judge_row(crafted, GATE)
     assert verdict.status == "error", verdict
     assert f"{what} " in verdict.reason and "cannot be judged" in verdict.reason
     assert "it is not a finite number" in verdict.reason
@@ -108,13 +108,13 @@ def test_one_window_cannot_be_judged_and_says_why():
     nan = math.nan
     alone = row(delta=0.88, low=nan, high=nan, kld=0.1386, kld_high=nan, top1=0.5161, top1_low=nan, windows=1)
     alone["kld_mean_low"] = nan
-    verdict = judge(alone, Thresholds(max_ppl_increase_pct=5, max_kld_mean=0.5, min_top1_agreement=0.5))
+    verdict = judge_row(alone, Thresholds(max_ppl_increase_pct=5, max_kld_mean=0.5, min_top1_agreement=0.5))
     assert verdict.status == "error"
     assert verdict.reason.count("it rests on 1 window(s), and an interval needs at least 2") == 3
 
 
 def test_a_clear_failure_stays_a_failure_beside_a_gate_that_cannot_be_judged():
-    verdict = judge(row(delta=3.0, low=2.5, high=3.5, windows=40) | {"kld_mean_high": math.nan}, GATE)
+    verdict = judge_row(row(delta=3.0, low=2.5, high=3.5, windows=40) | {"kld_mean_high": math.nan}, GATE)
     assert verdict.status == "fail" and "breaks the limit" in verdict.reason and "cannot be judged" in verdict.reason
 
 

@@ -66,3 +66,27 @@ def test_no_function_in_flows_grows_past_forty_lines():
                     over[(str(path.relative_to(ROOT)), node.name)] = length
     grown = {name: length for name, length in over.items() if length > LONG_FLOW_FUNCTIONS.get(name, FUNCTION_LINES)}
     assert not grown, f"functions in flows/ over {FUNCTION_LINES} lines, or longer than before: {grown}"
+
+
+# names defined in several modules that are the same thing in each: each method module's descriptor, 2**20, a
+# process's entry point (#68: a public name defined in two modules is the same thing or is renamed)
+SAME_THING = {"METHOD", "MIB", "main"}
+
+
+def test_a_public_name_is_defined_in_one_module_unless_it_is_the_same_thing():
+    where: dict[str, list[str]] = {}
+    for path in _modules():
+        for node in _tree(path).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+            else:
+                names = [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) else []
+            for name in names:
+                where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    # a command module's parts (NAME, add, run...) are its interface to flows/cli.py, the same in each
+    interface = {"NAME", "LOGGED", "LOGGED_ACTIONS", "add", "run"}
+    twice = {name: modules for name, modules in where.items()
+             if len(modules) > 1 and not name.startswith("_") and name not in SAME_THING | interface}
+    assert not twice, f"public names defined in more than one module: {twice}"

@@ -201,7 +201,7 @@ def test_a_llama_cpp_model_says_the_settings_it_ran_with(asked):
 def test_gpu_layers_on_a_build_without_a_gpu_are_said_and_recorded(tmp_path, texts, capsys):
     """A build that cannot offload (``llama_supports_gpu_offload``) ignored ``gpu_layers`` without a word: a warning
     line when the plan is made, and the record's settings say the layers that ran on a GPU (none) and those asked."""
-    from tasks.audit.preflight import check_settings
+    from tasks.audit.preflight import check_audit_settings
     from tasks.config import LlamaCppSettings, load_audit_config
     from tasks.data.embedded import embedded_gguf
 
@@ -210,7 +210,7 @@ def test_gpu_layers_on_a_build_without_a_gpu_are_said_and_recorded(tmp_path, tex
                             "llama_cpp": {"gpu_layers": 4}}]}
     path = tmp_path / "gpu.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    check_settings(load_audit_config(str(path), []))
+    check_audit_settings(load_audit_config(str(path), []))
     warned = [line for line in capsys.readouterr().err.splitlines() if "gpu_layers" in line]
     offload = llama_cpp.gpu_offload()
     assert warned == ([] if offload else [

@@ -4,6 +4,7 @@ tests/test_llama_cpp.py (the peer checks) so that the two run on two cores."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import json_line
-from llama_cpp_peers import ROOT, audit, ladder, llama_perplexity, peer_texts
+from llama_cpp_peers import ROOT, audit, ladder, llama_perplexity, own_cache, peer_texts
 
 from tasks.config import CorpusConfig
 from tasks.data.corpus import corpus_text
@@ -32,17 +33,24 @@ def made() -> dict[str, Path]:
 
 
 def test_a_crash_inside_llama_cpp_fails_that_variant_alone(cli, tmp_path, texts, made):
-    """A native crash kills the worker process, not the audit: the variant fails with one line, the others score."""
+    """A native crash kills the worker process, not the audit: the variant fails with one line, the others score.
+    1,024 tokens (7 windows): the worker scores for seconds after the ~0.5 CPU-s it takes to start and open the file,
+    time enough to be killed in the middle of it, and the variant that scores needs no more."""
+    import time
+
     import psutil
+    from prefect.settings import PREFECT_API_URL
 
     config = {"name": "crash", "baseline": {"path": "embedded"}, "corpus": {"source": str(texts["austen"])},
-              "evaluation": {"window": 256, "max_tokens": 8192, "batch_size": 4},
+              "evaluation": {"window": 256, "max_tokens": 1024, "batch_size": 4},
               "variants": [{"name": "served", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp"},
                            {"name": "weights", "method": "gguf", "type": "Q8_0"}]}
     path = tmp_path / "crash.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+    # the session's Prefect server, as `cli`'s commands report to: without it the audit starts its own (~15 s)
+    env = os.environ | {"PREFECT_API_URL": PREFECT_API_URL.value()}
     audit_run = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-m", "flows.cli", "run", str(path), "--json"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     killed = None
     while audit_run.poll() is None and killed is None:
         for child in psutil.Process(audit_run.pid).children(recursive=True):
@@ -52,6 +60,7 @@ def test_a_crash_inside_llama_cpp_fails_that_variant_alone(cli, tmp_path, texts,
                     killed = child.pid
             except psutil.NoSuchProcess:
                 pass
+        time.sleep(0.05)  # a loop without a pause took one of the 2 cores the audit it watches runs on
     out, err = audit_run.communicate(timeout=600)
     assert killed is not None, err[-2000:]
     rows = {row["variant"]: row for row in json_line(out, err)["models"]}
@@ -120,7 +129,7 @@ def test_a_gguf_type_made_with_an_importance_matrix_of_the_calibration_text(cli,
     from tasks.models.gguf import gguf_facts
 
     samples = 8
-    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))  # the files it makes, and only those
+    own_cache(tmp_path / "cache", monkeypatch)  # the files it makes, and only those
     config = {"name": "imatrix", "baseline": {"path": "embedded"}, "corpus": {"source": str(texts["austen"])},
               "evaluation": {"window": 256, "max_tokens": 2048, "batch_size": 4},
               "variants": [{"name": "plain", "method": "gguf", "type": "Q3_K_M"},
@@ -145,12 +154,16 @@ def test_a_gguf_type_made_with_an_importance_matrix_of_the_calibration_text(cli,
 def test_a_lineup_in_llama_cpp_scores_the_same_in_shards_on_dask_and_stops_early_sequential(cli, tmp_path, texts, made):
     """The baseline (the F32 file) and a variant in llama.cpp, each as 2 shards on a local Dask cluster: every figure
     equals the one-process audit's exactly (the baseline's reference joined from slices of llama.cpp's logits). Then a
-    sequential audit against that reference stops once its verdict is settled."""
+    sequential audit stops once its verdict is settled.
+
+    1,024 tokens (7 windows) make pieces of 4 and 3 windows, each more than one batch. The sequential audit scores at
+    least 8 windows (4 batches of 2) before it may stop, so it runs on 3,072 tokens (23 windows): stopped within 10 of
+    them, it has scored less than half the stream."""
     def run(name: str, **sections) -> dict:
         config = {"name": name, "baseline": {"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp",
                                              "rescore": "always"},
                   "corpus": {"source": str(texts["austen"])},
-                  "evaluation": {"window": 256, "max_tokens": 2048, "batch_size": 2},
+                  "evaluation": {"window": 256, "max_tokens": 1024, "batch_size": 2},
                   "variants": [{"name": "q8", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp"}]} | sections
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -169,7 +182,7 @@ def test_a_lineup_in_llama_cpp_scores_the_same_in_shards_on_dask_and_stops_early
     code, out, err = cli("reference", "ls")  # the joined reference says what scored it
     assert code == 0 and f"{made['f32']} (scored in llama.cpp {llama_cpp.version()})" in out + err, out + err
     stopped = run("sequential", baseline={"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"},
-                  evaluation={"window": 256, "max_tokens": 8192, "batch_size": 2, "sequential": True},
+                  evaluation={"window": 256, "max_tokens": 3072, "batch_size": 2, "sequential": True},
                   thresholds={"max_ppl_increase_pct": 5})
     row = stopped["models"][1]
     assert row["verdict"] == "pass" and row["scored_fraction"] < 0.5, row["verdict_reason"]
@@ -181,7 +194,7 @@ def test_type_variants_of_a_transformers_baseline_are_made_from_its_conversion(c
     as llama-perplexity scores the Q8_0 made from the packaged file those weights were dequantized from."""
     from tasks.models.resolve import resolve_model_path
 
-    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))  # converted here, not found from another test
+    own_cache(tmp_path / "cache", monkeypatch)  # converted here, not found from another test
     text = texts["austen"]
     peer = llama_perplexity(made["q8"], text, tmp_path / "base.kld", kl=False)
     said = audit(cli, tmp_path, text, [{"name": "q8", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp"}],

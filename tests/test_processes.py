@@ -516,7 +516,7 @@ def test_a_child_whose_cleanup_outlasts_the_grace_is_killed_without_a_second_lin
                 time.sleep(300)
             except SystemExit:
                 print("interrupted, said", file=sys.stderr, flush=True)
-                lifetime.said()
+                lifetime.said_interrupted()
                 raise
             return 0
     """, STOP_S + 5)

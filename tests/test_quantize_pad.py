@@ -8,7 +8,7 @@ import pytest
 from helpers import build_llama, make_text
 
 from tasks.audit.checkpoints import prepare
-from tasks.audit.scoring import score_variant
+from tasks.audit.scoring import variant_outcome
 from tasks.config import BaselineSpec, CalibrationConfig, EvaluationConfig, VariantSpec
 from tasks.data.evaluation import evaluation
 from tasks.models.resolve import load_tokenizer
@@ -43,7 +43,7 @@ def test_tokenizer_without_pad_or_eos_quantizes_with_the_same_tokenizer(bos_only
     spec = VariantSpec(name=method, method=method, bits=4, group_size=32,
                        calibration=CalibrationConfig(samples=4, seq_len=64))
     lineup = prepare(BaselineSpec(name="baseline", path=str(bos_only_dir)), [spec])
-    outcome = score_variant(lineup.variants[0], lineup, audit)
+    outcome = variant_outcome(lineup.variants[0], lineup, audit)
     assert outcome.ok, outcome.reason  # loaded and scored after passing check_same_tokenizer
     assert outcome.result.ppl > 1 and outcome.facts.quantized_layers == 14
     saved = load_tokenizer(outcome.facts.source)

@@ -29,7 +29,7 @@ from tasks.engine.perplexity import hidden_states, perplexity
 from tasks.engine.baseline import Baseline
 from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.models.loading import load_model
-from tasks.record.verdict import comparison_row, format_stats, format_table, judge
+from tasks.record.verdict import comparison_row, format_stats, format_table, judge_row
 
 CPU = torch.device("cpu")
 
@@ -76,7 +76,7 @@ def audit_parts(model_dir: Path, text: str, rescore: str = "auto", **evaluation_
 
 def score_baseline(model_dir: Path, text: str, rescore: str = "auto", **evaluation_settings):
     lineup, scored = audit_parts(model_dir, text, rescore, **evaluation_settings)
-    outcome = scoring.score_baseline(lineup.baseline, scored)
+    outcome = scoring.baseline_outcome(lineup.baseline, scored)
     assert outcome.ok, outcome.reason
     return outcome
 
@@ -287,15 +287,15 @@ def test_a_reference_that_cannot_be_written_loses_the_kl_not_the_scores(tiny_mod
     lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)),
                      [VariantSpec(name="int8", method="torchao-int8")])
     scored = evaluation(text, lineup.tokenizer, parse(EvaluationConfig, {"window": 64, "max_tokens": 600}, "test"))
-    baseline = scoring.score_baseline(lineup.baseline, scored)
+    baseline = scoring.baseline_outcome(lineup.baseline, scored)
     assert baseline.ok and baseline.reference.key is None and "could not write the baseline reference" in \
         baseline.reference.problem
-    variant = scoring.score_variant(lineup.variants[0], lineup, scored, against=baseline)
+    variant = scoring.variant_outcome(lineup.variants[0], lineup, scored, against=baseline)
     assert variant.ok and "kl" not in variant.result.extra
-    verdict = judge(comparison_row(variant, baseline, 64), Thresholds(max_kld_mean=0.1))
+    verdict = judge_row(comparison_row(variant, baseline, 64), Thresholds(max_kld_mean=0.1))
     assert verdict.status == "error" and "could not write the baseline reference" in verdict.reason
     rows = [comparison_row(baseline, baseline, 64), comparison_row(variant, baseline, 64)]
-    ungated = judge(rows[1], Thresholds())
+    ungated = judge_row(rows[1], Thresholds())
     assert rows[1]["divergence_absent"] == baseline.reference.problem
     table = format_table(rows, {"int8": ungated}).splitlines()
     assert table[-1].endswith(f"; no KLD: {baseline.reference.problem}")  # the blank column says why
@@ -320,7 +320,7 @@ def test_a_reference_joined_from_slices_is_the_one_written_whole_and_a_bad_slice
 
     def in_slices(damage=None):
         lookup = scoring.look_up(lineup.baseline, scored)
-        shards = [scoring.score_baseline(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
+        shards = [scoring.baseline_outcome(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
         if damage is not None:
             damage([Path(shard.reference.slice) for shard in shards])
         merged = scoring.merge_shards(shards, scored)
@@ -366,7 +366,7 @@ def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and
     lineup, scored = audit_parts(tiny_model_dir, text, rescore="always")
     bounds = shard_bounds(len(plan(scored.stream, 64, 32)), 3, 4)
     lookup = scoring.look_up(lineup.baseline, scored)
-    shards = [scoring.score_baseline(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
+    shards = [scoring.baseline_outcome(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
     slices = [Path(shard.reference.slice) for shard in shards]
     variant = perturbed(tiny_model_dir, torch.float32)
     against = {n: reference.slice_baseline(list(dict.fromkeys([slices[0], slices[n]])),
@@ -381,7 +381,7 @@ def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and
         assert part.scores.extra.keys() == whole.scores.extra.keys() and "kl" in whole.scores.extra
         for key in whole.scores.extra:
             assert torch.equal(part.scores.extra[key], whole.scores.extra[key]), key
-    shards = [scoring.score_baseline(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
+    shards = [scoring.baseline_outcome(lineup.baseline, scored, scoring.BaselineSlice(Windows(*w), lookup)) for w in bounds]
     damaged = Path(shards[1].reference.slice) / reference.HIDDEN
     damaged.write_bytes(damaged.read_bytes()[:-1] + bytes([damaged.read_bytes()[-1] ^ 1]))
     with pytest.raises(DamagedReference, match="does not hold what was written"):

@@ -153,17 +153,17 @@ def test_a_malformed_tokenizer_says_which_file_and_what_to_do(capsys, tmp_path, 
 def test_an_audit_without_a_gate_is_never_said_to_pass():
     """A variant at +9384% read PASS with no thresholds: with no limit, nothing was judged, and the verdict says so."""
     from tasks.config import Thresholds
-    from tasks.record.verdict import format_table, judge, overall
+    from tasks.record.verdict import format_table, judge_row, overall
 
     row = {"variant": "worse", "method": "gptq", "status": "ok", "reason": "", "delta_ppl_pct": 9384.0,
            "delta_ppl_pct_low": 9000.0, "delta_ppl_pct_high": 9800.0}
-    said = judge(row, Thresholds())
+    said = judge_row(row, Thresholds())
     assert (said.status, said.said) == ("ungated", "no gate")
     assert said.reason == "ΔPPL +9384.00%, judged against no limit (thresholds)"
     audit = overall({"status": "ok"}, [said])
     assert audit.status == "ungated" and audit.reason.startswith("no variant has a limit in thresholds")
     near = {"variant": "gated", "delta_ppl_pct": 0.5, "delta_ppl_pct_low": 0.1, "delta_ppl_pct_high": 0.9}
-    gated = judge(row | near, Thresholds(per_variant={"gated": {"max_ppl_increase_pct": 5}}))
+    gated = judge_row(row | near, Thresholds(per_variant={"gated": {"max_ppl_increase_pct": 5}}))
     mixed = overall({"status": "ok"}, [gated, said])
     assert mixed.status == "pass" and mixed.reason == "all 1 gated variant(s) passed; no gate for worse"
     assert "no gate: ΔPPL +9384.00%" in format_table([row | {"ppl": 1.0, "ppl_stderr": 0.1, "bits_per_byte": None,
@@ -332,7 +332,7 @@ def test_llama_cpp_settings_it_cannot_take_are_refused():
 def test_more_llama_cpp_threads_than_the_machine_has_cores_is_refused(tmp_path):
     import os
 
-    from tasks.audit.preflight import check_settings
+    from tasks.audit.preflight import check_audit_settings
     from tasks.config import AuditConfig
     from tasks.core.errors import InputError
 
@@ -341,7 +341,7 @@ def test_more_llama_cpp_threads_than_the_machine_has_cores_is_refused(tmp_path):
     config = AuditConfig.model_validate({"name": "a", "baseline": {"path": str(tmp_path)},
                                          "corpus": {"source": "embedded"}, "variants": [variant]})
     with pytest.raises(InputError) as error:
-        check_settings(config)
+        check_audit_settings(config)
     assert str(error.value) == (f"variant 'q': llama_cpp.threads {os.cpu_count() + 1} is more than this machine's "
                                 f"{os.cpu_count()} CPUs; llama.cpp's threads wait on each other: use {os.cpu_count()} "
                                 "or fewer (or leave threads out: the cores it may use)")

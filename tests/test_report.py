@@ -148,13 +148,13 @@ def test_a_chart_of_one_figure_says_which_gate_failed(audited):
 
     from tasks.config import Thresholds
     from tasks.record.plots import delta_ppl_chart, kld_histogram, ppl_chart
-    from tasks.record.verdict import judge
+    from tasks.record.verdict import judge_row
 
     _, _, record, folder, _ = audited
     record = copy.deepcopy(record)
     record["config"]["thresholds"]["per_variant"]["int8"] = {"min_top1_agreement": 1.0}
     int8 = next(v for v in record["variants"] if v["name"] == "int8")
-    verdict = judge(int8["row"], Thresholds.model_validate(record["config"]["thresholds"]))
+    verdict = judge_row(int8["row"], Thresholds.model_validate(record["config"]["thresholds"]))
     assert verdict.status == "fail" and verdict.reason.startswith("top-1 agreement")  # its ΔPPL passes
     int8["verdict"] = {"status": verdict.status, "reason": verdict.reason}
     [axis] = delta_ppl_chart(record).axes

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import perturbed, write_config
 
-from tasks.audit.sequential import Watch, gated, settled
+from tasks.audit.sequential import Watch, gate_limits, settled
 from tasks.config import Gate
 from tasks.data.corpus import tokenize
 from tasks.engine.paired import cluster_mean
@@ -133,7 +133,7 @@ def test_clear_verdicts_stop_early_and_save_tokens(variant_windows):
 
 def test_a_gate_settles_only_when_every_limit_is_inside_or_one_is_clearly_past():
     gate = Gate(max_ppl_increase_pct=5, min_top1_agreement=0.9)
-    assert [key for key, *_ in gated(gate)] == ["delta_ppl_pct", "top1_agreement"]
+    assert [key for key, *_ in gate_limits(gate)] == ["delta_ppl_pct", "top1_agreement"]
     assert settled({"delta_ppl_pct": (1, 4), "top1_agreement": (0.92, 0.95)}, gate) == "pass"
     assert settled({"delta_ppl_pct": (1, 6), "top1_agreement": (0.92, 0.95)}, gate) is None
     assert settled({"delta_ppl_pct": (5.5, 9), "top1_agreement": (0.92, 0.95)}, gate) == "fail"

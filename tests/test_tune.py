@@ -398,9 +398,9 @@ def test_a_gptq_tune_s_default_options_are_ones_this_machine_s_kernels_run(gptq_
     """4-bit g32 on a CPU: half its group size (16) is no group size gptqmodel's CPU kernel for 4 bits can run (it
     failed the tune after its models were quantized, naming the variant): the plan leaves it out in one line that
     names the option and why; 8 bits and unquantized stay; every option left runs here."""
-    from tasks.audit.recipe.plan import prepare
+    from tasks.audit.recipe.plan import prepare_tune
 
-    prepared = prepare(gptq_g32_plan.lineup, "g4", Budget.parse("+0.5bpw"), "layer")
+    prepared = prepare_tune(gptq_g32_plan.lineup, "g4", Budget.parse("+0.5bpw"), "layer")
     assert prepared.types == ("8bit-g32", "bf16")
     [note] = capsys.readouterr().err.strip().splitlines()
     assert note.startswith("ppl-audit: note: tune leaves out option 4bit-g16 (half the variant's group size): ")
@@ -413,10 +413,10 @@ def test_a_gptq_tune_s_default_options_are_ones_this_machine_s_kernels_run(gptq_
 def test_a_gptq_option_no_kernel_here_runs_is_refused_naming_the_option(gptq_g32_plan, types, option):
     """Asked for by name, it is refused in one line naming it (not the variant), before anything is quantized. One
     group a row (-1) makes the embedded model's groups its widths, 576 and 1536: no group size that matmul takes."""
-    from tasks.audit.recipe.plan import prepare
+    from tasks.audit.recipe.plan import prepare_tune
 
     with pytest.raises(InputError) as refused:
-        prepare(gptq_g32_plan.lineup, "g4", Budget.parse("+0.5bpw"), "layer", types)
+        prepare_tune(gptq_g32_plan.lineup, "g4", Budget.parse("+0.5bpw"), "layer", types)
     said = str(refused.value)
     assert said.startswith(f"--types {option}: gptqmodel runs it on this CPU with ") and "'g4'" not in said
     assert "\n" not in said
@@ -424,11 +424,11 @@ def test_a_gptq_option_no_kernel_here_runs_is_refused_naming_the_option(gptq_g32
 
 @pytest.mark.parametrize("types", [[], [""], ["8bit", " "]])
 def test_an_empty_types_request_is_refused_not_read_as_the_defaults(gptq_g32_plan, gguf_q4_plan, types):
-    from tasks.audit.recipe.plan import prepare
+    from tasks.audit.recipe.plan import prepare_tune
 
     for plan, variant in ((gptq_g32_plan, "g4"), (gguf_q4_plan, "q4")):
         with pytest.raises(InputError, match="--types: an empty option; give .* or leave --types out"):
-            prepare(plan.lineup, variant, Budget.parse("+0.5bpw"), "layer", types)
+            prepare_tune(plan.lineup, variant, Budget.parse("+0.5bpw"), "layer", types)
 
 
 @pytest.mark.parametrize("per", ["layer", "module"])
@@ -436,17 +436,17 @@ def test_a_budget_that_buys_no_unit_is_refused_with_the_smallest_that_buys_one(g
     """Below the cheapest step any unit can take (a fused group's, with --per module), a tune would measure for
     minutes and choose nothing: refused, saying the smallest budget that buys something, in the form given, which
     is then taken."""
-    from tasks.audit.recipe.plan import prepare
+    from tasks.audit.recipe.plan import prepare_tune
 
     for plan, variant in ((gptq_g32_plan, "g4"), (gguf_q4_plan, "q4")):
         for tiny in ("+0.0001bpw", "+0.001MiB"):
             with pytest.raises(InputError, match=f"--budget {re.escape(tiny)}: it buys no unit any option") as refused:
-                prepare(plan.lineup, variant, Budget.parse(tiny), per)
+                prepare_tune(plan.lineup, variant, Budget.parse(tiny), per)
             smallest = re.search(r"the smallest budget that buys one is (?:at least )?(\S+?);", str(refused.value))
             assert smallest, refused.value
             smallest = smallest[1]
             assert smallest.startswith("+") and smallest.endswith(tiny[-3:]), smallest
-            assert prepare(plan.lineup, variant, Budget.parse(smallest), per).extra > 0
+            assert prepare_tune(plan.lineup, variant, Budget.parse(smallest), per).extra > 0
 
 
 def test_a_budget_above_the_ceiling_is_named_as_such_not_malformed():

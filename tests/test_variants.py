@@ -9,7 +9,7 @@ import torch
 from helpers import build_llama, build_tokenizer, make_text
 
 from tasks.audit.checkpoints import prepare
-from tasks.audit.scoring import score_variant
+from tasks.audit.scoring import variant_outcome
 from tasks.config import BaselineSpec, CalibrationConfig, CorpusConfig, EvaluationConfig, VariantSpec, parse
 from tasks.core.errors import InputError
 from tasks.data.evaluation import evaluation
@@ -42,7 +42,7 @@ def audit(tokenizer, trained_model_dir, tmp_path_factory):
 def run(audit, spec: VariantSpec, evaluation_=None, **options):
     """Score ``spec`` against the audit's baseline, prepared as an audit prepares its models."""
     lineup = prepare(BaselineSpec(name="baseline", path=audit["baseline"]), [spec])
-    return score_variant(lineup.variants[0], lineup, evaluation_ or audit["evaluation"], **options)
+    return variant_outcome(lineup.variants[0], lineup, evaluation_ or audit["evaluation"], **options)
 
 
 @pytest.fixture(scope="module")

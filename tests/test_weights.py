@@ -12,7 +12,7 @@ from helpers import build_llama, make_text, rewrite_gguf
 from safetensors.torch import load_file, save_file
 
 from tasks.audit.checkpoints import prepare
-from tasks.audit.scoring import score_baseline, score_variant
+from tasks.audit.scoring import baseline_outcome, variant_outcome
 from tasks.config import BaselineSpec, EvaluationConfig, VariantSpec
 from tasks.core.errors import InputError
 from tasks.data.embedded import embedded_gguf
@@ -59,11 +59,11 @@ def test_a_checkpoint_whose_weights_do_not_load_fails_alone(tmp_path, tokenizer,
     scored = evaluation(make_text(600), tokenizer, EvaluationConfig(max_tokens=300, window=64, stride=32, batch_size=8))
     lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)),
                      [VariantSpec(name="renamed", path=broken), VariantSpec(name="copy", method="baseline")])
-    outcomes = [score_variant(variant, lineup, scored) for variant in lineup.variants]
+    outcomes = [variant_outcome(variant, lineup, scored) for variant in lineup.variants]
     assert [o.status for o in outcomes] == ["failed", "ok"]
     assert outcomes[0].reason == f"model {broken}: {RENAMED}, with the config.json of the model its tensors are for"
     lineup = prepare(BaselineSpec(name="baseline", path=broken), [])
-    outcome = score_baseline(lineup.baseline, scored)
+    outcome = baseline_outcome(lineup.baseline, scored)
     assert not outcome.ok and RENAMED in outcome.reason
 
 

@@ -43,13 +43,13 @@ def run(args: argparse.Namespace) -> int:
     from flows.diagnose import diagnose, on_domain
     from tasks.audit.diagnose import narrowed
     from tasks.audit.plan import open_audit
-    from tasks.record.diagnosis import diagnosis_json, format_table
+    from tasks.record.diagnosis import diagnosis_json, diagnosis_table
 
     plan = open_audit(args.config, overrides(args), narrow=partial(narrowed, variant=args.variant))  # before any model loads
     on_domain(plan, args.corpus)  # an unknown --corpus too: refused before Prefect starts the flow
     found = diagnose(config=args.config, variant=args.variant, overrides=overrides(args), plan=plan, corpus=args.corpus)
     say = console.out()
-    print(format_table(found), file=say)
+    print(diagnosis_table(found), file=say)
     print(f"record: {found['record']}", file=say)
     if args.json:
         print(diagnosis_json(found), file=say)

@@ -93,7 +93,7 @@ def _settings(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from tasks.audit.checkpoints import prepare
-    from tasks.audit.scoring import score_variant
+    from tasks.audit.scoring import variant_outcome
     from tasks.config import BaselineSpec
     from tasks.data.corpus import corpus_text
     from tasks.data.evaluation import evaluation
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     [checkpoint] = lineup.variants
     _check(args, spec, lineup, settings.window)
     scored = evaluation(text, _stream_tokenizer(lineup, checkpoint, settings.mode), settings, progress=True)
-    outcome = score_variant(checkpoint, lineup, scored, progress=True)
+    outcome = variant_outcome(checkpoint, lineup, scored, progress=True)
     if not outcome.ok:
         print(f"ppl-audit: failed: {spec.name}: {outcome.reason}", file=console.err())
         return 1

@@ -117,7 +117,7 @@ def _removed(args: argparse.Namespace) -> int:
     for r in removed:
         reference.remove(r)
     if args.older_than is not None or args.over is not None:
-        removed += reference.prune(args.older_than, args.over)
+        removed += reference.prune_references(args.older_than, args.over)
     print(f"removed {len(removed)} reference(s), {_mib(sum(r.size_bytes for r in removed))}"
           + "".join(f"\n  {r.key}" for r in removed), file=console.out())
     return 0

@@ -29,7 +29,7 @@ def _set_aside(folder, problem: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tasks.config import check_tracking
-    from tasks.record.spool import claim, damage, mark_synced, pending, sweep_partials
+    from tasks.record.spool import claim, spooled_damage, mark_synced, pending, sweep_partials
     from tasks.record.tracking import is_tracking_outage, replay
 
     if args.tracking_uri is not None or os.environ.get("MLFLOW_TRACKING_URI"):  # else each record's own: checked as it was made
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{folder.name}: skipped, {'being synced' if state == 'busy' else 'synced'} by another process",
                       file=console.out())
                 continue
-            problem = damage(folder)
+            problem = spooled_damage(folder)
             if problem:  # it would fail every later sync too: set aside, as any damaged cache is
                 damaged += 1
                 _set_aside(folder, problem)

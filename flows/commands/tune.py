@@ -33,7 +33,7 @@ def add(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tasks.audit.recipe.plan import prepare
+    from tasks.audit.recipe.plan import prepare_tune
     from tasks.audit.recipe.sizes import Budget
 
     budget = Budget.parse(args.budget)  # bad input ends here, before any model loads or Prefect starts
@@ -44,16 +44,16 @@ def run(args: argparse.Namespace) -> int:
     from tasks.audit.recipe.plan import alone
 
     plan = open_audit(args.config, args.set, narrow=partial(alone, variant=args.variant))
-    types = list(prepare(plan.lineup, args.variant, budget, args.per, types).types)  # checked: the options it takes
+    types = list(prepare_tune(plan.lineup, args.variant, budget, args.per, types).types)  # checked: the options it takes
     from flows.tune import tune
-    from tasks.record.tuning import format_table, tune_json
+    from tasks.record.tuning import tune_table, tune_json
 
     found = tune(config=args.config, variant=args.variant, budget=args.budget, per=args.per, types=list(types),
                  overrides=args.set, plan=plan)
     say = console.out()
     if found.get("audit_table"):
         print(found["audit_table"], file=say)
-    print(format_table(found), file=say)
+    print(tune_table(found), file=say)
     print(f"record: {found['record']}", file=say)
     if args.json:
         print(tune_json(found), file=say)

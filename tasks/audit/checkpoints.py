@@ -139,7 +139,7 @@ def _variant(spec: VariantSpec, baseline: Checkpoint, registry: str | None) -> C
         from tasks.models import llama_cpp
 
         try:
-            llama_cpp.require(f"variant '{spec.name}'")
+            llama_cpp.require_llama_cpp(f"variant '{spec.name}'")
             source = baseline_gguf(baseline.model)
             if spec.imatrix:  # its importance matrix needs the calibration text: made with the gptq/awq variants
                 llama_cpp.tool("llama-imatrix")

@@ -278,7 +278,7 @@ def search(seen: Examination, evaluate: Evaluate, restore_k: int) -> tuple[list[
     return alone, curve
 
 
-def report(seen: Examination, alone: list[dict], curve: list[dict], seconds: float) -> dict:
+def diagnosis_report(seen: Examination, alone: list[dict], curve: list[dict], seconds: float) -> dict:
     """The diagnosis as plain data: the JSON line of ``ppl-audit diagnose --json``, the MLflow run's artifact."""
     own, accumulated = seen.errors.own, seen.errors.accumulated
     layers = [{"layer": i, "own_sqnr_db": float(own.sqnr_db()[i]), "accumulated_sqnr_db": float(accumulated.sqnr_db()[i]),

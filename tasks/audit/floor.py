@@ -29,7 +29,7 @@ from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 
 FOLDER, ENTRY, SCORES = "floors", "floor.json", "scores.npz"
-FORMAT = 1
+FLOOR_FORMAT = 1
 
 
 def checkpoints(lineup: Lineup, dtypes: tuple[str, ...]) -> list[Checkpoint]:
@@ -62,7 +62,7 @@ def _folder(baseline: VariantResult, name: str) -> Path | None:
     return Path(said.path) / FOLDER / name
 
 
-def stored(baseline: VariantResult, name: str) -> VariantResult | None:
+def stored_floor(baseline: VariantResult, name: str) -> VariantResult | None:
     """The floor ``name`` kept with the baseline's reference, checked (its entry's digest, its files' sizes and
     sha256); None when there is none. A damaged one is removed, and said, so that it is scored again."""
     folder = _folder(baseline, name)
@@ -70,7 +70,7 @@ def stored(baseline: VariantResult, name: str) -> VariantResult | None:
         return None
     try:
         entry = json.loads((folder / ENTRY).read_text())
-        problem = sealed.damage(entry, f"noise floor {name}", {"format": FORMAT, "name": name,
+        problem = sealed.damage(entry, f"noise floor {name}", {"format": FLOOR_FORMAT, "name": name,
                                                                  "reference": baseline.reference.key}) \
             or sealed.files_damage(folder, entry["files"], (SCORES,))
         if problem is None:
@@ -109,7 +109,7 @@ def store(baseline: VariantResult, outcome: VariantResult) -> str | None:
                     window_tokens=result.window_tokens, **{f"extra.{k}": v for k, v in result.extra.items()})
         # as JSON gives it back (numpy scalars as numbers), so that the digest sealed is the digest read
         entry = sealed.seal(json.loads(json.dumps({
-            "format": FORMAT, "name": outcome.name, "method": outcome.method, "reference": baseline.reference.key,
+            "format": FLOOR_FORMAT, "name": outcome.name, "method": outcome.method, "reference": baseline.reference.key,
             "result": result.summary(), "facts": outcome.facts.summary(), "files": sealed.files_entry(staging, [SCORES]),
             "divergence": vars(outcome.divergence) if outcome.divergence else None}, default=float)))
         write_atomically(staging / ENTRY, json.dumps(entry))

@@ -14,14 +14,14 @@ from tasks.audit.population import population
 from tasks.audit.where import where_of
 from tasks.config import AuditConfig
 from tasks.record.contents import Started, audit_record, token_arrays
-from tasks.record.domains import combined, domain_arrays, domains_record
+from tasks.record.domains import audit_over_domains, domain_arrays, domains_record
 from tasks.record.dominance import dominated_by
 from tasks.record.floor import floor_row, judged, kept_as
 from tasks.record.population import population_line
 from tasks.record.result import AuditResult, DomainResult, Findings
 from tasks.record.results import VariantResult
 from tasks.record.runtime_cost import runtime_cost_lines, runtime_costs, stream_line
-from tasks.record.verdict import comparison_row, format_table, judge as gate, overall
+from tasks.record.verdict import comparison_row, format_table, judge_row as gate, overall
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,10 @@ def judge_domain(domain: Domain, lineup: Lineup, scored: Scored) -> DomainResult
 
 def judge(plan: AuditPlan, scored: Sequence[Scored]) -> AuditResult:
     """The audit's answer: each domain judged as its one-corpus audit would be, and, in an audit that names its
-    domains, each variant by its worst domain (``tasks.record.domains.combined``)."""
+    domains, each variant by its worst domain (``tasks.record.domains.audit_over_domains``)."""
     domains = [judge_domain(domain, plan.lineup, each) for domain, each in zip(plan.domains, scored)]
     if plan.by_domain:
-        return combined(plan.name, domains)
+        return audit_over_domains(plan.name, domains)
     only = domains[0]
     return AuditResult(plan.name, {only.name: only}, False, only.rows, only.verdicts, only.verdict, only.table,
                        {v.name: only.name for v in only.verdicts})

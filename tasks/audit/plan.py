@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, InstanceOf, model_serializer
 
 from tasks.audit.checkpoints import Lineup, llama_perplexity_stream, prepare
 from tasks.audit.events import event_config
-from tasks.audit.preflight import check_calibration_room, check_settings, check_stream, preflight
+from tasks.audit.preflight import check_calibration_room, check_audit_settings, check_stream, preflight
 from tasks.audit.reference import baseline_key
 from tasks.audit.scoring import baseline_identity
 from tasks.audit.served import Policy, Refused
@@ -136,7 +136,7 @@ def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Ev
         config, said = _for_event(config, event, served)
     if narrow is not None:
         config = narrow(config)
-    registry = check_settings(config)
+    registry = check_audit_settings(config)
     lineup = llama_perplexity_stream(prepare(config.baseline, config.variants, registry, config.thresholds),
                                      config.evaluation.mode)
     preflight(config, lineup, strict)

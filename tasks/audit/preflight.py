@@ -27,10 +27,10 @@ from tasks.models.loading import check_checkpoint
 from tasks.models.quantize_request import check_calibration_length
 from tasks.models.resolve import device_problem, resolve_device, visible_gpus
 from tasks.models.variants import check_same_tokenizer
-from tasks.record.verdict import GATES
+from tasks.record.figures import GATED
 
 
-def check_settings(config: AuditConfig) -> str:
+def check_audit_settings(config: AuditConfig) -> str:
     """What an audit's settings decide before any model is found: its tracking server (returned: the registry of
     its ``models:/`` names), its runner, and each model's device. Raises ``InputError``."""
     # models:/ names are the audit's tracking server's; one MLflow could never reach is refused before the scoring
@@ -53,7 +53,7 @@ def check_settings(config: AuditConfig) -> str:
     for spec in [config.baseline, *config.variants]:  # llama.cpp runs it or makes its file: installed, its types
         if spec.runtime_backend.llama_cpp or spec.type is not None:
             settings = spec.llama_cpp_settings
-            llama_cpp.check_settings(f"{spec.role} '{spec.name}'", settings.type_k, settings.type_v, spec.type)
+            llama_cpp.check_llama_cpp_settings(f"{spec.role} '{spec.name}'", settings.type_k, settings.type_v, spec.type)
             _check_threads(f"{spec.role} '{spec.name}'", settings.threads)
             if spec.runtime_backend.llama_cpp and settings.gpu_layers and not llama_cpp.gpu_offload():
                 # llama.cpp runs them on the CPU without a word; the record keeps both (gpu_layers 0, _asked N)
@@ -138,10 +138,10 @@ def _check_window(config: AuditConfig, model_config, whose: str) -> None:
         raise InputError(f"evaluation.{error}") from None
 
 
-def gated(config: AuditConfig) -> bool:
+def any_gated(config: AuditConfig) -> bool:
     """Whether any variant of the audit has a limit to be judged against."""
-    return any(getattr(config.thresholds.for_variant(spec.name), limit) is not None
-               for spec in config.variants for _, _, limit, *_ in GATES)
+    return any(getattr(config.thresholds.for_variant(spec.name), figure.limit) is not None
+               for spec in config.variants for figure in GATED)
 
 
 def check_stream(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> None:
@@ -151,7 +151,7 @@ def check_stream(config: AuditConfig, lineup: Lineup, scored: Evaluation) -> Non
     (with ``auto`` the audit removes it and scores the baseline again)."""
     settings = scored.settings
     windows = len(scored.windows)
-    if windows < MIN_WINDOWS and gated(config):
+    if windows < MIN_WINDOWS and any_gated(config):
         raise InputError(f"evaluation: the token stream ({len(scored.stream.ids)} tokens) makes {windows} window(s) "
                          f"of {settings.window}; a gate's paired interval needs at least {MIN_WINDOWS}: use a longer "
                          "corpus, more max_tokens or chunks, or a shorter window")

@@ -51,10 +51,10 @@ from tasks.models.gguf_file import read_header, tensor_data
 from tasks.models.quantize import model_digest
 from tasks.models.resolve import DTYPES, model_files
 
-FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
+REFERENCE_FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
 MANIFEST, HIDDEN, SCORES, HEAD = "manifest.json", "hidden.bin", "scores.npz", "head.safetensors"
 SLICE = "slice.json"  # what a slice of a reference holds, beside its hidden states (``Writer.seal``)
-SLICES_KEPT_SECONDS = 86_400  # an audit's slices are joined within a day, or it stopped: ``prune`` removes them
+SLICES_KEPT_SECONDS = 86_400  # an audit's slices are joined within a day, or it stopped: ``prune_references`` removes them
 USED = "used"  # touched on each reuse: pruning goes by it
 STORED_AS = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.int16, torch.float16: np.int16}
 # Beyond float noise, per dtype: (largest |ΔNLL| of one token, |Δ mean NLL|) between two scorings of the
@@ -97,7 +97,7 @@ class Identity:
         the settings that move its logits.
     """
 
-    format: int = _valid(lambda value: value == FORMAT)
+    format: int = _valid(lambda value: value == REFERENCE_FORMAT)
     model: str = _valid(_digest)
     tokenizer: str = _valid(_digest)
     stream: str = _valid(_digest)
@@ -138,7 +138,7 @@ def identity(folder: Path, tokenizer: str, stream: TokenStream, settings: Evalua
         folder: the model's local files (``model_files``).
         tokenizer: the digest of its tokenizer (``tasks.data.corpus.tokenizer_digest``).
     """
-    return Identity(format=FORMAT, model=model_digest(str(folder)), tokenizer=tokenizer, stream=stream_digest(stream),
+    return Identity(format=REFERENCE_FORMAT, model=model_digest(str(folder)), tokenizer=tokenizer, stream=stream_digest(stream),
                     mode=settings.mode, window=settings.window,
                     stride=settings.stride if settings.mode == "sliding" else settings.window, bos=stream.bos,
                     dtype=str(dtype).removeprefix("torch.")).as_dict()
@@ -260,7 +260,7 @@ def _unreadable(folder: Path, manifest: dict | None) -> str | None:
     field, without a whole, valid ``Identity``, or naming another reference (a manifest swapped or copied from another folder: the key is the folder's
     name). One that can is found, and its damage then said (``find_intact``), or refused under ``rescore: never``."""
     if manifest is None:
-        return f"{MANIFEST} is missing, not JSON or not a format-{FORMAT} manifest (an older ppl-audit's: never used)"
+        return f"{MANIFEST} is missing, not JSON or not a format-{REFERENCE_FORMAT} manifest (an older ppl-audit's: never used)"
     wrong = next((name for name, kind in FIELDS.items() if not isinstance(manifest.get(name), kind)), None)
     if wrong is not None:
         return f"{MANIFEST} lacks its {wrong!r}" if manifest.get(wrong) is None else f"{MANIFEST}'s {wrong!r} is damaged"
@@ -595,7 +595,7 @@ def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, t
     written (not read again)."""
     save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
                 window_tokens=result.window_tokens, targets=targets.numpy().astype(np.int32))
-    manifest |= {"format": FORMAT, "key": key, "created": time.time(), "result": result.summary(),
+    manifest |= {"format": REFERENCE_FORMAT, "key": key, "created": time.time(), "result": result.summary(),
                  "head": manifest["head"] | {"softcap": manifest.pop("softcap")}}
     manifest["files"] = sealed.files_entry(staging, [f.name for f in staging.iterdir()], known)
     manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
@@ -670,7 +670,7 @@ def _manifest(folder: Path) -> dict | None:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == REFERENCE_FORMAT else None
 
 
 def verify(folder: Path) -> str | None:
@@ -794,7 +794,7 @@ def remove_damaged(found: Reference) -> bool:
     return True
 
 
-def prune(older_than_seconds: float | None = None, max_bytes: int | None = None) -> list[Reference]:
+def prune_references(older_than_seconds: float | None = None, max_bytes: int | None = None) -> list[Reference]:
     """Remove references unused for longer than ``older_than_seconds``, then the least recently used until
     the rest take at most ``max_bytes``; and scratch folders of builds whose process died, and the slices of
     audits that stopped before joining them (untouched for ``SLICES_KEPT_SECONDS``). Returns the removed."""

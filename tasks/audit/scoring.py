@@ -1,6 +1,6 @@
 """Score one model of an audit: make or load it, check it is comparable, and measure it.
 
-The baseline (``score_baseline``) and a variant (``score_variant``), whole or in a piece, never raise but for a
+The baseline (``baseline_outcome``) and a variant (``variant_outcome``), whole or in a piece, never raise but for a
 transient failure: a model that cannot be loaded, is refused, runs out of memory or produces NaN ends as a failed
 ``VariantResult`` with a one-line reason (``tasks.audit.failures``), so the others carry on.
 """
@@ -70,7 +70,7 @@ def score_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool
             torch.cuda.empty_cache()
 
 
-def combined(parts: list[Part], evaluation_: Evaluation, name: str) -> PerplexityResult:
+def result_of_parts(parts: list[Part], evaluation_: Evaluation, name: str) -> PerplexityResult:
     """The model's result from parts that cover the audit's windows."""
     settings = evaluation_.settings
     return combine(parts, evaluation_.stream, name, settings.window, settings.stride, settings.mode)
@@ -78,7 +78,7 @@ def combined(parts: list[Part], evaluation_: Evaluation, name: str) -> Perplexit
 
 def perplexity_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool, **options) -> PerplexityResult:
     """Every window scored here (``score_with_backoff``), as one result."""
-    return combined([score_with_backoff(model, evaluation_, name, progress, **options)], evaluation_, name)
+    return result_of_parts([score_with_backoff(model, evaluation_, name, progress, **options)], evaluation_, name)
 
 
 PARITY_WINDOWS = 2  # a split model's first windows, scored on one device too: enough to see a broken split
@@ -326,7 +326,7 @@ class BaselineSlice:
         return self.windows.named()
 
 
-def score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, piece: Whole | BaselineSlice = WHOLE,
+def baseline_outcome(checkpoint: Checkpoint, evaluation_: Evaluation, piece: Whole | BaselineSlice = WHOLE,
                    progress: bool = False) -> VariantResult:
     """The audit's baseline, whole or a shard of it (``piece``); a failure is a failed result, never an exception.
 
@@ -365,7 +365,7 @@ def _baseline_shard(checkpoint: Checkpoint, evaluation_: Evaluation, piece: Base
                          manifest=checkpoint.manifest, reference=said, part=part, shards=_done(rows, part))
 
 
-def score_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against = None,
+def variant_outcome(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against = None,
                   piece: Piece = WHOLE, corpus_text_of=None, progress: bool = False) -> VariantResult:
     """One variant made (gptq/awq made here), checked, loaded and scored on the audit's stream, whole or in a piece
     (``piece``: a shard's windows, a sequential run's sample); a failure is a failed result, never an exception.
@@ -412,7 +412,7 @@ def _done(rows: tuple[dict, ...], part: Part) -> tuple[dict, ...]:
 
 def _variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against, piece: Piece,
              corpus_text_of, progress: bool) -> VariantResult:
-    """``score_variant``'s outcome but for its times: what was known of the variant when it failed is kept (its
+    """``variant_outcome``'s outcome but for its times: what was known of the variant when it failed is kept (its
     manifest once made, its facts once loaded)."""
     spec, rows = checkpoint.spec, tuple(filter(None, [piece.row()]))
     if checkpoint.problem:
@@ -481,7 +481,7 @@ def _measured(model, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evalua
                                   kv_cache=cache_format(spec), **sequence)
     if not isinstance(piece, Whole):
         return part, None, divergence, None
-    result = combined([part], evaluation_, spec.name)
+    result = result_of_parts([part], evaluation_, spec.name)
     return part, result, divergence, watch.said(result) if watch else None
 
 
@@ -535,7 +535,7 @@ def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> Varian
         if len(shards) > 1:
             reason = f"shard {failed + 1} of {len(shards)}: {reason}"
         return VariantResult.failed(first.name, first.method, reason, **known)
-    result = attempt(lambda: combined([shard.part for shard in shards], evaluation_, first.name))
+    result = attempt(lambda: result_of_parts([shard.part for shard in shards], evaluation_, first.name))
     if isinstance(result, Failure):
         return VariantResult.failed(first.name, first.method, result.reason, result.retry_elsewhere, **known)
     workers = ", ".join(dict.fromkeys(row["worker"] for row in known["shards"]))

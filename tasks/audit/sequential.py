@@ -21,24 +21,24 @@ from tasks.engine.perplexity import PerplexityResult, WindowScores
 from tasks.engine.progress import PROGRESS_FIGURES, Progress
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence
 from tasks.record.sequential_said import SequentialSaid
-from tasks.record.verdict import GATES
+from tasks.record.figures import GATED
 
 # each gated figure from per-window sums: which sum, and the map from the mean per token to the figure
-FIGURES = {"delta_ppl_pct": ("nll", lambda x: 100 * math.expm1(x)),
+GATED_FIGURES = {"delta_ppl_pct": ("nll", lambda x: 100 * math.expm1(x)),
            "kld_mean": ("kl", lambda x: x),
            "top1_agreement": ("top1", lambda x: x)}
 
 
-def gated(gate: Gate) -> list[tuple[str, float, bool]]:
+def gate_limits(gate: Gate) -> list[tuple[str, float, bool]]:
     """``(figure, limit, whether the limit is a maximum)`` of each limit the gate sets."""
-    return [(key, getattr(gate, limit), above) for _, key, limit, above, *_ in GATES if getattr(gate, limit) is not None]
+    return [(f.key, getattr(gate, f.limit), f.above) for f in GATED if getattr(gate, f.limit) is not None]
 
 
 def settled(bounds: dict[str, tuple[float, float]], gate: Gate) -> str | None:
     """``pass`` when every gated figure's bounds are inside its limit, ``fail`` when one's are entirely past it,
     else None (not settled); a figure without bounds settles nothing."""
     inside = []
-    for key, limit, above in gated(gate):
+    for key, limit, above in gate_limits(gate):
         low, high = bounds.get(key, (math.nan, math.nan))
         if not (math.isfinite(low) and math.isfinite(high)):
             return None
@@ -61,7 +61,7 @@ class Watch:
     def __init__(self, gate: Gate, base_window_nll: np.ndarray, seed: int):
         self.gate, self.seed = gate, seed
         self.base_nll = torch.as_tensor(np.asarray(base_window_nll, np.float64))
-        self.alpha = (1 - CONFIDENCE) / max(1, len(gated(gate)))
+        self.alpha = (1 - CONFIDENCE) / max(1, len(gate_limits(gate)))
         self.decision: str | None = None
         self.bounds: dict[str, tuple[float, float]] = {}
 
@@ -71,8 +71,8 @@ class Watch:
         counts = progress.tokens[scored].numpy()
         rho2 = mixture_rho2(minimum_windows(len(progress.tokens), progress.batch_size), self.alpha)
         found = {}
-        for key, _, _ in gated(self.gate):
-            source, figure = FIGURES[key]
+        for key, _, _ in gate_limits(self.gate):
+            source, figure = GATED_FIGURES[key]
             if source not in progress.sums:
                 continue  # no baseline to take KL from: the gate cannot settle, the run goes to the end
             sums = progress.sums[source][scored]

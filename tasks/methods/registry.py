@@ -31,11 +31,11 @@ TAKE_SETTINGS = tuple(name for name, m in METHODS.items() if m.settings)  # gptq
 
 
 def method_of(name: str) -> Method:
-    """The method named ``name`` (a validated spec's: a KeyError otherwise; ``find`` for a name not checked yet)."""
+    """The method named ``name`` (a validated spec's: a KeyError otherwise; ``find_method`` for a name not checked yet)."""
     return METHODS[name]
 
 
-def find(name: str | None) -> Method | None:
+def find_method(name: str | None) -> Method | None:
     """The method named ``name``, or None where no method is."""
     return METHODS.get(name) if name is not None else None
 

@@ -51,7 +51,7 @@ def version() -> str | None:
         return None
 
 
-def require(where: str) -> None:
+def require_llama_cpp(where: str) -> None:
     """Refuse, in one line, a use of the llama.cpp runtime where it is not installed."""
     if version() is None:
         raise InputError(f"{where}: the llama.cpp runtime is not installed; run `{SETUP}` (it builds llama.cpp once, "
@@ -78,9 +78,9 @@ def file_types() -> dict[str, int]:
     return found
 
 
-def check_settings(where: str, type_k: str, type_v: str, file_type: str | None = None) -> None:
+def check_llama_cpp_settings(where: str, type_k: str, type_v: str, file_type: str | None = None) -> None:
     """Refuse, in one line, a cache type or a file type llama.cpp lacks (the runtime installed)."""
-    require(where)
+    require_llama_cpp(where)
     known = cache_types()
     for key, value in (("type_k", type_k), ("type_v", type_v)):
         if value not in known:
@@ -388,7 +388,7 @@ def _run_tool(name: str, args: list[str], what: str) -> None:
     _run(name, [str(tool(name)), *args], what)
 
 
-def quantize(source: Path, target: Path, file_type: str, importance: Path | None = None,
+def llama_quantize(source: Path, target: Path, file_type: str, importance: Path | None = None,
              tensor_types: tuple[str, ...] = ()) -> None:
     """``source`` (a GGUF file) quantized to ``file_type`` by llama.cpp's quantizer (``llama_model_quantize``,
     requantizing a quantized file as llama-quantize --allow-requantize does), in a process of its own; with
@@ -508,4 +508,4 @@ def made_file(source: Path, file_type: str, calibration: ImportanceText | None =
         made_from["tensor_types"] = list(tensor_types)
     importance = None if calibration is None else importance_matrix(source, calibration)
     return _kept(_cached_path(source, file_type, made_from), made_from,
-                 lambda target: quantize(source, target, file_type, importance, tuple(tensor_types)), "GGUF file")
+                 lambda target: llama_quantize(source, target, file_type, importance, tuple(tensor_types)), "GGUF file")

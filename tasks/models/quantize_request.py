@@ -18,7 +18,7 @@ from tasks.config import (
 )
 from tasks.core.errors import InputError
 from tasks.engine.model_facts import max_positions
-from tasks.methods.registry import find
+from tasks.methods.registry import find_method
 from tasks.models.quantize import Scheme, calibration_of, check_destination, check_group_fits, check_quantizable
 from tasks.models.resolve import Located, locate_model, read_tokenizer
 
@@ -58,7 +58,7 @@ class QuantizeRequest(Strict):
     def _calibrated_on_a_corpus(self) -> QuantizeRequest:
         if self.calibration.corpus is None:
             raise ValueError("calibration.corpus: give the corpus to calibrate on (same forms as a corpus source)")
-        if self.dynamic is not None and not getattr(find(self.method), "takes_dynamic", False):
+        if self.dynamic is not None and not getattr(find_method(self.method), "takes_dynamic", False):
             raise ValueError(f"dynamic: gptqmodel's per-module overrides make gptq checkpoints, not {self.method} "
                              "ones; use method gptq")
         return self
@@ -86,7 +86,7 @@ def open_quantize(request: QuantizeRequest) -> QuantizeRequest:
     ``ppl-audit quantize`` opens its request before Prefect starts; the flow opens one it was handed unopened (a run
     of the deployment, whose parameters came through the API).
     """
-    made = find(request.method)
+    made = find_method(request.method)
     if made is None or not made.quantized_here:
         raise InputError(f"method {request.method} cannot be quantized here; use gptq or awq")
     check_name(request.name)

@@ -14,7 +14,7 @@ import torch
 
 from tasks.core.errors import InputError, TransientError, is_network_error, one_line
 from tasks.core.files import once_per_file_state
-from tasks.methods.registry import find
+from tasks.methods.registry import find_method
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -290,7 +290,7 @@ def _check_quantization_config(file: Path, name: str) -> None:
                          "mapping of its settings; fix the checkpoint's config.json")
     declared = (quantization or {}).get("quant_method")
     # gptqmodel's checkpoints name their method as ppl-audit does (gptq, awq), and load by their bits
-    made = find(declared) if isinstance(declared, str) else None
+    made = find_method(declared) if isinstance(declared, str) else None
     if made is not None and made.gptqmodel_kernels and not isinstance(quantization.get("bits"), int):
         raise InputError(f"the config.json of {name} says quant_method {declared} but gives no bits; it is not a "
                          f"whole {declared} checkpoint (save it again with its quantizer)")

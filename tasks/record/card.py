@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import yaml
 
 from tasks.config import EvaluationConfig
 from tasks.record.domains import domain_view
+from tasks.record.figures import GATED, Text, fixed
 from tasks.record.floor import kl_text
 from tasks.record.logged import RECORD
 from tasks.record.plots import verdict_of
@@ -39,10 +39,9 @@ ARTIFACTS = {"md": "card/card.md", "model-index": "card/model-index.yaml", "json
 SOURCE = "ppl-audit"  # the model index's source.name: who measured (the Hub shows it beside each result)
 TASK = {"type": "text-generation", "name": "Text Generation"}
 # a row's figures as the card carries them: the console table's, and the intervals of KL and top-1 it leaves out
-FIGURES = ("bits_per_weight", "weight_mib", "ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high",
-           "kld_mean", "kld_mean_low", "kld_mean_high", "top1_agreement", "top1_agreement_low", "top1_agreement_high")
-COLUMNS = ("variant", "method", "bpw", "MiB", "PPL", "ΔPPL % [95% CI]", "KL [95% CI]", "top-1 [95% CI]", "verdict",
-           "floor")
+CARD_FIGURES = ("bits_per_weight", "weight_mib", "ppl",
+                *(key for figure in GATED for key in (figure.key, f"{figure.key}_low", f"{figure.key}_high")))
+COLUMNS = ("variant", "method", "bpw", "MiB", "PPL", *(figure.header for figure in GATED), "verdict", "floor")
 
 
 @dataclass(frozen=True)
@@ -75,22 +74,14 @@ def card_row(entry: dict) -> dict:
     floor = row.get("floor")
     return {"variant": entry["name"], "role": entry["role"],
             "method": row.get("method") or entry.get("spec", {}).get("method"), "status": entry["status"],
-            **{key: _number(row.get(key)) for key in FIGURES},
+            **{key: _number(row.get(key)) for key in CARD_FIGURES},
             "verdict": verdict_of(entry),
             "reason": (entry.get("verdict") or {}).get("reason") or entry.get("reason") or None,
             "floor": {key: floor.get(key) for key in ("dtype", "kld", "above", "said")} if floor else None}
 
 
-Text = Callable[[float], str]  # a figure as the card writes it
-
-
-def fixed(form: str, scale: float = 1.0) -> Text:
-    """A figure in the format spec ``form`` (the console's), after ``scale`` (100 for a percentage)."""
-    return lambda value: format(scale * value, form)
-
-
-# each figure with an interval as the console writes it: ΔPPL to two decimals, KL as every view does, top-1 in %
-DELTA, KL, TOP1 = fixed("+z.2f"), kl_text, fixed(".1f", 100)
+# the noise floor's figures with an interval as the console writes them: ΔPPL to two decimals, KL as every view does
+DELTA, KL = fixed("+z.2f"), kl_text
 
 
 def _form(value: float | None, text: Text) -> str | None:
@@ -119,8 +110,8 @@ def cells(row: dict) -> list[str]:
     verdict = "baseline" if row["verdict"] == "baseline" else said_as(row["verdict"]).upper()
     return [row["variant"], row["method"] or "—", _form(row["bits_per_weight"], fixed(".2f")) or "—",
             _form(row["weight_mib"], fixed(".0f")) or "—", _form(row["ppl"], fixed(".4f")) or "—",
-            _interval(row, "delta_ppl_pct", DELTA), _interval(row, "kld_mean", KL),
-            _interval(row, "top1_agreement", TOP1, "%"), verdict, floor_cell(row["floor"])]
+            *(_interval(row, figure.key, figure.shown, figure.shown_unit) for figure in GATED), verdict,
+            floor_cell(row["floor"])]
 
 
 def _cell(text: str) -> str:
@@ -137,11 +128,11 @@ def floor_rows(view: dict) -> list[dict]:
     """The noise floor's rows of one token stream (``record["floor"]``): the baseline in each 16-bit dtype against its
     float32 self; none in a record from before the floor, or of an audit without one."""
     return [{"name": floor["name"], "dtype": floor.get("dtype"), "status": floor["row"].get("status", "ok"),
-             "reason": floor["row"].get("reason") or None, **{key: _number(floor["row"].get(key)) for key in FIGURES}}
+             "reason": floor["row"].get("reason") or None, **{key: _number(floor["row"].get(key)) for key in CARD_FIGURES}}
             for floor in view.get("floor") or []]
 
 
-def population(view: dict) -> dict:
+def population_in(view: dict) -> dict:
     """Which tokens were scored: the record's token population (its digest names them), or for a record from before
     the population was digested, the same facts from its corpus and settings (``digest`` None)."""
     found = view.get("population")
@@ -199,15 +190,15 @@ def card_data(record: dict, source_url: str, model_id: str | None = None) -> dic
                       "source": section.record["corpus"]["source"],
                       "verdict": {key: section.record["verdict"][key] for key in ("status", "reason")},
                       "rows": [card_row(entry) for entry in section.record["variants"]],
-                      "floor": floor_rows(section.record), "population": population(section.record)}
+                      "floor": floor_rows(section.record), "population": population_in(section.record)}
                      for section in sections(record)],
-        "variants": verdicts(record),
+        "variants": card_verdicts(record),
         "reproduce": reproduce(record),
         "model-index": model_index(record, source_url, model_id),
     })
 
 
-def verdicts(record: dict) -> list[dict]:
+def card_verdicts(record: dict) -> list[dict]:
     """Each variant's verdict on the whole audit and why, and what the noise floor says of it (in an audit of several
     domains: on its worst domain, named)."""
     return [{"variant": entry["name"], "verdict": verdict_of(entry), "domain": entry.get("domain"),
@@ -243,9 +234,8 @@ def _metrics(section: Section, baseline: str) -> list[dict]:
         name = row["variant"]
         figures = [("perplexity", "ppl", fixed(".4f"), f"{name} perplexity")]
         if row["role"] == "variant":
-            figures += [("delta_ppl_pct", "delta_ppl_pct", DELTA, f"{name} ΔPPL % against {baseline}"),
-                        ("kl_divergence", "kld_mean", KL, f"{name} mean KL divergence from {baseline}"),
-                        ("top1_agreement", "top1_agreement", TOP1, f"{name} top-1 agreement % with {baseline}")]
+            figures += [(figure.card[0], figure.key, figure.shown, f"{name} {figure.card[1]} {baseline}")
+                        for figure in GATED]
         for kind, key, text, said in figures:
             if row[key] is None:
                 continue
@@ -360,13 +350,13 @@ def _section_lines(section: Section, several: bool) -> list[str]:
             [floor["name"], floor["dtype"] or "—", _interval(floor, "delta_ppl_pct", DELTA),
              _interval(floor, "kld_mean", KL)] if floor["status"] == "ok" else
             [floor["name"], floor["dtype"] or "—", f"not measured: {floor['reason']}", "—"] for floor in floors])
-    return lines + ["", population_text(population(view)), ""]
+    return lines + ["", population_text(population_in(view)), ""]
 
 
 def markdown(record: dict, source_url: str) -> str:
     """The card in Markdown, under a second-level heading (the model card has its own title)."""
     verdict, several = record["verdict"], "domains" in record
-    variants = verdicts(record)
+    variants = card_verdicts(record)
     streams = sections(record)
     on = (f"{len(streams)} domains ({', '.join(s.domain for s in streams)}), each its own token stream, a variant's "
           "verdict its worst domain's" if several else f"`{record['corpus']['source']}`")
@@ -385,7 +375,7 @@ def markdown(record: dict, source_url: str) -> str:
     lines += ["### Why each verdict", ""]
     lines += [f"- **{row['variant']}**: {said_as(row['verdict']).upper()}" + (f": {row['reason']}" if row["reason"] else "")
               + (f"; {row['floor']}" if row["floor"] else "")
-              + (f"; llama.cpp: {row['llama_cpp']}" if row.get("llama_cpp") else "") for row in verdicts(record)]
+              + (f"; llama.cpp: {row['llama_cpp']}" if row.get("llama_cpp") else "") for row in card_verdicts(record)]
     again = reproduce(record)
     environment = again["environment"]
     versions = ", ".join(f"{name} {version}" for name, version in (environment.get("versions") or {}).items())

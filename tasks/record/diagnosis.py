@@ -1,6 +1,6 @@
 """A variant's diagnosis as users read it: a console table, two charts, a JSON file kept locally and an MLflow run.
 
-The diagnosis itself is plain data (``tasks.audit.diagnose.report``): per decoder layer its own and accumulated
+The diagnosis itself is plain data (``tasks.audit.diagnose.diagnosis_report``): per decoder layer its own and accumulated
 SQNR and what restoring it alone wins back, the ranking, and the greedy restore curve.
 """
 
@@ -30,7 +30,7 @@ def _pct(value, low=None, high=None) -> str:
     return f"{value:5.1f}%"
 
 
-def format_table(found: dict) -> str:
+def diagnosis_table(found: dict) -> str:
     """A row per decoder layer (own and accumulated SQNR, what restoring it alone wins back, its cost), the
     layers that win back most marked; then the LM head's own error and the greedy restore curve."""
     marked = set(found["ranking"][:WORST])
@@ -81,7 +81,7 @@ def layers_chart(found: dict) -> Figure:
     return figure
 
 
-def curve_chart(found: dict) -> Figure:
+def restore_curve_chart(found: dict) -> Figure:
     """KL and ΔNLL left after restoring 0, 1, ... layers greedily, each point labelled with its extra MiB."""
     figure = Figure(figsize=(WIDTH, 4.5), dpi=DPI, layout="constrained")
     axis = figure.subplots()
@@ -132,7 +132,7 @@ def diagnosis_json(found: dict) -> str:
     return json.dumps(plain(found))
 
 
-def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> str:
+def log_diagnosis_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> str:
     """An MLflow run of the diagnosis, with ``tags`` (its audit's run as parent): per-layer metrics by layer as the
     step (MLflow's charts draw them along the layers), the curve by layers restored, the JSON, both charts.
     Returns its id."""
@@ -158,6 +158,6 @@ def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> st
         client.log_batch(run, metrics=metrics[start : start + 1000])
     client.log_dict(run, json.loads(diagnosis_json(found)), "diagnosis.json")
     client.log_figure(run, layers_chart(found), "layers.png")
-    client.log_figure(run, curve_chart(found), "restore_curve.png")
+    client.log_figure(run, restore_curve_chart(found), "restore_curve.png")
     client.set_terminated(run, "FINISHED")
     return run

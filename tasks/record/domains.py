@@ -67,7 +67,7 @@ def _delta(name: str, row: dict) -> str:
     return f"{name} {value:+.2f}%" if isinstance(value, float) and math.isfinite(value) else f"{name} —"
 
 
-def combined(name: str, domains: list[DomainResult]) -> AuditResult:
+def audit_over_domains(name: str, domains: list[DomainResult]) -> AuditResult:
     """An audit of several domains judged as one: per variant its worst domain's row (``domain`` names it) and its
     verdict across domains (``across``); the audit's verdict from those; ``table``, one line per model."""
     failed_baseline = next((d for d in domains if d.rows[0]["status"] != "ok"), None)

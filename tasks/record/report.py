@@ -16,6 +16,7 @@ from html import escape
 
 from tasks.config import EvaluationConfig, Thresholds
 from tasks.record import plots
+from tasks.record.figures import GATED
 from tasks.record.floor import floor_text, kl_text
 from tasks.record.population import population_line
 from tasks.record.verdict import said as said_as
@@ -242,16 +243,17 @@ def _settings(record: dict) -> str:
     thresholds = Thresholds.model_validate(record["config"]["thresholds"])
     source = corpus["source"] + (f" ({corpus['hf_config'] or 'default'}, {corpus['hf_split']})"
                                  if corpus["source"].startswith("hf:") else "")
-    gates = [[v["name"], *(_limit(getattr(thresholds.for_variant(v["name"]), key))
-                           for key in ("max_ppl_increase_pct", "max_kld_mean", "min_top1_agreement"))]
+    gates = [[v["name"], *(_limit(getattr(thresholds.for_variant(v["name"]), figure.limit)) for figure in GATED)]
              for v in record["variants"] if v["role"] == "variant"]
+    limits = [f"{'max' if figure.above else 'min'} {figure.name}" + (f" {figure.unit}" if figure.unit else "")
+              for figure in GATED]
     evaluation = EvaluationConfig.of_record(evaluation).model_dump()  # as scored: the stride filled in
     return ('<h2>Settings</h2><div class="side">'
             + _pairs("Evaluation", evaluation)
             + _pairs("Corpus", {"source": source, "location": corpus.get("location"),
                                 "digest (SHA-256)": corpus["digest"], "tokens scored": corpus["n_tokens"],
                                 "bytes": corpus["n_bytes"], "beginning of sequence": corpus["bos"]})
-            + "<div><h3>Gate</h3>" + _table(["variant", "max ΔPPL %", "max KLD mean", "min top-1 agreement"], gates)
+            + "<div><h3>Gate</h3>" + _table(["variant", *limits], gates)
             + "<p>Judged on the pessimistic end of each 95% interval.</p></div></div>")
 
 

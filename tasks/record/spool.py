@@ -75,7 +75,7 @@ def write_record(record: dict, arrays: dict[str, pa.Table]) -> Path:
         partial.mkdir()
         for name, table in arrays.items():
             pq.write_table(table, partial / name)
-        # the arrays' sizes and sha256, checked before a replay (``damage``); record.json is not in it: it keeps its
+        # the arrays' sizes and sha256, checked before a replay (``spooled_damage``); record.json is not in it: it keeps its
         # own digest (``sealed_record_json``), which a person who mends a quarantined one removes
         write_atomically(partial / FILES, json.dumps(sealed.seal({"files": sealed.files_entry(partial, arrays)})))
         write_atomically(partial / "record.json", sealed_record_json(record))
@@ -176,7 +176,7 @@ def _arrays_damage(folder: Path, record: dict) -> str | None:
     return None
 
 
-def damage(folder: Path) -> str | None:
+def spooled_damage(folder: Path) -> str | None:
     """Why a spooled record cannot be replayed however often it is tried (not JSON, a field missing or of the wrong
     type, changed after it was written, its per-token arrays missing or not as written), or None. Reads its arrays
     once (their sha256)."""

@@ -430,7 +430,7 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
 
     from tasks.record import plots
     from tasks.record.card import log_card
-    from tasks.record.diagnosis import log_run
+    from tasks.record.diagnosis import log_diagnosis_run
     from tasks.record.report import html_report
 
     started, timestamp = _span(record)
@@ -450,7 +450,7 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
             (Path(drawn) / name).parent.mkdir(exist_ok=True)  # a domain's charts: DOMAIN/
             (Path(drawn) / name).write_bytes(picture)
         client.log_artifacts(parent, drawn)
-    diagnosed = {entry["name"]: log_run(client, experiment_id, entry["diagnosis"],
+    diagnosed = {entry["name"]: log_diagnosis_run(client, experiment_id, entry["diagnosis"],
                                         {"mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"]})
                  for entry in record["variants"] if "problem" not in entry.get("diagnosis", {"problem": None})}
     runs = {name: ui_link("", experiment_id, run) for name, run in diagnosed.items()}  # from the UI's own root
@@ -534,7 +534,7 @@ def _log_history(client, experiment_id: str, parent: str, record: dict) -> None:
 def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
     """Log a diagnosis made by ``ppl-audit diagnose`` to MLflow, a child of its audit's latest run when there is
     one (the MLflow UI shows it under that run); returns its run id."""
-    from tasks.record.diagnosis import log_run
+    from tasks.record.diagnosis import log_diagnosis_run
 
     uri = tracking_uri(uri)
     client = client_of(uri)
@@ -545,13 +545,13 @@ def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:
     tags = {}
     if latest:
         tags = {"mlflow.parentRunId": latest[0].info.run_id, AUDIT_ID: latest[0].data.tags.get(AUDIT_ID, "")}
-    return log_run(client, experiment_id, found, tags)
+    return log_diagnosis_run(client, experiment_id, found, tags)
 
 
 def track_tune(found: dict, uri: str | None, experiment: str, parent: str | None) -> str:
     """Log a tune to MLflow, a child of the audit of its recipe (run ``parent``, when it was tracked); returns its
     run id."""
-    from tasks.record.tuning import log_run
+    from tasks.record.tuning import log_tune_run
 
     uri = tracking_uri(uri)
     client = client_of(uri)
@@ -559,4 +559,4 @@ def track_tune(found: dict, uri: str | None, experiment: str, parent: str | None
     tags = {}
     if parent:
         tags = {"mlflow.parentRunId": parent, AUDIT_ID: client.get_run(parent).data.tags.get(AUDIT_ID, "")}
-    return log_run(client, experiment_id, found, tags)
+    return log_tune_run(client, experiment_id, found, tags)

@@ -18,13 +18,13 @@ from tasks.record.plots import COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
 # What a GGUF type's precision is closest to in gptqmodel and compressed-tensors, which store integers of 2, 3, 4 or
 # 8 bits: a 5- or 6-bit tensor is given 8 (more, never less, than the recipe measured); F16/BF16/F32: unquantized
 INTEGER_BITS = {"Q2": 2, "Q3": 3, "Q4": 4, "Q5": 8, "Q6": 8, "Q8": 8}
-FLOATS = ("F16", "BF16", "F32")
+FLOAT_TYPES = ("F16", "BF16", "F32")
 
 
 def integer_bits(ggml_type: str) -> int | None:
     """The integer bits a gptq/compressed-tensors recipe gives a tensor of ``ggml_type``; None: left unquantized."""
     name = ggml_type.upper()
-    return None if name in FLOATS else INTEGER_BITS.get(name[:2], 8)
+    return None if name in FLOAT_TYPES else INTEGER_BITS.get(name[:2], 8)
 
 
 def _module_regex(found: dict, layer: int, modules: list[str]) -> str:
@@ -94,7 +94,7 @@ def _pct(share) -> str:
     return f"{value:5.1f}%"
 
 
-def format_table(found: dict) -> str:
+def tune_table(found: dict) -> str:
     """What got more precision (its type, what it won back alone with its interval, its cost), the assignment as
     measured against the sum of its gains, the curve, the file as built and the verdicts."""
     lines = [f"{found['variant']} ({found['file_type']}): tune within {found['budget']} — "
@@ -120,7 +120,7 @@ def format_table(found: dict) -> str:
     return "\n".join(lines)
 
 
-def curve_chart(found: dict) -> Figure:
+def budget_curve_chart(found: dict) -> Figure:
     """Mean KL on the sample against bits per weight: the uniform variant, the recipe at each share of the budget,
     and the uniform variants it was audited beside (their audit figures), so the front shows at a glance."""
     figure = Figure(figsize=(WIDTH, 4.5), dpi=DPI, layout="constrained")
@@ -141,7 +141,7 @@ def curve_chart(found: dict) -> Figure:
     return figure
 
 
-def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> str:
+def log_tune_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> str:
     """An MLflow run of the tune, with ``tags`` (the audit of the recipe as parent): the budget, the curve by step,
     the choice table, the recipe in every format, the chart. Returns its id."""
     from mlflow.entities import Metric, Param
@@ -163,12 +163,12 @@ def log_run(client, experiment_id: str, found: dict, tags: dict[str, str]) -> st
               Param("file_type", found["file_type"])]
     client.log_batch(run, metrics=metrics, params=params)
     client.log_dict(run, json.loads(tune_json(found)), "tune.json")
-    client.log_text(run, format_table(found), "choices.txt")
+    client.log_text(run, tune_table(found), "choices.txt")
     if found["tensor_types"]:  # a GGUF recipe's
         client.log_text(run, tensor_type_lines(found), "recipe/llama-quantize-tensor-types.txt")
     client.log_dict(run, gptqmodel_dynamic(found), "recipe/gptqmodel-dynamic.json")
     client.log_dict(run, llm_compressor_recipe(found), "recipe/llm-compressor-recipe.yaml")
-    client.log_figure(run, curve_chart(found), "budget_curve.png")
+    client.log_figure(run, budget_curve_chart(found), "budget_curve.png")
     client.set_terminated(run, "FINISHED")
     return run
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tasks.config import Gate, Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference, token_slots
+from tasks.record.figures import GATED, Gated
 from tasks.record.floor import floor_text, kl_text
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
@@ -97,41 +97,35 @@ def _sequential_figures(row: dict, said: SequentialSaid, base_ppl: float) -> dic
     return figures
 
 
-# each gate: its name, the row's figure, the Gate's limit, whether the limit is a maximum, and how a figure reads
-GATES = (("ΔPPL", "delta_ppl_pct", "max_ppl_increase_pct", True, "{:+z.2f}".format, "%"),
-         ("KLD mean", "kld_mean", "max_kld_mean", True, kl_text, ""),
-         ("top-1 agreement", "top1_agreement", "min_top1_agreement", False, "{:.4f}".format, ""))
-
-
-def _check(row: dict, what: str, key: str, limit: float, above: bool, number: Callable[[float], str],
-           unit: str) -> tuple[str, str]:
+def _check(row: dict, figure: Gated, limit: float) -> tuple[str, str]:
     """One gate, on the pessimistic end of the figure's interval: 'fail' when the estimate is past the limit,
     'noise' when only that end is, 'unjudged' when the estimate or an end is not a finite number."""
+    key, number, unit = figure.key, figure.said, figure.unit
     value, low, high = row[key], row[f"{key}_low"], row[f"{key}_high"]
     interval = f"{number(value)}{unit} [{number(low)}, {number(high)}]"
-    sign = "≤" if above else "≥"
+    sign = "≤" if figure.above else "≥"
     if not all(math.isfinite(x) for x in (value, low, high)):
         windows = row.get("windows", 0)
         why = (f"it rests on {windows} window(s), and an interval needs at least {MIN_WINDOWS}"
                if windows < MIN_WINDOWS else "it is not a finite number")
-        return "unjudged", f"{what} {interval} cannot be judged against {sign} {limit:g}: {why}"
-    worst = high if above else low
-    past = (lambda x: x > limit) if above else (lambda x: x < limit)
+        return "unjudged", f"{figure.name} {interval} cannot be judged against {sign} {limit:g}: {why}"
+    worst = high if figure.above else low
+    past = (lambda x: x > limit) if figure.above else (lambda x: x < limit)
     if past(value):
-        return "fail", f"{what} {interval} breaks the limit {sign} {limit:g}"
+        return "fail", f"{figure.name} {interval} breaks the limit {sign} {limit:g}"
     if past(worst):
-        return "noise", f"{what} {interval} is inside the noise of the limit {sign} {limit:g}"
-    return "pass", f"{what} {interval} {sign} {limit:g}"
+        return "noise", f"{figure.name} {interval} is inside the noise of the limit {sign} {limit:g}"
+    return "pass", f"{figure.name} {interval} {sign} {limit:g}"
 
 
 def gate_checks(row: dict, gate: Gate) -> list[tuple[str, str, str]]:
     """``(gate's name, status, reason)`` of each limit ``gate`` sets, on a row whose gated figures were measured
-    (``judge``'s, and a chart's of one figure, which says which gate a verdict rests on)."""
-    return [(what, *_check(row, what, key, getattr(gate, limit), above, number, unit))
-            for what, key, limit, above, number, unit in GATES if getattr(gate, limit) is not None]
+    (``judge_row``'s, and a chart's of one figure, which says which gate a verdict rests on)."""
+    return [(figure.name, *_check(row, figure, getattr(gate, figure.limit)))
+            for figure in GATED if getattr(gate, figure.limit) is not None]
 
 
-def judge(row: dict, thresholds: Thresholds) -> Verdict:
+def judge_row(row: dict, thresholds: Thresholds) -> Verdict:
     """pass / fail against the variant's gate, on the pessimistic end of each 95% interval.
 
     A variant whose estimate is within a limit but whose interval reaches past it fails too ("inside
@@ -145,9 +139,13 @@ def judge(row: dict, thresholds: Thresholds) -> Verdict:
     if "delta_ppl_pct" not in row:
         return Verdict(name, "error", "no baseline result to compare with")
     gate = thresholds.for_variant(name)
-    if gate.max_ppl_increase_pct is not None and "delta_ppl_pct_high" not in row:
-        return Verdict(name, "error", "ΔPPL has no interval: the variant did not score the baseline's tokens")
-    if (gate.max_kld_mean is not None or gate.min_top1_agreement is not None) and "kld_mean" not in row:
+    # a figure measured against the baseline's logits is there or not with them; ΔPPL without its interval is not paired
+    unmeasured = [f for f in GATED if getattr(gate, f.limit) is not None
+                  and (f.key if f.divergence else f"{f.key}_high") not in row]
+    paired = [f.name for f in unmeasured if not f.divergence]
+    if paired:
+        return Verdict(name, "error", f"{paired[0]} has no interval: the variant did not score the baseline's tokens")
+    if any(f.divergence for f in unmeasured):
         why = row.get("divergence_absent") or "evaluation.divergence is off"
         return Verdict(name, "error", f"KL divergence was not measured: {why}")
     checks = [(status, reason) for _, status, reason in gate_checks(row, gate)]

@@ -51,7 +51,7 @@ class Option:
         return {"bits": self.bits, "group_size": self.group}
 
 
-def parse(text: str, variant: Option) -> Option:
+def parse_options(text: str, variant: Option) -> Option:
     """An option as a user writes it: ``8bit`` (the variant's group size), ``g32`` (its bits), ``8bit-g32``, or
     ``bf16`` (left unquantized); one line when it is none of them."""
     word = text.strip().lower()

@@ -54,7 +54,7 @@ class Models:
 
 
 @dataclass
-class Sample:
+class TuneSample:
     """The sample the gains are measured on: each domain's evaluation and windows, and the baseline on them."""
 
     parts: list[tuple[Evaluation, list, object]] = field(default_factory=list)  # (evaluation, windows, Baseline)
@@ -62,9 +62,9 @@ class Sample:
     base_nll: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
-def draw(models: Models, evaluations: list[Evaluation], windows: int | None, seed: int) -> Sample:
+def draw(models: Models, evaluations: list[Evaluation], windows: int | None, seed: int) -> TuneSample:
     """``windows`` windows of each domain's plan drawn by ``seed``, and the baseline's scores on them."""
-    found = Sample()
+    found = TuneSample()
     tokens, base = [], []
     for evaluation_ in evaluations:
         chosen = sample(evaluation_, windows, seed)
@@ -76,7 +76,7 @@ def draw(models: Models, evaluations: list[Evaluation], windows: int | None, see
     return found
 
 
-def score_sets(models: Models, drawn: Sample, sets: list[tuple[Swap, ...]], label: str) -> list[tuple[np.ndarray, np.ndarray]]:
+def score_sets(models: Models, drawn: TuneSample, sets: list[tuple[Swap, ...]], label: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(nll, kl)`` per token of the variant with each set of modules lent from the donors, over every domain's
     sample in turn."""
     per_domain = [swapped_scores(models.variant, models.donors, sets, sample_feed(evaluation_), windows, against,
@@ -120,13 +120,13 @@ class Tuning:
                 for name in donors[c.option].names(self.units[c.unit])}
 
 
-def measured(choices: tuple[Choice, ...], nll: np.ndarray, kl: np.ndarray, seen_kl: np.ndarray, drawn: Sample) -> Measured:
+def measured_choice(choices: tuple[Choice, ...], nll: np.ndarray, kl: np.ndarray, seen_kl: np.ndarray, drawn: TuneSample) -> Measured:
     share = recovered_share(seen_kl, kl, drawn.window_tokens, CONFIDENCE)
     return Measured(choices, float(kl.mean()), float((nll - drawn.base_nll).mean()), sum(c.cost for c in choices),
                     share, float(seen_kl.mean()) - sum(c.gain for c in choices))
 
 
-def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Sizes]) -> Tuning:
+def measure_tune_units(models: Models, drawn: TuneSample, prepared: Prepared, donor_sizes: list[Sizes]) -> Tuning:
     """Measure every layer at every option alone (with ``--per module``: then the groups of the layers that win back
     most, in place of those layers), choose (``knapsack``), score the choice and refine it."""
     layers, types, extra = list(prepared.units), list(prepared.types), prepared.extra
@@ -165,7 +165,7 @@ def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Si
     first = knapsack(choices, extra)
     curve_sets = [knapsack(choices, int(extra * share)) for share in CURVE]
     scored = score_sets(models, drawn, [swaps_of(units, c) for c in [first, *curve_sets]], "the choice and the curve")
-    found = [measured(c, nll, kl, seen_kl, drawn) for c, (nll, kl) in zip([first, *curve_sets], scored)]
+    found = [measured_choice(c, nll, kl, seen_kl, drawn) for c, (nll, kl) in zip([first, *curve_sets], scored)]
     best, curve = found[0], found[1:]
     tried.append(len(found))
     for _ in range(ROUNDS):
@@ -176,7 +176,7 @@ def tune(models: Models, drawn: Sample, prepared: Prepared, donor_sizes: list[Si
             break
         scored = score_sets(models, drawn, [swaps_of(units, n) for n in neighbours], "refining")
         tried.append(len(neighbours))
-        better = min((measured(n, nll, kl, seen_kl, drawn) for n, (nll, kl) in zip(neighbours, scored)),
+        better = min((measured_choice(n, nll, kl, seen_kl, drawn) for n, (nll, kl) in zip(neighbours, scored)),
                      key=lambda m: m.kl)
         if better.kl >= best.kl:
             break
@@ -286,7 +286,7 @@ def measure(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepared, w
     models = load_models(lineup, checkpoint, donors)
     try:
         drawn = draw(models, evaluations, windows, seed)
-        found = tune(models, drawn, prepared, donor_sizes)
+        found = measure_tune_units(models, drawn, prepared, donor_sizes)
     finally:
         del models
         gc.collect()

@@ -130,7 +130,7 @@ def check_buys(prepared: Prepared, option_sizes: list[Sizes], exact: bool) -> Pr
     return prepared
 
 
-def prepare(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[str] | None = None) -> Prepared:
+def prepare_tune(lineup: Lineup, variant: str, budget: Budget, per: str, types: list[str] | None = None) -> Prepared:
     """The tune of ``lineup``'s one variant, checked: its options (``types``; None: the defaults), its units, and
     the budget read against it (below the variant's own size or above the baseline's: one line). A GGUF variant's
     file is made (cached); a gptq variant's sizes are costed from the baseline's shapes."""
@@ -165,7 +165,7 @@ def _prepare_gptq(lineup: Lineup, variant: str, budget: Budget, per: str, types:
         for line in left_out:
             print(f"ppl-audit: note: {line}", file=console.err())
     else:
-        options = list(dict.fromkeys(gptq.parse(t, own) for t in types))
+        options = list(dict.fromkeys(gptq.parse_options(t, own) for t in types))
     wrong = next((o for o in options if not shapes.fits(o.group)), None)
     if wrong is not None:
         raise InputError(f"--types {wrong.label}: group size {wrong.group} does not divide the input widths of "

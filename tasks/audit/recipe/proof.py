@@ -24,7 +24,7 @@ UNIFORM = (("Q2_K", 2.625), ("Q3_K_S", 3.4375), ("Q4_0", 4.5), ("Q4_1", 5.0), ("
            ("Q6_K", 6.5625), ("Q8_0", 8.5))
 
 
-def report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes]) -> dict:
+def tune_report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes]) -> dict:
     """The tune as plain data: what the console, ``--json``, the files and the MLflow run are written from. Each
     chosen unit says what its option's uniform model holds for its matrices (``held``): llama.cpp falls back to
     another type for a shape the option cannot hold (a 576-wide row in 256-weight K-quant blocks)."""
