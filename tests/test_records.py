@@ -1,7 +1,9 @@
 """Records written before a change read as they did: every view of the demo's record of 2026-11-28 (written by main
 at 0a98ad8, from a fresh clone, schema 1: before ``AuditResult``), kept beside its views as that day's code drew
 them. A change to how a record is read (``from_record``) or shown (console, ``--json``, the card, MLflow's metrics
-and description) that moves one figure of the demo fails here (#68)."""
+and description) that moves one figure of the demo fails here (#68). And the demo's record of 2026-11-29 (schema 2,
+written through ``AuditResult``, on the same machine from the same quantized checkpoints and references) shows every
+figure the old one showed: only what is timed and what names the run differ."""
 
 from __future__ import annotations
 
@@ -43,6 +45,35 @@ def _without_arrays(record: dict) -> dict:
                                  for name, domain in record.get("domains", {}).items()}}
 
 
+# what differs from one run of an audit to the next on the same machine: how long it took, and what names the run
+TIMED = {"tokens_per_second", "load_seconds", "wall_seconds", "peak_memory_bytes", "started", "ended"}
+NAMED = {"audit_id": "the-audit", "created": "2026-01-01T00:00:00+00:00", "started": "2026-01-01T00:00:00+00:00"}
+
+
+def _steady(value, top: bool = True):
+    """``value`` (a record) with every timed figure 0 and what names the run the same, at every depth."""
+    if isinstance(value, dict):
+        steady = {key: 0 if key in TIMED else _steady(item, False) for key, item in value.items()}
+        return steady | {key: name for key, name in NAMED.items() if key in steady} if top else steady
+    if isinstance(value, list):
+        return [_steady(item, False) for item in value]
+    return value
+
+
+def _untimed(text: str) -> str:
+    """A console answer with each table's tok/s column blanked: the table is kept as printed, timing and all."""
+    lines, span = text.splitlines(), None
+    for i, line in enumerate(lines):
+        if line.startswith("variant "):  # a table's header: its tok/s column ends where the title does
+            span = (line.index("bits/B") + len("bits/B"), line.index("tok/s") + len("tok/s"))
+            first = line.index("method")
+        elif span and not line[:first].endswith(" ") and not line.startswith("-"):
+            span = None  # past the table's rows (each padded in its first column)
+        if span:
+            lines[i] = line[:span[0]] + " " * (span[1] - span[0]) + line[span[1]:]
+    return "\n".join(lines)
+
+
 def _read(name: str) -> dict:
     return json.loads(lzma.open(RECORDS / name).read())
 
@@ -55,3 +86,12 @@ def test_the_demo_record_of_2026_11_28_reads_and_shows_as_it_did():
     assert found.keys() == expected.keys()
     for name, text in expected.items():
         assert found[name] == text, f"{name} of the demo's record changed"
+
+
+def test_the_demo_record_written_through_the_audit_result_shows_what_the_old_one_showed():
+    old, new = _read("demo-2026-11-28.record.json.xz"), _read("demo-2026-11-29.record.json.xz")
+    assert new["schema"] == 2 and "runtime_costs" in new["domains"]["austen"]
+    before, after = views(_steady(old)), views(_steady(new))
+    for name, text in before.items():
+        untimed = _untimed if name.startswith("console") else str
+        assert untimed(after[name]) == untimed(text), f"{name}: the demo's record of today shows other figures"
