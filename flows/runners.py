@@ -75,59 +75,87 @@ def score_concurrently(scheduler: Scheduler, lineup: Lineup, scored: Evaluation,
     through a subflow: a subflow's parameters (the corpus text among them) are stored with its run, and
     Prefect refuses more than 512 KB of them.
     """
-    bounds, baseline = _bounds(scheduler.settings.shards, scored), lineup.baseline
-    found, done = _baseline_found(scheduler, lineup, scored)
-    reading = done is None and scored.settings.divergence
-
-    def reads(n: int, shards: list) -> dict:
-        """What a variant's shard ``n`` is given of the baseline (``shards``: the outcomes of the baseline's)."""
-        if done is not None:
-            return {"against": done}
-        return {"against": Slices(tuple(shards[m] for m in dict.fromkeys((0, n))))} if reading else {}
-
-    ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
-    submitted, given = {}, {}  # by (variant, shard): its task, and what it was given of the baseline
-
-    def shard(v: int, n: int, parameters: dict):
-        given[v, n] = parameters
-        return scheduler.submit(score_variant, checkpoint=ready[v], lineup=lineup, evaluation_=scored,
-                                piece=Windows(*bounds[n]), **parameters)
-
+    run = _Concurrently(scheduler, lineup, scored, making)
     with scheduler.placed():
-        first = [] if done is not None else [_baseline_shard(scheduler, lineup, scored, found, w) for w in bounds]
-        tried = [None] * len(first)  # the outcomes of the baseline's shards' first tries
+        run.first_tries()
+        merged = run.baseline_merged() if run.done is None else None
+        outcomes = run.outcomes()
+    done = run.done if merged is None else run.joined(merged, outcomes)
+    return done, [merge_shards(shards, scored) for shards in outcomes]
 
-        def submit_ready() -> None:
-            for v in ready:
-                for n in range(len(bounds)):
-                    written = not reading or all(tried[m] is not None and tried[m].ok for m in (0, n))
-                    if written and (v, n) not in submitted:
-                        submitted[v, n] = shard(v, n, reads(n, tried))
 
-        submit_ready()
+class _Concurrently:
+    """What ``score_concurrently`` knows as it goes: the baseline's lookup (``found``) and outcome where settled
+    (``done``), the variants ready to score (made), and each variant's shard submitted (``submitted``) with what it
+    was given of the baseline (``given``), by (variant, shard); ``tried``: the baseline's shards' first tries."""
+
+    def __init__(self, scheduler: Scheduler, lineup: Lineup, scored: Evaluation, making: dict):
+        self.scheduler, self.lineup, self.scored, self.making = scheduler, lineup, scored, making
+        self.bounds = _bounds(scheduler.settings.shards, scored)
+        self.found, self.done = _baseline_found(scheduler, lineup, scored)
+        self.reading = self.done is None and scored.settings.divergence
+        self.ready = {v: c for v, c in enumerate(lineup.variants) if v not in making}
+        self.submitted, self.given, self.tried = {}, {}, []
+
+    def reads(self, n: int, shards: list) -> dict:
+        """What a variant's shard ``n`` is given of the baseline (``shards``: the outcomes of the baseline's)."""
+        if self.done is not None:
+            return {"against": self.done}
+        return {"against": Slices(tuple(shards[m] for m in dict.fromkeys((0, n))))} if self.reading else {}
+
+    def shard(self, v: int, n: int, parameters: dict):
+        self.given[v, n] = parameters
+        return self.scheduler.submit(score_variant, checkpoint=self.ready[v], lineup=self.lineup,
+                                     evaluation_=self.scored, piece=Windows(*self.bounds[n]), **parameters)
+
+    def submit_ready(self) -> None:
+        """Each shard of a variant made whose baseline slices (its own windows' and the first) are written."""
+        for v in self.ready:
+            for n in range(len(self.bounds)):
+                written = not self.reading or all(self.tried[m] is not None and self.tried[m].ok for m in (0, n))
+                if written and (v, n) not in self.submitted:
+                    self.submitted[v, n] = self.shard(v, n, self.reads(n, self.tried))
+
+    def first_tries(self) -> None:
+        """The baseline's shards, and each variant's once it is made and the baseline's slices it reads are in."""
+        first = [] if self.done is not None else [_baseline_shard(self.scheduler, self.lineup, self.scored, self.found,
+                                                                  windows) for windows in self.bounds]
+        self.tried = [None] * len(first)
+        self.submit_ready()
         waiting = {future: ("baseline", n) for n, future in enumerate(first)} | \
-                  {future: ("make", v) for v, future in making.items()}
-        while waiting:  # each variant's shards start once it is made and the baseline's slices they read are in
-            future = scheduler.first_done(waiting)
+                  {future: ("make", v) for v, future in self.making.items()}
+        while waiting:
+            future = self.scheduler.first_done(waiting)
             kind, i = waiting.pop(future)
             if kind == "baseline":
-                tried[i] = _outcome(baseline, Scheduler.settled(future))
+                self.tried[i] = _outcome(self.lineup.baseline, Scheduler.settled(future))
             else:
-                ready[i] = _made(lineup.variants[i], Scheduler.settled(future))
-            submit_ready()
-        if done is None:
-            tried, merged = _baseline_retried(scheduler, lineup, scored, found, bounds, tried)
-            for v, n in [(v, n) for v in ready for n in range(len(bounds)) if (v, n) not in submitted]:
-                submitted[v, n] = shard(v, n, reads(n, tried) if merged.ok else {"against": merged})
-        outcomes = [[_outcome(c, Scheduler.settled(submitted[v, n])) for n in range(len(bounds))]
-                    for v, c in enumerate(lineup.variants)]
-        _tried_again(scheduler, lineup.variants, outcomes, lambda v, n: shard(v, n, given[v, n]))
-    if done is None:
-        if not merged.ok:  # shards measured against the slices that were written would hold a part of its divergence
-            for v, n in [key for key, parameters in given.items() if isinstance(parameters.get("against"), Slices)]:
+                self.ready[i] = _made(self.lineup.variants[i], Scheduler.settled(future))
+            self.submit_ready()
+
+    def baseline_merged(self) -> VariantResult:
+        """The baseline merged from its shards (a failed one tried again elsewhere), and every variant's shard not
+        submitted yet submitted against it: its slices, or the failed baseline (no divergence)."""
+        self.tried, merged = _baseline_retried(self.scheduler, self.lineup, self.scored, self.found, self.bounds,
+                                               self.tried)
+        for v, n in [(v, n) for v in self.ready for n in range(len(self.bounds)) if (v, n) not in self.submitted]:
+            self.submitted[v, n] = self.shard(v, n, self.reads(n, self.tried) if merged.ok else {"against": merged})
+        return merged
+
+    def outcomes(self) -> list[list[VariantResult]]:
+        """Every variant's shards' outcomes, each failed one that another worker may not fail tried there once more."""
+        outcomes = [[_outcome(c, Scheduler.settled(self.submitted[v, n])) for n in range(len(self.bounds))]
+                    for v, c in enumerate(self.lineup.variants)]
+        _tried_again(self.scheduler, self.lineup.variants, outcomes, lambda v, n: self.shard(v, n, self.given[v, n]))
+        return outcomes
+
+    def joined(self, merged: VariantResult, outcomes: list[list[VariantResult]]) -> VariantResult:
+        """The baseline with the reference joined from its slices; a variant's shards measured against slices of a
+        baseline that failed are left without divergence (they would hold a part of it)."""
+        if not merged.ok:
+            for v, n in [key for key, parameters in self.given.items() if isinstance(parameters.get("against"), Slices)]:
                 outcomes[v][n] = _without_divergence(outcomes[v][n])
-        done = _joined(scheduler, found, merged, tried, scored)
-    return done, [merge_shards(shards, scored) for shards in outcomes]
+        return _joined(self.scheduler, self.found, merged, self.tried, self.scored)
 
 
 def _without_divergence(outcome: VariantResult) -> VariantResult:
@@ -238,60 +266,78 @@ def score_sampled(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, base
     variant's ``Watch`` judges every window returned so far, and once its verdict is settled no piece of it is
     submitted again and those still running are cancelled. A failed piece fails its variant; a variant made here is
     quantized once first, all of them at once."""
-    import numpy as np
-    import torch
-
-    from tasks.audit.sequential import Watch, progress_of
-    from tasks.config import Gate
-    from tasks.engine.sequential import window_order
-
-    settings, shards = scored.settings, scheduler.settings.shards
-    planned = scored.windows
-    tokens = torch.tensor([w.n_scored for w in planned])
-    batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
-    pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),
-                                                         PIECES_PER_SHARD * shards) if len(piece)]
-    variants = [_made(c, Scheduler.settled(making[v])) if v in making else c for v, c in enumerate(lineup.variants)]
-    watches = [Watch(c.gate or Gate(), baseline.result.window_nll, settings.order_seed) if baseline.ok else None
-               for c in variants]
-    returned: list[list[VariantResult]] = [[] for _ in variants]
-    queued = [list(pieces) for _ in variants]
-    running = {}
-
-    def submit(v: int) -> None:
-        piece = queued[v].pop(0)
-        future = scheduler.submit(score_variant, checkpoint=variants[v], lineup=lineup, evaluation_=scored,
-                                  against=baseline, piece=Sample(tuple(piece)))
-        running[future] = v
-
+    run = _Sampled(scheduler, lineup, scored, baseline, making)
     with scheduler.placed():
-        for v in range(len(variants)):
-            for _ in range(min(shards, len(queued[v]))):
-                submit(v)
-        while running:
-            future = scheduler.first_done(running)
-            v = running.pop(future)
-            outcome = _outcome(variants[v], Scheduler.settled(future))
-            returned[v].append(outcome)
-            done = not outcome.ok
-            if outcome.ok and watches[v] is not None:
-                samples = [piece.part.scores for piece in returned[v]]
-                done = watches[v](progress_of(samples, tokens, batch))
-            if done:
-                queued[v].clear()
-                for other in [f for f, owner in running.items() if owner == v]:
-                    scheduler.cancel(other)
-                    del running[other]
-            elif queued[v]:
-                submit(v)
-    merged = []
-    for v, outcomes in enumerate(returned):
-        failed = next((o for o in outcomes if not o.ok), None)
-        outcome = merge_shards([failed] if failed else outcomes, scored)
-        if outcome.ok and watches[v] is not None:
-            outcome = replace(outcome, sequential=watches[v].said(outcome.result))
-        merged.append(outcome)
-    return merged
+        for v in range(len(run.variants)):
+            for _ in range(min(scheduler.settings.shards, len(run.queued[v]))):
+                run.submit(v)
+        while run.running:
+            run.returned_piece(scheduler.first_done(run.running))
+    return run.merged()
+
+
+class _Sampled:
+    """What ``score_sampled`` knows as it goes: per variant (made) its ``Watch`` (None without a baseline to judge
+    against), the pieces of its windows still ``queued`` and those ``returned``; the futures ``running``, by variant."""
+
+    def __init__(self, scheduler: Scheduler, lineup: Lineup, scored: Evaluation, baseline: VariantResult, making: dict):
+        import numpy as np
+        import torch
+
+        from tasks.audit.sequential import Watch
+        from tasks.config import Gate
+        from tasks.engine.sequential import window_order
+
+        self.scheduler, self.lineup, self.scored, self.baseline = scheduler, lineup, scored, baseline
+        settings, planned = scored.settings, scored.windows
+        self.tokens = torch.tensor([w.n_scored for w in planned])
+        self.batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
+        pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),
+                                                             PIECES_PER_SHARD * scheduler.settings.shards) if len(piece)]
+        self.variants = [_made(c, Scheduler.settled(making[v])) if v in making else c
+                         for v, c in enumerate(lineup.variants)]
+        self.watches = [Watch(c.gate or Gate(), baseline.result.window_nll, settings.order_seed) if baseline.ok else None
+                        for c in self.variants]
+        self.returned: list[list[VariantResult]] = [[] for _ in self.variants]
+        self.queued = [list(pieces) for _ in self.variants]
+        self.running = {}
+
+    def submit(self, v: int) -> None:
+        piece = self.queued[v].pop(0)
+        future = self.scheduler.submit(score_variant, checkpoint=self.variants[v], lineup=self.lineup,
+                                       evaluation_=self.scored, against=self.baseline, piece=Sample(tuple(piece)))
+        self.running[future] = v
+
+    def returned_piece(self, future) -> None:
+        """A piece back: its variant's watch judges every window returned so far; once settled (or failed) nothing
+        more of it is submitted and its pieces still running are cancelled, else its next piece goes."""
+        from tasks.audit.sequential import progress_of
+
+        v = self.running.pop(future)
+        outcome = _outcome(self.variants[v], Scheduler.settled(future))
+        self.returned[v].append(outcome)
+        done = not outcome.ok
+        if outcome.ok and self.watches[v] is not None:
+            samples = [piece.part.scores for piece in self.returned[v]]
+            done = self.watches[v](progress_of(samples, self.tokens, self.batch))
+        if done:
+            self.queued[v].clear()
+            for other in [f for f, owner in self.running.items() if owner == v]:
+                self.scheduler.cancel(other)
+                del self.running[other]
+        elif self.queued[v]:
+            self.submit(v)
+
+    def merged(self) -> list[VariantResult]:
+        """Each variant's pieces merged (a failed piece fails it), with its sequential state where it was watched."""
+        merged = []
+        for v, outcomes in enumerate(self.returned):
+            failed = next((o for o in outcomes if not o.ok), None)
+            outcome = merge_shards([failed] if failed else outcomes, self.scored)
+            if outcome.ok and self.watches[v] is not None:
+                outcome = replace(outcome, sequential=self.watches[v].said(outcome.result))
+            merged.append(outcome)
+        return merged
 
 
 def score_domains(config: AuditConfig, lineup: Lineup, domains: tuple[Domain, ...]) -> list[Scored]:

@@ -1,6 +1,6 @@
 """What the llama.cpp tests share: llama-perplexity's own figures (built from the same source as the binding), the
-texts both tools read, the GGUF files llama.cpp's quantizer makes from the embedded model's, and an audit in
-llama-perplexity's convention (tests/test_llama_cpp.py, tests/test_llama_cpp_audits.py)."""
+texts both tools read, the GGUF files llama.cpp's quantizer makes from the embedded model's, a cache of a test's own,
+and an audit in llama-perplexity's convention (tests/test_llama_cpp.py, tests/test_llama_cpp_audits.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import yaml
 from helpers import json_line
 
 from tasks.config import CorpusConfig
+from tasks.core.places import cache_dir
 from tasks.data.corpus import corpus_text
-from tasks.data.embedded import embedded_gguf
+from tasks.data.embedded import embedded_gguf, embedded_model_dir
 from tasks.models import llama_cpp
+from tasks.models.resolve import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNKS, CONTEXT = 4, 512
@@ -54,6 +56,18 @@ def ladder() -> dict[str, Path]:
     """The GGUF files llama.cpp's quantizer makes from the embedded model's (what `type:` variants score), cached."""
     assert llama_cpp.version(), "the llama.cpp runtime is not installed: run bash .ci/llama-cpp"
     return {name: llama_cpp.made_file(embedded_gguf(), kind) for name, kind in TYPES.items()}
+
+
+def own_cache(folder: Path, monkeypatch) -> Path:
+    """``$PPL_AUDIT_CACHE`` at ``folder`` for one test, so that the GGUF files it finds there are the ones its audit
+    made. The embedded model's transformers folder is linked in from the session's cache (made there once): each test
+    would otherwise dequantize the packaged file into the same bytes again (~15 s)."""
+    made_once = Path(resolve_model_path("embedded"))  # before the cache moves: the session's
+    linked = folder / embedded_model_dir().relative_to(cache_dir())
+    linked.parent.mkdir(parents=True)
+    linked.symlink_to(made_once, target_is_directory=True)
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(folder))
+    return folder
 
 
 def audit(cli, tmp_path: Path, text: Path, variants: list[dict], baseline: dict | None = None) -> dict:

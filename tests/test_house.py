@@ -16,8 +16,8 @@ CODE = ("tasks", "flows")
 SUBSCRIPTS_CEILING = 1171
 # flows/audit.py reads top to bottom: target (#68) at most 120 lines
 AUDIT_FLOW_LINES_CEILING = 118
-# no function in flows/ over 40 lines (#68): those over it today, each at most as long as it is
-LONG_FLOW_FUNCTIONS = {("flows/runners.py", "score_concurrently"): 71, ("flows/runners.py", "score_sampled"): 61}
+# no function in flows/ over 40 lines (#68): none is today; one that must be (say why) is listed here with its length
+LONG_FLOW_FUNCTIONS: dict[tuple[str, str], int] = {}
 FUNCTION_LINES = 40
 
 

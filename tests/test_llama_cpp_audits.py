@@ -34,8 +34,8 @@ def made() -> dict[str, Path]:
 
 def test_a_crash_inside_llama_cpp_fails_that_variant_alone(cli, tmp_path, texts, made):
     """A native crash kills the worker process, not the audit: the variant fails with one line, the others score.
-    1,024 tokens (7 windows): the worker scores for seconds after the ~0.5 CPU-s it takes to start and open the file,
-    time enough to be killed in the middle of it, and the variant that scores needs no more."""
+    1,024 tokens (7 windows): the worker scores them for several CPU-seconds, time enough to be killed in the middle
+    (past 1 CPU-s it is scoring, as the line checked says), and the variant that scores needs no more."""
     import time
 
     import psutil
