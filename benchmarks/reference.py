@@ -68,8 +68,8 @@ from tasks.audit.reference import REFERENCE_FORMAT, Identity, Reference, Writer,
 from tasks.config import CorpusConfig, EvaluationConfig, VariantSpec
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import evaluation
+from tasks.engine.baseline import Baseline
 from tasks.engine.perplexity import (
-    Baseline,
     PerplexityResult,
     divergence_kernel,
     hidden_states,

@@ -62,8 +62,8 @@ def test_the_floor_is_the_baseline_in_16_bits_against_its_float32_self(audits, t
     from tasks.engine.windows import plan as windows_of
 
     cold = audits["summaries"]["cold"]
-    assert [row["variant"] for row in cold["floor"]] == ["floor-bf16", "floor-fp16"]
-    assert all(row["floor_kept"] == "scored" and row["status"] == "ok" for row in cold["floor"])
+    assert [row["variant"] for row in only(cold).floor] == ["floor-bf16", "floor-fp16"]
+    assert all(row["floor_kept"] == "scored" and row["status"] == "ok" for row in only(cold).floor)
     evaluation = open_audit(str(audits["config"])).evaluation
     windows = windows_of(evaluation.stream, 64, 32, "sliding")
     base = AutoModelForCausalLM.from_pretrained(trained_model_dir, torch_dtype=torch.float32).eval()
@@ -81,14 +81,14 @@ def test_the_floor_is_the_baseline_in_16_bits_against_its_float32_self(audits, t
     noisy = _row(cold, "noisy")["floor"]
     assert noisy["above"] is True and "above the" in noisy["said"] and noisy["said"].endswith(", ΔPPL above it")
     assert all(found["kl"]["low"] > 0 for found in noisy["floors"])
-    assert "noise floor: the baseline in bfloat16" in cold["table"] and bf16["said"] in cold["table"]
+    assert "noise floor: the baseline in bfloat16" in cold.table and bf16["said"] in cold.table
 
 
 @pytest.mark.slow
 def test_a_warm_audit_reuses_its_floor_and_a_damaged_one_is_scored_again(audits, capsys):
     summaries = audits["summaries"]
     warm, damaged = summaries["warm"], summaries["damaged"]
-    assert all(row["floor_kept"] == "reused" for row in warm["floor"])
+    assert all(row["floor_kept"] == "reused" for row in only(warm).floor)
     for name in ("floor-bf16", "floor-fp16"):
         assert _floor(warm, name)["kld_mean"] == _floor(summaries["cold"], name)["kld_mean"]
     assert _floor(damaged, "floor-bf16")["floor_kept"] == "scored"  # its scores no longer what was written
@@ -101,17 +101,17 @@ def test_a_warm_audit_reuses_its_floor_and_a_damaged_one_is_scored_again(audits,
 def test_mlflow_holds_the_floor_and_the_token_population(audits):
     client = MlflowClient(audits["uri"])
     cold = audits["summaries"]["cold"]
-    parent = client.get_run(cold["mlflow_run_id"])
-    assert parent.data.tags["ppl_audit.population"] == cold["population"]["digest"]
+    parent = client.get_run(cold.mlflow_run_id)
+    assert parent.data.tags["ppl_audit.population"] == only(cold).population["digest"]
     assert parent.data.metrics["floor-bf16.kld_mean"] == pytest.approx(_floor(cold, "floor-bf16")["kld_mean"])
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     said = {run.data.tags["ppl_audit.variant"]: run.data.tags.get("ppl_audit.floor") for run in children}
     assert said["bf16"] == _row(cold, "bf16")["floor"]["said"] and said["baseline"] is None
-    assert f"token population {cold['population']['digest']}" in cold["table"]
+    assert f"token population {only(cold).population['digest']}" in cold.table
     other = audits["summaries"]["other"]
-    assert other["population"]["digest"] != cold["population"]["digest"]
-    assert audits["summaries"]["warm"]["population"] == cold["population"]
+    assert only(other).population["digest"] != only(cold).population["digest"]
+    assert only(audits["summaries"]["warm"]).population == only(cold).population
 
 
 @pytest.mark.slow
@@ -122,13 +122,13 @@ def test_compare_refuses_audits_of_other_tokens_side_by_side_unless_asked(audits
     assert "scored different tokens" in err and "max_tokens 1500 against 1000" in err and "--any-tokens" in err
     assert main(["compare", "--audits", cold, warm, "--tracking-uri", uri, "--json"]) == 0
     same = json_line(capsys.readouterr().out)["populations"]
-    assert list(same) == [summaries["cold"]["population"]["digest"]]
-    assert {row["name"] for row in same[summaries["cold"]["population"]["digest"]]} == {"noisy", "bf16"}
+    assert list(same) == [only(summaries["cold"]).population["digest"]]
+    assert {row["name"] for row in same[only(summaries["cold"]).population["digest"]]} == {"noisy", "bf16"}
     assert main(["compare", "--audits", cold, other, "--tracking-uri", uri, "--any-tokens", "--json"]) == 0
     out = capsys.readouterr().out
     assert "not comparable as they stand" in out
     rows = json_line(out)["populations"]["None"]
-    assert {row["audit"].split("@")[1] for row in rows} == {summaries[k]["population"]["digest"][:8]
+    assert {row["audit"].split("@")[1] for row in rows} == {only(summaries[k]).population["digest"][:8]
                                                             for k in ("cold", "other")}
 
 

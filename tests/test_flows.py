@@ -72,7 +72,7 @@ def test_dask_runner_scores_variants_on_two_local_workers(tmp_path, cache, train
     config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
                           runner={"kind": "dask", "workers": 2})
     on_dask = audit(config=str(config), return_state=True).result()
-    assert [r["ppl"] for r in on_dask["rows"]] == pytest.approx([r["ppl"] for r in sequential["rows"]], rel=1e-6)
+    assert [r["ppl"] for r in on_dask.rows] == pytest.approx([r["ppl"] for r in sequential.rows], rel=1e-6)
     assert (cache / "dask-scratch").is_dir(), "the workers' scratch space is ours, not the working directory's"
 
 

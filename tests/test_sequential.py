@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import perturbed, write_config
+from helpers import only, perturbed, write_config
 
 from tasks.audit.sequential import Watch, gate_limits, settled
 from tasks.config import Gate
@@ -185,7 +185,7 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
                 {"name": "noisy-borderline", "path": str(noisy_model_dir)}]
     off = result_of(audit(config=str(write_config(tmp_path / "off.yaml", trained_model_dir, corpus_path, variants[:2])),
                            return_state=True))
-    fixed, broken = off["rows"][1], off["rows"][2]
+    fixed, broken = off.rows[1], off.rows[2]
     borderline = (fixed["delta_ppl_pct"] + fixed["delta_ppl_pct_high"]) / 2
     thresholds = {"max_ppl_increase_pct": 1000, "per_variant": {
         "noisy-failing": {"max_ppl_increase_pct": broken["delta_ppl_pct_low"] / 4},
@@ -193,8 +193,8 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
     config = write_config(tmp_path / "on.yaml", trained_model_dir, corpus_path, variants, thresholds=thresholds)
     on = result_of(audit(config=str(config), overrides=["evaluation.sequential=on", "evaluation.order_seed=5"],
                           return_state=True))
-    rows = {row["variant"]: row for row in on["rows"]}
-    verdicts = {v.name: v for v in on["verdicts"]}
+    rows = {row["variant"]: row for row in on.rows}
+    verdicts = {v.name: v for v in on.verdicts}
     for name, status, whole in (("noisy-clear", "pass", fixed), ("noisy-failing", "fail", broken)):
         assert verdicts[name].status == status, verdicts[name]
         assert rows[name]["scored_fraction"] < 1 and "stopped at" in verdicts[name].reason
@@ -203,15 +203,15 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
     assert verdicts["noisy-borderline"].status == "fail" and rows["noisy-borderline"]["scored_fraction"] == 1.0
     for key in ("ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean"):
         assert rows["noisy-borderline"][key] == fixed[key]  # judged exactly as without sequential
-    said = next(r for r in on["results"] if r.name == "noisy-clear").sequential
+    said = next(r for r in only(on).results if r.name == "noisy-clear").sequential
     assert said.seed == 5 and said.stopped == "settled" and said.decision == "pass"
     assert len(said.windows) == rows["noisy-clear"]["windows"] >= minimum_windows(len(said.windows), 4)
     models = {m["variant"]: m for m in json.loads(answer_json(on))["models"]}
     assert models["baseline"]["scored_fraction"] == 1.0 and models["noisy-clear"]["scored_fraction"] < 1
     client = MlflowClient(tracking_uri(None))
     children = client.search_runs([client.get_experiment_by_name("ppl-audit").experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{on['mlflow_run_id']}'")
-    parent = client.get_run(on["mlflow_run_id"]).data.tags["mlflow.note.content"]
+                                  filter_string=f"tags.mlflow.parentRunId = '{on.mlflow_run_id}'")
+    parent = client.get_run(on.mlflow_run_id).data.tags["mlflow.note.content"]
     assert f"| noisy-clear | PASS at {100 * rows['noisy-clear']['scored_fraction']:.0f}% |" in parent, parent
     assert "| noisy-borderline | FAIL |" in parent
     run = next(r for r in children if r.data.params.get("variant") == "noisy-clear")

@@ -124,7 +124,7 @@ def test_sqlite_store_holds_the_whole_audit_and_repeats_exactly(tmp_path, traine
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = config_for(tmp_path, trained_model_dir, corpus_path, uri)
     first, second = run_audit(config, tmp_path), run_audit(config, tmp_path)
-    assert first["mlflow_run_id"] != second["mlflow_run_id"]
+    assert first.mlflow_run_id != second.mlflow_run_id
     client = MlflowClient(uri)
     parents = audits(client, "tracked")
     assert len(parents) == 2
@@ -146,7 +146,7 @@ def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trai
     clean = run_audit(config, tmp_path)
     experiment_id = MlflowClient(server.uri).get_experiment_by_name("tests").experiment_id
     # the record's line links the run's page in the model-training view (what MLflow's UI reads: see below)
-    assert clean["record"].endswith(f": {server.uri}/#/experiments/{experiment_id}/runs/{clean['mlflow_run_id']}"
+    assert clean.record.endswith(f": {server.uri}/#/experiments/{experiment_id}/runs/{clean.mlflow_run_id}"
                                     "?workflowType=machine_learning")
 
     real_chart = tasks.record.plots.delta_ppl_chart
@@ -158,7 +158,7 @@ def test_real_server_then_server_dies_mid_audit_then_sync(tmp_path, server, trai
     monkeypatch.setattr(tasks.record.plots, "delta_ppl_chart", dies_while_logging)
     interrupted = run_audit(config, tmp_path)
     monkeypatch.setattr(tasks.record.plots, "delta_ppl_chart", real_chart)
-    assert "mlflow_run_id" not in interrupted and interrupted["verdict"].status == "error"
+    assert interrupted.mlflow_run_id is None and interrupted.verdict.status == "error"
     spooled = sorted((Path(os.environ["PPL_AUDIT_HOME"]) / "spool").iterdir())
     assert len(spooled) == 1
     assert {p.name for p in spooled[0].iterdir()} == {"record.json", "files.json", "baseline.parquet", "int8.parquet",
