@@ -1,5 +1,5 @@
 """Records written before a change read as they did: every view of the demo's record of 2026-11-28 (written by main
-at 0a98ad8, from a fresh clone, schema 1: before ``AuditResult``), kept beside its views as that day's code drew
+on its last evening, from a fresh clone, schema 1: before ``AuditResult``), kept beside its views as that day's code drew
 them. A change to how a record is read (``from_record``) or shown (console, ``--json``, the card, MLflow's metrics
 and description) that moves one figure of the demo fails here (#68). And the demo's record of 2026-11-29 (schema 2,
 written through ``AuditResult``, on the same machine from the same quantized checkpoints and references) shows every
