@@ -35,6 +35,7 @@ from tasks.methods.runtimes import Runtime
 # baseline: a float model as it is); the registry names them all
 MethodName = Literal[tuple(METHODS)]
 # audit and variant names: MLflow run names, file names, YAML keys; not dots alone (".." is a path)
+ONE_CORPUS = "corpus"  # the name of the one domain an audit of one corpus (`corpus:`) is
 NAME = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
 # a name becomes part of a file name (a record's folder: time, name, id; a cached checkpoint's: name, digest) that a
 # file system caps at 255 bytes: bounded here, so that a long one is refused before scoring, not after it
@@ -869,7 +870,7 @@ class AuditConfig(Strict):
     @property
     def domains(self) -> list[Corpus]:
         """The corpora the audit scores, each named: a one-corpus audit's is ``corpus``."""
-        return list(self.corpora) if self.corpora is not None else [Corpus(name="corpus", **self.corpus.model_dump())]
+        return list(self.corpora) if self.corpora is not None else [Corpus(name=ONE_CORPUS, **self.corpus.model_dump())]
 
     def for_domain(self, domain: Corpus) -> AuditConfig:
         """The one-corpus audit of ``domain``: its text, its ``max_tokens``, its gates. Each domain of an audit of

@@ -76,9 +76,7 @@ def judge(plan: AuditPlan, scored: Sequence[Scored]) -> AuditResult:
     domains = [judge_domain(domain, plan.lineup, each) for domain, each in zip(plan.domains, scored)]
     if plan.by_domain:
         return audit_over_domains(plan.name, domains)
-    only = domains[0]
-    return AuditResult(plan.name, {only.name: only}, False, only.rows, only.verdicts, only.verdict, only.table,
-                       {v.name: only.name for v in only.verdicts})
+    return AuditResult.of_one(plan.name, domains[0])
 
 
 def recorded(plan: AuditPlan, result: AuditResult, started: Started) -> tuple[dict, dict]:

@@ -80,7 +80,7 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, judg
     (``token_arrays``)."""
     where, diagnoses = judged.findings.where, judged.findings.diagnoses
     created = datetime.now(timezone.utc)
-    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in judged.verdicts}
+    verdicts = {v.name: v.as_record() for v in judged.verdicts}
     variants = []
     for outcome, row in zip(judged.results, judged.rows):
         spec = config.baseline if outcome.name == config.baseline.name else next(
@@ -117,7 +117,7 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, judg
                    "hf_split": config.corpus.hf_split},
         "environment": {"hardware": hardware(), "python": platform.python_version(),
                         "versions": versions("gptqmodel", "bitsandbytes", "torchao", "optimum", "prefect", "mlflow")},
-        "verdict": {"status": judged.verdict.status, "reason": judged.verdict.reason},
+        "verdict": judged.verdict.as_record(),
         "table": judged.table,
         "variants": variants,
         # which tokens were scored, named (tasks.audit.population), and the noise floor's rows (tasks.audit.floor)

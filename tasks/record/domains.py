@@ -129,7 +129,7 @@ def domains_record(config: dict, records: dict[str, dict], result: AuditResult) 
                 entry["arrays"] = f"{name}.{entry['arrays']}"
     first = next(iter(records.values()))
     rows = {row["variant"]: row for row in result.rows}
-    verdicts = {v.name: {"status": v.status, "reason": v.reason} for v in result.verdicts}
+    verdicts = {v.name: v.as_record() for v in result.verdicts}
     variants = []
     for entry in first["variants"]:
         worst = rows[entry["name"]]["domain"]
@@ -141,11 +141,10 @@ def domains_record(config: dict, records: dict[str, dict], result: AuditResult) 
               "digest": hashlib.sha256(" ".join(c["digest"] for c in corpora).encode()).hexdigest(),
               "n_tokens": sum(c["n_tokens"] for c in corpora), "n_bytes": sum(c["n_bytes"] for c in corpora),
               "bos": first["corpus"]["bos"], "hf_config": None, "hf_split": None, "domains": list(records)}
-    verdict = result.verdict
     populations = {name: (record.get("population") or {}).get("digest") for name, record in records.items()}
     population = {"digest": hashlib.sha256(json.dumps(populations).encode()).hexdigest()[:16], "domains": populations}
     return first | {"config": config, "corpus": corpus, "population": population, "floor": [], "runtime_costs": [],
-                    "tokens_differ": None, "verdict": {"status": verdict.status, "reason": verdict.reason},
+                    "tokens_differ": None, "verdict": result.verdict.as_record(),
                     "table": result.table, "variants": variants,
                     "domains": {name: {k: v for k, v in record.items() if k not in SHARED}
                                 for name, record in records.items()}}

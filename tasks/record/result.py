@@ -87,6 +87,12 @@ class AuditResult:
     record: str = ""
     mlflow_run_id: str | None = None
 
+    @classmethod
+    def of_one(cls, name: str, domain: DomainResult) -> AuditResult:
+        """The audit ``name`` of one corpus: its one domain's figures and verdicts are the audit's."""
+        return cls(name, {domain.name: domain}, False, domain.rows, domain.verdicts, domain.verdict, domain.table,
+                   {v.name: domain.name for v in domain.verdicts})
+
     @property
     def passed(self) -> bool:
         """Whether nothing failed: passed, or judged against no limit (which is never said to pass)."""

@@ -9,19 +9,15 @@ Light: no torch, so that ``sync`` and ``ui`` stay quick.
 
 from __future__ import annotations
 
+from tasks.config import ONE_CORPUS
 from tasks.record.result import AuditResult, DomainResult, Findings
 from tasks.record.verdict import Verdict
 
 SCHEMA = 2
-ONE_CORPUS = "corpus"  # the domain an audit of one corpus is (``AuditConfig.domains``)
 
 
 class UnknownSchema(ValueError):
     """A record written by a later ppl-audit than this one: its fields may mean what this one cannot tell."""
-
-
-def _verdict(name: str, said: dict) -> Verdict:
-    return Verdict(name, said["status"], said["reason"])
 
 
 def _domain(name: str, record: dict) -> DomainResult:
@@ -30,8 +26,8 @@ def _domain(name: str, record: dict) -> DomainResult:
     variants = entries[1:]
     return DomainResult(
         name, (), tuple(entry["row"] for entry in entries),
-        tuple(_verdict(entry["name"], entry["verdict"]) for entry in variants),
-        _verdict("audit", record["verdict"]), record["table"],
+        tuple(Verdict.of_record(entry["name"], entry["verdict"]) for entry in variants),
+        Verdict.of_record("audit", record["verdict"]), record["table"],
         tuple(floor["row"] for floor in record.get("floor", [])), tuple(record.get("runtime_costs", [])),
         record.get("population"), record.get("tokens_differ"),
         Findings({e["name"]: e["where"] for e in variants if "where" in e},
@@ -47,12 +43,10 @@ def from_record(record: dict) -> AuditResult:
         raise UnknownSchema(f"the record of audit {record.get('name')} has schema {schema}, and this ppl-audit reads "
                             f"up to {SCHEMA}: read it with a later ppl-audit")
     if "domains" not in record:
-        only = _domain(ONE_CORPUS, record)
-        return AuditResult(record["name"], {ONE_CORPUS: only}, False, only.rows, only.verdicts, only.verdict,
-                           only.table, {v.name: ONE_CORPUS for v in only.verdicts})
+        return AuditResult.of_one(record["name"], _domain(ONE_CORPUS, record))
     domains = {name: _domain(name, domain) for name, domain in record["domains"].items()}
     entries = record["variants"]
     return AuditResult(record["name"], domains, True, tuple(entry["row"] for entry in entries),
-                       tuple(_verdict(entry["name"], entry["verdict"]) for entry in entries[1:]),
-                       _verdict("audit", record["verdict"]), record["table"],
+                       tuple(Verdict.of_record(entry["name"], entry["verdict"]) for entry in entries[1:]),
+                       Verdict.of_record("audit", record["verdict"]), record["table"],
                        {entry["name"]: entry["domain"] for entry in entries[1:]})

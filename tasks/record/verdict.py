@@ -27,6 +27,14 @@ class Verdict:
     def said(self) -> str:
         return said(self.status)
 
+    def as_record(self) -> dict[str, str]:
+        """The verdict as a record holds it (its name is the key or the entry it is under)."""
+        return {"status": self.status, "reason": self.reason}
+
+    @classmethod
+    def of_record(cls, name: str, said: dict) -> Verdict:
+        return cls(name, said["status"], said["reason"])
+
 
 def said(status: str) -> str:
     """A verdict's status as a person reads it (tables, badges, run names): ``no gate`` for ``ungated``."""
