@@ -400,3 +400,15 @@ def assert_reads_back(result, record: dict) -> None:
         for stats in ("summary", "full"):
             assert answer_text(back, by_domain, stats) == answer_text(result, by_domain, stats), (by_domain, stats)
     assert answer_json(back) == answer_json(result)
+
+
+def typed(flat: dict):
+    """A comparison row as a record holds it (flat), read as the audit's typed row (``ModelRow``)."""
+    from tasks.record.row import ModelRow
+
+    return ModelRow.of_record(flat)
+
+
+def flat(rows) -> list[dict]:
+    """Typed comparison rows as a record holds them (flat): what a test reads by key."""
+    return [row.as_record() for row in rows]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import write_config
+from helpers import flat, write_config
 
 from flows.cli import main
 from tasks.engine.body import speed_up
@@ -50,7 +50,7 @@ def test_an_audit_with_compiled_layers_gives_the_eager_audit_s_figures_and_recor
                               [{"name": "int8", "method": "torchao-int8"}], name=body,
                               tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": body})
         config.write_text(config.read_text().replace("evaluation:\n", f"evaluation:\n  body: {body}\n  divergence: off\n", 1))
-        rows[body] = {row["variant"]: row for row in result_of(audit(config=str(config), return_state=True)).rows}
+        rows[body] = {row["variant"]: row for row in flat(result_of(audit(config=str(config), return_state=True)).rows)}
         torch._dynamo.reset()
     # float32 on CPU: the compiled variant's figure is the eager one's to float32 rounding
     assert rows["compile"]["int8"]["ppl"] == pytest.approx(rows["eager"]["int8"]["ppl"], rel=1e-6, abs=0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import assert_reads_back, audit_two_domains, free_port, one_line_error
+from helpers import assert_reads_back, typed, audit_two_domains, free_port, one_line_error
 from mlflow import MlflowClient
 
 from flows.cli import main
@@ -374,7 +374,7 @@ def test_a_tiny_kl_keeps_its_digits_in_every_view(audited):
     assert kl.metric_value == 1.6e-05 and kl.metric_name.endswith("[95% CI 1.2e-05, 2.1e-05]")
     assert '<td class="n">1.6e-05</td>' in html_report(view, {})
     floor = view["floor"][0]["row"]
-    assert "1.6e-05" in format_table([floor], {}).splitlines()[-1]
+    assert "1.6e-05" in format_table([typed(floor)], {}).splitlines()[-1]
     assert "| 1.6e-05 |" in description(view)
     audited_row = Audited("half", "bf16", "carded", "r", "p", datetime.now(timezone.utc), False, "pass", 0.01, -0.1,
                           0.1, 1.6e-5, 1.2e-5, 2.1e-5, 16.0, 1.0, math.nan, None)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import build_llama, make_text, train_briefly
+from helpers import build_llama, flat, typed, make_text, train_briefly
 
 from tasks.config import Thresholds
 from tasks.engine.paired import paired_difference
@@ -149,11 +149,11 @@ def test_a_fault_planted_in_one_domain_fails_that_domain_alone(audits):
                                                                                        "russian": "fail"}
     assert [m["verdict"] for m in said["domains"]["english"]["models"]] == ["baseline", "pass"]
     assert [m["verdict"] for m in said["domains"]["russian"]["models"]] == ["baseline", "fail"]
-    english, russian = (summary.domains[name].rows[1] for name in ("english", "russian"))
+    english, russian = (flat(summary.domains[name].rows)[1] for name in ("english", "russian"))
     # English never meets a noised row: the variant's predictions there are the baseline's, bit for bit
     assert english["delta_ppl_pct"] == 0 and english["kld_mean"] == 0 and english["top1_agreement"] == 1
     assert russian["delta_ppl_pct_low"] > 5
-    assert summary.rows[1]["domain"] == "russian" and summary.rows[1]["ppl"] == russian["ppl"]
+    assert flat(summary.rows)[1]["domain"] == "russian" and flat(summary.rows)[1]["ppl"] == russian["ppl"]
 
 
 def test_each_domain_is_scored_and_judged_as_its_one_corpus_audit(audits):
@@ -166,7 +166,7 @@ def test_each_domain_is_scored_and_judged_as_its_one_corpus_audit(audits):
         one = alone[name]
         assert [v.status for v in summary.verdicts] == [v.status for v in one.verdicts]
         assert [v.reason for v in summary.verdicts] == [v.reason for v in one.verdicts]
-        for row, single in zip(summary.rows, one.rows, strict=True):
+        for row, single in zip(flat(summary.rows), flat(one.rows), strict=True):
             assert set(row) == set(single), name
             compared = set(row) - NOT_FIGURES
             assert {"ppl", "delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high", "kld_mean", "top1_agreement",
@@ -175,8 +175,8 @@ def test_each_domain_is_scored_and_judged_as_its_one_corpus_audit(audits):
                       if not (row[key] == single[key] or row[key] != row[key] and single[key] != single[key])}
             assert not differ, f"{name} {row['variant']}: {differ}"
         # the reference each domain's baseline made is the one its one-corpus audit found: the same tokens
-        assert (summary.rows[0]["baseline"], one.rows[0]["baseline"]) == ("scored", "reused")
-    assert domains["russian"].rows[1]["n_tokens"] < domains["english"].rows[1]["n_tokens"]  # its own
+        assert (flat(summary.rows)[0]["baseline"], flat(one.rows)[0]["baseline"]) == ("scored", "reused")
+    assert flat(domains["russian"].rows)[1]["n_tokens"] < flat(domains["english"].rows)[1]["n_tokens"]  # its own
 
 
 # -- bad input: one line, exit 2, before anything loads --------------------------------------------------------
@@ -273,14 +273,14 @@ LIMIT = 5.0  # ΔPPL %, the gate of every domain
 GATE = Thresholds(max_ppl_increase_pct=LIMIT)
 
 
-def synthetic_row(rng: np.random.Generator, true_pct: float, windows: int = 20, tokens: int = 32) -> dict:
+def synthetic_row(rng: np.random.Generator, true_pct: float, windows: int = 20, tokens: int = 32):
     """A variant's row on one domain whose true ΔPPL is ``true_pct``: paired per-token NLL with an error shared by
     each window's tokens (a hard passage) and one of each token, through the engine's own paired statistics."""
     base = rng.gamma(2.0, 1.5, windows * tokens)
     shared = np.repeat(rng.normal(0, 0.02, windows), tokens)
     variant = base + math.log1p(true_pct / 100) + shared + rng.normal(0, 0.1, windows * tokens)
     figures = paired_difference(base, variant, np.full(windows, tokens))
-    return {"variant": "q", "method": "gptq", "status": "ok", "reason": "", **figures}
+    return typed({"variant": "q", "method": "gptq", "status": "ok", "reason": "", **figures})
 
 
 def pass_rates(true_pcts: list[float], draws: int, seed: int) -> tuple[float, list[float]]:
@@ -293,7 +293,7 @@ def pass_rates(true_pcts: list[float], draws: int, seed: int) -> tuple[float, li
             row = synthetic_row(rng, true_pct)
             verdict = judge_row(row, GATE)
             each[k] += verdict.status == "pass"
-            domains.append(DomainResult(f"d{k}", (), ({"variant": "baseline", "status": "ok"}, row), (verdict,),
+            domains.append(DomainResult(f"d{k}", (), (typed({"variant": "baseline", "status": "ok"}), row), (verdict,),
                                         verdict, ""))
         passed += across(domains, 0).status == "pass"
     return passed / draws, list(each / draws)

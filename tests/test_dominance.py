@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from tasks.record.dominance import dominated_by, worse_beyond_noise
+from helpers import typed
 from tasks.record.results import VariantResult
 from tasks.record.verdict import FRONT, Verdict, format_table, overall
 
@@ -73,7 +74,7 @@ def test_the_table_marks_the_dominated_and_the_verdict_names_the_front():
             {"variant": "worse", "status": "ok", "reason": "", "method": "gptq", "ppl": 11.0, "ppl_stderr": 0.1,
              "tokens_per_second": 1.0, "weight_mib": 1.0, "bits_per_byte": None, "bits_per_weight": 4.5,
              "dominated_by": "small"}]
-    table = format_table(rows, {"worse": Verdict("worse", "pass", "ΔPPL +10%")})
+    table = format_table([typed(row) for row in rows], {"worse": Verdict("worse", "pass", "ΔPPL +10%")})
     assert "pass: ΔPPL +10%; dominated by small" in table and " 4.50 " in table
-    said = overall({"status": "ok"}, [Verdict("worse", "pass", ""), Verdict("small", "pass", "")], front=["small"])
+    said = overall(typed({"status": "ok"}), [Verdict("worse", "pass", ""), Verdict("small", "pass", "")], front=["small"])
     assert said.reason == f"all 2 variant(s) passed; {FRONT}: small"

@@ -38,7 +38,7 @@ def test_one_window_scored_anyway_is_judged_an_error_not_a_pass(tiny_model_dir, 
     variant = scoring.variant_outcome(lineup.variants[0], lineup, scored, against=base)
     rows = [comparison_row(base, base, 64), comparison_row(variant, base, 64)]
     verdict = judge_row(rows[1], Thresholds(**GATE))
-    assert rows[1]["windows"] == 1 and verdict.status == "error"
+    assert rows[1].windows == 1 and verdict.status == "error"
     assert verdict.reason.count("cannot be judged") == 3 and "rests on 1 window(s)" in verdict.reason
     table = format_table(rows, {"noisy": verdict}).splitlines()
     assert table[3].split()[6] == "1"  # the windows it rests on

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import json_line, one_line_error, scored_log_probs, write_config, only
+from helpers import flat, json_line, one_line_error, scored_log_probs, write_config, only
 from mlflow import MlflowClient
 
 from flows.audit import audit, result_of
@@ -47,11 +47,11 @@ def audits(tmp_path_factory, trained_model_dir, noisy_model_dir, corpus_path):
 
 
 def _floor(summary: dict, name: str) -> dict:
-    return next(row for row in only(summary).floor if row["variant"] == name)
+    return next(row for row in flat(only(summary).floor) if row["variant"] == name)
 
 
 def _row(summary: dict, name: str) -> dict:
-    return next(row for row in summary.rows if row["variant"] == name)
+    return next(row for row in flat(summary.rows) if row["variant"] == name)
 
 
 @pytest.mark.slow  # four audits of the tiny model, two floors each
@@ -62,8 +62,8 @@ def test_the_floor_is_the_baseline_in_16_bits_against_its_float32_self(audits, t
     from tasks.engine.windows import plan as windows_of
 
     cold = audits["summaries"]["cold"]
-    assert [row["variant"] for row in only(cold).floor] == ["floor-bf16", "floor-fp16"]
-    assert all(row["floor_kept"] == "scored" and row["status"] == "ok" for row in only(cold).floor)
+    assert [row["variant"] for row in flat(only(cold).floor)] == ["floor-bf16", "floor-fp16"]
+    assert all(row["floor_kept"] == "scored" and row["status"] == "ok" for row in flat(only(cold).floor))
     evaluation = open_audit(str(audits["config"])).evaluation
     windows = windows_of(evaluation.stream, 64, 32, "sliding")
     base = AutoModelForCausalLM.from_pretrained(trained_model_dir, torch_dtype=torch.float32).eval()
@@ -88,7 +88,7 @@ def test_the_floor_is_the_baseline_in_16_bits_against_its_float32_self(audits, t
 def test_a_warm_audit_reuses_its_floor_and_a_damaged_one_is_scored_again(audits, capsys):
     summaries = audits["summaries"]
     warm, damaged = summaries["warm"], summaries["damaged"]
-    assert all(row["floor_kept"] == "reused" for row in only(warm).floor)
+    assert all(row["floor_kept"] == "reused" for row in flat(only(warm).floor))
     for name in ("floor-bf16", "floor-fp16"):
         assert _floor(warm, name)["kld_mean"] == _floor(summaries["cold"], name)["kld_mean"]
     assert _floor(damaged, "floor-bf16")["floor_kept"] == "scored"  # its scores no longer what was written

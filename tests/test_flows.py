@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import write_config, only
+from helpers import flat, write_config, only
 
 from flows.audit import audit, result_of
 from flows.cli import main
@@ -26,9 +26,9 @@ def test_audit_passes_when_every_variant_is_within_its_gate(tmp_path, cache, tra
     state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    assert [row["variant"] for row in summary.rows] == ["baseline", "int8", "gptq"]
+    assert [row["variant"] for row in flat(summary.rows)] == ["baseline", "int8", "gptq"]
     assert all(v.status == "pass" for v in summary.verdicts)
-    assert summary.rows[1]["ppl"] == pytest.approx(summary.rows[0]["ppl"], rel=0.01)
+    assert flat(summary.rows)[1]["ppl"] == pytest.approx(flat(summary.rows)[0]["ppl"], rel=0.01)
 
 
 def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, cache, trained_model_dir,
@@ -45,7 +45,7 @@ def test_audit_fails_with_one_line_reason_and_keeps_the_other_results(tmp_path, 
     statuses = {v.name: v.status for v in summary.verdicts}
     assert statuses == {"noisy": "fail", "int8": "pass"}
     # the noisy float model is 32 bits a weight and clearly worse than 8-bit LLM.int8: dominated
-    rows = {row["variant"]: row for row in summary.rows}
+    rows = {row["variant"]: row for row in flat(summary.rows)}
     assert rows["noisy"]["bits_per_weight"] == 32 and 8 < rows["int8"]["bits_per_weight"] < 8.5
     assert rows["noisy"]["dominated_by"] == "int8" and rows["int8"]["dominated_by"] is None
     assert state.message.endswith(f"{FRONT}: int8") and "dominated by int8" in summary.table
@@ -59,7 +59,7 @@ def test_a_failing_variant_is_isolated(tmp_path, cache, trained_model_dir, noisy
     state = audit(config=str(config), overrides=[f"variants.1.path={tmp_path / 'gone'}"], return_state=True)
     assert state.is_failed()
     assert state.message.startswith("error: noisy: model folder not found")
-    rows = {row["variant"]: row for row in result_of(state).rows}
+    rows = {row["variant"]: row for row in flat(result_of(state).rows)}
     assert rows["noisy"]["status"] == "failed" and "ppl" not in rows["noisy"]
     assert rows["baseline"]["ppl"] > 1 and rows["int8"]["ppl"] > 1 and "delta_ppl_pct" in rows["int8"]
 
@@ -72,7 +72,7 @@ def test_dask_runner_scores_variants_on_two_local_workers(tmp_path, cache, train
     config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
                           runner={"kind": "dask", "workers": 2})
     on_dask = audit(config=str(config), return_state=True).result()
-    assert [r["ppl"] for r in on_dask.rows] == pytest.approx([r["ppl"] for r in sequential.rows], rel=1e-6)
+    assert [r["ppl"] for r in flat(on_dask.rows)] == pytest.approx([r["ppl"] for r in flat(sequential.rows)], rel=1e-6)
     assert (cache / "dask-scratch").is_dir(), "the workers' scratch space is ours, not the working directory's"
 
 

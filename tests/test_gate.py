@@ -7,17 +7,35 @@ import math
 import pytest
 
 from tasks.config import Thresholds
-from tasks.record.verdict import judge_row, overall
+from tasks.record.row import ModelRow
+from tasks.record.verdict import format_table, judge_row as judge_typed, overall
 
 
 def row(delta=0.5, low=0.2, high=0.8, kld=0.01, kld_high=0.012, top1=0.97, top1_low=0.96, **extra):
-    return {"variant": "q", "method": "gptq", "status": "ok", "reason": "", "delta_ppl_pct": delta,
+    """A variant's row as a record holds it (flat), with the figures a gate reads."""
+    return {"variant": "q", "method": "gptq", "status": "ok", "reason": "", "delta_ppl": delta / 4,
+            "ppl_ratio": 1 + delta / 100, "delta_ppl_pct": delta,
             "delta_ppl_pct_low": low, "delta_ppl_pct_high": high, "kld_mean": kld, "kld_mean_low": kld / 2,
             "kld_mean_high": kld_high, "top1_agreement": top1,
             "top1_agreement_low": top1_low, "top1_agreement_high": min(1, 2 * top1 - top1_low), **extra}
 
 
+def typed(flat: dict) -> ModelRow:
+    return ModelRow.of_record(flat)
+
+
+def judge_row(flat: dict, thresholds: Thresholds):
+    """The verdict on a row as a record holds it, read as the audit's typed row."""
+    return judge_typed(typed(flat), thresholds)
+
+
+def drawn(rows: list[dict], verdicts: dict) -> str:
+    return format_table([typed(r) for r in rows], verdicts)
+
+
 GATE = Thresholds(max_ppl_increase_pct=1.0, max_kld_mean=0.02, min_top1_agreement=0.95)
+OK = {"variant": "base", "method": "baseline", "status": "ok", "reason": ""}
+FAILED = {"variant": "base", "method": "baseline", "status": "failed", "reason": "gone"}
 
 
 def test_clear_pass():
@@ -57,19 +75,17 @@ def test_per_variant_override_and_missing_figures():
 
 def test_overall_verdict():
     passing, failing = judge_row(row(), GATE), judge_row(row(delta=2, low=1.5, high=2.5), GATE)
-    assert overall({"status": "ok"}, [passing]).status == "pass"
-    assert overall({"status": "ok"}, [passing, failing]).status == "fail"
-    assert overall({"status": "failed", "reason": "gone"}, [passing]).reason == "baseline failed: gone"
+    assert overall(typed(OK), [passing]).status == "pass"
+    assert overall(typed(OK), [passing, failing]).status == "fail"
+    assert overall(typed(FAILED), [passing]).reason == "baseline failed: gone"
 
 
 def test_table_shows_interval_kl_agreement_and_failures():
-    from tasks.record.verdict import format_table
-
     ok = row(ppl=25.0, ppl_stderr=0.5, bits_per_byte=1.2, tokens_per_second=300, weight_mib=100)
     base = {"variant": "base", "method": "baseline", "status": "ok", "reason": "", "ppl": 24.9, "ppl_stderr": 0.5,
             "bits_per_byte": 1.19, "tokens_per_second": 310, "weight_mib": 500}
     broken = {"variant": "gone", "method": "awq", "status": "failed", "reason": "model folder not found"}
-    table = format_table([base, ok, broken], {"q": judge_row(ok, GATE)}).splitlines()
+    table = drawn([base, ok, broken], {"q": judge_row(ok, GATE)}).splitlines()
     assert "ΔPPL % [95% CI]" in table[0] and "KLD" in table[0] and "top-1" in table[0]
     assert "+0.50 [+0.20,+0.80]" in table[3] and "0.0100" in table[3] and "97.0%" in table[3] and "pass:" in table[3]
     assert table[4].split()[:3] == ["gone", "awq", "—"] and table[4].endswith("model folder not found")
@@ -77,13 +93,11 @@ def test_table_shows_interval_kl_agreement_and_failures():
 
 def test_a_variant_equal_to_its_baseline_reads_zero_not_minus_zero():
     """Float noise of an identical variant (the embedded GGUF file) is below the printed digits: +0.00."""
-    from tasks.record.verdict import format_table
-
     same = row(delta=-1e-9, low=-2e-9, high=1e-9, kld=1e-12, kld_high=1e-11, top1=1.0, top1_low=1.0, ppl=25.0,
                ppl_stderr=0.5, bits_per_byte=1.2, tokens_per_second=300, weight_mib=100)
     same["kld_mean_low"] = -1e-11
     verdict = judge_row(same, GATE)
-    table = format_table([same], {"q": verdict})
+    table = drawn([same], {"q": verdict})
     assert "-0.00" not in table and "+0.00 [+0.00,+0.00]" in table
     # a KL keeps its significant digits (1e-12, not 0.0000), as every view gives it
     assert "ΔPPL +0.00% [+0.00, +0.00]" in verdict.reason and "KLD mean 1e-12 [-1e-11, 1e-11]" in verdict.reason
@@ -100,7 +114,7 @@ def test_no_gate_passes_what_is_not_a_finite_number(what, key, where, bad):
     assert verdict.status == "error", verdict
     assert f"{what} " in verdict.reason and "cannot be judged" in verdict.reason
     assert "it is not a finite number" in verdict.reason
-    assert overall({"status": "ok"}, [verdict]).status != "pass"
+    assert overall(typed(OK), [verdict]).status != "pass"
 
 
 def test_one_window_cannot_be_judged_and_says_why():
@@ -120,12 +134,10 @@ def test_a_clear_failure_stays_a_failure_beside_a_gate_that_cannot_be_judged():
 
 def test_table_keeps_figures_apart_and_says_how_many_windows():
     """A one-token corpus once printed PPL and its error as one number: `9829.417415894.1041`."""
-    from tasks.record.verdict import format_table
-
     huge = row(delta=130.73, low=math.nan, high=math.nan, ppl=9829.4174, ppl_stderr=15894.1041, bits_per_byte=None,
                tokens_per_second=12345678, weight_mib=123456789, windows=1, variant="a-variant-with-a-long-name",
                method="compressed-tensors")
-    lines = format_table([huge], {}).splitlines()
+    lines = drawn([huge], {}).splitlines()
     assert "win" in lines[0].split()
     cells = lines[2].split()
     assert cells[:6] == ["a-variant-with-a-long-name", "compressed-tensors", "9829.4174", "15894.1041", "+130.73",

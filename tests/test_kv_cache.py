@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import write_config
+from helpers import flat, write_config
 
 from flows.audit import audit, result_of
 from flows.cli import main
@@ -196,7 +196,7 @@ def test_an_audit_reports_each_cache_its_cost_and_its_paired_loss(tmp_path, cach
                           name="kv", thresholds={"max_ppl_increase_pct": 50},
                           tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "kv"})
     summary = result_of(audit(config=str(config), return_state=True))
-    rows = {row["variant"]: row for row in summary.rows}
+    rows = {row["variant"]: row for row in flat(summary.rows)}
     assert rows["kv8"]["method"] == "baseline kv:int8" and rows["int8-kv-fp8"]["method"] == "torchao-int8 kv:fp8_e5m2"
     assert rows["kv8"]["kv_saving_pct"] == pytest.approx(100 * (1 - 8.5 / 32))
     assert rows["kv4"]["kv_saving_pct"] == pytest.approx(100 * (1 - 4.5 / 32))

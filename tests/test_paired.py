@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import typed
 from tasks.engine import divergence
 from tasks.engine.paired import cluster_mean, paired_difference
 
@@ -106,7 +107,7 @@ def test_the_statistics_block_has_llama_perplexity_s_figures_computed_independen
 
     row = {"variant": "q", "ppl": 10.0, "ppl_stderr": 0.1, "delta_ppl": 0.2, "reference": "abc",
            **paired_difference(base, variant, counts), **s}
-    block = format_stats([{"variant": "baseline", "ppl": 9.8, "ppl_stderr": 0.1}, row])
+    block = format_stats([typed({"variant": "baseline", "ppl": 9.8, "ppl_stderr": 0.1}), typed(row)])
     for line in ("Mean PPL(Q)", "Cor(ln(PPL(Q)), ln(PPL(base)))", "Mean    KLD:", "99.9%   KLD:", "Minimum KLD:",
                  "KLD(Q‖base), reverse", "RMS Δp    :", "Same top p:", "0.1%    Δp:", "Median  Δp:"):
         assert line in block, line

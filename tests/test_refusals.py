@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 import pytest
-from helpers import one_line_error, write_config
+from helpers import one_line_error, typed, write_config
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +157,17 @@ def test_an_audit_without_a_gate_is_never_said_to_pass():
 
     row = {"variant": "worse", "method": "gptq", "status": "ok", "reason": "", "delta_ppl_pct": 9384.0,
            "delta_ppl_pct_low": 9000.0, "delta_ppl_pct_high": 9800.0}
-    said = judge_row(row, Thresholds())
+    said = judge_row(typed(row), Thresholds())
     assert (said.status, said.said) == ("ungated", "no gate")
     assert said.reason == "ΔPPL +9384.00%, judged against no limit (thresholds)"
-    audit = overall({"status": "ok"}, [said])
+    audit = overall(typed({"status": "ok"}), [said])
     assert audit.status == "ungated" and audit.reason.startswith("no variant has a limit in thresholds")
     near = {"variant": "gated", "delta_ppl_pct": 0.5, "delta_ppl_pct_low": 0.1, "delta_ppl_pct_high": 0.9}
-    gated = judge_row(row | near, Thresholds(per_variant={"gated": {"max_ppl_increase_pct": 5}}))
-    mixed = overall({"status": "ok"}, [gated, said])
+    gated = judge_row(typed(row | near), Thresholds(per_variant={"gated": {"max_ppl_increase_pct": 5}}))
+    mixed = overall(typed({"status": "ok"}), [gated, said])
     assert mixed.status == "pass" and mixed.reason == "all 1 gated variant(s) passed; no gate for worse"
-    assert "no gate: ΔPPL +9384.00%" in format_table([row | {"ppl": 1.0, "ppl_stderr": 0.1, "bits_per_byte": None,
-                                                            "tokens_per_second": 1.0, "weight_mib": 1.0}],
+    assert "no gate: ΔPPL +9384.00%" in format_table([typed(row | {"ppl": 1.0, "ppl_stderr": 0.1, "bits_per_byte": None,
+                                                                  "tokens_per_second": 1.0, "weight_mib": 1.0})],
                                                      {"worse": said})
 
 
@@ -184,7 +184,7 @@ def test_the_stats_block_says_its_errors_are_over_windows():
              "top1": rng.random(len(base)) < 0.9}
     row = {"variant": "q", "ppl": 10.0, "ppl_stderr": 0.1, "delta_ppl": 0.2, **paired_difference(base, variant, counts),
            **divergence_summary(extra, base, variant, counts)}
-    block = format_stats([{"variant": "baseline", "ppl": 9.8, "ppl_stderr": 0.1}, row]).splitlines()
+    block = format_stats([typed({"variant": "baseline", "ppl": 9.8, "ppl_stderr": 0.1}), typed(row)]).splitlines()
     assert block[1] == "(± is a standard error over windows, not over tokens as llama-perplexity's: not the same figure)"
 
 

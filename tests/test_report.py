@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import assert_reads_back, write_config
+from helpers import assert_reads_back, typed, write_config
 from matplotlib.colors import to_rgb
 from mlflow import MlflowClient
 
@@ -154,7 +154,7 @@ def test_a_chart_of_one_figure_says_which_gate_failed(audited):
     record = copy.deepcopy(record)
     record["config"]["thresholds"]["per_variant"]["int8"] = {"min_top1_agreement": 1.0}
     int8 = next(v for v in record["variants"] if v["name"] == "int8")
-    verdict = judge_row(int8["row"], Thresholds.model_validate(record["config"]["thresholds"]))
+    verdict = judge_row(typed(int8["row"]), Thresholds.model_validate(record["config"]["thresholds"]))
     assert verdict.status == "fail" and verdict.reason.startswith("top-1 agreement")  # its ΔPPL passes
     int8["verdict"] = {"status": verdict.status, "reason": verdict.reason}
     [axis] = delta_ppl_chart(record).axes

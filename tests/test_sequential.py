@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import only, perturbed, write_config
+from helpers import flat, only, perturbed, typed, write_config
 
 from tasks.audit.sequential import Watch, gate_limits, settled
 from tasks.config import Gate
@@ -185,7 +185,7 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
                 {"name": "noisy-borderline", "path": str(noisy_model_dir)}]
     off = result_of(audit(config=str(write_config(tmp_path / "off.yaml", trained_model_dir, corpus_path, variants[:2])),
                            return_state=True))
-    fixed, broken = off.rows[1], off.rows[2]
+    fixed, broken = flat(off.rows)[1], flat(off.rows)[2]
     borderline = (fixed["delta_ppl_pct"] + fixed["delta_ppl_pct_high"]) / 2
     thresholds = {"max_ppl_increase_pct": 1000, "per_variant": {
         "noisy-failing": {"max_ppl_increase_pct": broken["delta_ppl_pct_low"] / 4},
@@ -193,7 +193,7 @@ def test_a_sequential_audit_stops_clear_variants_early_and_runs_a_borderline_one
     config = write_config(tmp_path / "on.yaml", trained_model_dir, corpus_path, variants, thresholds=thresholds)
     on = result_of(audit(config=str(config), overrides=["evaluation.sequential=on", "evaluation.order_seed=5"],
                           return_state=True))
-    rows = {row["variant"]: row for row in on.rows}
+    rows = {row["variant"]: row for row in flat(on.rows)}
     verdicts = {v.name: v for v in on.verdicts}
     for name, status, whole in (("noisy-clear", "pass", fixed), ("noisy-failing", "fail", broken)):
         assert verdicts[name].status == status, verdicts[name]
@@ -224,8 +224,8 @@ def test_a_passing_audit_says_how_many_variants_stopped_early():
     from tasks.record.verdict import Verdict, overall
 
     passing = [Verdict("a", "pass", "fine"), Verdict("b", "pass", "fine")]
-    assert overall({"status": "ok"}, passing).reason == "all 2 variant(s) passed"
-    assert overall({"status": "ok"}, passing, stopped=1).reason == \
+    assert overall(typed({"status": "ok"}), passing).reason == "all 2 variant(s) passed"
+    assert overall(typed({"status": "ok"}), passing, stopped=1).reason == \
         "all 2 variant(s) passed (1 stopped early, settled: sequential)"
 
 

@@ -6,7 +6,7 @@ judges, and every view reads the ``AuditResult`` it returns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tasks.audit.checkpoints import Lineup
 from tasks.audit.plan import AuditPlan, Domain
@@ -20,6 +20,7 @@ from tasks.record.floor import floor_row, judged, kept_as
 from tasks.record.population import population_line
 from tasks.record.result import AuditResult, DomainResult, Findings
 from tasks.record.results import VariantResult
+from tasks.record.row import Dominance, ModelRow
 from tasks.record.runtime_cost import runtime_cost_lines, runtime_costs, stream_line
 from tasks.record.verdict import comparison_row, format_table, judge_row as gate, overall
 
@@ -33,17 +34,16 @@ class Scored:
     floors: list[VariantResult]
 
 
-def _rows(config: AuditConfig, scored: Scored, dominated: dict[str, str | None]) -> tuple[list[dict], list[dict]]:
+def _rows(config: AuditConfig, scored: Scored, dominated: dict[str, str | None]) -> tuple[list[ModelRow],
+                                                                                        list[ModelRow]]:
     """The comparison rows (the baseline's first), each variant's saying whether it lost more than the floor beyond
-    noise (``floor``) and which variant dominates it (``dominated_by``); and the floor's rows."""
+    noise (``floor``) and which variant dominates it (``dominance``); and the floor's rows."""
     window, baseline = config.evaluation.window, scored.baseline
-    rows = [comparison_row(model, baseline, window) for model in (baseline, *scored.variants)]
-    for row, variant in zip(rows[1:], scored.variants):
-        found = judged(variant, scored.floors, row.get("delta_ppl_pct"))
-        if found is not None:
-            row["floor"] = found
-        if variant.name in dominated:
-            row["dominated_by"] = dominated[variant.name]
+    rows = [comparison_row(baseline, baseline, window)]
+    for variant in scored.variants:
+        row = comparison_row(variant, baseline, window)
+        rows.append(replace(row, floor=judged(variant, scored.floors, row.delta_ppl_pct),
+                            dominance=Dominance(dominated[variant.name]) if variant.name in dominated else None))
     floor_rows = [floor_row(comparison_row(f, baseline, window), dtype, kept_as(f))
                   for f, dtype in zip(scored.floors, config.evaluation.floors)]
     return rows, floor_rows
@@ -56,7 +56,7 @@ def judge_domain(domain: Domain, lineup: Lineup, scored: Scored) -> DomainResult
     dominated = dominated_by(scored.variants)
     rows, floor_rows = _rows(config, scored, dominated)
     verdicts = [gate(row, config.thresholds) for row in rows[1:]]
-    stopped = sum(row.get("scored_fraction", 1.0) < 1 for row in rows[1:])
+    stopped = sum(row.measured is not None and row.measured.scored_fraction < 1 for row in rows[1:])
     front = [name for name, by in dominated.items() if by is None] if len(dominated) > 1 else []
     verdict = overall(rows[0], verdicts, baseline.reference.drift if baseline.reference else None, stopped, front)
     costs = runtime_costs(scored.variants)

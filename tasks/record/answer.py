@@ -8,15 +8,16 @@ import json
 
 from tasks.record.domains import by_domain_table
 from tasks.record.result import AuditResult, DomainResult
+from tasks.record.row import ModelRow
 from tasks.record.verdict import format_stats
 
 
-def _plain(row: dict, **verdict) -> dict:
+def _plain(row: ModelRow, **verdict) -> dict:
     """A row as JSON holds it: JSON has no NaN."""
-    return {k: None if isinstance(v, float) and v != v else v for k, v in row.items()} | verdict
+    return {k: None if isinstance(v, float) and v != v else v for k, v in row.as_record().items()} | verdict
 
 
-def _models(rows: tuple[dict, ...], verdicts) -> list[dict]:
+def _models(rows: tuple[ModelRow, ...], verdicts) -> list[dict]:
     baseline, *variants = rows
     return [_plain(baseline, verdict="baseline")] + [_plain(row, verdict=v.status, verdict_reason=v.reason)
                                                      for row, v in zip(variants, verdicts)]

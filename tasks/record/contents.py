@@ -87,7 +87,7 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, judg
             v for v in config.variants if v.name == outcome.name)
         entry = {"name": outcome.name, "role": "baseline" if spec is config.baseline else "variant",
                  "spec": spec.model_dump(mode="json"), "status": outcome.status, "reason": outcome.reason,
-                 "row": row, "verdict": verdicts.get(outcome.name), "manifest": outcome.manifest,
+                 "row": row.as_record(), "verdict": verdicts.get(outcome.name), "manifest": outcome.manifest,
                  "result": outcome.result.summary() if outcome.result else None,
                  "facts": outcome.facts.summary() if outcome.facts else None,
                  "started": outcome.started, "ended": outcome.ended}
@@ -124,7 +124,7 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, judg
         "population": judged.population,
         # the lines under its table, apart (schema 2): what llama.cpp's runtime costs, and its tokenizer's stream
         "runtime_costs": list(judged.runtime_costs), "tokens_differ": judged.tokens_differ,
-        "floor": [{"name": row["variant"], "dtype": row["floor_of"], "row": row} for row in judged.floor],
+        "floor": [{"name": row.variant, "dtype": row.floor_of, "row": row.as_record()} for row in judged.floor],
     }
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 from tasks.record.floor import floor_figures, floor_text
 from tasks.record.population import population_line
 from tasks.record.result import AuditResult, DomainResult
+from tasks.record.row import ModelRow
 from tasks.record.runtime_cost import runtime_cost_lines, stream_line
 from tasks.record.verdict import Verdict, format_table, overall
 
@@ -22,11 +24,12 @@ from tasks.record.verdict import Verdict, format_table, overall
 SEVERITY = {"fail": 0, "error": 1, "pass": 2, "ungated": 3}
 
 
-def _pessimistic(row: dict) -> float:
+def _pessimistic(row: ModelRow) -> float:
     """A row's ΔPPL at the pessimistic end of its interval (its estimate where it has none): what ranks domains."""
-    for key in ("delta_ppl_pct_high", "delta_ppl_pct"):
-        if isinstance(row.get(key), float) and math.isfinite(row[key]):
-            return row[key]
+    pct = row.change.delta_ppl_pct if row.change else None
+    for value in (pct.high, pct.value) if pct else ():
+        if isinstance(value, float) and math.isfinite(value):
+            return value
     return -math.inf
 
 
@@ -62,23 +65,25 @@ def across(domains: list[DomainResult], v: int) -> Verdict:
     return Verdict(decided.name, decided.status, f"{decided.status}s on {worst}: {decided.reason}{also}{each}")
 
 
-def _delta(name: str, row: dict) -> str:
-    value = row.get("delta_ppl_pct")
+def _delta(name: str, row: ModelRow) -> str:
+    value = row.delta_ppl_pct
     return f"{name} {value:+.2f}%" if isinstance(value, float) and math.isfinite(value) else f"{name} —"
 
 
 def audit_over_domains(name: str, domains: list[DomainResult]) -> AuditResult:
     """An audit of several domains judged as one: per variant its worst domain's row (``domain`` names it) and its
     verdict across domains (``across``); the audit's verdict from those; ``table``, one line per model."""
-    failed_baseline = next((d for d in domains if d.rows[0]["status"] != "ok"), None)
+    failed_baseline = next((d for d in domains if not d.rows[0].ok), None)
     base = failed_baseline or domains[0]
-    rows, verdicts, worst = [base.rows[0] | {"domain": base.name}], [], {}
+    rows, verdicts, worst = [replace(base.rows[0], domain=base.name)], [], {}
     for v, variant in enumerate(domains[0].verdicts):
         worst[variant.name] = worst_domain(domains, v)
-        rows.append(next(d for d in domains if d.name == worst[variant.name]).rows[v + 1] | {"domain": worst[variant.name]})
+        rows.append(replace(next(d for d in domains if d.name == worst[variant.name]).rows[v + 1],
+                            domain=worst[variant.name]))
         verdicts.append(across(domains, v))
-    drifted = [d.name for d in domains if d.rows[0].get("drift") == "environment drift"]
-    stopped = sum(any(d.rows[v + 1].get("scored_fraction", 1.0) < 1 for d in domains) for v in range(len(verdicts)))
+    drifted = [d.name for d in domains if d.rows[0].said and d.rows[0].said.drift == "environment drift"]
+    stopped = sum(any(d.rows[v + 1].measured is not None and d.rows[v + 1].measured.scored_fraction < 1
+                      for d in domains) for v in range(len(verdicts)))
     verdict = overall(rows[0], verdicts, None, stopped)
     if verdict.status == "pass":
         verdict = Verdict("audit", "pass", f"{verdict.reason} on every one of {len(domains)} domains "
@@ -97,10 +102,10 @@ def audit_over_domains(name: str, domains: list[DomainResult]) -> AuditResult:
 def floor_lines(domains: list[DomainResult]) -> list[str]:
     """A line per noise floor under the table of worst domains: its figures on every domain (each variant's row says
     whether it is above its worst domain's floor; ``--by-domain`` shows every floor row)."""
-    names = dict.fromkeys(row["variant"] for d in domains for row in d.floor)
+    names = dict.fromkeys(row.variant for d in domains for row in d.floor)
     lines = []
     for name in names:
-        rows = {d.name: row for d in domains for row in d.floor if row["variant"] == name}
+        rows = {d.name: row for d in domains for row in d.floor if row.variant == name}
         figures = ", ".join(f"{domain} {floor_figures(row)}" for domain, row in rows.items())
         lines.append(f"{name}: {floor_text(next(iter(rows.values())))}; by domain: {figures}")
     return lines
@@ -128,13 +133,13 @@ def domains_record(config: dict, records: dict[str, dict], result: AuditResult) 
             if entry.get("arrays"):
                 entry["arrays"] = f"{name}.{entry['arrays']}"
     first = next(iter(records.values()))
-    rows = {row["variant"]: row for row in result.rows}
+    rows = {row.variant: row for row in result.rows}
     verdicts = {v.name: v.as_record() for v in result.verdicts}
     variants = []
     for entry in first["variants"]:
-        worst = rows[entry["name"]]["domain"]
-        chosen = next(e for e in records[worst]["variants"] if e["name"] == entry["name"])
-        variants.append(chosen | {"domain": worst, "row": rows[entry["name"]], "verdict": verdicts.get(entry["name"])})
+        row = rows[entry["name"]]
+        chosen = next(e for e in records[row.domain]["variants"] if e["name"] == entry["name"])
+        variants.append(chosen | {"domain": row.domain, "row": row.as_record(), "verdict": verdicts.get(entry["name"])})
     corpora = [record["corpus"] for record in records.values()]
     corpus = {"source": ", ".join(f"{name} {c['source']}" for name, c in zip(records, corpora)),
               "location": ", ".join(c["location"] for c in corpora),

@@ -12,12 +12,14 @@ highest.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from tasks.config import FLOOR_SHORT as SHORT
 from tasks.engine.paired import cluster_mean, token_slots
 from tasks.record.results import VariantResult
+from tasks.record.row import ModelRow
 
 
 def _paired(variant: np.ndarray, floor: np.ndarray, windows: np.ndarray) -> dict[str, float]:
@@ -95,22 +97,22 @@ def kl_text(value: float, sign: str = "") -> str:
     return f"{value:{sign}z.4f}" if abs(value) >= 0.001 or value == 0 else f"{value:{sign}.2g}"
 
 
-def floor_row(row: dict, dtype: str, kept: str) -> dict:
+def floor_row(row: ModelRow, dtype: str, kept: str) -> ModelRow:
     """A floor's comparison row, marked as the floor (``floor_of``: its dtype; ``kept``: scored or reused)."""
-    return row | {"floor_of": dtype, "floor_kept": kept}
+    return replace(row, floor_of=dtype, floor_kept=kept)
 
 
-def floor_figures(row: dict) -> str:
+def floor_figures(row: ModelRow) -> str:
     """A floor row's KL and ΔPPL, short: ``KL 0.0009, ΔPPL -0.14%``."""
-    if row["status"] != "ok":
+    if not row.ok:
         return "not measured"
-    kl = f"KL {kl_text(row['kld_mean'])}, " if "kld_mean" in row else ""
-    return f"{kl}ΔPPL {row['delta_ppl_pct']:+.2f}%" if "delta_ppl_pct" in row else kl.rstrip(", ")
+    kl = f"KL {kl_text(row.divergences.kld_mean.value)}, " if row.divergences else ""
+    return f"{kl}ΔPPL {row.delta_ppl_pct:+.2f}%" if row.change else kl.rstrip(", ")
 
 
-def floor_text(row: dict) -> str:
+def floor_text(row: ModelRow) -> str:
     """The table's line on a floor's row."""
-    kept = f", {row['floor_kept']}" if row.get("floor_kept") else ""
-    if row["status"] != "ok":
-        return f"noise floor ({row['floor_of']}) not measured: {row['reason']}"
-    return f"noise floor: the baseline in {row['floor_of']} against its float32 self{kept}"
+    kept = f", {row.floor_kept}" if row.floor_kept else ""
+    if not row.ok:
+        return f"noise floor ({row.floor_of}) not measured: {row.reason}"
+    return f"noise floor: the baseline in {row.floor_of} against its float32 self{kept}"

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tasks.record.row import ModelRow
 from tasks.record.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -47,11 +48,11 @@ class DomainResult:
 
     name: str
     results: tuple[VariantResult, ...]
-    rows: tuple[dict, ...]
+    rows: tuple[ModelRow, ...]
     verdicts: tuple[Verdict, ...]
     verdict: Verdict
     table: str
-    floor: tuple[dict, ...] = ()
+    floor: tuple[ModelRow, ...] = ()
     runtime_costs: tuple[dict, ...] = ()
     population: dict | None = None
     tokens_differ: dict | None = None
@@ -79,7 +80,7 @@ class AuditResult:
     name: str
     domains: Mapping[str, DomainResult]
     named: bool
-    rows: tuple[dict, ...]
+    rows: tuple[ModelRow, ...]
     verdicts: tuple[Verdict, ...]
     verdict: Verdict
     table: str

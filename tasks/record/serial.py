@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tasks.config import ONE_CORPUS
 from tasks.record.result import AuditResult, DomainResult, Findings
+from tasks.record.row import ModelRow
 from tasks.record.verdict import Verdict
 
 SCHEMA = 2
@@ -25,10 +26,10 @@ def _domain(name: str, record: dict) -> DomainResult:
     entries = record["variants"]
     variants = entries[1:]
     return DomainResult(
-        name, (), tuple(entry["row"] for entry in entries),
+        name, (), tuple(ModelRow.of_record(entry["row"]) for entry in entries),
         tuple(Verdict.of_record(entry["name"], entry["verdict"]) for entry in variants),
         Verdict.of_record("audit", record["verdict"]), record["table"],
-        tuple(floor["row"] for floor in record.get("floor", [])), tuple(record.get("runtime_costs", [])),
+        tuple(ModelRow.of_record(floor["row"]) for floor in record.get("floor", [])), tuple(record.get("runtime_costs", [])),
         record.get("population"), record.get("tokens_differ"),
         Findings({e["name"]: e["where"] for e in variants if "where" in e},
                  {e["name"]: e["diagnosis"] for e in variants if "diagnosis" in e}))
@@ -46,7 +47,7 @@ def from_record(record: dict) -> AuditResult:
         return AuditResult.of_one(record["name"], _domain(ONE_CORPUS, record))
     domains = {name: _domain(name, domain) for name, domain in record["domains"].items()}
     entries = record["variants"]
-    return AuditResult(record["name"], domains, True, tuple(entry["row"] for entry in entries),
+    return AuditResult(record["name"], domains, True, tuple(ModelRow.of_record(entry["row"]) for entry in entries),
                        tuple(Verdict.of_record(entry["name"], entry["verdict"]) for entry in entries[1:]),
                        Verdict.of_record("audit", record["verdict"]), record["table"],
                        {entry["name"]: entry["domain"] for entry in entries[1:]})
