@@ -410,5 +410,9 @@ def typed(flat: dict):
 
 
 def flat(rows) -> list[dict]:
-    """Typed comparison rows as a record holds them (flat): what a test reads by key."""
-    return [row.as_record() for row in rows]
+    """Typed comparison rows as a record holds them (flat): what a test reads by key. Each is read back into its
+    typed value and written again to the same keys in the same order: what a record keeps of a row is all of it."""
+    written = [row.as_record() for row in rows]
+    for row in written:
+        assert list(typed(row).as_record().items()) == list(row.items()), f"{row['variant']} does not read back"
+    return written

@@ -95,3 +95,25 @@ def test_the_demo_record_written_through_the_audit_result_shows_what_the_old_one
     for name, text in before.items():
         untimed = _untimed if name.startswith("console") else str
         assert untimed(after[name]) == untimed(text), f"{name}: the demo's record of today shows other figures"
+
+
+def _rows(record: dict):
+    """Every comparison row a record holds: each model's, each floor's, in every domain."""
+    yield from (entry["row"] for entry in record["variants"])
+    yield from (floor["row"] for floor in record.get("floor", []))
+    for domain in record.get("domains", {}).values():
+        yield from _rows(domain)
+
+
+def test_a_row_reads_into_its_typed_value_and_back_key_for_key_in_order():
+    """The record's flat row and the audit's typed one (``ModelRow``) are one: read and written again, each row of
+    both demo records is the same dict with its keys in the same order (``--json`` prints them in that order). Rows the
+demo has not (a key/value cache, llama.cpp, drift, a sequential stop) are read back wherever a test reads a live
+audit's rows (``helpers.flat``)."""
+    from tasks.record.row import ModelRow
+
+    rows = [row for name in ("demo-2026-11-28.record.json.xz", "demo-2026-11-29.record.json.xz")
+            for row in _rows(_read(name))]
+    assert len(rows) == 66 and any("floor_of" in row for row in rows) and any("dominated_by" in row for row in rows)
+    for row in rows:
+        assert list(ModelRow.of_record(row).as_record().items()) == list(row.items()), row["variant"]

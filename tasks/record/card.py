@@ -8,6 +8,9 @@ the Hub's ``.eval_results/`` files (``eval_results``: one per corpus read from a
 ``huggingface_hub``'s ``EvalResultEntry`` reads and writes back unchanged) and plain data (``card_json``). Tracking logs the record and the three forms on every audit's parent run
 (``log_card``), so that ``ppl-audit card`` needs nothing but the tracking server.
 
+The record is read once, at the boundary (``Audit.of``): each model's row as the typed ``ModelRow`` it was written
+from, so that every figure the card gives comes from the value every other view reads.
+
 The figures are the console table's (``tasks.record.verdict.format_table``), to the digit: a card that said +1.2%
 where the audit's own table said +1.19% would be a second, unchecked account of one measurement. The intervals of KL
 and top-1, which the console leaves out for width, are given in their figures' precision; a KL, and each end of its
@@ -19,18 +22,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 
 import yaml
 
 from tasks.config import EvaluationConfig
 from tasks.record.domains import domain_view
-from tasks.record.figures import GATED, Text, fixed
-from tasks.record.floor import kl_text
+from tasks.record.figures import GATED, Text, fixed, kl_text
 from tasks.record.logged import RECORD
 from tasks.record.plots import verdict_of
+from tasks.record.row import Interval, ModelRow
 from tasks.record.spool import record_json
+from tasks.record.verdict import Verdict
 from tasks.record.verdict import said as said_as
 
 FORMATS = ("md", "model-index", "json", "eval-results")
@@ -38,26 +42,13 @@ EVAL_RESULTS = ".eval_results"  # the folder of a model's repo the Hub reads the
 ARTIFACTS = {"md": "card/card.md", "model-index": "card/model-index.yaml", "json": "card/card.json"}
 SOURCE = "ppl-audit"  # the model index's source.name: who measured (the Hub shows it beside each result)
 TASK = {"type": "text-generation", "name": "Text Generation"}
+# a row's own figures the card carries bare (no interval), each as the console table writes it
+OWN = {"bits_per_weight": fixed(".2f"), "weight_mib": fixed(".0f"), "ppl": fixed(".4f")}
+ENDS = ("", "_low", "_high")  # a gated figure's keys in the card's data: its value and its interval's ends
 # a row's figures as the card carries them: the console table's, and the intervals of KL and top-1 it leaves out
-CARD_FIGURES = ("bits_per_weight", "weight_mib", "ppl",
-                *(key for figure in GATED for key in (figure.key, f"{figure.key}_low", f"{figure.key}_high")))
+CARD_FIGURES = (*OWN, *(figure.key + end for figure in GATED for end in ENDS))
 COLUMNS = ("variant", "method", "bpw", "MiB", "PPL", *(figure.header for figure in GATED), "verdict", "floor")
-
-
-@dataclass(frozen=True)
-class Section:
-    """One token stream of the audit and its record as a one-corpus audit's (``domain``: its name in an audit of
-    several corpora, None for an audit of one)."""
-
-    domain: str | None
-    record: dict
-
-
-def sections(record: dict) -> list[Section]:
-    """The audit's token streams: each domain's (``tasks.record.domains.domain_view``), or its one corpus."""
-    if "domains" not in record:
-        return [Section(None, record)]
-    return [Section(name, domain_view(record, name)) for name in record["domains"]]
+PPL = fixed(".4f")  # perplexity, as the console and the model index give it
 
 
 def _number(value) -> float | None:
@@ -67,34 +58,198 @@ def _number(value) -> float | None:
     return float(value)
 
 
-def card_row(entry: dict) -> dict:
+def _form(value: float | None, text: Text) -> str | None:
+    return None if value is None else text(value)
+
+
+@dataclass(frozen=True)
+class CardFigure:
+    """A figure as the card gives it: its value and the ends of its 95% interval, each None where not measured."""
+
+    value: float | None
+    low: float | None = None
+    high: float | None = None
+
+    @classmethod
+    def of(cls, figure: Interval | None) -> CardFigure:
+        if figure is None:
+            return cls(None)
+        return cls(_number(figure.value), _number(figure.low), _number(figure.high))
+
+    def ends(self, text: Text) -> tuple[str, str] | None:
+        """Its interval's ends as ``text`` writes them; None without both."""
+        low, high = _form(self.low, text), _form(self.high, text)
+        return (low, high) if low is not None and high is not None else None
+
+    def text(self, text: Text, unit: str = "") -> str:
+        """The figure and its 95% interval, each as ``text`` writes it, or a dash where it was not measured."""
+        if self.value is None:
+            return "—"
+        ends = self.ends(text)
+        return f"{text(self.value)}{unit}" + (" [{}, {}]".format(*ends) if ends else "")
+
+
+def own(row: ModelRow, key: str) -> float | None:
+    """One of the row's own figures (``OWN``): None where it was not measured."""
+    return _number(getattr(row.measured, key)) if row.measured else None
+
+
+def gated(row: ModelRow, key: str) -> CardFigure:
+    """A gated figure of the row (``GATED``'s ``key``) with its interval."""
+    return CardFigure.of(row.figure(key))
+
+
+def figure_data(row: ModelRow) -> dict[str, float | None]:
+    """The row's figures as plain data, under ``CARD_FIGURES``' keys: None where not measured."""
+    return {key: own(row, key) for key in OWN} | {
+        figure.key + end: value for figure in GATED for end, value in zip(ENDS, astuple(gated(row, figure.key)))}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model's entry of a record as the card reads it: its name, role and status, its verdict (``verdict_of``) and
+    why, its method (its row's, else its spec's), the domain its figures are of, and its row, typed."""
+
+    name: str
+    role: str
+    status: str
+    verdict: str
+    reason: str | None
+    method: str | None
+    domain: str | None
+    row: ModelRow
+
+    @classmethod
+    def of(cls, entry: dict) -> Model:
+        row = ModelRow.of_record(entry["row"])
+        return cls(entry["name"], entry["role"], entry["status"], verdict_of(entry),
+                   (entry.get("verdict") or {}).get("reason") or entry.get("reason") or None,
+                   row.method or entry.get("spec", {}).get("method"), entry.get("domain"), row)
+
+    @property
+    def floor_said(self) -> str | None:
+        """What the noise floor says of it; None in an audit without a floor."""
+        return (self.row.floor or {}).get("said")
+
+    @property
+    def llama_cpp(self) -> str | None:
+        """Run by llama.cpp: the settings that ran, which move figures."""
+        return self.row.measured.llama_cpp if self.row.measured else None
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A noise floor's row of one token stream: the baseline in a 16-bit dtype against its float32 self."""
+
+    name: str
+    dtype: str | None
+    row: ModelRow
+
+    @classmethod
+    def of(cls, floor: dict) -> Floor:
+        return cls(floor["name"], floor.get("dtype"), ModelRow.of_record(floor["row"]))
+
+    @property
+    def status(self) -> str:
+        return self.row.status or "ok"  # a floor's row that says none was scored
+
+
+@dataclass(frozen=True)
+class Section:
+    """One token stream of the audit and its record as a one-corpus audit's (``domain``: its name in an audit of
+    several corpora, None for an audit of one), with what the card reads of it: its corpus (and the corpus's
+    ``source``), verdict, models and noise floor."""
+
+    domain: str | None
+    record: dict
+    corpus: dict
+    source: str
+    verdict: Verdict
+    models: tuple[Model, ...]
+    floors: tuple[Floor, ...]
+
+    @classmethod
+    def of(cls, domain: str | None, view: dict) -> Section:
+        corpus = view["corpus"]
+        return cls(domain, view, corpus, corpus["source"], Verdict.of_record(domain or "audit", view["verdict"]),
+                   tuple(Model.of(entry) for entry in view["variants"]),
+                   tuple(Floor.of(floor) for floor in view.get("floor") or []))
+
+
+def sections(record: dict) -> list[Section]:
+    """The audit's token streams: each domain's (``tasks.record.domains.domain_view``), or its one corpus."""
+    if "domains" not in record:
+        return [Section.of(None, record)]
+    return [Section.of(name, domain_view(record, name)) for name in record["domains"]]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to run the audit again: the command, the config file's name and text, and the versions and machine it ran
+    with."""
+
+    command: str
+    config_file: str
+    config: str
+    environment: dict
+
+
+def reproduce(record: dict) -> dict:
+    """How to run the audit again (``Recipe``) as plain data."""
+    return asdict(_recipe(record))
+
+
+def _recipe(record: dict) -> Recipe:
+    """The config as it was written (the config as the audit read it, for a record without its text)."""
+    config = record.get("config_text") or yaml.safe_dump(record["config"], sort_keys=False, allow_unicode=True)
+    file = Path(record.get("config_path") or f"{record['name']}.yaml").name
+    return Recipe(f"ppl-audit run {file}", file, config, record.get("environment") or {})
+
+
+@dataclass(frozen=True)
+class Audit:
+    """An audit's record as the card reads it, once: what names it, the baseline's path, its verdict, its token
+    streams, each model's figures on the whole audit (in an audit of several domains: its worst domain's), and in an
+    audit of several domains (``several``) their token populations, named."""
+
+    name: str
+    audit_id: str
+    created: str
+    baseline: str | None
+    verdict: Verdict
+    sections: tuple[Section, ...]
+    models: tuple[Model, ...]
+    several: bool
+    population: dict | None
+
+    @classmethod
+    def of(cls, record: dict) -> Audit:
+        several = "domains" in record
+        return cls(record["name"], record["audit_id"], record["created"], record["config"]["baseline"].get("path"),
+                   Verdict.of_record("audit", record["verdict"]), tuple(sections(record)),
+                   tuple(Model.of(entry) for entry in record["variants"]), several,
+                   record.get("population") if several else None)
+
+    @property
+    def variants(self) -> list[Model]:
+        return [model for model in self.models if model.role == "variant"]
+
+    @property
+    def baseline_name(self) -> str:
+        return next((model.name for model in self.models if model.role == "baseline"), "baseline")
+
+
+def card_row(model: Model) -> dict:
     """A model's row of one token stream as plain data: its figures (None where not measured), its verdict and why,
-    and what the noise floor says of it (``row["floor"]``, None in an audit without a floor)."""
-    row = entry["row"]
-    floor = row.get("floor")
-    return {"variant": entry["name"], "role": entry["role"],
-            "method": row.get("method") or entry.get("spec", {}).get("method"), "status": entry["status"],
-            **{key: _number(row.get(key)) for key in CARD_FIGURES},
-            "verdict": verdict_of(entry),
-            "reason": (entry.get("verdict") or {}).get("reason") or entry.get("reason") or None,
+    and what the noise floor says of it (its row's ``floor``, None in an audit without a floor)."""
+    floor = model.row.floor
+    return {"variant": model.name, "role": model.role, "method": model.method, "status": model.status,
+            **figure_data(model.row), "verdict": model.verdict, "reason": model.reason,
             "floor": {key: floor.get(key) for key in ("dtype", "kld", "above", "said")} if floor else None}
 
 
 # the noise floor's figures with an interval as the console writes them: ΔPPL to two decimals, KL as every view does
 DELTA, KL = fixed("+z.2f"), kl_text
-
-
-def _form(value: float | None, text: Text) -> str | None:
-    return None if value is None else text(value)
-
-
-def _interval(row: dict, key: str, text: Text, unit: str = "") -> str:
-    """``row[key]`` and its 95% interval, each as ``text`` writes it, or a dash where it was not measured."""
-    value = _form(row[key], text)
-    if value is None:
-        return "—"
-    low, high = _form(row[f"{key}_low"], text), _form(row[f"{key}_high"], text)
-    return f"{value}{unit}" + (f" [{low}, {high}]" if low is not None and high is not None else "")
 
 
 def floor_cell(floor: dict | None) -> str:
@@ -105,13 +260,20 @@ def floor_cell(floor: dict | None) -> str:
     return {True: "above", False: f"within {floor.get('dtype')}"}.get(floor.get("above"), "not judged")
 
 
-def cells(row: dict) -> list[str]:
-    """A card row's Markdown cells, in ``COLUMNS``' order; the figures as ``format_table`` prints them."""
-    verdict = "baseline" if row["verdict"] == "baseline" else said_as(row["verdict"]).upper()
-    return [row["variant"], row["method"] or "—", _form(row["bits_per_weight"], fixed(".2f")) or "—",
-            _form(row["weight_mib"], fixed(".0f")) or "—", _form(row["ppl"], fixed(".4f")) or "—",
-            *(_interval(row, figure.key, figure.shown, figure.shown_unit) for figure in GATED), verdict,
-            floor_cell(row["floor"])]
+def cells(model: Model) -> list[str]:
+    """A model's Markdown cells, in ``COLUMNS``' order; the figures as ``format_table`` prints them."""
+    verdict = "baseline" if model.verdict == "baseline" else said_as(model.verdict).upper()
+    return [model.name, model.method or "—", *(_form(own(model.row, key), text) or "—" for key, text in OWN.items()),
+            *(gated(model.row, figure.key).text(figure.shown, figure.shown_unit) for figure in GATED), verdict,
+            floor_cell(model.row.floor)]
+
+
+def floor_cells(floor: Floor) -> list[str]:
+    """A noise floor's Markdown cells: its ΔPPL and KL with their intervals, or why it was not measured."""
+    if floor.status != "ok":
+        return [floor.name, floor.dtype or "—", f"not measured: {floor.row.reason or None}", "—"]
+    return [floor.name, floor.dtype or "—", gated(floor.row, "delta_ppl_pct").text(DELTA),
+            gated(floor.row, "kld_mean").text(KL)]
 
 
 def _cell(text: str) -> str:
@@ -124,22 +286,20 @@ def _table(header: tuple[str, ...] | list[str], body: list[list[str]]) -> list[s
         ["| " + " | ".join(_cell(cell) for cell in row) + " |" for row in body]
 
 
-def floor_rows(view: dict) -> list[dict]:
-    """The noise floor's rows of one token stream (``record["floor"]``): the baseline in each 16-bit dtype against its
-    float32 self; none in a record from before the floor, or of an audit without one."""
-    return [{"name": floor["name"], "dtype": floor.get("dtype"), "status": floor["row"].get("status", "ok"),
-             "reason": floor["row"].get("reason") or None, **{key: _number(floor["row"].get(key)) for key in CARD_FIGURES}}
-            for floor in view.get("floor") or []]
+def floor_data(floor: Floor) -> dict:
+    """A noise floor's row as plain data: its figures (None where not measured), or why it was not measured."""
+    return {"name": floor.name, "dtype": floor.dtype, "status": floor.status, "reason": floor.row.reason or None,
+            **figure_data(floor.row)}
 
 
-def population_in(view: dict) -> dict:
+def population_in(section: Section) -> dict:
     """Which tokens were scored: the record's token population (its digest names them), or for a record from before
     the population was digested, the same facts from its corpus and settings (``digest`` None)."""
-    found = view.get("population")
+    found = section.record.get("population")
     if found and "domains" not in found:
         return dict(found)
-    corpus, evaluation = view["corpus"], view["config"]["evaluation"]
-    settings = EvaluationConfig.of_record(evaluation)
+    corpus = section.corpus
+    settings = EvaluationConfig.of_record(section.record["config"]["evaluation"])
     return {"digest": None, "tokens": corpus.get("n_tokens"), "tokenizer": corpus.get("tokenizer"),
             "text": corpus.get("digest"), "window": settings.window, "stride": settings.stride, "mode": settings.mode,
             "bos": corpus.get("bos"), "max_tokens": settings.max_tokens}
@@ -147,22 +307,13 @@ def population_in(view: dict) -> dict:
 
 def population_text(found: dict) -> str:
     """The token population in one sentence of Markdown."""
-    named = f"Token population `{found['digest']}`" if found.get("digest") else "Tokens (a record from before token " \
-                                                                               "population digests)"
-    tokens = f"{found['tokens']:,}" if isinstance(found.get("tokens"), int) else "?"
+    digest, tokens = found.get("digest"), found.get("tokens")
+    named = f"Token population `{digest}`" if digest else "Tokens (a record from before token population digests)"
+    tokens = f"{tokens:,}" if isinstance(tokens, int) else "?"
     how = f", stride {found.get('stride')}" if found.get("mode", "sliding") == "sliding" else ""
     return (f"{named}: {tokens} tokens of the text `{found.get('text')}`, tokenizer `{found.get('tokenizer')}`, "
             f"window {found.get('window')}{how}, mode {found.get('mode')}, BOS {found.get('bos')}, "
             f"max_tokens {found.get('max_tokens') or 'all'}.")
-
-
-def reproduce(record: dict) -> dict:
-    """How to run the audit again: the command, the config as it was written (the config as the audit read it, for
-    a record without its text), and the versions and machine it ran with."""
-    config = record.get("config_text") or yaml.safe_dump(record["config"], sort_keys=False, allow_unicode=True)
-    file = Path(record.get("config_path") or f"{record['name']}.yaml").name
-    return {"command": f"ppl-audit run {file}", "config_file": file, "config": config,
-            "environment": record.get("environment") or {}}
 
 
 def _plain(value):
@@ -180,32 +331,26 @@ def card_data(record: dict, source_url: str, model_id: str | None = None) -> dic
     """The card as plain data: the verdict, each token stream's rows, floor and population, each variant's verdict
     across the audit, how to reproduce it, and the model index. ``source_url``: where the record is
     (``source_url``)."""
-    verdict = record["verdict"]
+    audit = Audit.of(record)
     return _plain({
-        "name": record["name"], "audit_id": record["audit_id"], "created": record["created"],
-        "baseline": record["config"]["baseline"].get("path"), "source_url": source_url,
-        "verdict": {"status": verdict["status"], "reason": verdict["reason"]},
-        "population": record.get("population") if "domains" in record else None,  # the domains' populations, named
-        "sections": [{"domain": section.domain,
-                      "source": section.record["corpus"]["source"],
-                      "verdict": {key: section.record["verdict"][key] for key in ("status", "reason")},
-                      "rows": [card_row(entry) for entry in section.record["variants"]],
-                      "floor": floor_rows(section.record), "population": population_in(section.record)}
-                     for section in sections(record)],
-        "variants": card_verdicts(record),
+        "name": audit.name, "audit_id": audit.audit_id, "created": audit.created, "baseline": audit.baseline,
+        "source_url": source_url, "verdict": audit.verdict.as_record(),
+        "population": audit.population,  # the domains' populations, named
+        "sections": [{"domain": section.domain, "source": section.source, "verdict": section.verdict.as_record(),
+                      "rows": [card_row(model) for model in section.models],
+                      "floor": [floor_data(floor) for floor in section.floors], "population": population_in(section)}
+                     for section in audit.sections],
+        "variants": [card_verdict(model) for model in audit.variants],
         "reproduce": reproduce(record),
-        "model-index": model_index(record, source_url, model_id),
+        "model-index": _model_index(audit, source_url, model_id),
     })
 
 
-def card_verdicts(record: dict) -> list[dict]:
-    """Each variant's verdict on the whole audit and why, and what the noise floor says of it (in an audit of several
-    domains: on its worst domain, named)."""
-    return [{"variant": entry["name"], "verdict": verdict_of(entry), "domain": entry.get("domain"),
-             "reason": (entry.get("verdict") or {}).get("reason") or entry.get("reason") or None,
-             "floor": (entry["row"].get("floor") or {}).get("said"),
-             "llama_cpp": entry["row"].get("llama_cpp")}  # run by llama.cpp: the settings that ran, which move figures
-            for entry in record["variants"] if entry["role"] == "variant"]
+def card_verdict(model: Model) -> dict:
+    """A variant's verdict on the whole audit and why, what the noise floor says of it (in an audit of several
+    domains: on its worst domain, named), and the settings llama.cpp ran it with (which move figures)."""
+    return {"variant": model.name, "verdict": model.verdict, "domain": model.domain, "reason": model.reason,
+            "floor": model.floor_said, "llama_cpp": model.llama_cpp}
 
 
 def source_url(page: str | None, run_id: str) -> str:
@@ -215,38 +360,64 @@ def source_url(page: str | None, run_id: str) -> str:
     return page or f"runs:/{run_id}"
 
 
-def _dataset(section: Section) -> dict:
-    """The model index's dataset of a token stream: its domain's name (a one-corpus audit: the corpus's), its source
-    as the type (a Hub dataset's id), a Hub dataset's config and split."""
-    corpus = section.record["corpus"]
-    source = corpus["source"]
+@dataclass(frozen=True)
+class Dataset:
+    """The model index's dataset of a token stream: its name, its type (a Hub dataset's id), a Hub dataset's config
+    and split."""
+
+    name: str
+    type: str
+    config: str | None = None
+    split: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str | None, str | None]:
+        """What the Hub keys a result by (with its task)."""
+        return self.type, self.config, self.split
+
+    def data(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+def _dataset(section: Section) -> Dataset:
+    """A token stream's dataset: its domain's name (a one-corpus audit: the corpus's), its source as the type (a Hub
+    dataset's id), a Hub dataset's config and split."""
+    source = section.source
     if source.startswith("hf:"):
-        return {"name": section.domain or source[3:], "type": source[3:], "config": corpus.get("hf_config"),
-                "split": corpus.get("hf_split")}
-    return {"name": section.domain or Path(source).name or source, "type": source}
+        return Dataset(section.domain or source[3:], source[3:], section.corpus.get("hf_config"),
+                       section.corpus.get("hf_split"))
+    return Dataset(section.domain or Path(source).name or source, source)
 
 
-def _metrics(section: Section, baseline: str) -> list[dict]:
+@dataclass(frozen=True)
+class Metric:
+    """A figure of the model index: its type, its value as the console prints it, and its name (which model, which
+    figure, its interval); self-reported, so not verified by the Hub."""
+
+    type: str
+    value: float
+    name: str
+
+    def data(self) -> dict:
+        return {"type": self.type, "value": self.value, "name": self.name, "verified": False}
+
+
+def _metrics(section: Section, baseline: str) -> list[Metric]:
     """Each model's perplexity, and each variant's ΔPPL %, mean KL and top-1 agreement against the baseline, rounded
-    as the console prints them (the intervals in the names); self-reported, so not verified by the Hub."""
+    as the console prints them (the intervals in the names)."""
     metrics = []
-    for row in (card_row(entry) for entry in section.record["variants"]):
-        name = row["variant"]
-        figures = [("perplexity", "ppl", fixed(".4f"), f"{name} perplexity")]
-        if row["role"] == "variant":
-            figures += [(figure.card[0], figure.key, figure.shown, f"{name} {figure.card[1]} {baseline}")
-                        for figure in GATED]
-        for kind, key, text, said in figures:
-            if row[key] is None:
+    for model in section.models:
+        figures = [("perplexity", CardFigure(own(model.row, "ppl")), PPL, f"{model.name} perplexity")]
+        if model.role == "variant":
+            figures += [(figure.card[0], gated(model.row, figure.key), figure.shown,
+                         f"{model.name} {figure.card[1]} {baseline}") for figure in GATED]
+        for kind, shown, text, said in figures:
+            if shown.value is None:
                 continue
-            low, high = _form(row.get(f"{key}_low"), text), _form(row.get(f"{key}_high"), text)
-            said += f" [95% CI {low}, {high}]" if low is not None and high is not None else ""
-            metrics.append({"type": kind, "value": float(text(row[key])), "name": said, "verified": False})
+            ends = shown.ends(text)
+            said += " [95% CI {}, {}]".format(*ends) if ends else ""
+            metrics.append(Metric(kind, float(text(shown.value)), said))
     return metrics
-
-
-def _baseline(record: dict) -> str:
-    return next((entry["name"] for entry in record["variants"] if entry["role"] == "baseline"), "baseline")
 
 
 def model_index(record: dict, source_url: str, model_id: str | None = None) -> list[dict]:
@@ -255,20 +426,25 @@ def model_index(record: dict, source_url: str, model_id: str | None = None) -> l
     that reading it into ``EvalResult``s and writing them back gives it unchanged. The Hub keys results by task,
     dataset type, config and split, not by name: where two domains read one source, each has its name as config.
     ``model_id``: the Hub model the results are of, its name (default: the audit's)."""
-    baseline = _baseline(record)
+    return _model_index(Audit.of(record), source_url, model_id)
+
+
+def _model_index(audit: Audit, source_url: str, model_id: str | None) -> list[dict]:
+    baseline = audit.baseline_name
     results, seen = [], set()
-    for section in sections(record):
+    for section in audit.sections:
         metrics = _metrics(section, baseline)
         if not metrics:  # nothing scored on it: the Hub's reader would drop it
             continue
-        dataset = {key: value for key, value in _dataset(section).items() if value is not None}
-        key = (dataset["type"], dataset.get("config"), dataset.get("split"))
-        if key in seen:
-            dataset["config"] = section.domain
-        seen.add((dataset["type"], dataset.get("config"), dataset.get("split")))
-        results.append({"task": dict(TASK), "dataset": dataset, "metrics": metrics,
+        dataset = _dataset(section)
+        data = dataset.data()
+        if dataset.key in seen:
+            dataset = replace(dataset, config=section.domain)
+            data |= {"config": section.domain}  # in place where it has a config, else after the others
+        seen.add(dataset.key)
+        results.append({"task": dict(TASK), "dataset": data, "metrics": [metric.data() for metric in metrics],
                         "source": {"name": SOURCE, "url": source_url}})
-    return [{"name": model_id or record["name"], "results": results}] if results else []
+    return [{"name": model_id or audit.name, "results": results}] if results else []
 
 
 def model_index_yaml(record: dict, source_url: str, model_id: str | None = None) -> str:
@@ -304,19 +480,18 @@ def eval_results(record: dict, source_url: str) -> EvalResults:
     without one), ``value`` the figure as the model index has it, ``date`` when the audit ended, ``notes`` the model
     index's metric name (which model, which figure, its interval), and ``source`` the run's page where there is one
     (``runs:/ID`` of a local store is no link)."""
-    baseline = _baseline(record)
+    audit = Audit.of(record)
     source = {"source": {"url": source_url, "name": SOURCE}} if source_url.startswith(("http://", "https://")) else {}
     files, left_out = {}, {}
-    for section in sections(record):
-        corpus = section.record["corpus"]
-        dataset = corpus["source"].removeprefix("hf:")
+    for section in audit.sections:
+        dataset = section.source.removeprefix("hf:")
         name = section.domain or dataset.rsplit("/", 1)[-1]
-        if not corpus["source"].startswith("hf:"):
-            left_out[name] = corpus["source"]
+        if not section.source.startswith("hf:"):
+            left_out[name] = section.source
             continue
-        entries = [{"dataset": {"id": dataset, "task_id": corpus.get("hf_config") or "default"},
-                    "value": metric["value"], "date": record["created"], **source, "notes": metric["name"]}
-                   for metric in _metrics(section, baseline)]
+        entries = [{"dataset": {"id": dataset, "task_id": section.corpus.get("hf_config") or "default"},
+                    "value": metric.value, "date": audit.created, **source, "notes": metric.name}
+                   for metric in _metrics(section, audit.baseline_name)]
         if entries:
             files[f"{name}.yaml"] = entries
     return EvalResults(files, left_out)
@@ -334,54 +509,55 @@ def eval_results_text(found: EvalResults) -> str:
 
 def _section_lines(section: Section, several: bool) -> list[str]:
     """One token stream's part of the Markdown card: its table, its noise floor and its token population."""
-    view = section.record
-    source = view["corpus"]["source"]
-    said = said_as(view["verdict"]["status"]).upper()
-    lines = [f"### Domain `{section.domain}` ({source}): {said}" if several else f"### Results on `{source}`", ""]
-    rows = [card_row(entry) for entry in view["variants"]]
-    floors = floor_rows(view)
+    said = section.verdict.said.upper()
+    lines = [f"### Domain `{section.domain}` ({section.source}): {said}" if several
+             else f"### Results on `{section.source}`", ""]
     # an audit without a noise floor has nothing to say in its column: left out rather than blank in every row
-    shown = len(COLUMNS) if floors or any(row["floor"] for row in rows) else len(COLUMNS) - 1
-    lines += _table(COLUMNS[:shown], [cells(row)[:shown] for row in rows])
-    if floors:
+    floored = section.floors or any(model.row.floor for model in section.models)
+    shown = len(COLUMNS) if floored else len(COLUMNS) - 1
+    lines += _table(COLUMNS[:shown], [cells(model)[:shown] for model in section.models])
+    if section.floors:
         lines += ["", "Noise floor: the baseline in each dtype against its float32 self, on the same tokens (a variant "
                       "*within* a floor lost no more than those numerics do):", ""]
-        lines += _table(("floor", "dtype", "ΔPPL % [95% CI]", "KL [95% CI]"), [
-            [floor["name"], floor["dtype"] or "—", _interval(floor, "delta_ppl_pct", DELTA),
-             _interval(floor, "kld_mean", KL)] if floor["status"] == "ok" else
-            [floor["name"], floor["dtype"] or "—", f"not measured: {floor['reason']}", "—"] for floor in floors])
-    return lines + ["", population_text(population_in(view)), ""]
+        lines += _table(("floor", "dtype", "ΔPPL % [95% CI]", "KL [95% CI]"),
+                        [floor_cells(floor) for floor in section.floors])
+    return lines + ["", population_text(population_in(section)), ""]
+
+
+def _why(model: Model) -> str:
+    """A variant's line under "Why each verdict"."""
+    return (f"- **{model.name}**: {said_as(model.verdict).upper()}" + (f": {model.reason}" if model.reason else "")
+            + (f"; {model.floor_said}" if model.floor_said else "")
+            + (f"; llama.cpp: {model.llama_cpp}" if model.llama_cpp else ""))
 
 
 def markdown(record: dict, source_url: str) -> str:
     """The card in Markdown, under a second-level heading (the model card has its own title)."""
-    verdict, several = record["verdict"], "domains" in record
-    variants = card_verdicts(record)
-    streams = sections(record)
+    audit = Audit.of(record)
+    streams = audit.sections
     on = (f"{len(streams)} domains ({', '.join(s.domain for s in streams)}), each its own token stream, a variant's "
-          "verdict its worst domain's" if several else f"`{record['corpus']['source']}`")
-    lines = [f"## Perplexity audit: {record['name']}", "",
-             f"**Verdict: {said_as(verdict['status']).upper()}.** {verdict['reason']}", "",
-             f"Audited {record['created'][:19].replace('T', ' ')} UTC with ppl-audit: the baseline "
-             f"`{record['config']['baseline'].get('path')}` and {len(variants)} variant(s) scored on the same tokens of "
+          "verdict its worst domain's" if audit.several else f"`{streams[0].source}`")
+    lines = [f"## Perplexity audit: {audit.name}", "",
+             f"**Verdict: {audit.verdict.said.upper()}.** {audit.verdict.reason}", "",
+             f"Audited {audit.created[:19].replace('T', ' ')} UTC with ppl-audit: the baseline "
+             f"`{audit.baseline}` and {len(audit.variants)} variant(s) scored on the same tokens of "
              f"{on}. ΔPPL, KL and top-1 agreement are taken against the baseline, with paired 95% intervals over "
              f"windows; a variant passes when the pessimistic end of each interval is within its limit. "
-             f"Record: `{source_url}` (audit `{record['audit_id']}`).", ""]
-    if several and (record.get("population") or {}).get("digest"):
-        named = ", ".join(f"{name} `{digest}`" for name, digest in record["population"].get("domains", {}).items())
-        lines += [f"Token populations `{record['population']['digest']}`: {named}.", ""]
+             f"Record: `{source_url}` (audit `{audit.audit_id}`).", ""]
+    population = audit.population or {}
+    if population.get("digest"):
+        named = ", ".join(f"{name} `{digest}`" for name, digest in population.get("domains", {}).items())
+        lines += [f"Token populations `{population.get('digest')}`: {named}.", ""]
     for section in streams:
-        lines += _section_lines(section, several)
+        lines += _section_lines(section, audit.several)
     lines += ["### Why each verdict", ""]
-    lines += [f"- **{row['variant']}**: {said_as(row['verdict']).upper()}" + (f": {row['reason']}" if row["reason"] else "")
-              + (f"; {row['floor']}" if row["floor"] else "")
-              + (f"; llama.cpp: {row['llama_cpp']}" if row.get("llama_cpp") else "") for row in card_verdicts(record)]
-    again = reproduce(record)
-    environment = again["environment"]
+    lines += [_why(model) for model in audit.variants]
+    again = _recipe(record)
+    environment = again.environment
     versions = ", ".join(f"{name} {version}" for name, version in (environment.get("versions") or {}).items())
     lines += ["", "### How to reproduce", "", "With ppl-audit installed and the models and corpora at the config's "
-              "paths:", "", "```bash", again["command"], "```", "", f"`{again['config_file']}`:", "", "```yaml",
-              again["config"].rstrip("\n"), "```", "",
+              "paths:", "", "```bash", again.command, "```", "", f"`{again.config_file}`:", "", "```yaml",
+              again.config.rstrip("\n"), "```", "",
               f"Ran on {environment.get('hardware', 'an unrecorded machine')}, Python "
               f"{environment.get('python', '?')}" + (f"; {versions}." if versions else "."), ""]
     return "\n".join(lines)

@@ -2,6 +2,10 @@
 how a verdict, a table and the model card write it. The gate (``tasks.record.verdict``), preflight, a sequential
 run, the card and the report read them from here, so that a new gated figure is this line, its ``Gate`` field and
 the code that measures it.
+
+And the per-model figures every view shows beside them (``SHOWN``): a new one is its line here, its field in the
+typed row (``tasks.record.row``) and the code that measures it; ``--stats full``, MLflow, the report and the card
+read them from here.
 """
 
 from __future__ import annotations
@@ -9,9 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.record.floor import kl_text
 
 Text = Callable[[float], str]  # a figure as a view writes it
+
+
+def kl_text(value: float, sign: str = "") -> str:
+    """A KL figure as every view gives it (the console, report.html, compare, the card, MLflow's description): four
+    decimals, or two significant digits where those would show next to nothing (a float16 floor of a small model is
+    ~1e-5, which four decimals print as 0.0000). ``sign``: ``+`` for a difference."""
+    return f"{value:{sign}z.4f}" if abs(value) >= 0.001 or value == 0 else f"{value:{sign}.2g}"
 
 
 def fixed(form: str, scale: float = 1.0) -> Text:
@@ -55,3 +65,30 @@ GATED = (
     Gated("top-1 agreement", "top1_agreement", "min_top1_agreement", False, "{:.4f}".format, "", fixed(".1f", 100), "%",
           "top-1 [95% CI]", ("top1_agreement", "top-1 agreement % with"), divergence=True),
 )
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A per-model figure with its 95% interval that every view shows where it was measured: the record and
+    ``--json`` (as every figure of a row), ``--stats full``, MLflow's metrics, the report and the card.
+
+    Attributes:
+        name: how a view names it ("confident flips").
+        key: the comparison row's (``tasks.record.row.ModelRow.figure``), and MLflow's metric.
+        shown: the figure as a view writes it; ``unit`` after it.
+        about: one line on what it is, under the card's and the report's table of them.
+    """
+
+    name: str
+    key: str
+    shown: Text
+    unit: str
+    about: str
+
+    def text(self, value: float, low: float | None, high: float | None) -> str:
+        """The figure and its interval as every view writes them: ``0.12 [0.05, 0.31]%``."""
+        bounds = f" [{self.shown(low)}, {self.shown(high)}]" if low is not None and high is not None else ""
+        return f"{self.shown(value)}{bounds}{self.unit}"
+
+
+SHOWN: tuple[Shown, ...] = ()

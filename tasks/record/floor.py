@@ -18,6 +18,7 @@ import numpy as np
 
 from tasks.config import FLOOR_SHORT as SHORT
 from tasks.engine.paired import cluster_mean, token_slots
+from tasks.record.figures import kl_text
 from tasks.record.results import VariantResult
 from tasks.record.row import ModelRow
 
@@ -88,13 +89,6 @@ def kept_as(floor: VariantResult) -> str:
     """How this audit has its floor: ``reused`` (kept with the baseline's reference), ``scored``, or ""."""
     said = floor.reference
     return said.baseline if said is not None and said.baseline else ""
-
-
-def kl_text(value: float, sign: str = "") -> str:
-    """A KL figure as every view gives it (the console, report.html, compare, the card, MLflow's description): four
-    decimals, or two significant digits where those would show next to nothing (a float16 floor of a small model is
-    ~1e-5, which four decimals print as 0.0000). ``sign``: ``+`` for a difference."""
-    return f"{value:{sign}z.4f}" if abs(value) >= 0.001 or value == 0 else f"{value:{sign}.2g}"
 
 
 def floor_row(row: ModelRow, dtype: str, kept: str) -> ModelRow:

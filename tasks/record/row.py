@@ -15,6 +15,8 @@ from functools import partial
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
+from tasks.record.figures import SHOWN, Shown
+
 
 @dataclass(frozen=True)
 class Interval:
@@ -258,6 +260,10 @@ class ModelRow:
         if key in _DIVERGENCE_FIGURES:
             return getattr(self.divergences, key) if self.divergences else None
         raise KeyError(f"no figure {key} with an interval in a comparison row")
+
+    def shown(self) -> list[tuple[Shown, Interval]]:
+        """The per-model figures every view shows (``tasks.record.figures.SHOWN``) that this row measured, in order."""
+        return [(figure, found) for figure in SHOWN if (found := self.figure(figure.key)) is not None]
 
     def with_figure(self, key: str, figure: Interval) -> ModelRow:
         """The row with figure ``key`` replaced (a sequential stop's bounds)."""

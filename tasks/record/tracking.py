@@ -17,6 +17,7 @@ from pathlib import Path
 from tasks.config import EvaluationConfig
 from tasks.core.places import home, tracking_uri
 from tasks.data.registry import is_registered, tag_version
+from tasks.record.figures import SHOWN
 from tasks.record.spool import read_record
 from tasks.record.tags import (AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS,
                                DOMAIN_REFERENCES, DOMAINS, DOMINATED_BY, FLOOR, POPULATION, REFERENCE, SCHEDULED)
@@ -29,7 +30,8 @@ FACT_METRICS = ("load_seconds", "size_on_disk_bytes", "weight_memory_bytes", "bi
                 "quantized_layers", "kv_bytes_per_token")
 COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_lnppl", "token_lnppl", "divergence_mib",
                        "kv_saving_pct", "kv_window_mib",
-                       "windows", "scored_fraction")  # the windows the paired intervals rest on; how much was scored
+                       "windows", "scored_fraction",  # the windows the paired intervals rest on; how much was scored
+                       *(figure.key for figure in SHOWN))  # and every per-model figure shown, with its interval
 
 
 def _absent(entry: dict) -> dict[str, str]:

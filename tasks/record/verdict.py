@@ -373,6 +373,11 @@ def _stats_block(row: ModelRow, base: ModelRow) -> str:
              *_percentile_lines(d.dp, "Δp", 100, "%"),
              f"RMS Δp    : {_pm(d.dp_rms, 100, 7, 3)} %",
              f"Same top p: {_pm(d.top1_agreement, 100, 7, 3)} %"]
+    shown = row.shown()
+    if shown:  # ppl-audit's own figures, after llama-perplexity's: each with its error and interval over windows
+        lines += ["", "====== Further figures (95% intervals over windows) ======"]
+        lines += [f"{figure.name:<17}: {figure.text(found.value, found.low, found.high)} "
+                  f"(± {figure.shown(found.stderr)}{figure.unit})" for figure, found in shown]
     return "\n".join(lines)
 
 
