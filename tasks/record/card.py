@@ -29,7 +29,7 @@ import yaml
 
 from tasks.config import EvaluationConfig
 from tasks.record.domains import domain_view
-from tasks.record.figures import GATED, Text, fixed, kl_text
+from tasks.record.figures import GATED, SHOWN, Text, fixed, kl_text
 from tasks.record.logged import RECORD
 from tasks.record.plots import verdict_of
 from tasks.record.row import Interval, ModelRow
@@ -242,10 +242,11 @@ class Audit:
 def card_row(model: Model) -> dict:
     """A model's row of one token stream as plain data: its figures (None where not measured), its verdict and why,
     and what the noise floor says of it (its row's ``floor``, None in an audit without a floor)."""
-    floor = model.row.floor
+    floor, further = model.row.floor, model.row.shown()
     return {"variant": model.name, "role": model.role, "method": model.method, "status": model.status,
             **figure_data(model.row), "verdict": model.verdict, "reason": model.reason,
-            "floor": {key: floor.get(key) for key in ("dtype", "kld", "above", "said")} if floor else None}
+            "floor": {key: floor.get(key) for key in ("dtype", "kld", "above", "said")} if floor else None} | (
+        {"further": {figure.key: asdict(CardFigure.of(found)) for figure, found in further}} if further else {})
 
 
 # the noise floor's figures with an interval as the console writes them: ΔPPL to two decimals, KL as every view does
@@ -521,7 +522,20 @@ def _section_lines(section: Section, several: bool) -> list[str]:
                       "*within* a floor lost no more than those numerics do):", ""]
         lines += _table(("floor", "dtype", "ΔPPL % [95% CI]", "KL [95% CI]"),
                         [floor_cells(floor) for floor in section.floors])
-    return lines + ["", population_text(population_in(section)), ""]
+    return lines + _further_lines(section) + ["", population_text(population_in(section)), ""]
+
+
+def _further_lines(section: Section) -> list[str]:
+    """The per-model figures shown beside the gated ones (``tasks.record.figures.SHOWN``) that this stream's variants
+    measured: a table of them with their intervals, and what each is."""
+    measured = [figure for figure in SHOWN if any(model.row.figure(figure.key) for model in section.models)]
+    if not measured:
+        return []
+    body = [[model.name, *(CardFigure.of(model.row.figure(figure.key)).text(figure.shown, figure.unit)
+                           for figure in measured)] for model in section.models if model.role == "variant"]
+    return ["", "Further figures, each with its 95% interval over windows:", "",
+            *_table(("variant", *(figure.name for figure in measured)), body), "",
+            *(f"- {figure.name}: {figure.about}" for figure in measured)]
 
 
 def _why(model: Model) -> str:

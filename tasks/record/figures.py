@@ -86,9 +86,9 @@ class Shown:
     about: str
 
     def text(self, value: float, low: float | None, high: float | None) -> str:
-        """The figure and its interval as every view writes them: ``0.12 [0.05, 0.31]%``."""
+        """The figure and its interval as every view writes them (the card's gated figures too): ``0.12% [0.05, 0.31]``."""
         bounds = f" [{self.shown(low)}, {self.shown(high)}]" if low is not None and high is not None else ""
-        return f"{self.shown(value)}{bounds}{self.unit}"
+        return f"{self.shown(value)}{self.unit}{bounds}"
 
 
 SHOWN: tuple[Shown, ...] = ()

@@ -23,6 +23,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from tasks.config import Gate, Thresholds
+from tasks.record.row import Interval, ModelRow
 from tasks.record.verdict import gate_checks, said as said_as
 
 COLOURS = {"baseline": "#1565c0", "pass": "#2e7d32", "fail": "#c62828", "error": "#9e9e9e", "ungated": "#f9a825"}
@@ -55,16 +56,18 @@ def ppl_limit(record: dict, name: str) -> float | None:
     return gate_of(record, name).max_ppl_increase_pct
 
 
+def row_of(entry: dict) -> ModelRow:
+    """A model's comparison row in a record's entry (here and in the report), typed: read once, at the record."""
+    return ModelRow.of_record(entry["row"])
+
+
 def gates_said(record: dict, entry: dict) -> list[tuple[str, str, str]]:
     """``(gate's name, status, reason)`` of each limit of a scored variant's gate (``tasks.record.verdict``); none
     for the baseline, a model not scored, or a row that lacks a gated figure (its verdict's reason says why)."""
-    row = entry["row"]
-    if entry["role"] != "variant" or row.get("status") != "ok":
+    row = row_of(entry)
+    if entry["role"] != "variant" or not row.ok:
         return []
-    try:
-        return gate_checks(row, gate_of(record, entry["name"]))
-    except KeyError:
-        return []
+    return gate_checks(row, gate_of(record, entry["name"]))
 
 
 def verdict_label(record: dict, entry: dict) -> str:
@@ -114,6 +117,11 @@ def title_name(record: dict) -> str:
     return f"{record['name']} · {record['domain']}" if record.get("domain") else record["name"]
 
 
+def _audit_said(record: dict) -> str:
+    """The audit's verdict as a chart's title says it: ``PASS``, ``NO GATE``."""
+    return said_as(record["verdict"]["status"]).upper()
+
+
 def png(figure: Figure) -> bytes:
     """The figure as PNG bytes, at its own resolution."""
     buffer = io.BytesIO()
@@ -141,7 +149,7 @@ def delta_ppl_chart(record: dict) -> Figure:
     axis.set_xlim(low, high)
     axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
     return titled(figure, f"{title_name(record)}: ΔPPL % per variant · "
-                          f"{said_as(record['verdict']['status']).upper()}", handles)
+                          f"{_audit_said(record)}", handles)
 
 
 def delta_ppl_by_domain_chart(record: dict) -> Figure:
@@ -175,7 +183,7 @@ def delta_ppl_by_domain_chart(record: dict) -> Figure:
     axis.set_xlim(low, high)
     axis.set_xlabel("ΔPPL % against the baseline on the domain (diamond: estimate, whiskers: paired 95% interval)",
                     fontsize=TEXT)
-    return titled(figure, f"{record['name']}: ΔPPL % by domain · {said_as(record['verdict']['status']).upper()}",
+    return titled(figure, f"{record['name']}: ΔPPL % by domain · {_audit_said(record)}",
                   handles)
 
 
@@ -184,14 +192,14 @@ def _delta_slot(axis: Axes, y: int, record: dict, entry: dict, drawn: tuple[floa
     in ``record`` and a line of text above; ``drawn``: the axis's right end and the set of what the legend explains,
     added to."""
     high, shown = drawn
-    row, verdict, limit = entry["row"], verdict_of(entry), ppl_limit(record, entry["name"])
+    pct, verdict, limit = row_of(entry).figure("delta_ppl_pct"), verdict_of(entry), ppl_limit(record, entry["name"])
     limit_text = _draw_limit(axis, y, limit, high, shown)
-    if not measured(row.get("delta_ppl_pct")):
+    if pct is None or not measured(pct.value):
         axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4)
         _note(axis, y, f"{verdict}: {_why(entry)} · {limit_text}", verdict)
         return
-    delta = row["delta_ppl_pct"]
-    interval = row.get("delta_ppl_pct_low", delta), row.get("delta_ppl_pct_high", delta)
+    delta = pct.value
+    interval = delta if pct.low is None else pct.low, delta if pct.high is None else pct.high
     if bar:
         axis.barh(y + 0.2, delta, height=0.4, color=COLOURS[verdict], zorder=2)
     axis.errorbar(delta, y + 0.2, xerr=[[delta - interval[0]], [interval[1] - delta]], fmt="D", markersize=7,
@@ -237,15 +245,15 @@ def size_quality_chart(record: dict) -> Figure:
     """What each variant costs against what it loses: ΔPPL % (whiskers: its paired 95% interval) and mean KL
     against bits per weight and against MiB in memory, a point per variant coloured by its verdict; a dominated
     variant hollow, the front (``tasks.record.dominance``) joined by a line. Returns the figure."""
-    variants = _costed(record)
-    points = [SizePoint(v["name"], v["row"]["bits_per_weight"], v["row"]["weight_mib"],
-                        *(tuple(v["row"].get(key + end, math.nan) for end in ("", "_low", "_high"))
-                          for key in ("delta_ppl_pct", "kld_mean")),
-                        COLOURS[verdict_of(v)], bool(v["row"].get("dominated_by")),
-                        kv=v["row"].get("kv_bytes_per_token", math.nan)) for v in variants]
-    sizes = SIZES + (KV_SIZE,) * any(v["row"].get("kv_cache") for v in variants)  # where a variant sets a cache
+    costed = _costed(record)
+    variants = [v for v, _ in costed]
+    points = [SizePoint(v["name"], row.measured.bits_per_weight, row.measured.weight_mib,
+                        *(_ends(row.figure(key)) for key in ("delta_ppl_pct", "kld_mean")),
+                        COLOURS[verdict_of(v)], bool(row.dominated_by), kv=row.measured.kv_bytes_per_token)
+              for v, row in costed]
+    sizes = SIZES + (KV_SIZE,) * any(row.measured.kv_cache for _, row in costed)  # where a variant sets a cache
     return titled(size_quality_figure(points, sizes), f"{title_name(record)}: size against quality · "
-                   f"{said_as(record['verdict']['status']).upper()}", _verdict_handles(variants) + FRONT_HANDLES)
+                   f"{_audit_said(record)}", _verdict_handles(variants) + FRONT_HANDLES)
 
 
 @dataclass
@@ -309,10 +317,19 @@ def size_quality_figure(points: list[SizePoint], sizes: tuple = SIZES) -> Figure
     return figure
 
 
-def _costed(record: dict) -> list[dict]:
-    """The variants with both a cost (bits per weight) and a ΔPPL: the points of ``size_quality_chart``."""
-    return [v for v in record["variants"] if v["role"] == "variant" and measured(v["row"].get("bits_per_weight"))
-            and measured(v["row"].get("delta_ppl_pct"))]
+def _ends(figure: Interval | None) -> tuple[float, float, float]:
+    """A figure's estimate, low and high end, NaN where not measured: a point of ``size_quality_figure``."""
+    if figure is None:
+        return math.nan, math.nan, math.nan
+    return tuple(math.nan if end is None else end for end in (figure.value, figure.low, figure.high))
+
+
+def _costed(record: dict) -> list[tuple[dict, ModelRow]]:
+    """The variants with both a cost (bits per weight) and a ΔPPL, with their rows: the points of
+    ``size_quality_chart``."""
+    rows = [(v, row_of(v)) for v in record["variants"] if v["role"] == "variant"]
+    return [(v, row) for v, row in rows if row.measured is not None and measured(row.measured.bits_per_weight)
+            and measured(row.delta_ppl_pct)]
 
 
 def _draw_limit(axis, y: int, limit: float | None, high: float, shown: set) -> str:
@@ -333,8 +350,8 @@ def _draw_limit(axis, y: int, limit: float | None, high: float, shown: set) -> s
 def _delta_range(record: dict, variants: list[dict]) -> tuple[float, float]:
     """The ΔPPL axis: zero, every estimate and interval, and the limits that leave the figures a fifth of
     the axis at least, with a margin on both sides."""
-    figures = [0.0] + [v["row"][key] for v in variants for key in ("delta_ppl_pct", "delta_ppl_pct_low",
-                                                                   "delta_ppl_pct_high") if measured(v["row"].get(key))]
+    pcts = [row_of(v).figure("delta_ppl_pct") for v in variants]
+    figures = [0.0] + [end for pct in pcts if pct is not None for end in (pct.value, pct.low, pct.high) if measured(end)]
     low, high = min(figures), max(figures)
     width = (high - low) or 1.0
     limits = [x for x in (ppl_limit(record, v["name"]) for v in variants) if x is not None and x <= high + 4 * width]
@@ -349,25 +366,33 @@ def ppl_chart(record: dict) -> Figure:
     models = record["variants"]
     figure, axis = _rows_figure(models)
     top = 0.0
+    base = None  # the baseline's perplexity, where it was measured
     for y, entry in enumerate(models):
-        row, verdict = entry["row"], verdict_of(entry)
-        if not measured(row.get("ppl")):
+        ppl, verdict = _ppl(row_of(entry)), verdict_of(entry)
+        if ppl is None:
             axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4, clip_on=False)
             _note(axis, y, f"{verdict}: {_why(entry)}", verdict)
             continue
-        error = row.get("ppl_stderr") if measured(row.get("ppl_stderr")) else 0.0
-        axis.barh(y + 0.2, row["ppl"], height=0.4, color=COLOURS[verdict], zorder=2)
-        axis.errorbar(row["ppl"], y + 0.2, xerr=error, fmt="none", ecolor="black", capsize=6, linewidth=1.6, zorder=3)
-        top = max(top, row["ppl"] + error)
-        _note(axis, y, f"PPL {row['ppl']:.4f} ± {error:.4f}   {verdict_label(record, entry)}", verdict)
+        value, error = ppl
+        base = value if base is None and entry["role"] == "baseline" else base
+        axis.barh(y + 0.2, value, height=0.4, color=COLOURS[verdict], zorder=2)
+        axis.errorbar(value, y + 0.2, xerr=error, fmt="none", ecolor="black", capsize=6, linewidth=1.6, zorder=3)
+        top = max(top, value + error)
+        _note(axis, y, f"PPL {value:.4f} ± {error:.4f}   {verdict_label(record, entry)}", verdict)
     handles = _verdict_handles(models)
-    base = next((m for m in models if m["role"] == "baseline" and measured(m["row"].get("ppl"))), None)
     if base is not None:
-        axis.axvline(base["row"]["ppl"], color=COLOURS["baseline"], linestyle="--", linewidth=1.4, zorder=1)
+        axis.axvline(base, color=COLOURS["baseline"], linestyle="--", linewidth=1.4, zorder=1)
         handles.append(Line2D([], [], color=COLOURS["baseline"], linestyle="--", label="baseline PPL"))
     axis.set_xlim(0, 1.1 * top or 1)  # zero-based: a bar's length is its perplexity
     axis.set_xlabel("perplexity (whiskers: ± 1 standard error)", fontsize=TEXT)
     return titled(figure, f"{title_name(record)}: perplexity per model", handles)
+
+
+def _ppl(row: ModelRow) -> tuple[float, float] | None:
+    """A model's perplexity and its standard error (0 where it has none); None where it was not measured."""
+    if row.measured is None or not measured(row.measured.ppl):
+        return None
+    return row.measured.ppl, row.measured.ppl_stderr if measured(row.measured.ppl_stderr) else 0.0
 
 
 def delta_nll_per_window(record: dict, folder: Path) -> Figure:

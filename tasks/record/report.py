@@ -16,9 +16,10 @@ from html import escape
 
 from tasks.config import EvaluationConfig, Thresholds
 from tasks.record import plots
-from tasks.record.figures import GATED
-from tasks.record.floor import floor_text, kl_text
+from tasks.record.figures import GATED, SHOWN, kl_text
+from tasks.record.floor import floor_text
 from tasks.record.population import population_line
+from tasks.record.row import Interval, ModelRow
 from tasks.record.verdict import said as said_as
 
 STYLE = """
@@ -56,11 +57,12 @@ def html_report(record: dict, pictures: dict[str, bytes], diagnoses: dict[str, s
     title = f"ppl-audit {record['name']}: {said_as(record['verdict']['status']).upper()}"
     if "domains" in record:
         summary = {name: picture for name, picture in pictures.items() if "/" not in name}  # a domain's: DOMAIN/
-        body = [_verdict(record), _comparison(record), _domains(record), _charts(summary),
+        body = [_verdict(record), _comparison(record) + _further(record), _domains(record), _charts(summary),
                 _diagnoses(record, diagnoses or {}), *(_domain(record, name, pictures) for name in record["domains"]),
                 _lineage(record)]
     else:
-        body = [_verdict(record), _comparison(record), _diagnoses(record, diagnoses or {}), _charts(pictures),
+        body = [_verdict(record), _comparison(record) + _further(record), _diagnoses(record, diagnoses or {}),
+                _charts(pictures),
                 _where(record), _settings(record), _lineage(record)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
@@ -84,30 +86,24 @@ def _comparison(record: dict) -> str:
     several = "domains" in record
     rows = []
     for entry in record["variants"]:
-        row, verdict = entry["row"], plots.verdict_of(entry)
-        limit = plots.ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
+        row, verdict = plots.row_of(entry), plots.verdict_of(entry)
+        limit = plots.ppl_limit(record, row.variant) if entry["role"] == "variant" else None
         reason = (entry["verdict"] or {}).get("reason") or entry["reason"]
-        error = f" ± {row['ppl_stderr']:.4f}" if plots.measured(row.get("ppl_stderr")) else ""
-        cells = [figure_text(row, "ppl", ".4f") + error,
-                 delta_text(row), kl_figure(row),
-                 f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—",
-                 "—" if limit is None else f"≤ {limit:g}", figure_text(row, "bits_per_weight", ".2f")]
-        if row.get("dominated_by"):
-            reason = f"{reason}; dominated by {row['dominated_by']}"
-        if row.get("floor"):  # whether it lost more than running the baseline in 16 bits
-            reason = f"{reason}; {row['floor']['said']}"
+        cells = _cells(row, "—" if limit is None else f"≤ {limit:g}", stderr=True)
+        if row.dominated_by:
+            reason = f"{reason}; dominated by {row.dominated_by}"
+        if row.floor:  # whether it lost more than running the baseline in 16 bits
+            reason = f"{reason}; {row.floor['said']}"
         domain = f'<td>{escape(entry.get("domain") or "—")}</td>' if several else ""
-        rows.append(f'<tr class="model"><th>{escape(entry["name"])}</th><td>{_badge(verdict)}</td>{domain}'
-                    f'<td>{escape(row.get("method") or entry["spec"]["method"])}</td>'
+        rows.append(f'<tr class="model"><th>{escape(row.variant)}</th><td>{_badge(verdict)}</td>{domain}'
+                    f'<td>{escape(row.method or entry["spec"]["method"])}</td>'
                     + "".join(f'<td class="n">{escape(c)}</td>' for c in cells) + "</tr>")
         if reason:  # under its model, across the table: a reason is too long for a column
             rows.append(f'<tr><td class="reason" colspan="{9 + several}">{escape(reason)}</td></tr>')
     for floor in record.get("floor", []):  # the noise floor: the baseline in 16 bits, never judged
-        row = floor["row"]
-        cells = [figure_text(row, "ppl", ".4f"), delta_text(row), kl_figure(row),
-                 f"{100 * row['top1_agreement']:.1f}%" if plots.measured(row.get("top1_agreement")) else "—", "—",
-                 figure_text(row, "bits_per_weight", ".2f")]
-        rows.append(f'<tr class="model"><th>{escape(floor["name"])}</th><td>floor</td>' + "<td>—</td>" * several
+        row = plots.row_of(floor)
+        cells = _cells(row, "—", stderr=False)
+        rows.append(f'<tr class="model"><th>{escape(row.variant)}</th><td>floor</td>' + "<td>—</td>" * several
                     + f'<td>{escape(floor["dtype"])}</td>' + "".join(f'<td class="n">{escape(c)}</td>' for c in cells)
                     + f'</tr><tr><td class="reason" colspan="{9 + several}">{escape(floor_text(row))}</td></tr>')
     title = "Each model on its worst domain" if several else "Comparison with the baseline"
@@ -117,6 +113,31 @@ def _comparison(record: dict) -> str:
     return (f'<h2>{title}</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
             + "<th>worst domain</th>" * several + "<th>method</th><th>PPL ± s.e.</th><th>ΔPPL % [95% CI]</th><th>KLD</th><th>top-1</th>"
             "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + f"</table></div>{named}")
+
+
+def _further(record: dict) -> str:
+    """The per-model figures shown beside the gated ones (``tasks.record.figures.SHOWN``) that the variants measured,
+    each with its interval (in an audit of several domains, on each variant's worst domain), and what each is."""
+    variants = [plots.row_of(entry) for entry in record["variants"][1:]]  # the baseline's entry comes first
+    measured = [figure for figure in SHOWN if any(row.figure(figure.key) for row in variants)]
+    if not measured:
+        return ""
+    rows = [[row.variant, *(figure.text(found.value, found.low, found.high) if (found := row.figure(figure.key))
+                            else None for figure in measured)] for row in variants]
+    about = "".join(f"<li>{escape(figure.name)}: {escape(figure.about)}</li>" for figure in measured)
+    return (f'<h2>Further figures</h2><div class="wide">{_table(["variant", *(f.name for f in measured)], rows)}'
+            f'</div><ul class="meta">{about}</ul>')
+
+
+def _cells(row: ModelRow, limit: str, stderr: bool) -> list[str]:
+    """A model's figures in the comparison table: PPL (with its standard error where ``stderr``), ΔPPL % with its
+    interval, KLD, top-1, its gate's ``limit`` and bits per weight."""
+    ppl, error, bits = ((row.measured.ppl, row.measured.ppl_stderr, row.measured.bits_per_weight) if row.measured
+                        else (None, None, None))
+    top1 = _value(row.figure("top1_agreement"))
+    return [_number(ppl, ".4f") + (f" ± {error:.4f}" if stderr and plots.measured(error) else ""),
+            _delta(row.figure("delta_ppl_pct")), _kl(_value(row.figure("kld_mean"))),
+            f"{100 * top1:.1f}%" if plots.measured(top1) else "—", limit, _number(bits, ".2f")]
 
 
 def _domains(record: dict) -> str:
@@ -320,7 +341,7 @@ def _reference_text(entry: dict) -> str | None:
     """The baseline's: scored or reused, its reference, drift; a variant's: the reference its KL came from."""
     said = entry.get("reference")
     if not said:
-        key = entry["row"].get("reference")
+        key = plots.row_of(entry).reference
         return f"KL against {key}" if key else None
     from tasks.record.verdict import drift_text
 
@@ -354,21 +375,43 @@ def _badge(verdict: str) -> str:
 
 
 def figure_text(row: dict, key: str, form: str) -> str:
-    """``row[key]`` in ``form``, or a dash where it was not measured (here and in the run's description)."""
-    return format(row[key], form) if plots.measured(row.get(key)) else "—"
+    """``row[key]`` of a flat row (the run's description's, the history's) in ``form``, or a dash where it was not
+    measured."""
+    return _number(row.get(key), form)
+
+
+def _number(value: float | None, form: str) -> str:
+    """A figure in ``form``, or a dash where it was not measured (the report's and the run's description's)."""
+    return format(value, form) if plots.measured(value) else "—"
 
 
 def kl_figure(row: dict, key: str = "kld_mean") -> str:
-    """``row[key]``, a KL figure, as every view gives it (``tasks.record.floor.kl_text``), or a dash where it was not
-    measured."""
-    return kl_text(row[key]) if plots.measured(row.get(key)) else "—"
+    """``row[key]`` of a flat row, a KL figure, as every view gives it (``tasks.record.floor.kl_text``), or a dash
+    where it was not measured."""
+    return _kl(row.get(key))
+
+
+def _kl(value: float | None) -> str:
+    return kl_text(value) if plots.measured(value) else "—"
+
+
+def _value(figure: Interval | None) -> float | None:
+    """A typed row's figure's estimate; None where it was not measured."""
+    return None if figure is None else figure.value
 
 
 def delta_text(row: dict) -> str:
-    """ΔPPL % and its paired 95% interval (here and in the run's description)."""
-    text = figure_text(row, "delta_ppl_pct", "+z.2f")
-    if plots.measured(row.get("delta_ppl_pct_low")):
-        text += f" [{row['delta_ppl_pct_low']:+z.2f}, {row['delta_ppl_pct_high']:+z.2f}]"
+    """ΔPPL % of a flat row and its paired 95% interval (here, in the run's description and the history)."""
+    return _delta(Interval(row.get("delta_ppl_pct"), None, row.get("delta_ppl_pct_low"), row.get("delta_ppl_pct_high")))
+
+
+def _delta(figure: Interval | None) -> str:
+    """ΔPPL % and its paired 95% interval, or a dash where it was not measured."""
+    if figure is None:
+        return "—"
+    text = _number(figure.value, "+z.2f")
+    if plots.measured(figure.low):
+        text += f" [{figure.low:+z.2f}, {figure.high:+z.2f}]"
     return text
 
 

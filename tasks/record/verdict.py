@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from tasks.config import Gate, Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference, token_slots
-from tasks.record.figures import GATED, Gated
-from tasks.record.floor import floor_text, kl_text
+from tasks.record.figures import GATED, Gated, kl_text
+from tasks.record.floor import floor_text
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.row import BaselineSaid, Change, Divergences, Interval, OwnFigures, ModelRow, Spread
