@@ -174,3 +174,22 @@ def test_the_log_scale_kl_interval_covers_the_truth_better_than_the_t_interval()
         above_t += plain.high < 0.01
     assert 0.92 <= covered / trials <= 0.97
     assert above / trials <= 0.07 and above < above_t
+
+
+def test_the_confident_flip_rate_counts_the_tokens_a_sure_baseline_loses_its_top_token_on():
+    """#70: a token is a confident flip where the baseline gave its top token at least 0.9 and the variant put another
+    first; the rate is their share of all tokens, with an interval over windows inside [0, 1]."""
+    from tasks.engine.paired import CONFIDENT, divergence_summary
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(20, 40, size=12)
+    n = int(counts.sum())
+    base, variant = rng.gamma(2.0, 1.5, n), rng.gamma(2.0, 1.5, n)
+    extra = {"kl": rng.gamma(0.5, 0.02, n), "kl_reverse": rng.gamma(0.5, 0.03, n), "top1": rng.random(n) < 0.8,
+             "base_top_p": rng.random(n).astype(np.float32)}
+    found = divergence_summary(extra, base, variant, counts)
+    flips = sum(1 for p, same in zip(extra["base_top_p"], extra["top1"]) if p >= CONFIDENT and not same)
+    assert 0 < flips and found["confident_flip_rate"] == pytest.approx(flips / n, rel=1e-12)
+    assert 0 <= found["confident_flip_rate_low"] < flips / n < found["confident_flip_rate_high"] <= 1
+    assert "confident_flip_rate" not in divergence_summary({k: v for k, v in extra.items() if k != "base_top_p"},
+                                                           base, variant, counts)

@@ -240,3 +240,31 @@ def test_the_size_chart_puts_each_costed_variant_at_its_bits_hollow_where_domina
         for name, face in (("int8", COLOURS["pass"]), ("noisy", "white")):  # noisy is dominated by int8
             point = points[(round(rows[name][size], 6), round(rows[name][key], 6))]
             assert to_rgb(point.get_markerfacecolor()) == to_rgb(face)
+
+
+def test_a_per_model_figure_is_in_every_view_and_equals_its_count_from_the_stored_tokens(audited, tmp_path):
+    """The confident-flip rate (#70's first tail figure, declared once in ``figures.SHOWN``): the record's figure is an
+    independent count over the variant's stored per-token arrays, and the console's ``--stats full``, ``--json``,
+    MLflow's metrics, report.html and the card each give it."""
+    import pyarrow.parquet as pq
+
+    from tasks.record.answer import answer_json, answer_text
+    from tasks.record.card import render
+
+    client, parent, record, folder, result = audited
+    noisy = next(entry for entry in record["variants"] if entry["name"] == "noisy")
+    tokens = pq.read_table(folder / noisy["arrays"]).to_pandas()
+    sure, differ = tokens["base_top_p"] >= 0.9, ~tokens["top1"]
+    # not a count of nothing: the baseline is sure of some tokens and the variant differs on others (here none is
+    # both: the noise moves the tokens the baseline is unsure of; tests/test_paired.py counts flips that occur)
+    assert sure.sum() > 0 and differ.sum() > 0
+    rate = noisy["row"]["confident_flip_rate"]
+    assert rate == int((sure & differ).sum()) / len(tokens)
+    shown = f"{100 * rate:.2f}% [{100 * noisy['row']['confident_flip_rate_low']:.2f}, " \
+            f"{100 * noisy['row']['confident_flip_rate_high']:.2f}]"
+    assert re.search(rf"\nconfident flips +: {re.escape(shown)} \(± ", answer_text(result, stats="full"))
+    assert json.loads(answer_json(result))["models"][2]["confident_flip_rate"] == rate
+    [child] = [run for run in client.search_runs([parent.info.experiment_id], "tags.`ppl_audit.variant` = 'noisy'")]
+    assert child.data.metrics["confident_flip_rate"] == rate and "confident_flip_rate_high" in child.data.metrics
+    assert f"<td>{html.escape(shown)}</td>" in report_of(client, parent, tmp_path)
+    assert f"| noisy | {shown} |" in render(record, "md", "runs:/x")

@@ -26,6 +26,9 @@ CONFIDENCE = 0.95  # of every interval and gate; a sequential run's sequences sh
 # llama-perplexity's statistics block: the percentiles it prints of the per-token KL and of Δp
 KLD_PERCENTILES = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
 DP_PERCENTILES = (99.9, 99, 95, 90, 75, 50, 25, 10, 5, 1, 0.1)
+# a token the baseline is sure of: its top token at this probability or more (a confident flip: the variant's top is
+# another; #70)
+CONFIDENT = 0.9
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, varia
     mean with error. ``kld_llama_mean``, where ``kl_llama`` was measured (mode llama.cpp): the mean KLD as
     llama-perplexity estimates it, with error and interval. ``token_lnppl_correlation``: llama.cpp's Cor(ln(PPL(Q)), ln(PPL(base))), the
     correlation of the two models' per-token NLL (``window_lnppl_correlation`` is per window).
+    ``confident_flip_rate``, where the baseline's probability of its top token was kept (``base_top_p``): the share of
+    tokens whose baseline put its top token at ``CONFIDENT`` or more and whose variant put another first.
     """
     summary: dict[str, float] = {}
     for name in ("kld", "kld_reverse"):
@@ -158,6 +163,9 @@ def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, varia
     summary |= cluster_mean(dp, window_tokens).as_dict("dp_mean") | _spread(dp, "dp", DP_PERCENTILES)
     summary |= {"dp_rms": rms, "dp_rms_stderr": squares.stderr / (2 * rms) if rms else math.nan}
     summary["token_lnppl_correlation"] = float(np.corrcoef(base, variant)[0, 1]) if len(base) > 1 else math.nan
+    if "base_top_p" in extra:  # the share of all tokens that are confident flips, its interval on the logit scale
+        flips = (np.asarray(extra["base_top_p"], np.float64) >= CONFIDENT) & ~np.asarray(extra["top1"], bool)
+        summary |= share_mean(flips.astype(np.float64), window_tokens).as_dict("confident_flip_rate")
     return summary
 
 

@@ -91,4 +91,8 @@ class Shown:
         return f"{self.shown(value)}{self.unit}{bounds}"
 
 
-SHOWN: tuple[Shown, ...] = ()
+SHOWN = (
+    Shown("confident flips", "confident_flip_rate", fixed(".2f", 100), "%",
+          "the share of tokens whose baseline was sure of its top token (probability ≥ 0.9) and whose variant put "
+          "another first"),
+)

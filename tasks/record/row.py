@@ -171,6 +171,7 @@ class Divergences:
     token_lnppl_correlation: float
     kld_llama_mean: Interval | None = None
     divergence_mib: float | None = None
+    confident_flip_rate: Interval | None = None
 
     @classmethod
     def of_flat(cls, flat: dict) -> Divergences | None:
@@ -180,7 +181,8 @@ class Divergences:
         interval, spread = partial(Interval._read, flat), partial(Spread._read, flat)
         return cls(interval("kld_mean"), spread("kld"), interval("kld_reverse_mean"), spread("kld_reverse"),
                    interval("top1_agreement"), interval("dp_mean"), spread("dp"), interval("dp_rms"),
-                   flat.get("token_lnppl_correlation", math.nan), interval("kld_llama_mean"), flat.get("divergence_mib"))
+                   flat.get("token_lnppl_correlation", math.nan), interval("kld_llama_mean"), flat.get("divergence_mib"),
+                   interval("confident_flip_rate"))
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,8 @@ class Dominance:
 # the figures with intervals a gate, a chart or a sequential stop names by key (tasks.record.figures.GATED), and
 # where each lives in a row
 _CHANGE_FIGURES = ("delta_nll", "ppl_ratio", "delta_ppl_pct")
-_DIVERGENCE_FIGURES = ("kld_mean", "kld_reverse_mean", "top1_agreement", "dp_mean", "dp_rms", "kld_llama_mean")
+_DIVERGENCE_FIGURES = ("kld_mean", "kld_reverse_mean", "top1_agreement", "dp_mean", "dp_rms", "kld_llama_mean",
+                       "confident_flip_rate")
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,8 @@ def _flat(row: ModelRow) -> Iterator[tuple[str, Any]]:
         yield from d.dp._flat("dp")
         yield from d.dp_rms._flat("dp_rms")
         yield "token_lnppl_correlation", d.token_lnppl_correlation
+        if d.confident_flip_rate is not None:
+            yield from d.confident_flip_rate._flat("confident_flip_rate")
         if row.said is None:
             yield "reference", row.reference
         if d.divergence_mib is not None:
