@@ -104,9 +104,10 @@ def test_the_markdown_card_has_the_console_tables_figures(audited, cli):
     record = json.loads(audited["record_text"])
     tables = markdown_tables(card)
     assert [heading for heading, _ in tables] == [f"### Domain `{d}` ({record['domains'][d]['corpus']['source']}): PASS"
-                                                  for d in DOMAINS for _ in range(2)]  # its table, then its floor's
+                                                  for d in DOMAINS for _ in range(3)]  # its table, its floor's, the
+    # figures shown beside the gated ones (figures.SHOWN)
     assert card.startswith("## Perplexity audit: carded\n\n**Verdict: PASS.** all 2 variant(s) passed")
-    for (_, rows), (_, floors), domain in zip(tables[::2], tables[1::2], DOMAINS):
+    for (_, rows), (_, floors), domain in zip(tables[::3], tables[1::3], DOMAINS):
         console = console_rows(record["domains"][domain]["table"])
         view = domain_view(record, domain)
         assert [row["variant"] for row in rows] == ["baseline", "int8", "half"]
@@ -120,7 +121,7 @@ def test_the_markdown_card_has_the_console_tables_figures(audited, cli):
                 low, high = (entry["row"][f"kld_mean_{end}"] for end in ("low", "high"))
                 assert row["KL [95% CI]"] == f"{printed['KLD']} [{low:.4f}, {high:.4f}]"
                 assert row["verdict"] == said(entry["verdict"]["status"]).upper()
-                assert row["floor"] == floor_cell(entry["row"]["floor"]) != ""
+                assert row["floor"] == floor_cell(typed(entry["row"]).floor) != ""
             else:
                 assert row["ΔPPL % [95% CI]"] == "—" and row["verdict"] == "baseline" and row["floor"] == ""
         # half is the baseline in bfloat16: the floor's own numerics, which it cannot be told from
@@ -366,7 +367,8 @@ def test_a_tiny_kl_keeps_its_digits_in_every_view(audited):
     from tasks.record.verdict import format_table
 
     view = tiny_kl(json.loads(audited["record_text"]))
-    [(_, rows), (_, floors)] = markdown_tables(render(view, "md", "runs:/x"))
+    [(_, rows), (_, floors), (_, further)] = markdown_tables(render(view, "md", "runs:/x"))
+    assert list(further[0]) == ["variant", "confident flips"]
     assert next(row for row in rows if row["variant"] == "half")["KL [95% CI]"] == "1.6e-05 [1.2e-05, 2.1e-05]"
     assert floors[0]["KL [95% CI]"] == "1.6e-05 [1.2e-05, 2.1e-05]"
     _, results = model_index_to_eval_results(model_index(view, "runs:/x"))

@@ -30,6 +30,7 @@ import yaml
 from tasks.config import EvaluationConfig
 from tasks.record.domains import domain_view
 from tasks.record.figures import GATED, SHOWN, Text, fixed, kl_text
+from tasks.record.floor_said import FloorJudgement
 from tasks.record.logged import RECORD
 from tasks.record.plots import verdict_of
 from tasks.record.row import Interval, ModelRow
@@ -129,7 +130,7 @@ class Model:
     @property
     def floor_said(self) -> str | None:
         """What the noise floor says of it; None in an audit without a floor."""
-        return (self.row.floor or {}).get("said")
+        return self.row.floor.said if self.row.floor else None
 
     @property
     def llama_cpp(self) -> str | None:
@@ -245,7 +246,7 @@ def card_row(model: Model) -> dict:
     floor, further = model.row.floor, model.row.shown()
     return {"variant": model.name, "role": model.role, "method": model.method, "status": model.status,
             **figure_data(model.row), "verdict": model.verdict, "reason": model.reason,
-            "floor": {key: floor.get(key) for key in ("dtype", "kld", "above", "said")} if floor else None} | (
+            "floor": {key: getattr(floor, key) for key in ("dtype", "kld", "above", "said")} if floor else None} | (
         {"further": {figure.key: asdict(CardFigure.of(found)) for figure, found in further}} if further else {})
 
 
@@ -253,12 +254,12 @@ def card_row(model: Model) -> dict:
 DELTA, KL = fixed("+z.2f"), kl_text
 
 
-def floor_cell(floor: dict | None) -> str:
+def floor_cell(floor: FloorJudgement | None) -> str:
     """The table's floor column: ``above`` (lost more than the floor's numerics, beyond noise), ``within DTYPE``,
     ``not judged`` (one window), blank in an audit without a floor."""
     if not floor:
         return ""
-    return {True: "above", False: f"within {floor.get('dtype')}"}.get(floor.get("above"), "not judged")
+    return {True: "above", False: f"within {floor.dtype}"}.get(floor.above, "not judged")
 
 
 def cells(model: Model) -> list[str]:

@@ -11,7 +11,6 @@ highest.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -19,16 +18,17 @@ import numpy as np
 from tasks.config import FLOOR_SHORT as SHORT
 from tasks.engine.paired import cluster_mean, token_slots
 from tasks.record.figures import kl_text
+from tasks.record.floor_said import AgainstFloor, FloorDifference, FloorJudgement
 from tasks.record.results import VariantResult
 from tasks.record.row import ModelRow
 
 
-def _paired(variant: np.ndarray, floor: np.ndarray, windows: np.ndarray) -> dict[str, float]:
+def _paired(variant: np.ndarray, floor: np.ndarray, windows: np.ndarray) -> FloorDifference:
     estimate = cluster_mean(np.asarray(variant, np.float64) - np.asarray(floor, np.float64), windows)
-    return {"difference": float(estimate.value), "low": float(estimate.low), "high": float(estimate.high)}
+    return FloorDifference(float(estimate.value), float(estimate.low), float(estimate.high))
 
 
-def against(variant: VariantResult, floor: VariantResult) -> dict | None:
+def against(variant: VariantResult, floor: VariantResult) -> AgainstFloor | None:
     """``variant`` against one ``floor`` on the tokens both scored: KL (where both have it) and NLL, paired; None where
     either was not scored."""
     if not (variant.ok and floor.ok):
@@ -37,52 +37,42 @@ def against(variant: VariantResult, floor: VariantResult) -> dict | None:
     slots = slice(None) if r.scored_windows is None else token_slots(f.window_tokens, r.scored_windows)
     if len(f.token_nll[slots]) != len(r.token_nll):
         return None
-    found = {"floor": floor.name, "dtype": floor.facts.dtype,
-             "nll": _paired(r.token_nll, f.token_nll[slots], r.window_tokens)}
-    found["ppl_above"] = _above(found["nll"])
-    if "kl" in r.extra and "kl" in f.extra:
-        found["kld"] = float(np.asarray(f.extra["kl"][slots], np.float64).mean())  # the floor's own mean KL
-        found["kld_variant"] = float(np.asarray(r.extra["kl"], np.float64).mean())
-        found["kl"] = _paired(r.extra["kl"], f.extra["kl"][slots], r.window_tokens)
-        found["above"] = _above(found["kl"])
-    else:
-        found["above"] = found["ppl_above"]
-    return found
+    nll = _paired(r.token_nll, f.token_nll[slots], r.window_tokens)
+    if not ("kl" in r.extra and "kl" in f.extra):
+        return AgainstFloor(floor.name, floor.facts.dtype, nll, nll.above, nll.above)
+    kl = _paired(r.extra["kl"], f.extra["kl"][slots], r.window_tokens)
+    return AgainstFloor(floor.name, floor.facts.dtype, nll, nll.above, kl.above,
+                        float(np.asarray(f.extra["kl"][slots], np.float64).mean()),  # the floor's own mean KL
+                        float(np.asarray(r.extra["kl"], np.float64).mean()), kl)
 
 
-def _above(paired: dict[str, float]) -> bool | None:
-    """Above beyond noise; None where the interval is not a number (one window)."""
-    return bool(paired["low"] > 0) if math.isfinite(paired["low"]) else None
-
-
-def judged(variant: VariantResult, floors: list[VariantResult], delta_ppl_pct: float | None = None) -> dict | None:
+def judged(variant: VariantResult, floors: list[VariantResult], delta_ppl_pct: float | None = None
+           ) -> FloorJudgement | None:
     """The row's ``floor``: the variant against every floor (``floors``), the one that decides (``dtype``, ``kld``,
     ``above``) and one line for the table and the report (``said``); None without a floor."""
     each = [found for floor in floors if (found := against(variant, floor)) is not None]
     if not each:
         return None
-    within = [found for found in each if found["above"] is False]
-    decides = within[0] if within else max(each, key=lambda found: found.get("kld", found["nll"]["difference"]))
-    said = _said(decides, delta_ppl_pct)
-    return {"dtype": decides["dtype"], "kld": decides.get("kld"), "above": decides["above"], "said": said,
-            "floors": each}
+    within = [found for found in each if found.above is False]
+    decides = within[0] if within else max(each, key=lambda found: found.kld if found.kl else found.nll.difference)
+    return FloorJudgement(decides.dtype, decides.kld, decides.above, _said(decides, delta_ppl_pct), tuple(each))
 
 
-def _said(found: dict, delta_ppl_pct: float | None) -> str:
-    name = SHORT.get(found["dtype"], found["dtype"])
-    where = {True: "above", False: "within", None: "not judged against"}[found["above"]]
-    if "kl" in found:
-        paired = found["kl"]
-        text = f"KL {kl_text(found['kld_variant'])}: {where} the {name} floor {kl_text(found['kld'])}"
-        text += (f" (+{kl_text(paired['difference'])} [{kl_text(paired['low'], '+')}, {kl_text(paired['high'], '+')}])"
-                 if found["above"] else "")
-        if found["ppl_above"] is not None:  # the NLL, paired the same way: ΔPPL beyond the floor's, or not
-            text += f", ΔPPL {'above' if found['ppl_above'] else 'within'} it"
+def _said(found: AgainstFloor, delta_ppl_pct: float | None) -> str:
+    name = SHORT.get(found.dtype, found.dtype)
+    where = {True: "above", False: "within", None: "not judged against"}[found.above]
+    if found.kl is not None:
+        paired = found.kl
+        text = f"KL {kl_text(found.kld_variant)}: {where} the {name} floor {kl_text(found.kld)}"
+        text += (f" (+{kl_text(paired.difference)} [{kl_text(paired.low, '+')}, {kl_text(paired.high, '+')}])"
+                 if found.above else "")
+        if found.ppl_above is not None:  # the NLL, paired the same way: ΔPPL beyond the floor's, or not
+            text += f", ΔPPL {'above' if found.ppl_above else 'within'} it"
         return text
-    paired = found["nll"]
+    paired = found.nll
     shown = f"ΔPPL {delta_ppl_pct:+.2f}%: " if delta_ppl_pct is not None else ""
-    return (f"{shown}{where} the {name} floor (ΔNLL against it {paired['difference']:+.5f} "
-            f"[{paired['low']:+.5f}, {paired['high']:+.5f}])")
+    return (f"{shown}{where} the {name} floor (ΔNLL against it {paired.difference:+.5f} "
+            f"[{paired.low:+.5f}, {paired.high:+.5f}])")
 
 
 def kept_as(floor: VariantResult) -> str:

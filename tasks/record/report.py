@@ -93,7 +93,7 @@ def _comparison(record: dict) -> str:
         if row.dominated_by:
             reason = f"{reason}; dominated by {row.dominated_by}"
         if row.floor:  # whether it lost more than running the baseline in 16 bits
-            reason = f"{reason}; {row.floor['said']}"
+            reason = f"{reason}; {row.floor.said}"
         domain = f'<td>{escape(entry.get("domain") or "—")}</td>' if several else ""
         rows.append(f'<tr class="model"><th>{escape(row.variant)}</th><td>{_badge(verdict)}</td>{domain}'
                     f'<td>{escape(row.method or entry["spec"]["method"])}</td>'

@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 from tasks.record.figures import SHOWN, Shown
+from tasks.record.floor_said import FloorJudgement
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ class ModelRow:
     divergence_absent: str | None = None
     divergences: Divergences | None = None
     sequential: str | None = None
-    floor: dict | None = None
+    floor: FloorJudgement | None = None
     dominance: Dominance | None = None
     floor_of: str | None = None
     floor_kept: str | None = None
@@ -324,9 +325,10 @@ def _flat(row: ModelRow) -> Iterator[tuple[str, Any]]:
             yield "reference", row.reference
         if d.divergence_mib is not None:
             yield "divergence_mib", d.divergence_mib
-    for key in ("sequential", "floor"):
-        if getattr(row, key) is not None:
-            yield key, getattr(row, key)
+    if row.sequential is not None:
+        yield "sequential", row.sequential
+    if row.floor is not None:
+        yield "floor", row.floor.as_record()
     if row.dominance is not None:
         yield "dominated_by", row.dominance.by
     yield from ((key, getattr(row, key)) for key in ("floor_of", "floor_kept", "domain") if getattr(row, key) is not None)
@@ -357,5 +359,5 @@ def _read(flat: dict) -> ModelRow:
                         get("drift_from")) if "baseline" in flat else None
     return ModelRow(get("variant"), get("method"), get("status"), get("reason", ""), measured, said, get("reference"),
                     Change.of_flat(flat), get("divergence_absent"), Divergences.of_flat(flat), get("sequential"),
-                    get("floor"), Dominance(get("dominated_by")) if "dominated_by" in flat else None, get("floor_of"),
+                    FloorJudgement.of_record(get("floor")) if get("floor") is not None else None, Dominance(get("dominated_by")) if "dominated_by" in flat else None, get("floor_of"),
                     get("floor_kept"), get("domain"))

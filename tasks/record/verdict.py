@@ -243,7 +243,7 @@ def _said(row: ModelRow, verdict: Verdict | None) -> str:
     if row.floor_of is not None:
         said = floor_text(row)
     if row.floor:
-        said += f"; {row.floor['said']}"
+        said += f"; {row.floor.said}"
     if row.divergence_absent and "KL divergence was not measured" not in said:
         said += f"; no KLD: {row.divergence_absent}"  # a blank column says why
     if row.dominated_by:
