@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers import free_port, place_prefect_database, wait_for, write_config, only
+from helpers import flat, free_port, only, place_prefect_database, wait_for, write_config
 
 from flows.audit import audit, result_of
+from tasks.record.result import AuditResult
 from tasks.engine.sequential import minimum_windows
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
@@ -45,11 +46,11 @@ class Network:
 
 
 @contextmanager
-def dask_cluster(workers: int, hide: Path | None = None, network: Network | None = None,
+def dask_cluster(workers: int, hide: tuple[Path, ...] = (), network: Network | None = None,
                  environment: dict[str, str] | None = None):
     """A scheduler and ``workers`` worker processes; ``(address, worker addresses in start order)``. With
-    ``hide``, the last worker runs in its own mount namespace with an empty tmpfs over that folder: a worker
-    that cannot see it. With ``network``, the scheduler listens on its gateway and worker ``n`` runs on host
+    ``hide``, the last worker runs in its own mount namespace with an empty tmpfs over each of those folders: a
+    worker that cannot see them. With ``network``, the scheduler listens on its gateway and worker ``n`` runs on host
     ``n``, reaching the scheduler, and the scheduler and this process reaching it, across the network.
     ``environment``: the workers' own (default ``worker_environment``)."""
     from distributed import Client
@@ -64,8 +65,9 @@ def dask_cluster(workers: int, hide: Path | None = None, network: Network | None
                        "--no-dashboard", "--name", f"worker-{n}"]
             if network:
                 command = ["ip", "netns", "exec", network.hosts[n][0], *command]
-            if hide is not None and n == workers - 1:
-                command = ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *command]
+            if hide and n == workers - 1:
+                mounts = " && ".join(f'mount -t tmpfs none "{folder}"' for folder in hide)
+                command = ["unshare", "--mount", "sh", "-c", f'{mounts} && exec "$@"', "sh", *command]
             started.append(subprocess.Popen(command, env=environment or worker_environment(), stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL))
         with Client(address, timeout=60, set_as_default=False) as client:
@@ -87,18 +89,57 @@ def two_workers(prefect_harness):
         yield started
 
 
+@dataclass(frozen=True)
+class Whole:
+    """The tiny models' audit run here in one process, unsharded: what an audit on a cluster must equal. ``variants``:
+    each variant's config by name; ``result``: its AuditResult."""
+
+    variants: dict[str, dict]
+    result: AuditResult
+
+    def configs(self, *names: str) -> list[dict]:
+        """The variants ``names``, configured as in this audit."""
+        return [self.variants[name] for name in names]
+
+    def outcome(self, name: str):
+        """The model ``name``'s outcome (``baseline`` or a variant's)."""
+        return next(outcome for outcome in only(self.result).results if outcome.name == name)
+
+    def rows(self, *names: str) -> list[dict]:
+        """The rows of the baseline and the variants ``names``, in that order, flat."""
+        rows = {row["variant"]: row for row in flat(self.result.rows)}
+        return [rows[name] for name in ("baseline", *names)]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, trained_model_dir, corpus_path, noisy_model_dir, prefect_harness) -> Whole:
+    """The unsharded audit of the tiny models (quantized at load, a copy, a noisy one), run once for the module's
+    tests that compare a cluster's figures with one process's; its baseline reference stays in the references
+    folder, where the audits on a cluster find it. Each test ran its own before (six audits): a variant's figures
+    are its own whatever else is audited with it (only a row's dominance reads the others, and the test that
+    compares whole rows audits all three)."""
+    variants = {"int8": {"name": "int8", "method": "torchao-int8"}, "copy": {"name": "copy", "path": str(trained_model_dir)},
+                "noisy": {"name": "noisy", "path": str(noisy_model_dir)}}
+    config = write_config(tmp_path_factory.mktemp("whole") / "s.yaml", trained_model_dir, corpus_path,
+                          list(variants.values()))
+    return Whole(variants, audit(config=str(config), return_state=True).result())
+
+
+def ppl_by_model(rows: list[dict]) -> list[tuple[str, float]]:
+    """Each model's name and perplexity, in the rows' order: what an audit elsewhere must equal to the last bit."""
+    return [(row["variant"], row["ppl"]) for row in rows]
+
+
 def test_an_audit_on_an_existing_dask_cluster_scores_as_sequential_and_names_each_worker(
-        tmp_path, trained_model_dir, corpus_path, two_workers):
-    variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "copy", "path": str(trained_model_dir)}]
-    sequential = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
-                       return_state=True).result()
+        tmp_path, trained_model_dir, corpus_path, two_workers, whole):
+    variants = whole.configs("int8", "copy")
     address, workers = two_workers
     config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
                           runner={"kind": "dask", "address": address})
     state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     on_cluster = state.result()
-    assert [r["ppl"] for r in on_cluster.rows] == [r["ppl"] for r in sequential.rows]  # to the last bit
+    assert ppl_by_model(flat(on_cluster.rows)) == ppl_by_model(whole.rows("int8", "copy"))  # to the last bit
     ran_on = {outcome.name: outcome.facts.worker for outcome in only(on_cluster).results}
     assert set(ran_on.values()) <= set(workers)  # every model, the baseline too, ran on the cluster's workers
     baseline = only(on_cluster).results[0]
@@ -151,13 +192,33 @@ def test_an_address_nothing_answers_at_is_one_line_before_anything_loads(cli, tm
                                         "(Connection refused); start the scheduler or correct the address"]
 
 
+@dataclass
+class BlindWorker:
+    """A cluster of two whose last worker sees neither the references folder (an unsynced mount) nor ``private`` (a
+    folder on one machine only)."""
+
+    address: str
+    workers: list[str]
+    private: Path
+
+
+@pytest.fixture(scope="module")
+def blind_worker(tmp_path_factory, prefect_harness):
+    """``BlindWorker``: one cluster for the module's tests of a worker that cannot see a folder, each of which
+    started one of its own (some 20 CPU-s each). The test that kills the worker that sees everything comes last."""
+    from tasks.core.places import references_dir
+
+    private = tmp_path_factory.mktemp("private")
+    with dask_cluster(2, hide=(references_dir(), private)) as (address, workers):
+        yield BlindWorker(address, workers, private)
+
+
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) to hide a folder from a worker")
-def test_a_model_folder_a_worker_cannot_see_is_one_line(cli, tmp_path, trained_model_dir, corpus_path):
-    private = tmp_path / "private"
-    variant = shutil.copytree(trained_model_dir, private / "variant")
+def test_a_model_folder_a_worker_cannot_see_is_one_line(cli, tmp_path, trained_model_dir, corpus_path, blind_worker):
+    variant = shutil.copytree(trained_model_dir, blind_worker.private / "variant")
     config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path, [{"name": "v", "path": str(variant)}])
-    with dask_cluster(2, hide=private) as (address, workers):
-        code, out, err = cli("run", str(config), "--set", "runner.kind=dask", "--set", f"runner.address={address}")
+    address, workers = blind_worker.address, blind_worker.workers
+    code, out, err = cli("run", str(config), "--set", "runner.kind=dask", "--set", f"runner.address={address}")
     assert code == 2 and "Traceback" not in err, err
     [line] = err.strip().splitlines()
     named = re.match(rf"ppl-audit: error: runner.address: worker (\S+) cannot see {re.escape(str(variant))} \(v\); ", line)
@@ -179,7 +240,7 @@ def test_an_address_that_cannot_be_a_scheduler_is_one_line(runner, says):
 
 
 def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_path, trained_model_dir,
-                                                                            corpus_path, noisy_model_dir, two_workers):
+                                                                            corpus_path, two_workers, whole):
     """Every model, the baseline too (scored again), as 3 slices of its windows over 2 workers: every per-token array
     (NLL, KL both ways, top-1) and every figure equals the unsharded audit's exactly, each shard names the worker it
     ran on, and the reference joined from the baseline's slices holds the bytes of the one written whole."""
@@ -189,10 +250,8 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     from tasks.audit import reference
     from tasks.core.places import references_dir
 
-    variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "noisy", "path": str(noisy_model_dir)}]
-    whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
-                  return_state=True).result()
-    written = Path(only(whole).results[0].reference.path)
+    variants = list(whole.variants.values())
+    written = Path(whole.outcome("baseline").reference.path)
     data = (reference.HIDDEN, reference.SCORES, reference.HEAD)  # the manifest says when; `used` is touched on reuse
     files = {name: (written / name).read_bytes() for name in data if (written / name).exists()}
     manifest = reference.Reference.open(written).manifest
@@ -226,9 +285,9 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     assert joined.verify() is None
     assert not any((references_dir() / ".slices").iterdir())  # the slices are gone once joined
     timing = {"tokens_per_second", "load_seconds", "weight_mib", "baseline", "drift", "drift_from"}  # how long, how made
-    assert [{k: v for k, v in row.items() if k not in timing} for row in sharded.rows] == \
-        [{k: v for k, v in row.items() if k not in timing} for row in whole.rows]
-    for one, split in zip(only(whole).results[1:], only(sharded).results[1:]):
+    assert [{k: v for k, v in row.items() if k not in timing} for row in flat(sharded.rows)] == \
+        [{k: v for k, v in row.items() if k not in timing} for row in flat(whole.result.rows)]
+    for one, split in zip(only(whole.result).results[1:], only(sharded).results[1:], strict=True):
         a, b = one.result, split.result
         assert (a.nll_sum, a.n_tokens, a.stderr) == (b.nll_sum, b.n_tokens, b.stderr)
         for name, x, y in [("nll", a.token_nll, b.token_nll), ("windows", a.window_nll, b.window_nll),
@@ -241,13 +300,11 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
 
 
 def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_a_borderline_one_to_the_end(
-        tmp_path, trained_model_dir, corpus_path, noisy_model_dir, two_workers):
+        tmp_path, trained_model_dir, corpus_path, noisy_model_dir, two_workers, whole):
     """`evaluation.sequential` with shards: each variant's windows in random pieces over 2 workers, judged as each
     piece returns; a clear variant stops early, a borderline one scores every window and is judged as without it."""
     variants = [{"name": "clear", "path": str(noisy_model_dir)}, {"name": "borderline", "path": str(noisy_model_dir)}]
-    whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants[1:])),
-                  return_state=True).result()
-    fixed = whole.rows[1]
+    fixed = whole.rows("noisy")[1]  # the same model, audited whole
     thresholds = {"max_ppl_increase_pct": 1000, "per_variant": {
         "borderline": {"max_ppl_increase_pct": (fixed["delta_ppl_pct"] + fixed["delta_ppl_pct_high"]) / 2}}}
     address, workers = two_workers
@@ -255,7 +312,7 @@ def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_
                           runner={"kind": "dask", "address": address, "shards": 2})
     state = audit(config=str(config), overrides=["evaluation.sequential=on"], return_state=True)
     summary = result_of(state)
-    rows, verdicts = {r["variant"]: r for r in summary.rows}, {v.name: v for v in summary.verdicts}
+    rows, verdicts = {r["variant"]: r for r in flat(summary.rows)}, {v.name: v for v in summary.verdicts}
     clear, borderline = only(summary).results[1], only(summary).results[2]
     assert verdicts["clear"].status == "pass" and "stopped at" in verdicts["clear"].reason
     assert rows["clear"]["scored_fraction"] < 1 and clear.sequential.decision == "pass"
@@ -358,8 +415,11 @@ def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path, two_workers
         assert process.returncode == 0
         return peak / 1024
 
-    here = peak_mib(embedded_int8(tmp_path / "s.yaml"))
-    flow = peak_mib(embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": two_workers[0]}))
+    # what is loaded, not how long it scores, sets the peak: 3 windows of SmolLM2, not 11
+    short = {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 512}
+    here = peak_mib(embedded_int8(tmp_path / "s.yaml", evaluation=short))
+    flow = peak_mib(embedded_int8(tmp_path / "d.yaml", evaluation=short,
+                                  runner={"kind": "dask", "address": two_workers[0]}))
     print(f"peak resident memory of the flow's process: {here:.0f} MiB scoring here, {flow:.0f} MiB on a cluster")
     assert flow < here - 400, (flow, here)
 
@@ -401,18 +461,16 @@ def test_a_stopped_audit_s_shard_stops_on_its_worker_within_a_batch(tmp_path):
     assert stopped_after < 10
 
 
-def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, trained_model_dir, corpus_path):
+def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, trained_model_dir, corpus_path, whole,
+                                                                blind_worker):
     """One worker sees its own, empty references folder (an unsynced mount): the shards it takes cannot read the
     baseline reference, fail, and run again on the other worker; the audit's figures are still exact."""
     from tasks.core.places import references_dir
 
-    variants = [{"name": "int8", "method": "torchao-int8"}]
-    whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
-                  return_state=True).result()
-    with dask_cluster(2, hide=references_dir()) as (address, workers):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
-                              runner={"kind": "dask", "address": address, "shards": 4})
-        state = audit(config=str(config), return_state=True)
+    workers = blind_worker.workers
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, whole.configs("int8"),
+                          runner={"kind": "dask", "address": blind_worker.address, "shards": 4})
+    state = audit(config=str(config), return_state=True)  # the baseline's reference, the whole audit's, reused
     assert state.is_completed(), state.message
     outcome = only(state.result()).results[1]
     failed = [row for row in outcome.shards if "failed" in row]
@@ -424,8 +482,8 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
     done = [row for row in outcome.shards if "failed" not in row]
     assert [row["windows"] for row in done] == [[0, 12], [12, 24], [24, 36], [36, 46]]
     assert all(row["worker"] != failed[0]["worker"] for row in done)
-    assert np.array_equal(outcome.result.extra["kl"], only(whole).results[1].result.extra["kl"])
-    assert outcome.result.nll_sum == only(whole).results[1].result.nll_sum
+    assert np.array_equal(outcome.result.extra["kl"], whole.outcome("int8").result.extra["kl"])
+    assert outcome.result.nll_sum == whole.outcome("int8").result.nll_sum
 
 
 def embedded_int8(path: Path, **sections) -> Path:
@@ -444,7 +502,7 @@ def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path
     worker, the one it failed on included)."""
     from tasks.core.places import references_dir
 
-    with dask_cluster(1, hide=references_dir()) as (address, _):
+    with dask_cluster(1, hide=(references_dir(),)) as (address, _):
         config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
         _, variant = only(result_of(audit(config=str(config), return_state=True))).results
     assert variant.reason.endswith("; no other worker is left to run it again"), variant.reason
@@ -453,7 +511,7 @@ def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path
 
 
 @pytest.mark.usefixtures("smollm2_int8_here")  # its baseline reference, which worker-1 cannot see
-def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tmp_path):
+def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tmp_path, blind_worker):
     """The shards that failed on the worker without references are held to the other worker for their second
     try; that worker is killed while one runs: Dask would keep them waiting for it forever, the audit fails the
     variant with both reasons instead."""
@@ -461,8 +519,6 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
     import threading
 
     from distributed import Client
-
-    from tasks.core.places import references_dir
 
     def held_retries(dask_scheduler) -> int:
         """Tasks held to some workers that have not finished: the second tries (nothing else is held)."""
@@ -476,12 +532,12 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
             killed.append(workers[0])
 
     killed: list[str] = []
-    with dask_cluster(2, hide=references_dir()) as (address, workers):
-        config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 4})
-        killer = threading.Thread(target=kill_the_other_when_a_retry_runs, args=(address, killed))
-        killer.start()
-        state = audit(config=str(config), return_state=True)
-        killer.join()
+    address, workers = blind_worker.address, blind_worker.workers  # its last user: a worker of it is killed
+    config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 4})
+    killer = threading.Thread(target=kill_the_other_when_a_retry_runs, args=(address, killed))
+    killer.start()
+    state = audit(config=str(config), return_state=True)
+    killer.join()
     assert killed == [workers[0]]
     _, variant = only(result_of(state)).results
     assert re.fullmatch(r"shard \d of 4: the baseline reference .* is not on tcp://127\.0\.0\.1:\d+; every worker "
@@ -506,22 +562,20 @@ def ray_address():
 
 
 def test_an_audit_on_a_ray_cluster_in_shards_scores_as_sequential(tmp_path, trained_model_dir, corpus_path,
-                                                                   ray_address):
-    variants = [{"name": "int8", "method": "torchao-int8"}]
-    whole = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
-                  return_state=True).result()
-    config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, variants,
+                                                                   ray_address, whole):
+    config = write_config(tmp_path / "r.yaml", trained_model_dir, corpus_path, whole.configs("int8"),
                           runner={"kind": "ray", "address": ray_address, "shards": 2})
     state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
-    for outcome, alone in zip(only(state.result()).results, only(whole).results):  # the baseline scored again, in shards
+    for outcome in only(state.result()).results:  # the baseline scored again, in shards
+        alone = whole.outcome(outcome.name)
         assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
         assert outcome.result.nll_sum == alone.result.nll_sum
         assert [row["windows"] for row in outcome.shards] == [[0, 24], [24, 46]]
         assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
         assert os.getpid() not in {int(re.search(r"pid (\d+)", row["worker"]).group(1)) for row in outcome.shards}
     baseline, variant = only(state.result()).results
-    assert np.array_equal(variant.result.extra["kl"], only(whole).results[1].result.extra["kl"])
+    assert np.array_equal(variant.result.extra["kl"], whole.outcome("int8").result.extra["kl"])
     assert baseline.reference.drift["max_abs_delta_nll"] == 0 and baseline.reference.problem is None
 
 
@@ -653,23 +707,21 @@ def sent_bytes(cable: str) -> int:
 
 
 def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(caplog, tmp_path, trained_model_dir, corpus_path,
-                                                                 network, prefect_on_the_network):
+                                                                 network, hosts, prefect_on_the_network, whole):
     """The scheduler and the Prefect server on this machine, one worker on each of two hosts: the variants'
     shards go over the network (each host's cable carries the token stream), run on both hosts, and merge to
-    the sequential audit's figures bit for bit."""
-    variants = [{"name": "int8", "method": "torchao-int8"}, {"name": "copy", "path": str(trained_model_dir)}]
-    sequential = audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
-                       return_state=True).result()
+    the sequential audit's figures bit for bit. The workers were started with the harness's API (``hosts``):
+    each task carries the flow's, the one on the network, to its worker."""
+    address, workers = hosts
     before = [sent_bytes(cable) for cable in network.cables]
-    with dask_cluster(2, network=network) as (address, workers):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants,
-                              runner={"kind": "dask", "address": address, "shards": 2})
-        state = audit(config=str(config), return_state=True)
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, whole.configs("int8", "copy"),
+                          runner={"kind": "dask", "address": address, "shards": 2})
+    state = audit(config=str(config), return_state=True)
     assert state.is_completed(), state.message
     on_hosts = state.result()
-    assert [r["ppl"] for r in on_hosts.rows] == [r["ppl"] for r in sequential.rows]  # to the last bit
-    for one, split in zip(only(sequential).results[1:], only(on_hosts).results[1:]):
-        assert np.array_equal(one.result.token_nll, split.result.token_nll)
+    assert ppl_by_model(flat(on_hosts.rows)) == ppl_by_model(whole.rows("int8", "copy"))  # to the last bit
+    for split in only(on_hosts).results[1:]:
+        assert np.array_equal(whole.outcome(split.name).result.token_nll, split.result.token_nll)
     ran_on = {row["worker"] for outcome in only(on_hosts).results[1:] for row in outcome.shards}
     assert ran_on == set(workers) and {w.split("//")[1].split(":")[0] for w in workers} == {a for _, a in network.hosts}
     host = r"tcp://10\.\d+\.\d+\.1[12]:\d+"
@@ -678,7 +730,7 @@ def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(caplog, tmp_pat
         assert len(said) == 1 and re.fullmatch(rf"{name}: windows 0-\d+ on {host} \(\d+ tokens, [\d.]+ s\); "
                                                rf"windows \d+-\d+ on {host} \(\d+ tokens, [\d.]+ s\)", said[0]), said
     crossed = [sent_bytes(cable) - then for cable, then in zip(network.cables, before)]
-    assert all(amount > 100_000 for amount in crossed), crossed  # the stream (and more) went down each cable
+    assert all(amount > 100_000 for amount in crossed), crossed  # the audit's stream (and more) went down each cable
 
 
 @pytest.fixture(scope="module")

@@ -330,6 +330,12 @@ def test_every_format_is_diagnosed_with_finite_figures(fmt, cache, trained_model
     assert all(row["restore_mib"] > 0 for row in found["layers"])  # the float layer takes more than the quantized
     whole = found["restore_curve"][-1]
     assert sorted(whole["restored"]) == [0, 1] and whole["kl"] < found["kl"]
+    # the typed diagnosis the views read is the dict the record keeps, key for key and in order; its table is drawn
+    from tasks.record.diagnosis import diagnosis_table
+    from tasks.record.diagnosis_said import VariantDiagnosis
+
+    assert repr(VariantDiagnosis.of_record(found).as_record()) == repr(found)
+    assert diagnosis_table(found).startswith(f"{found['variant']} (") and "restore curve (greedy)" in diagnosis_table(found)
     if found["embeddings"]["sqnr_db"] == SQNR_CAP_DB and found["head"]["kl"] == 0:
         assert whole["kl"] < 1e-9  # nothing but the decoder layers was quantized
     else:  # gptqmodel saves the embeddings in float16: restoring every layer leaves their rounding

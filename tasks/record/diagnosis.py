@@ -1,7 +1,7 @@
 """A variant's diagnosis as users read it: a console table, two charts, a JSON file kept locally and an MLflow run.
 
-The diagnosis itself is plain data (``tasks.audit.diagnose.diagnosis_report``): per decoder layer its own and accumulated
-SQNR and what restoring it alone wins back, the ranking, and the greedy restore curve.
+The diagnosis is made and kept as plain data (``tasks.audit.diagnose.diagnosis_report``): each view that is given it
+reads it once as a ``VariantDiagnosis`` (``tasks.record.diagnosis_said``) and shows its attributes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from tasks.core.places import home
+from tasks.record.diagnosis_said import VariantDiagnosis, WonBack
 from tasks.record.plots import COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
 from tasks.record.tags import DOMAIN
 
@@ -30,73 +31,77 @@ def _pct(value, low=None, high=None) -> str:
     return f"{value:5.1f}%"
 
 
+def _share(won: WonBack) -> str:
+    return _pct(won.pct, won.low, won.high)
+
+
 def diagnosis_table(found: dict) -> str:
     """A row per decoder layer (own and accumulated SQNR, what restoring it alone wins back, its cost), the
     layers that win back most marked; then the LM head's own error and the greedy restore curve."""
-    marked = set(found["ranking"][:WORST])
-    domain = f" of the domain {found['domain']}" if found.get("domain") else ""  # an audit of several corpora's
-    lines = [f"{found['variant']} ({found['method']}): ΔPPL {found['delta_ppl_pct']:+.2f}%, KL {found['kl']:.5f} on "
-             f"{found['windows']} windows{domain} ({found['tokens']} tokens)",
+    said = VariantDiagnosis.of_record(found)
+    marked = set(said.ranking[:WORST])
+    domain = f" of the domain {said.domain}" if said.domain else ""  # an audit of several corpora's
+    lines = [f"{said.variant} ({said.method}): ΔPPL {said.delta_ppl_pct:+.2f}%, KL {said.kl:.5f} on "
+             f"{said.windows} windows{domain} ({said.tokens} tokens)",
              f"  {'layer':>5}  {'own SQNR':>9}  {'acc. SQNR':>9}  {'own cos err':>11}  "
              f"{'restore wins back (KL, 95%)':>28}  {'ΔNLL':>7}  {'MiB':>6}"]
-    for row in found["layers"]:
-        pct = _pct(row["restore_recovery_pct"], row["restore_recovery_low"], row["restore_recovery_high"])
-        lines.append(f"{'*' if row['layer'] in marked else ' '} {row['layer']:>5}  {row['own_sqnr_db']:7.1f}dB  "
-                     f"{row['accumulated_sqnr_db']:7.1f}dB  {row['own_cos_err']:11.2e}  {pct:>28}  "
-                     f"{_pct(row['restore_nll_recovery_pct']):>7}  {row['restore_mib']:6.2f}")
-    lines.append(f"  head: KL {found['head']['kl']:.2e} of its own (the variant's LM head on the baseline's final "
-                 f"hidden states), same top token {100 * found['head']['top1']:.2f}%; input embeddings: SQNR "
-                 f"{found['embeddings']['sqnr_db']:.1f} dB (what restoring every layer cannot win back)")
+    for row in said.layers:
+        lines.append(f"{'*' if row.layer in marked else ' '} {row.layer:>5}  {row.own_sqnr_db:7.1f}dB  "
+                     f"{row.accumulated_sqnr_db:7.1f}dB  {row.own_cos_err:11.2e}  {_share(row.restore_kl):>28}  "
+                     f"{_pct(row.restore_nll.pct):>7}  {row.restore_mib:6.2f}")
+    lines.append(f"  head: KL {said.head.kl:.2e} of its own (the variant's LM head on the baseline's final "
+                 f"hidden states), same top token {100 * said.head.top1:.2f}%; input embeddings: SQNR "
+                 f"{said.embeddings.sqnr_db:.1f} dB (what restoring every layer cannot win back)")
     lines.append("  restore curve (greedy): " + "; ".join(
-        f"{len(step['restored'])} layers {step['restored']}: KL {step['kl']:.5f} ({_pct(step['kl_recovery_pct'])} "
-        f"back), ΔNLL {step['delta_nll']:+.5f}, +{step['mib']:.2f} MiB" for step in found["restore_curve"][1:]))
-    lines.append(f"  * the {WORST} layers that win back most alone; took {found['seconds']:.0f} s")
+        f"{len(step.restored)} layers {list(step.restored)}: KL {step.kl:.5f} ({_pct(step.kl_recovery.pct)} "
+        f"back), ΔNLL {step.delta_nll:+.5f}, +{step.mib:.2f} MiB" for step in said.restore_curve[1:]))
+    lines.append(f"  * the {WORST} layers that win back most alone; took {said.seconds:.0f} s")
     return "\n".join(lines)
 
 
-def layers_chart(found: dict) -> Figure:
+def layers_chart(said: VariantDiagnosis) -> Figure:
     """Own and accumulated SQNR per layer (lines, left axis) and the KL restoring each wins back (bars, right)."""
     figure = Figure(figsize=(WIDTH, 5), dpi=DPI, layout="constrained")
     axis = figure.subplots()
-    layers = [row["layer"] for row in found["layers"]]
+    layers = [row.layer for row in said.layers]
     twin = axis.twinx()
-    recovery = [row["restore_recovery_pct"] for row in found["layers"]]
-    errors = [[max(0.0, r - row["restore_recovery_low"]) if row["restore_recovery_low"] == row["restore_recovery_low"]
-               else 0.0 for r, row in zip(recovery, found["layers"])],
-              [max(0.0, row["restore_recovery_high"] - r) if row["restore_recovery_high"] == row["restore_recovery_high"]
-               else 0.0 for r, row in zip(recovery, found["layers"])]]
-    twin.bar(layers, recovery, color=RECOVERY, alpha=0.5, yerr=errors, capsize=2, label="KL won back restoring it alone")
+    shares = [row.restore_kl for row in said.layers]
+    errors = [[max(0.0, won.pct - won.low) if won.low == won.low else 0.0 for won in shares],  # NaN: no interval
+              [max(0.0, won.high - won.pct) if won.high == won.high else 0.0 for won in shares]]
+    twin.bar(layers, [won.pct for won in shares], color=RECOVERY, alpha=0.5, yerr=errors, capsize=2,
+             label="KL won back restoring it alone")
     twin.set_ylabel("KL won back (% of the variant's)", fontsize=TEXT)
-    for key, colour, label in (("own_sqnr_db", OWN, "own SQNR (baseline's input)"),
-                               ("accumulated_sqnr_db", ACCUMULATED, "accumulated SQNR (end to end)")):
-        axis.plot(layers, [row[key] for row in found["layers"]], "o-", color=colour, label=label)
+    for sqnr, colour, label in (([row.own_sqnr_db for row in said.layers], OWN, "own SQNR (baseline's input)"),
+                                ([row.accumulated_sqnr_db for row in said.layers], ACCUMULATED,
+                                 "accumulated SQNR (end to end)")):
+        axis.plot(layers, sqnr, "o-", color=colour, label=label)
     axis.set_zorder(twin.get_zorder() + 1)
     axis.patch.set_visible(False)
     axis.set_xlabel("decoder layer", fontsize=TEXT)
     axis.set_ylabel("SQNR (dB; higher is closer to the baseline)", fontsize=TEXT)
     handles = axis.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     figure.legend(handles=handles, fontsize=SMALL, loc="outside lower center", ncols=3)  # off the bars
-    figure.suptitle(f"{found['variant']}: where in the model it loses (worst first: {found['ranking'][:WORST]})",
+    figure.suptitle(f"{said.variant}: where in the model it loses (worst first: {list(said.ranking[:WORST])})",
                     fontsize=TITLE)
     return figure
 
 
-def restore_curve_chart(found: dict) -> Figure:
+def restore_curve_chart(said: VariantDiagnosis) -> Figure:
     """KL and ΔNLL left after restoring 0, 1, ... layers greedily, each point labelled with its extra MiB."""
     figure = Figure(figsize=(WIDTH, 4.5), dpi=DPI, layout="constrained")
     axis = figure.subplots()
-    steps = found["restore_curve"]
-    counts = [len(step["restored"]) for step in steps]
-    axis.plot(counts, [step["kl"] for step in steps], "o-", color=COLOURS["fail"], label="mean KL(baseline‖variant)")
+    steps = said.restore_curve
+    counts = [len(step.restored) for step in steps]
+    axis.plot(counts, [step.kl for step in steps], "o-", color=COLOURS["fail"], label="mean KL(baseline‖variant)")
     for count, step in zip(counts, steps):
-        axis.annotate(f"+{step['mib']:.1f} MiB" if count else "as quantized", (count, step["kl"]),
+        axis.annotate(f"+{step.mib:.1f} MiB" if count else "as quantized", (count, step.kl),
                       textcoords="offset points", xytext=(4, 6), fontsize=SMALL)
-    added = [""] + [f"+ layer {(set(b['restored']) - set(a['restored'])).pop()}" for a, b in zip(steps, steps[1:])]
+    added = [""] + [f"+ layer {(set(b.restored) - set(a.restored)).pop()}" for a, b in zip(steps, steps[1:])]
     twin = axis.twinx()
-    deltas = [step["delta_nll"] for step in steps]
+    deltas = [step.delta_nll for step in steps]
     twin.plot(counts, deltas, "s--", color=COLOURS["baseline"], label="ΔNLL")
     # both from zero: a curve drawn from its own minimum makes a tenth of a nat look like the whole loss
-    axis.set_ylim(0, 1.1 * max(step["kl"] for step in steps) or 1.0)
+    axis.set_ylim(0, 1.1 * max(step.kl for step in steps) or 1.0)
     twin.set_ylim(1.1 * min(0.0, *deltas), 1.1 * max(0.0, *deltas) or 1.0)
     axis.set_xticks(counts, labels=[f"{count}\n{label}" for count, label in zip(counts, added)])
     axis.set_xlabel("decoder layers restored (greedy: each the one that wins back most beside those before)",
@@ -104,22 +109,25 @@ def restore_curve_chart(found: dict) -> Figure:
     axis.set_ylabel("mean KL", fontsize=TEXT)
     twin.set_ylabel("ΔNLL (nats per token)", fontsize=TEXT)
     axis.legend(handles=axis.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0], fontsize=SMALL)
-    figure.suptitle(f"{found['variant']}: what keeping layers in the baseline's precision wins back", fontsize=TITLE)
+    figure.suptitle(f"{said.variant}: what keeping layers in the baseline's precision wins back", fontsize=TITLE)
     return figure
 
 
 def keep(found: dict) -> Path:
     """Write the diagnosis to ``<home>/diagnoses`` first: nothing computed is lost if tracking fails."""
+    said = VariantDiagnosis.of_record(found)
     folder = home() / "diagnoses"
     folder.mkdir(parents=True, exist_ok=True)
-    domain = f".{found['domain']}" if found.get("domain") else ""  # two domains' diagnoses in one second: two files
-    path = folder / f"{datetime.now():%Y%m%dT%H%M%S}-{found.get('audit', 'audit')}-{found['variant']}{domain}.json"
-    path.write_text(diagnosis_json(found) + "\n")
+    domain = f".{said.domain}" if said.domain else ""  # two domains' diagnoses in one second: two files
+    audit = "audit" if said.audit is None else said.audit  # one made but by the diagnose flow names none
+    path = folder / f"{datetime.now():%Y%m%dT%H%M%S}-{audit}-{said.variant}{domain}.json"
+    path.write_text(diagnosis_json(said.as_record()) + "\n")
     return path
 
 
 def diagnosis_json(found: dict) -> str:
-    """One JSON line (NaN, which JSON has not, as null)."""
+    """One JSON line (NaN, which JSON has not, as null) of plain data: a diagnosis's, or a tune's
+    (``tasks.record.tuning``)."""
     def plain(value):
         if isinstance(value, float) and not math.isfinite(value):
             return None
@@ -136,28 +144,37 @@ def log_diagnosis_run(client, experiment_id: str, found: dict, tags: dict[str, s
     """An MLflow run of the diagnosis, with ``tags`` (its audit's run as parent): per-layer metrics by layer as the
     step (MLflow's charts draw them along the layers), the curve by layers restored, the JSON, both charts.
     Returns its id."""
-    from mlflow.entities import Metric
-
-    on = f" on the domain {found['domain']}" if found.get("domain") else ""
-    tags = tags | {"ppl_audit.kind": "diagnosis", "ppl_audit.variant": found["variant"],
-                   "mlflow.note.content": f"Where `{found['variant']}` loses{on}, layers most responsible first: "
-                                          f"{found['ranking']}"}
-    if found.get("domain"):  # which of its audit's corpora it was diagnosed on
-        tags[DOMAIN] = found["domain"]
-    run = client.create_run(experiment_id, run_name=f"diagnose {found['variant']}{on}", tags=tags).info.run_id
-    now = int(time.time() * 1000)
-    metrics = [Metric(key, float(found[key]), now, 0) for key in ("delta_nll", "delta_ppl_pct", "kl")]
-    metrics += [Metric("head_kl", float(found["head"]["kl"]), now, 0)]
-    for row in found["layers"]:
-        metrics += [Metric(f"layer_{key}", float(row[key]), now, row["layer"])
-                    for key in ("own_sqnr_db", "accumulated_sqnr_db", "own_cos_err", "restore_recovery_pct")
-                    if row[key] == row[key]]
-    for step in found["restore_curve"]:
-        metrics += [Metric(f"curve_{key}", float(step[key]), now, len(step["restored"])) for key in ("kl", "delta_nll", "mib")]
+    said = VariantDiagnosis.of_record(found)
+    on = f" on the domain {said.domain}" if said.domain else ""
+    tags = tags | {"ppl_audit.kind": "diagnosis", "ppl_audit.variant": said.variant,
+                   "mlflow.note.content": f"Where `{said.variant}` loses{on}, layers most responsible first: "
+                                          f"{list(said.ranking)}"}
+    if said.domain:  # which of its audit's corpora it was diagnosed on
+        tags[DOMAIN] = said.domain
+    run = client.create_run(experiment_id, run_name=f"diagnose {said.variant}{on}", tags=tags).info.run_id
+    metrics = _metrics(said, int(time.time() * 1000))
     for start in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
         client.log_batch(run, metrics=metrics[start : start + 1000])
-    client.log_dict(run, json.loads(diagnosis_json(found)), "diagnosis.json")
-    client.log_figure(run, layers_chart(found), "layers.png")
-    client.log_figure(run, restore_curve_chart(found), "restore_curve.png")
+    client.log_dict(run, json.loads(diagnosis_json(said.as_record())), "diagnosis.json")
+    client.log_figure(run, layers_chart(said), "layers.png")
+    client.log_figure(run, restore_curve_chart(said), "restore_curve.png")
     client.set_terminated(run, "FINISHED")
     return run
+
+
+def _metrics(said: VariantDiagnosis, now: int) -> list:
+    """The run's metrics: the variant's loss and its head's at step 0, each layer's figures (those measured: NaN is
+    none) by layer as the step, the curve's by layers restored."""
+    from mlflow.entities import Metric
+
+    metrics = [Metric(key, float(value), now, 0) for key, value in
+               (("delta_nll", said.delta_nll), ("delta_ppl_pct", said.delta_ppl_pct), ("kl", said.kl),
+                ("head_kl", said.head.kl))]
+    for row in said.layers:
+        figures = (("own_sqnr_db", row.own_sqnr_db), ("accumulated_sqnr_db", row.accumulated_sqnr_db),
+                   ("own_cos_err", row.own_cos_err), ("restore_recovery_pct", row.restore_kl.pct))
+        metrics += [Metric(f"layer_{key}", float(value), now, row.layer) for key, value in figures if value == value]
+    for step in said.restore_curve:
+        metrics += [Metric(f"curve_{key}", float(value), now, len(step.restored))
+                    for key, value in (("kl", step.kl), ("delta_nll", step.delta_nll), ("mib", step.mib))]
+    return metrics
