@@ -14,6 +14,9 @@ CODE = ("tasks", "flows")
 # string-key subscripts (``row["ppl"]``): results travelling as untyped dicts. Target (#68): at most 300, all in the
 # serialization and MLflow modules
 SUBSCRIPTS_CEILING = 838
+# branches on whether an audit has one corpus or several (an audit's ``named``/``by_domain``, a config's ``corpora``, a
+# record's ``domains``): one corpus and several as two shapes. Target (#68): at most 3
+SHAPE_BRANCHES_CEILING = 31
 # flows/audit.py reads top to bottom: target (#68) at most 120 lines
 AUDIT_FLOW_LINES_CEILING = 118
 # no function in flows/ over 40 lines (#68): none is today; one that must be (say why) is listed here with its length
@@ -47,6 +50,41 @@ def test_string_key_subscripts_only_go_down():
     assert total <= SUBSCRIPTS_CEILING, (f"{total} string-key subscripts in tasks/ and flows/, more than the "
                                          f"{SUBSCRIPTS_CEILING} of before (most in {most}): a new figure belongs in "
                                          "a typed value, not a dict")
+
+
+def _on_the_shape(test: ast.AST) -> bool:
+    """Whether a condition asks one corpus or several."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Attribute) and node.attr in ("named", "by_domain", "corpora"):
+            return True
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) \
+                and node.left.value in ("domains", "domain") and any(isinstance(op, ast.In | ast.NotIn) for op in node.ops):
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in ("domains", "domain"):
+            return True
+    return False
+
+
+def shape_branches() -> Counter:
+    """The branches of each module of tasks/ and flows/ on one corpus or several: an if, a conditional expression or a
+    comprehension's condition that asks it."""
+    found = Counter()
+    for path in _modules():
+        for node in ast.walk(_tree(path)):
+            tests = ([node.test] if isinstance(node, ast.If | ast.IfExp | ast.While)
+                     else node.ifs if isinstance(node, ast.comprehension) else [])
+            if any(_on_the_shape(test) for test in tests):
+                found[str(path.relative_to(ROOT))] += 1
+    return found
+
+
+def test_one_corpus_and_several_are_branched_on_less_and_less():
+    found = shape_branches()
+    total = sum(found.values())
+    assert total <= SHAPE_BRANCHES_CEILING, (f"{total} branches on one corpus or several, more than the "
+                                             f"{SHAPE_BRANCHES_CEILING} of before ({found.most_common(5)}): an audit of "
+                                             "one corpus is an audit of one domain")
 
 
 def test_the_audit_flow_only_gets_shorter():
