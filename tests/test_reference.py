@@ -296,7 +296,7 @@ def test_a_reference_that_cannot_be_written_loses_the_kl_not_the_scores(tiny_mod
     assert verdict.status == "error" and "could not write the baseline reference" in verdict.reason
     rows = [comparison_row(baseline, baseline, 64), comparison_row(variant, baseline, 64)]
     ungated = judge_row(rows[1], Thresholds())
-    assert rows[1]["divergence_absent"] == baseline.reference.problem
+    assert rows[1].divergence_absent == baseline.reference.problem
     table = format_table(rows, {"int8": ungated}).splitlines()
     assert table[-1].endswith(f"; no KLD: {baseline.reference.problem}")  # the blank column says why
     assert format_stats(rows) == ("### int8 against baseline: no KL divergence statistics: "
