@@ -17,7 +17,7 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from helpers import write_config
+from helpers import place_prefect_database, write_config
 
 # what the libraries print on every command, in the log and nowhere else
 LIBRARY_NOISE = ("Loading weights", "Failed to load", "_pytree", "INFO", "prefect", "Traceback")
@@ -64,9 +64,12 @@ def named_log(stderr: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def quiet_audit(tmp_path_factory, trained_model_dir, corpus_path):
+def quiet_audit(tmp_path_factory, trained_model_dir, corpus_path, prefect_database):
     """A GPTQ variant quantized on the spot and an int8 one, audited from an empty working folder."""
     folder, home = tmp_path_factory.mktemp("user-folder"), tmp_path_factory.mktemp("home")
+    # its temporary Prefect server finds the database a user's earlier command made (conftest: the schema's
+    # migrations cost ~4 CPU-s, which what this audit shows never needed)
+    place_prefect_database(prefect_database, home / "prefect")
     config = write_config(folder / "audit.yaml", trained_model_dir, corpus_path, [
         {"name": "int8", "method": "torchao-int8"},
         {"name": "gptq", "method": "gptq", "bits": 4, "group_size": 32,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,26 @@ def audit(model_dir: Path, variant_dir: Path, text: str, rescore: str = "auto"):
     scored = evaluation(text, lineup.tokenizer, settings)
     base = scoring.baseline_outcome(lineup.baseline, scored)
     return base, scoring.variant_outcome(lineup.variants[0], lineup, scored, against=base)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, tiny_model_dir, variant_dir, text):
+    """One clean audit's outcomes, its reference stored in a folder of its own. The tests below copy that reference
+    into their own references folder (``stored_clean``) where each once ran the same audit again to store it: the
+    same model, text and settings give the same reference and figures (each test's later audits are compared with
+    these to the last bit), and the file's time went into those ~20 repeated audits."""
+    folder = tmp_path_factory.mktemp("clean-references")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_REFERENCES", str(folder))
+        return audit(tiny_model_dir, variant_dir, text)
+
+
+def stored_clean(clean, references: Path) -> tuple[str, Path]:
+    """The clean audit's reference, copied into this test's references folder as its own first audit stored it:
+    (key, folder)."""
+    folder = references / clean[0].reference.key
+    shutil.copytree(clean[0].reference.path, folder)
+    return clean[0].reference.key, folder
 
 
 def figures(base, variant) -> dict:
@@ -112,10 +133,9 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_reference_is_removed_and_the_audit_ends_as_a_clean_run(tiny_model_dir, variant_dir, text,
+def test_a_damaged_reference_is_removed_and_the_audit_ends_as_a_clean_run(tiny_model_dir, variant_dir, text, clean,
                                                                          references, damage, capfd):
-    clean = audit(tiny_model_dir, variant_dir, text)
-    key, folder = clean[0].reference.key, Path(clean[0].reference.path)
+    key, folder = stored_clean(clean, references)
     DAMAGE[damage](folder)
     capfd.readouterr()
     again = audit(tiny_model_dir, variant_dir, text)
@@ -138,24 +158,11 @@ WRONG_IDENTITY = {**{f"lacks {name}": (lambda name: lambda identity: identity.po
                   "format another": lambda identity: identity.update(format=1)}
 
 
-@pytest.fixture(scope="module")
-def clean_reference(tmp_path_factory, tiny_model_dir, variant_dir, text) -> Path:
-    """One audit's stored reference, copied by each test below into its own references folder."""
-    folder = tmp_path_factory.mktemp("clean-references")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PPL_AUDIT_REFERENCES", str(folder))
-        return Path(audit(tiny_model_dir, variant_dir, text)[0].reference.path)
-
-
 @pytest.mark.parametrize("wrong", list(WRONG_IDENTITY))
-def test_a_manifest_without_a_whole_valid_identity_is_removed_by_its_baseline_s_search(clean_reference, references,
-                                                                                       wrong, capfd):
+def test_a_manifest_without_a_whole_valid_identity_is_removed_by_its_baseline_s_search(clean, references, wrong, capfd):
     """Sealed again after the edit, so that only the identity's own fields can tell: the search for the baseline
     it was made for removes it in one line (its audit then scores the baseline again), and nothing reads it."""
-    import shutil
-
-    folder = references / clean_reference.name
-    shutil.copytree(clean_reference, folder)
+    _, folder = stored_clean(clean, references)
     written = json.loads((folder / reference.MANIFEST).read_text())
     _reseal(folder, lambda manifest: WRONG_IDENTITY[wrong](manifest["identity"]))
     assert reference.Reference.open(folder) is None and reference.stored() == []
@@ -169,14 +176,14 @@ def test_a_manifest_without_a_whole_valid_identity_is_removed_by_its_baseline_s_
 
 @pytest.mark.parametrize("damage", ["hidden values reversed", "manifest edited", "scores bytes flipped"])
 def test_under_rescore_never_a_damaged_reference_stops_the_baseline_in_one_line(tiny_model_dir, variant_dir,
-                                                                                 text, references, damage):
-    clean = audit(tiny_model_dir, variant_dir, text)
-    DAMAGE[damage](Path(clean[0].reference.path))
+                                                                                 text, clean, references, damage):
+    key, folder = stored_clean(clean, references)
+    DAMAGE[damage](folder)
     base, variant = audit(tiny_model_dir, variant_dir, text, rescore="never")
-    assert not base.ok and f"baseline reference {clean[0].reference.key} is damaged" in base.reason
+    assert not base.ok and f"baseline reference {key} is damaged" in base.reason
     assert "\n" not in base.reason and "rescore: never" in base.reason
     assert "kl" not in variant.result.extra  # no KL against what cannot be trusted
-    assert [r.key for r in reference.stored()] == [clean[0].reference.key]  # kept, not rebuilt
+    assert [r.key for r in reference.stored()] == [key]  # kept, not rebuilt
 
 
 @pytest.mark.slow  # audits through the CLI
@@ -198,11 +205,10 @@ def test_rescore_never_with_a_damaged_reference_exits_2_before_anything_starts(c
     assert not (tmp_path / "mlflow.db").exists()  # refused before tracking started
 
 
-def test_each_batch_checks_the_reference_against_its_own_nll(tiny_model_dir, variant_dir, text, references):
+def test_each_batch_checks_the_reference_against_its_own_nll(tiny_model_dir, text, clean, references):
     """Damage that comes after the check on reuse (a worker's copy, a file changed mid-audit) fails the variant
     at its first batch, not with a wrong KL."""
-    base, _ = audit(tiny_model_dir, variant_dir, text)
-    stored = reference.Reference.open(Path(base.reference.path))
+    stored = reference.Reference.open(stored_clean(clean, references)[1])
     lineup = prepare(BaselineSpec(name="baseline", path=str(tiny_model_dir)), [])
     scored = evaluation(text, lineup.tokenizer, parse(EvaluationConfig, {"window": 64, "stride": 32,
                                                                          "max_tokens": 500}, "test"))
@@ -245,12 +251,12 @@ def test_reference_verify_says_which_are_damaged(cli, tiny_model_dir, variant_di
 
 @pytest.mark.parametrize("damage", ["manifest lacks created", "manifest identity null, resealed"])
 def test_an_unreadable_manifest_fails_no_other_audit_and_reference_ls_and_rm_handle_it(
-        tiny_model_dir, variant_dir, text, references, damage, capfd):
+        tiny_model_dir, variant_dir, text, clean, references, damage, capfd):
     """Another baseline's audit leaves it alone (it is not that audit's to judge) and does not fail; `reference ls`
     lists it as damaged, `rm --older-than` and `rm KEY` work with it there."""
     from flows.cli import main
 
-    damaged = audit(tiny_model_dir, variant_dir, text)[0].reference.key
+    damaged, _ = stored_clean(clean, references)
     DAMAGE[damage](references / damaged)
     capfd.readouterr()
     other = audit(tiny_model_dir, variant_dir, text.replace("the", "a"))
@@ -271,11 +277,11 @@ def test_an_unreadable_manifest_fails_no_other_audit_and_reference_ls_and_rm_han
 
 
 def test_a_manifest_swapped_with_another_reference_s_is_removed_and_its_reference_made_again(
-        tiny_model_dir, variant_dir, text, references, capfd):
+        tiny_model_dir, variant_dir, text, clean, references, capfd):
     """Swapped, each manifest is whole and sealed, but names the other folder's key: the audit of either baseline
     reads it as damaged, as `reference verify` says, replaces it, and names the reference it stored."""
-    clean = audit(tiny_model_dir, variant_dir, text)
-    mine, theirs = clean[0].reference.key, audit(tiny_model_dir, variant_dir, text.replace("the", "a"))[0].reference.key
+    mine = stored_clean(clean, references)[0]
+    theirs = audit(tiny_model_dir, variant_dir, text.replace("the", "a"))[0].reference.key
     manifests = {key: (references / key / reference.MANIFEST).read_bytes() for key in (mine, theirs)}
     (references / mine / reference.MANIFEST).write_bytes(manifests[theirs])
     (references / theirs / reference.MANIFEST).write_bytes(manifests[mine])
@@ -291,11 +297,10 @@ def test_a_manifest_swapped_with_another_reference_s_is_removed_and_its_referenc
 
 
 def test_a_reference_a_variant_finds_damaged_is_removed_so_the_next_audit_scores_the_baseline_again(
-        tiny_model_dir, variant_dir, text, references):
+        tiny_model_dir, variant_dir, text, clean, references):
     """Hidden states changed and every digest sealed again: only the variant's check of the head on them against the
     stored NLL tells. Its line says the next audit scores the baseline again: that audit does, and ends clean."""
-    clean = audit(tiny_model_dir, variant_dir, text)
-    folder = Path(clean[0].reference.path)
+    _, folder = stored_clean(clean, references)
     DAMAGE["hidden values reversed"](folder)
     _reseal(folder, lambda manifest: None)
     base, variant = audit(tiny_model_dir, variant_dir, text)
