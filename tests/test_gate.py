@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from helpers import typed
 
 from tasks.config import Thresholds
-from tasks.record.row import ModelRow
 from tasks.record.verdict import format_table, judge_row as judge_typed, overall
 
 
@@ -18,10 +18,6 @@ def row(delta=0.5, low=0.2, high=0.8, kld=0.01, kld_high=0.012, top1=0.97, top1_
             "delta_ppl_pct_low": low, "delta_ppl_pct_high": high, "kld_mean": kld, "kld_mean_low": kld / 2,
             "kld_mean_high": kld_high, "top1_agreement": top1,
             "top1_agreement_low": top1_low, "top1_agreement_high": min(1, 2 * top1 - top1_low), **extra}
-
-
-def typed(flat: dict) -> ModelRow:
-    return ModelRow.of_record(flat)
 
 
 def judge_row(flat: dict, thresholds: Thresholds):

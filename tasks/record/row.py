@@ -29,11 +29,6 @@ class Interval:
     low: float | None = None
     high: float | None = None
 
-    @classmethod
-    def of(cls, estimate: Any) -> Interval:
-        """An engine's ``Estimate`` (``tasks.engine.paired``)."""
-        return cls(float(estimate.value), float(estimate.stderr), float(estimate.low), float(estimate.high))
-
     @property
     def bounded(self) -> bool:
         """Whether it has an interval (a paired figure; a point estimate has none)."""
@@ -74,10 +69,6 @@ class Spread:
         percentiles = tuple((float(key[len(start):]), value) for key, value in flat.items()
                             if key.startswith(start) and _number(key[len(start):]))
         return cls(flat[f"{name}_max"], percentiles, flat[f"{name}_min"])
-
-    def at(self, p: float) -> float:
-        """The ``p``th percentile."""
-        return dict(self.percentiles)[p]
 
 
 def _number(text: str) -> bool:
@@ -285,6 +276,11 @@ class ModelRow:
         return _read(flat)
 
 
+# a scored model's own figures, in the order a record's row holds them (its cache's come before them)
+_OWN_FIGURES = ("ppl", "ppl_stderr", "mean_nll", "bits_per_byte", "n_tokens", "tokens_per_second", "weight_mib",
+                "bits_per_weight", "model_bits_per_weight", "load_seconds", "backend")
+
+
 def _flat(row: ModelRow) -> Iterator[tuple[str, Any]]:
     yield from (("variant", row.variant), ("method", row.method), ("status", row.status), ("reason", row.reason))
     m = row.measured
@@ -293,9 +289,7 @@ def _flat(row: ModelRow) -> Iterator[tuple[str, Any]]:
         yield from (("kv_bytes_per_token", m.kv_bytes_per_token), ("kv_window_mib", m.kv_window_mib))
         if m.kv_saving_pct is not None:
             yield "kv_saving_pct", m.kv_saving_pct
-        yield from ((f.name, getattr(m, f.name)) for f in fields(OwnFigures)
-                    if f.name in ("ppl", "ppl_stderr", "mean_nll", "bits_per_byte", "n_tokens", "tokens_per_second",
-                                  "weight_mib", "bits_per_weight", "model_bits_per_weight", "load_seconds", "backend"))
+        yield from ((key, getattr(m, key)) for key in _OWN_FIGURES)
     if row.said is not None:
         yield from (("baseline", row.said.baseline), ("reference", row.reference))
         if row.said.removed_references:
