@@ -182,8 +182,8 @@ def entry() -> NoReturn:
             (home() / "prefect").mkdir(parents=True, exist_ok=True)
             os.environ["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{home() / 'prefect' / 'prefect.db'}"
     started = time.time()
-    lifetime.run(lambda: main(capture=True), lambda signum: interrupted(
-        signum, started, f" (killed: it had not stopped {lifetime.STOP_S:g} s later)"))
+    lifetime.run(lambda: main(capture=True), lambda signum, killed: interrupted(
+        signum, started, f" (killed: it had not stopped {lifetime.STOP_S:g} s later)" if killed else ""))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ So the command runs in a forked child, and the process the user started becomes 
   ``timeout``, ``kill -TERM -PGID``, systemd's stop) reaches the supervisor alone, never the servers the
   child started (they must outlive the child's unwinding, which reports to them);
 - Ctrl-Z stops the child's group with the supervisor, and ``fg``/``bg`` (SIGCONT) continues it;
-- it forwards SIGTERM, SIGHUP and SIGINT to the child and exits with the child's status; a child still
-  running ``STOP_S`` after the first signal is killed, with its descendants. The supervisor says so only
-  when the child had not said its own line (``said_interrupted``): an exception raised by a signal handler can be
-  swallowed (inside a ``__del__``, it is only printed), or the child's cleanup can be slow, on a busy
-  machine, after its line;
+- it forwards SIGTERM, SIGHUP and SIGINT to the child and exits with the child's status, or with 128 + the
+  signal once it forwarded one, however the child ended; a child still running ``STOP_S`` after the first
+  signal is killed, with its descendants. The supervisor says the interrupted line only when the child had not
+  said its own (``said_interrupted``): an exception raised by a signal handler can be swallowed (inside a
+  ``__del__``, it is only printed; by a library that records it as a crash and returns, as Prefect's engine can),
+  or the child's cleanup can be slow, on a busy machine, after its line;
 - the child gets SIGTERM when the supervisor dies, ``kill -9`` included (``PR_SET_PDEATHSIG``);
 - on SIGTERM or SIGHUP the child exits as on an exception, not at once: ``finally`` and ``with`` blocks
   run, and ``atexit`` handlers such as Prefect's, which stops its server (a signal that lands in a
@@ -57,12 +58,13 @@ _said: int | None = None  # in the child: the pipe ``said_interrupted`` writes t
 _signalled = False  # in the child: it was interrupted, so its descendants get KILL_GRACE_S, not GRACE_S
 
 
-def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoReturn:
+def run(main: Callable[[], int], unsaid: Callable[[signal.Signals, bool], str]) -> NoReturn:
     """Exit with ``main()``'s code; on Linux, run it in a supervised child (see the module's docstring).
 
     Args:
-        killed: the line to print when the child did not stop within ``STOP_S`` of a signal and was killed
-            before it had said its own (``said_interrupted``).
+        unsaid: the line to print for a signalled child that ended without saying its own (``said_interrupted``):
+            killed (True) because it had not stopped within ``STOP_S``, or ended by itself (False) because the
+            exception the signal raised was swallowed on its way out.
     """
     global _said
     if not sys.platform.startswith("linux"):
@@ -76,7 +78,7 @@ def run(main: Callable[[], int], killed: Callable[[signal.Signals], str]) -> NoR
     if child:
         os.close(_said)
         os.set_blocking(heard, False)
-        _supervise(child, watched, lambda signum: "" if _read(heard) else killed(signum))
+        _supervise(child, watched, lambda signum, killed: "" if _read(heard) else unsaid(signum, killed))
     os.close(heard)
     # a group of its own: a signal to the user's group (systemd's stop, `timeout`, `kill -TERM -PGID`, a
     # terminal's Ctrl-C) reaches the supervisor alone, which hands it on once. Before this, the same signal
@@ -135,7 +137,7 @@ def stop_descendants(grace: float = GRACE_S) -> None:
         psutil.wait_procs(alive, timeout=grace)
 
 
-def _supervise(child: int, watched: set[signal.Signals], killed: Callable[[signal.Signals], str]) -> NoReturn:
+def _supervise(child: int, watched: set[signal.Signals], unsaid: Callable[[signal.Signals, bool], str]) -> NoReturn:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     stopping: signal.Signals | None = None
     deadline = float("inf")
@@ -146,9 +148,7 @@ def _supervise(child: int, watched: set[signal.Signals], killed: Callable[[signa
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
             stop_descendants(KILL_GRACE_S)
-            if line := killed(stopping):
-                print(line, file=sys.stderr, flush=True)
-            os._exit(128 + stopping)
+            _stopped(stopping, unsaid(stopping, True))
         if info.si_signo == signal.SIGTSTP:
             os.killpg(child, signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -165,9 +165,18 @@ def _supervise(child: int, watched: set[signal.Signals], killed: Callable[[signa
         if pid:
             break
     stop_descendants()
+    if stopping is not None:  # it was asked to stop, whatever it returned (seen once in CI: 1, on SIGHUP)
+        _stopped(stopping, unsaid(stopping, False))
     code = os.waitstatus_to_exitcode(status)
     # _exit: this is a copy of the process the child already is; its buffers and atexit handlers are the child's
     os._exit(128 - code if code < 0 else code)
+
+
+def _stopped(signum: signal.Signals, line: str) -> NoReturn:
+    """End the supervisor of a child stopped by ``signum``, with ``line`` (none when the child said its own)."""
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
