@@ -10,6 +10,7 @@ the recipe is proven better than each uniform variant there, and logs the tune a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -26,38 +27,48 @@ from tasks.audit.recipe.proof import audit_of, compared, uniform_above
 from tasks.audit.recipe.sizes import Budget
 from tasks.core.places import home
 from tasks.record.result import AuditResult
+from tasks.record.results import VariantResult
+from tasks.record.tune_said import AuditedAt, Proven, TuneFound
 from tasks.record.tuning import gptqmodel_dynamic, llm_compressor_recipe, tensor_type_lines, tune_json
 from tasks.steps import log_tune, measure_tune, open_plan
 
 
-def _written(found: dict, audit_config: dict) -> Path:
+def _written(found: TuneFound, audit_config: dict) -> Path:
     """The recipe in every format and the audit of it, in a folder of their own under ``<home>/tunes``: written
     before the audit runs, so nothing measured is lost if it fails."""
-    folder = home() / "tunes" / f"{datetime.now():%Y%m%dT%H%M%S}-{audit_config['name']}-{found['variant']}"
+    folder = home() / "tunes" / f"{datetime.now():%Y%m%dT%H%M%S}-{audit_config['name']}-{found.variant}"
     folder.mkdir(parents=True, exist_ok=True)
     print(f"the recipe and its audit: {folder}")
-    if found["tensor_types"]:  # a GGUF recipe's; a gptq recipe is gptqmodel's dynamic
-        (folder / "llama-quantize-tensor-types.txt").write_text(tensor_type_lines(found))
-    (folder / "gptqmodel-dynamic.json").write_text(json.dumps(gptqmodel_dynamic(found), indent=2) + "\n")
-    (folder / "llm-compressor-recipe.yaml").write_text(yaml.safe_dump(llm_compressor_recipe(found), sort_keys=False))
+    record = found.as_record()  # what the recipe formats and the tune's JSON are written from
+    if found.tensor_types:  # a GGUF recipe's; a gptq recipe is gptqmodel's dynamic
+        (folder / "llama-quantize-tensor-types.txt").write_text(tensor_type_lines(record))
+    (folder / "gptqmodel-dynamic.json").write_text(json.dumps(gptqmodel_dynamic(record), indent=2) + "\n")
+    (folder / "llm-compressor-recipe.yaml").write_text(yaml.safe_dump(llm_compressor_recipe(record), sort_keys=False))
     (folder / "audit.yaml").write_text(yaml.safe_dump(audit_config, sort_keys=False, allow_unicode=True))
-    (folder / "tune.json").write_text(tune_json(found) + "\n")
+    (folder / "tune.json").write_text(tune_json(record) + "\n")
     return folder
 
 
-def claims(result: AuditResult, names: dict[str, str], found: dict, larger: tuple[str, float, dict] | None
-             ) -> dict:
-    """Per uniform variant (and per domain), whether the recipe is proven better there (``lines``), whether it is
-    in every domain (``proven``, by role: ``uniform``, ``larger``), and each model's audit figures for the chart
-    (``audited``). A model that failed makes no claim: not proven."""
-    lines, proven, audited = [], {}, {}
-    tuned_bpw = found["built"]["bpw"]
-    against = [("uniform", found["variant_bpw"], f"uniform {found['file_type']}")]
+def _mean_kl(model: VariantResult) -> float:
+    """A model's mean KL on the audit's tokens (its scores' ``kl``: one a token)."""
+    return float(np.mean(model.result.extra["kl"]))
+
+
+def claims(result: AuditResult, names: dict[str, str], found: TuneFound, larger: tuple[str, float, dict] | None
+           ) -> TuneFound:
+    """The tune with what the audit of the recipe found: per uniform variant (and per domain), whether the recipe is
+    proven better there (``verdicts``), whether it is in every domain (``proven``), and each model's audit figures
+    for the chart (``audited``). A model that failed makes no claim: not proven."""
+    lines, audited = [], {}
+    tuned_name, tuned_bpw = names["tuned"], found.built.bpw
+    # by role, in the order of Proven's fields: the uniform variant, then the larger one where there is one
+    against = [("uniform", found.variant_bpw, f"uniform {found.file_type}")]
     if larger is not None:
         against.append(("larger", larger[1], f"uniform {larger[0]}"))
+    proven = {role: True for role, _, _ in against}
     for domain, judged in result.domains.items():
         by_name = {m.name: m for m in judged.results}
-        tuned = by_name.get(names["tuned"])
+        tuned = by_name.get(tuned_name)
         on = f" on {domain}" if result.named else ""
         for role, bpw, label in against:
             other = by_name.get(names[role])
@@ -68,11 +79,11 @@ def claims(result: AuditResult, names: dict[str, str], found: dict, larger: tupl
                 continue
             better, line = compared(tuned, other, tuned_bpw, bpw, label)
             lines.append(line + on)
-            proven[role] = proven.get(role, True) and better
+            proven[role] = proven[role] and better
             if domain == next(iter(result.domains)):
-                audited[names[role]] = {"bpw": bpw, "kl": float(np.mean(other.result.extra["kl"]))}
-                audited[names["tuned"]] = {"bpw": tuned_bpw, "kl": float(np.mean(tuned.result.extra["kl"]))}
-    return {"lines": lines, "proven": proven, "audited": audited}
+                audited[names[role]] = AuditedAt(bpw, _mean_kl(other))
+                audited[tuned_name] = AuditedAt(tuned_bpw, _mean_kl(tuned))
+    return replace(found, verdicts=tuple(lines), proven=Proven(*proven.values()), audited=tuple(audited.items()))
 
 
 @flow(name="ppl-audit-tune", flow_run_name="tune-{variant}", log_prints=True)
@@ -95,24 +106,24 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
         plan = open_plan(config, overrides or [], narrow=partial(alone, variant=variant))
     prepared = prepare_tune(plan.lineup, variant, wanted, per, types)
     settings = plan.config
-    found = measure_tune(plan.lineup, [d.evaluation for d in plan.domains], prepared, settings.diagnosis.windows,
-                         settings.diagnosis.seed)
-    larger = uniform_above(prepared, found["built"]["bpw"])
-    audit_config, names = audit_of(settings, variant, found["built"]["recipe"], larger)
+    found = TuneFound.of_record(measure_tune(plan.lineup, [d.evaluation for d in plan.domains], prepared,
+                                             settings.diagnosis.windows, settings.diagnosis.seed))
+    larger = uniform_above(prepared, found.built.bpw)
+    audit_config, names = audit_of(settings, variant, found.built.recipe, larger)
     folder = _written(found, audit_config)
-    found["folder"] = str(folder)
+    found = replace(found, folder=str(folder))
     state = audit(config=str(folder / "audit.yaml"), return_state=True)  # it opens its plan, as a run Prefect starts
     result = result_of(state)
     if result is None:
-        found |= {"verdicts": [f"no claim: the audit of the recipe failed ({state.message})"], "proven": {}}
+        found = replace(found, verdicts=(f"no claim: the audit of the recipe failed ({state.message})",),
+                        proven=Proven())
         parent = None
     else:
-        said = claims(result, names, found, larger)
-        found |= {"verdicts": said["lines"], "proven": said["proven"], "audited": said["audited"],
-                  "audit_table": result.table, "audit_verdict": result.verdict.said}
+        found = replace(claims(result, names, found, larger), audit_table=result.table,
+                        audit_verdict=result.verdict.said)
         parent = result.mlflow_run_id
-    (folder / "tune.json").write_text(tune_json(found) + "\n")
+    record = found.as_record()  # the tune as plain data: what is written, logged and answered
+    (folder / "tune.json").write_text(tune_json(record) + "\n")
     tracking = settings.tracking
-    logged = log_tune(found, tracking.uri, tracking.experiment, parent, return_state=True)
-    found |= where_logged(logged, tracking, folder)
-    return found
+    logged = log_tune(record, tracking.uri, tracking.experiment, parent, return_state=True)
+    return record | where_logged(logged, tracking, folder)

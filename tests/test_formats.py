@@ -110,7 +110,7 @@ def test_a_gguf_baseline_keeps_a_reference_and_gives_its_variants_kl(embedded_au
     scored = embedded_audit["evaluation"]
     baseline = baseline_outcome(lineup.baseline, scored)
     assert baseline.ok and baseline.reference.baseline == "scored" and baseline.reference.key, baseline.reference
-    manifest = reference.Reference.open(Path(baseline.reference.path)).manifest
+    manifest = reference.Reference.open(Path(baseline.reference.path)).manifest.to_json()
     assert manifest["head"] | {"digest": ""} == {"name": "token_embd.weight", "stored": False, "digest": "",
                                                   "softcap": None}
     assert manifest["identity"]["model"] == file_digest(embedded_gguf())

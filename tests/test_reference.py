@@ -19,6 +19,7 @@ from helpers import build_llama, perturbed, rewrite_scores, stored_reference, wr
 
 from tasks.audit import reference, scoring
 from tasks.audit.checkpoints import prepare
+from tasks.audit.manifest import Draft, Head, Hidden, Identity, Manifest, Slice, Unreadable
 from tasks.audit.pieces import Windows
 from tasks.config import BaselineSpec, EvaluationConfig, Thresholds, VariantSpec, parse
 from tasks.core.errors import InputError
@@ -177,7 +178,7 @@ def test_two_builds_of_the_same_reference_keep_one(tiny_model_dir, tokenizer, te
     stream = tokenize(text, tokenizer, max_tokens=300)
     first, _ = stored_reference(model, stream, 64, 32, tiny_model_dir, "same")
     second, _ = stored_reference(model, stream, 64, 32, tiny_model_dir, "same")
-    assert second.folder == first.folder and second.manifest["created"] == first.manifest["created"]
+    assert second.folder == first.folder and second.manifest.created == first.manifest.created
     assert [r.key for r in reference.stored()] == ["same"] and list((references / ".building").iterdir()) == []
 
 
@@ -406,3 +407,84 @@ def test_the_record_says_the_baseline_s_reference_in_the_dict_it_always_held(tin
     removed = ReferenceSaid("scored", None, None, "b", ("k: damaged",), {"drift": False}, "full").as_record()
     assert list(removed) == ["baseline_key", "removed", "baseline", "key", "drift", "problem"]
     assert removed["removed"] == ["k: damaged"] and ReferenceSaid().as_record() == {}
+
+
+# A manifest as the code before the typed ``Manifest`` wrote it (``json.dumps(manifest, indent=1)`` of this dict, key
+# for key in this order; a real one, its digest as written): each reference on disk today is one like it.
+WRITTEN_BEFORE = {
+    "identity": {"format": 2, "model": "82f5a9dfebe34ac9edc15eb8865c8cb1aaff1170e7954c0214b146605627fb6f",
+                 "tokenizer": "ad639025abda1898f9b554b588a69ab68bc8da20a651ae636d4ec626fa38d1bf",
+                 "stream": "de114e2462c77e368094bd80a27ccc106b40bbca684703c7d7a33b0095983060", "mode": "sliding",
+                 "window": 64, "stride": 32, "bos": "stream", "dtype": "float32"},
+    "environment": {"torch": "2.13.0+cpu", "transformers": "5.23.0", "device": "cpu"},
+    "source": "/tmp/helperF/before/tiny-llama0",
+    "facts": {"method": "baseline", "source": "/tmp/helperF/before/tiny-llama0", "device": "cpu", "dtype": "float32",
+              "load_seconds": 0.011577345001569483, "size_on_disk_bytes": 494944, "weight_memory_bytes": 492864,
+              "quantized_layers": 0, "linear_layers": 15, "backend": "torch.nn.Linear",
+              "versions": {"torch": "2.13.0+cpu", "transformers": "5.23.0"}, "quantization": {}, "kernels": {},
+              "worker": "", "parity": {}, "bits_per_weight": 32.0, "model_bits_per_weight": 32.0, "kv_cache": "",
+              "kv_bytes_per_token": 512.0, "body": "eager"},
+    "hidden": {"shape": [599, 64], "dtype": "float32"},
+    "head": {"name": "lm_head.weight", "digest": "934e726d45d0ee122597c0d00cf560d96c6e3137e34d129fe69c14b24b7bafeb",
+             "stored": False, "softcap": None},
+    "format": 2, "key": "780b9e22d13021e6", "created": 1795939456.6683145,
+    "result": {"model": "baseline", "n_tokens": 599, "nll_sum": 5106.110706806183, "mean_nll": 8.524391831062076,
+               "ppl": 5036.123060685055, "stderr": 0.09825394904738886, "ppl_stderr": 494.8189786009294,
+               "n_bytes": 2012, "n_words": 416, "bits_per_byte": 3.6613124229320677, "byte_ppl": 12.652165459649671,
+               "word_ppl": 214122.71916170258, "window": 64, "stride": 32, "batch_size": 4, "bos": "stream",
+               "mode": "sliding", "n_windows": 18, "device": "cpu", "dtype": "float32",
+               "corpus_digest": "b4bcd6101af882dac0513f9fd9cf8d70012bf97963f8b9cf6d7779e3979f30cd",
+               "wall_seconds": 1.1345177839975804, "tokens_per_second": 527.9776204912073,
+               "peak_memory_bytes": 556814336, "absent": {}, "scored_fraction": 1.0},
+    "files": {"hidden.bin": {"bytes": 153344, "sha256": "003c3aa7074c1e3d310487b609d9c3c14d89777815b9f764c66934d75bf2678e"},
+              "scores.npz": {"bytes": 6108, "sha256": "86f66ff20a9431e1f732cd73e256d5c747113423383b15ad2f3153677d69bb96"}},
+    "size_bytes": 161662,
+    "digest": "ab26a80c1f96d6df1969e866869a8764495c0cb42ed3e48638a38e9cda400105",
+}
+
+
+def test_a_manifest_written_before_reads_field_for_field_and_is_written_back_byte_for_byte(tmp_path):
+    """The typed manifest reads one written before it (its key and digests unchanged, so its reference is found and
+    reused) into the values it holds, and writes it back as the same bytes; one of another folder is refused."""
+    folder = tmp_path / WRITTEN_BEFORE["key"]
+    folder.mkdir()
+    (folder / reference.MANIFEST).write_text(json.dumps(WRITTEN_BEFORE, indent=1))
+    found = reference.Reference.read(folder)
+    assert found.problem is None and found.created == 1795939456.6683145
+    read = found.manifest
+    assert read.identity == Identity(2, "82f5a9dfebe34ac9edc15eb8865c8cb1aaff1170e7954c0214b146605627fb6f",
+                                     "ad639025abda1898f9b554b588a69ab68bc8da20a651ae636d4ec626fa38d1bf",
+                                     "de114e2462c77e368094bd80a27ccc106b40bbca684703c7d7a33b0095983060", "sliding",
+                                     64, 32, "stream", "float32")
+    assert reference.key_of(read.identity.as_dict(), read.environment) == read.key == "780b9e22d13021e6"
+    assert (read.source, read.hidden, read.head, read.softcap) == (
+        "/tmp/helperF/before/tiny-llama0", Hidden(599, 64, "float32"),
+        Head("lm_head.weight", "934e726d45d0ee122597c0d00cf560d96c6e3137e34d129fe69c14b24b7bafeb", False), None)
+    assert (read.result.n_tokens, read.result.nll_sum, read.result.mean_nll, read.result.ppl) == (
+        599, 5106.110706806183, 8.524391831062076, 5036.123060685055)
+    assert (read.environment, read.facts, read.result.summary, read.files, read.size_bytes, read.digest) == tuple(
+        WRITTEN_BEFORE[name] for name in ("environment", "facts", "result", "files", "size_bytes", "digest"))
+    assert read.text() == (folder / reference.MANIFEST).read_text()
+    assert Manifest.of_json(json.loads(read.text()), read.key) == read
+    with pytest.raises(Unreadable, match="is reference 780b9e22d13021e6's, not other's"):
+        Manifest.of_json(WRITTEN_BEFORE, "other")
+
+
+def test_a_manifest_and_a_slice_written_are_read_back_equal(tmp_path):
+    """What the writer makes of a reference (a runtime's logits head, a soft-cap) and of a slice is what reading its
+    JSON gives back, and its seal is a manifest's: a field written or read wrong is told."""
+    identity = Identity(2, "m", "t", "s", "sliding", 64, 32, "stream", "bfloat16", "llama.cpp b1", {"n_ctx": 64})
+    head = Head("", "logits of 32", False, logits=32)
+    files = {"hidden.bin": {"bytes": 10, "sha256": "h"}, "scores.npz": {"bytes": 20, "sha256": "s"}}
+    made = Manifest.made(Draft(identity, {"torch": "2"}, "/model", {"method": "baseline"}, 30.0), "k", 1.5,
+                         {"n_tokens": 3, "nll_sum": 6.0, "mean_nll": 2.0, "ppl": 7.389}, Hidden(3, 32, "bfloat16"),
+                         head, files)
+    written = json.loads(made.text())
+    assert written["head"] == {"name": "", "logits": 32, "digest": "logits of 32", "stored": False, "softcap": 30.0}
+    assert written["identity"] == identity.as_dict() and written["size_bytes"] == 30 + len(json.dumps(
+        {k: v for k, v in written.items() if k not in ("size_bytes", "digest")}))
+    assert written["digest"] == reference.manifest_digest(written)
+    assert Manifest.of_json(written, "k") == made and made.softcap == 30.0 and made.head.logits == 32
+    first = Slice(0, 3, Hidden(3, 32, "bfloat16"), "h", head, 30.0)
+    assert Slice.of_json(json.loads(json.dumps(first.to_json()))) == first
+    assert Slice.of_json(Slice(3, 5, Hidden(2, 32, "bfloat16"), "g").to_json()).head is None

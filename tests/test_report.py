@@ -268,3 +268,110 @@ def test_a_per_model_figure_is_in_every_view_and_equals_its_count_from_the_store
     assert child.data.metrics["confident_flip_rate"] == rate and "confident_flip_rate_high" in child.data.metrics
     assert f"<td>{html.escape(shown)}</td>" in report_of(client, parent, tmp_path)
     assert f"| noisy | {shown} |" in render(record, "md", "runs:/x")
+
+
+RECORDS = Path(__file__).parent / "records"  # the demo's stored records (tests/test_records.py)
+
+
+def _where_group(group) -> dict:
+    """A group of ``where`` as read, under the record's names for its fields."""
+    return {"tokens": group.tokens, "low": group.low, "high": group.high, "baseline": group.baseline,
+            "delta_nll": group.delta_nll.value, "delta_nll_low": group.delta_nll.low,
+            "delta_nll_high": group.delta_nll.high, "kl": group.kl.value, "kl_low": group.kl.low,
+            "kl_high": group.kl.high}
+
+
+def _assert_where_reads(where, said: dict) -> None:
+    """``where`` (a ``WhereSaid``) holds what the record's ``said`` does, field for field."""
+    import dataclasses
+
+    assert where.interval == said["interval"] and (where.by_confidence is None) == ("by_confidence" not in said)
+    read = [where.all, *where.by_position, *(where.by_confidence or ()), *where.by_baseline]
+    stored = [said["all"], *said["by_position"], *said.get("by_confidence", []), *said.get("by_baseline", [])]
+    assert len(read) == len(stored)
+    for group, row in zip(read, stored):
+        found = _where_group(group)
+        assert {key: found[key] for key in row} == row  # and what the record lacks reads as None
+        assert all(value is None for key, value in found.items() if key not in row)
+    tokens = [dataclasses.asdict(token) for token in where.top_kl]
+    assert tokens == [{key: token[key] for key in tokens[0]} for token in said["top_kl"]] and len(tokens) == 20
+
+
+def _assert_model_reads(model, entry: dict) -> None:
+    """``model`` (a ``ModelSaid``) holds what the record's ``entry`` does, field for field."""
+    import dataclasses
+
+    assert (model.name, model.role, model.status, model.reason, model.method, model.domain, model.arrays) == (
+        entry["name"], entry["role"], entry["status"], entry["reason"], entry["spec"]["method"], entry.get("domain"),
+        entry.get("arrays"))
+    assert model.row.as_record() == entry["row"]
+    assert (model.verdict.as_record() if model.verdict else None) == entry["verdict"]
+    assert model.diagnosis is None and model.problem is None  # the demo diagnosed none
+    assert (model.reference.as_record() if model.reference else None) == (entry.get("reference") or None)
+    facts, spec, manifest = entry["facts"], entry["spec"], entry["manifest"] or {}
+    lineage = model.lineage
+    assert (lineage.method, lineage.path, lineage.dtype, lineage.device, lineage.backend, lineage.size_on_disk_bytes,
+            lineage.bits_per_weight, lineage.model_bits_per_weight) == (
+        facts["method"], facts["source"], facts["dtype"], facts["device"], facts["backend"],
+        facts["size_on_disk_bytes"], facts["bits_per_weight"], facts["model_bits_per_weight"])
+    assert (lineage.bits, lineage.group_size, lineage.sym, lineage.source_model_digest) == (
+        spec["bits"] or manifest.get("bits"), spec["group_size"] or manifest.get("group_size"),
+        manifest.get("sym") if spec["sym"] is None else spec["sym"], manifest.get("source_model_digest"))
+    calibration = manifest.get("calibration")
+    assert (dataclasses.asdict(lineage.calibration) if lineage.calibration else None) == (
+        {key: calibration[key] for key in ("samples", "seq_len", "seed", "digest")} if calibration else None)
+    found = facts["quantization"]
+    gguf = {key: found[key] for key in ("file_type", "tensor_types", "bits_per_weight")} if "file_type" in found else None
+    assert (dataclasses.asdict(lineage.format) if lineage.format else None) == gguf
+    if entry.get("where"):
+        _assert_where_reads(model.where, entry["where"])
+    else:
+        assert model.where is None
+
+
+@pytest.mark.parametrize("name", ["demo-2026-11-28", "demo-2026-11-29"])
+def test_a_stored_record_reads_field_for_field_as_the_report_and_charts_read_it(name):
+    """``RecordSaid.of_record`` over the demo's records (schema 1 and 2), each domain's too: every field the report and
+    the charts read is the record's own, from where the record holds it (#68)."""
+    import dataclasses
+    import lzma
+
+    from tasks.config import Thresholds
+    from tasks.record.domains import domain_view
+    from tasks.record.entry_said import RecordSaid
+
+    record = json.loads(lzma.open(RECORDS / f"{name}.record.json.xz").read())
+    said = RecordSaid.of_record(record)
+    assert list(said.domains) == list(record["domains"]) and len(record["domains"]) > 1
+    pairs = [(said, record), *((said.domains[domain], domain_view(record, domain)) for domain in record["domains"])]
+    for view, stored in pairs:
+        assert (view.result.name, view.audit_id, view.started, view.created, view.config_path, view.config_text,
+                view.domain) == (stored["name"], stored["audit_id"], stored["started"], stored["created"],
+                                 stored["config_path"], stored["config_text"], stored.get("domain"))
+        assert view.result.verdict.as_record() == stored["verdict"]
+        assert dataclasses.asdict(view.environment) == stored["environment"]
+        corpus = dataclasses.asdict(view.corpus)
+        said_tokenizer = stored["corpus"].get("tokenizer", "transformers")  # records of before #54 did not say
+        assert corpus == {key: stored["corpus"].get(key) for key in corpus} | {"tokenizer": said_tokenizer} \
+            and corpus["digest"]
+        assert view.evaluation.window == stored["config"]["evaluation"]["window"]
+        assert view.thresholds == Thresholds.model_validate(stored["config"]["thresholds"])
+        assert view.population == stored["population"]
+        assert [(floor.row.as_record(), floor.dtype) for floor in view.floor] == [
+            (floor["row"], floor["dtype"]) for floor in stored["floor"]]
+        assert len(view.models) == len(stored["variants"])
+        for model, entry in zip(view.models, stored["variants"]):
+            _assert_model_reads(model, entry)
+    assert any(view.floor for view in said.domains.values())  # the floors were read where the record holds them
+
+
+def test_a_diagnosis_that_failed_reads_as_its_problem():
+    import lzma
+
+    from tasks.record.entry_said import ModelSaid
+
+    record = json.loads(lzma.open(RECORDS / "demo-2026-11-29.record.json.xz").read())
+    entry = record["variants"][1] | {"diagnosis": {"variant": record["variants"][1]["name"], "problem": "no <i>layers</i>"}}
+    model = ModelSaid.alone(entry)
+    assert (model.problem, model.diagnosis, model.row.as_record(), model.verdict.as_record()) == (
+        "no <i>layers</i>", None, entry["row"], entry["verdict"])

@@ -252,3 +252,52 @@ def test_a_tracking_failure_is_said_in_one_line():
     assert "\n" in message  # Prefect's message holds the whole error
     assert said.endswith("RuntimeError: (sqlite3.OperationalError) table experiments already exists"), said
     assert record == f"kept in /spool/x (tracking failed: {said})"
+
+
+def test_the_tracked_record_reads_each_field_where_the_record_keeps_it():
+    """#68: what MLflow logs is read once into typed values (``TrackedAudit``), of an audit of several domains and of
+    one corpus (the demo's stored record, and its domain austen as a one-corpus record): each field is the record's."""
+    import json
+    import lzma
+
+    from tasks.record.domains import domain_view
+    from tasks.record.tracked_said import TrackedAudit
+
+    record = json.loads(lzma.open(Path(__file__).parent / "records" / "demo-2026-11-29.record.json.xz").read())
+    several = TrackedAudit.of_record(record)
+    evaluation = record["config"]["evaluation"]
+    assert (several.audit_id, several.name, several.started, several.created, several.experiment) == \
+        (record["audit_id"], record["name"], record["started"], record["created"], record["config"]["tracking"]["experiment"])
+    assert (several.window, several.batch_size, several.max_tokens, several.mode, several.baseline) == \
+        (evaluation["window"], evaluation["batch_size"], evaluation["max_tokens"], evaluation["mode"],
+         record["config"]["baseline"]["path"])
+    assert (several.corpus.digest, several.hardware, several.history_key) == \
+        (record["corpus"]["digest"], record["environment"]["hardware"], None)
+    assert list(several.streams) == list(record["domains"])
+    for name, stream in several.streams.items():
+        domain = record["domains"][name]
+        assert (stream.domain, stream.corpus.source, stream.corpus.n_tokens, stream.max_tokens, stream.table) == \
+            (name, domain["corpus"]["source"], domain["corpus"]["n_tokens"],
+             domain["config"]["evaluation"]["max_tokens"], domain["table"])
+        assert (stream.reference.baseline_key, stream.population) == \
+            (domain["variants"][0]["reference"]["baseline_key"], domain["population"]["digest"])
+        assert [row.variant for row in stream.floor] == [floor["name"] for floor in domain["floor"]]
+    entry, model = record["variants"][1], several.models[1]
+    assert (model.name, model.role, model.status, model.judged, model.reason, model.started, model.domain) == \
+        (entry["name"], entry["role"], entry["status"], entry["verdict"]["status"], entry["verdict"]["reason"],
+         entry["started"], entry["domain"])
+    assert (model.setup.method, model.setup.path, model.setup.dtype, model.setup.backend, model.setup.runtime) == \
+        (entry["facts"]["method"], entry["spec"]["path"], entry["facts"]["dtype"], entry["facts"]["backend"],
+         entry["spec"]["runtime"])
+    assert (model.top.row.as_record(), model.top.arrays, model.top.where) == (entry["row"], entry["arrays"], entry["where"])
+    assert {name: scored.suffixes for name, scored in model.streams.items()} == \
+        {name: (f".{name}", "") if name == entry["domain"] else (f".{name}",) for name in record["domains"]}
+    austen = next(own for own in record["domains"]["austen"]["variants"] if own["name"] == entry["name"])
+    assert model.streams["austen"].row.as_record() == austen["row"]
+    assert model.streams["austen"].result["ppl"] == austen["result"]["ppl"]
+
+    one = TrackedAudit.of_record({key: value for key, value in domain_view(record, "austen").items() if key != "domain"})
+    assert list(one.streams) == [None] and one.streams[None].corpus.digest == record["domains"]["austen"]["corpus"]["digest"]
+    assert one.history_key == record["domains"]["austen"]["variants"][0]["reference"]["baseline_key"]
+    assert [(m.name, m.domain, tuple(m.streams), m.streams[None].suffixes) for m in one.models] == \
+        [(own["name"], None, (None,), ("",)) for own in record["domains"]["austen"]["variants"]]

@@ -154,6 +154,10 @@ def test_tune_gives_the_planted_fragile_module_more_precision_and_proves_it_bett
     types = {t.name: t.tensor_type.name for t in read_header(Path(built["path"])).tensors}
     assert types[f"blk.{PLANTED}.ffn_down.weight"] == "Q8_0" and types[f"blk.{PLANTED + 1}.ffn_down.weight"] == "Q4_0"
     assert found["proven"]["uniform"] and found["verdicts"][0].startswith("proven better than uniform Q4_0")
+    # the chart's figures of the audit, each model's own: the recipe's bpw as built, and its KL below the uniform's
+    audited = found["audited"]
+    assert audited["q4"]["bpw"] == found["variant_bpw"] and audited["q4-tuned"]["bpw"] == built["bpw"]
+    assert 0 < audited["q4-tuned"]["kl"] < audited["q4"]["kl"]
     assert "q4-tuned" in out and "gguf Q4_0 tuned" in out  # the audit's table
     recipe = (Path(found["folder"]) / "llama-quantize-tensor-types.txt").read_text().splitlines()
     assert f"blk\\.{PLANTED}\\.(ffn_down)\\.weight=q8_0" in recipe and len(recipe) == len(found["chosen"])

@@ -88,11 +88,11 @@ def _listed(args: argparse.Namespace) -> int:
           "torch / transformers  model", file=say)
     for r, problem in found:
         m = r.manifest
-        about = (f"{m['result'].get('n_tokens')!s:>8}  {m['identity'].get('dtype')!s:<9}"
-                 f"{str(m['environment'].get('device'))[:11]:<12}{m['environment'].get('torch')} / "
-                 f"{m['environment'].get('transformers')}  {m['source']}"
+        about = (f"{m.result.n_tokens!s:>8}  {m.identity.dtype!s:<9}"
+                 f"{str(m.environment.get('device'))[:11]:<12}{m.environment.get('torch')} / "
+                 f"{m.environment.get('transformers')}  {m.source}"
                  # a baseline llama.cpp ran: its logits are the reference, whatever torch computes after
-                 + (f" (scored in {m['identity']['runtime']})" if "runtime" in m["identity"] else "")) \
+                 + (f" (scored in {m.identity.runtime})" if m.identity.runtime is not None else "")) \
             if problem is None else \
             f"DAMAGED: {problem}; the audit of its baseline replaces it (or: ppl-audit reference rm {r.key})"
         print(f"{r.key:<17}{_when(r.created):<17}{_when(r.last_used):<17}{_mib(r.size_bytes):>10}  {about}", file=say)

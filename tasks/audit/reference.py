@@ -10,7 +10,7 @@
   PPL, bit for bit.
 - ``manifest.json``: what it was made from (``identity``: model, tokenizer, token stream, settings, dtype;
   ``environment``: library versions, device kind), the baseline's result and load facts, its LM head
-  (tensor name, digest, soft-cap), sizes.
+  (tensor name, digest, soft-cap), sizes: read and written as ``tasks.audit.manifest.Manifest``.
 - ``head.safetensors`` only for a model whose head cannot be read back from its checkpoint by name.
 
 It is written in a scratch folder while the baseline is scored, batch by batch, and renamed into place
@@ -29,13 +29,17 @@ import shutil
 import time
 import zipfile
 from contextlib import AbstractContextManager
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import dataclass
+from dataclasses import replace as replace_field
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tasks.audit.manifest import MANIFEST_JSON as MANIFEST  # the file's name, as the references' tests read it
+from tasks.audit.manifest import (DRIFT_TOLERANCE, REFERENCE_FORMAT, Draft, Head, Hidden, Identity, Manifest, Scores,
+                                  Slice, Unreadable, created, head_and_softcap, load)
 from tasks.config import EvaluationConfig, Rescore
 from tasks.core import console, sealed
 from tasks.core.errors import DamagedReference, InputError
@@ -45,22 +49,16 @@ from tasks.core.versions import versions
 from tasks.engine.logits_head import LogitsHead
 from tasks.engine.perplexity import PerplexityResult, token_stats
 from tasks.engine.baseline import Baseline, BaselineBatch
-from tasks.engine.settings import BOS_POLICIES, MODES, BosPolicy, Mode
 from tasks.engine.stream import TokenStream
 from tasks.models.gguf_file import read_header, tensor_data
 from tasks.models.quantize import model_digest
 from tasks.models.resolve import DTYPES, model_files
 
-REFERENCE_FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
-MANIFEST, HIDDEN, SCORES, HEAD = "manifest.json", "hidden.bin", "scores.npz", "head.safetensors"
+HIDDEN, SCORES, HEAD = "hidden.bin", "scores.npz", "head.safetensors"
 SLICE = "slice.json"  # what a slice of a reference holds, beside its hidden states (``Writer.seal``)
 SLICES_KEPT_SECONDS = 86_400  # an audit's slices are joined within a day, or it stopped: ``prune_references`` removes them
 USED = "used"  # touched on each reuse: pruning goes by it
 STORED_AS = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.int16, torch.float16: np.int16}
-# Beyond float noise, per dtype: (largest |ΔNLL| of one token, |Δ mean NLL|) between two scorings of the
-# same model on the same tokens. A batch size or kernel choice moves float32 tokens by ~1e-6 and 16-bit
-# ones by up to ~0.1 (the mean far less); a changed model computation moves the mean.
-DRIFT_TOLERANCE = {"float64": (1e-9, 1e-12), "float32": (1e-3, 1e-6), "bfloat16": (0.5, 1e-3), "float16": (0.25, 5e-4)}
 
 
 def stream_digest(stream: TokenStream) -> str:
@@ -68,67 +66,6 @@ def stream_digest(stream: TokenStream) -> str:
     digest = hashlib.sha256(stream.ids.numpy().astype(np.int64).tobytes())
     digest.update(json.dumps([list(stream.prefix), stream.bos, stream.bos_id]).encode())
     return digest.hexdigest()
-
-
-def _valid(check, default=MISSING):
-    """A field of ``Identity`` that carries the check ``parse`` makes of what a manifest holds for it."""
-    return field(default=default, metadata={"valid": check})
-
-
-def _digest(value: object) -> bool:
-    return isinstance(value, str) and len(value) > 0
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What a baseline's numbers are a function of, but for the environment: a manifest's ``identity``, written
-    (``identity``) and read back (``parse``) by this one type, so that a manifest holding anything less than a whole,
-    valid one is told as damaged where it is read (``_unreadable``), and never fails a variant later.
-
-    Attributes:
-        model: ``model_digest`` of its files; tokenizer: ``tasks.data.corpus.tokenizer_digest`` of its tokenizer;
-        stream: ``stream_digest`` of the tokens scored; mode, window, stride, bos: how they were scored;
-        dtype: what the model computed in (a key of ``DRIFT_TOLERANCE``);
-        runtime, llama_cpp: a baseline llama.cpp scored (``tasks.audit.scoring.baseline_identity``): its version and
-        the settings that move its logits.
-    """
-
-    format: int = _valid(lambda value: value == REFERENCE_FORMAT)
-    model: str = _valid(_digest)
-    tokenizer: str = _valid(_digest)
-    stream: str = _valid(_digest)
-    mode: Mode = _valid(lambda value: value in MODES)
-    window: int = _valid(_count)
-    stride: int = _valid(_count)
-    bos: BosPolicy = _valid(lambda value: value in BOS_POLICIES)
-    dtype: str = _valid(lambda value: isinstance(value, str) and value in DRIFT_TOLERANCE)
-    runtime: str | None = _valid(_digest, None)
-    llama_cpp: dict | None = _valid(lambda value: isinstance(value, dict), None)
-
-    @classmethod
-    def parse(cls, raw: object) -> Identity:
-        """The identity ``raw`` holds; ``ValueError`` saying which field is missing, wrong or unknown when it does not
-        hold exactly one (a field no ppl-audit writes was put there by hand)."""
-        if not isinstance(raw, dict):
-            raise ValueError("is not a mapping")
-        for about in fields(cls):
-            value = raw.get(about.name)
-            if value is None and about.default is MISSING:
-                raise ValueError(f"lacks its {about.name!r}")
-            if value is not None and not about.metadata["valid"](value):
-                raise ValueError(f"has {about.name} {value!r}, which no baseline has")
-        unknown = sorted(set(raw) - {about.name for about in fields(cls)})
-        if unknown:
-            raise ValueError(f"holds {unknown[0]!r}, which no identity has")
-        return cls(**raw)
-
-    def as_dict(self) -> dict:
-        """As the manifest and the reference's key hold it: a field a baseline does not have (``runtime``) left out."""
-        return {name: value for name, value in asdict(self).items() if value is not None}
 
 
 def identity(folder: Path, tokenizer: str, stream: TokenStream, settings: EvaluationConfig, dtype: torch.dtype) -> dict:
@@ -242,47 +179,41 @@ def read_head(folder: Path) -> tuple[str, torch.Tensor, torch.Tensor | None] | N
 manifest_digest = sealed.fields_digest  # of a manifest but its own ``digest``: an edited one is told from the one written
 
 
-# what every manifest of this format holds, and as what: one that lacks any was edited or copied badly, and is as
-# unreadable as one that is not JSON (a missing ``created`` once failed every audit of every baseline)
-FIELDS = {"format": int, "key": str, "created": (int, float), "source": str, "identity": dict, "environment": dict,
-          "facts": dict, "result": dict, "hidden": dict, "head": dict, "files": dict, "size_bytes": int, "digest": str}
-
-
-def manifest_problem(folder: Path, manifest: dict | None) -> str | None:
-    """Why ``manifest`` (``_manifest(folder)``) cannot describe the reference in ``folder``, None when it can: it is
-    unreadable (``_unreadable``) or was changed after it was written (its own digest). Reading nothing but the
-    manifest, it is cheap enough for every listing."""
-    return _unreadable(folder, manifest) or sealed.damage(manifest, MANIFEST)
-
-
-def _unreadable(folder: Path, manifest: dict | None) -> str | None:
-    """Why ``manifest`` cannot even be matched to a baseline: missing, not JSON or of another format, lacking a
-    field, without a whole, valid ``Identity``, or naming another reference (a manifest swapped or copied from another folder: the key is the folder's
-    name). One that can is found, and its damage then said (``find_intact``), or refused under ``rescore: never``."""
-    if manifest is None:
-        return f"{MANIFEST} is missing, not JSON or not a format-{REFERENCE_FORMAT} manifest (an older ppl-audit's: never used)"
-    wrong = next((name for name, kind in FIELDS.items() if not isinstance(manifest.get(name), kind)), None)
-    if wrong is not None:
-        return f"{MANIFEST} lacks its {wrong!r}" if manifest.get(wrong) is None else f"{MANIFEST}'s {wrong!r} is damaged"
-    try:
-        Identity.parse(manifest["identity"])
-    except ValueError as wrong_identity:
-        return f"{MANIFEST}'s identity {wrong_identity}"
-    if manifest["key"] != folder.name:
-        return f"{MANIFEST} is reference {manifest['key']}'s, not {folder.name}'s (swapped or copied)"
-    return None
-
-
 def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
 @dataclass(frozen=True)
 class Reference:
-    """A complete reference in its folder (see the module's docstring)."""
+    """A reference in its folder (see the module's docstring), its manifest read once and checked (``read``).
+
+    Attributes:
+        manifest: None where it cannot be matched to a baseline (``Manifest.of_json``): such a folder is only listed
+            (``listed``) and removed, never opened (``open``).
+        problem: why its manifest cannot describe it, None when it can: it is unreadable or was changed after it was
+            written (its own digest). Reading nothing but the manifest, it is cheap enough for every listing.
+        dated: when its manifest says it was made, even one that cannot be read (``created``).
+    """
 
     folder: Path
-    manifest: dict
+    manifest: Manifest | None
+    problem: str | None = None
+    dated: float | None = None
+
+    @classmethod
+    def read(cls, folder: Path) -> Reference:
+        """The folder's reference as its manifest describes it, read without a warning."""
+        raw = load(folder)
+        try:
+            return cls(folder, Manifest.of_json(raw, folder.name), sealed.damage(raw, MANIFEST), created(raw))
+        except Unreadable as why:
+            return cls(folder, None, str(why), created(raw))
+
+    @classmethod
+    def open(cls, folder: Path) -> Reference | None:
+        """The reference in ``folder``; None where its manifest cannot be matched to a baseline."""
+        found = cls.read(folder)
+        return None if found.manifest is None else found
 
     @property
     def key(self) -> str:
@@ -294,73 +225,61 @@ class Reference:
 
     @property
     def created(self) -> float:
-        """When it was made; a damaged manifest's (``manifest_problem``) folder says when it was put in place."""
-        created = self.manifest.get("created")
-        return created if isinstance(created, (int, float)) else self.folder.stat().st_mtime
+        """When it was made; a folder whose manifest does not say (``dated``) says when it was put in place."""
+        return self.folder.stat().st_mtime if self.dated is None else self.dated
 
     @property
     def last_used(self) -> float:
         used = self.folder / USED
         return used.stat().st_mtime if used.exists() else self.created
 
-    @cached_property
-    def identity(self) -> Identity:
-        """Its manifest's identity, read once: whole and valid in every reference ``open`` gives (``_unreadable``)."""
-        return Identity.parse(self.manifest.get("identity"))
-
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.identity.dtype]
+        return DTYPES[self.manifest.identity.dtype]
 
     @property
     def tolerance(self) -> float:
         """How far its head on its hidden states may give a token's NLL from the stored one: float noise."""
-        return DRIFT_TOLERANCE[self.identity.dtype][0]
-
-    @classmethod
-    def open(cls, folder: Path) -> Reference | None:
-        """The reference in ``folder``; None where its manifest cannot be matched to a baseline (``_unreadable``)."""
-        manifest = _manifest(folder)
-        return None if _unreadable(folder, manifest) else cls(folder, manifest)
+        return DRIFT_TOLERANCE[self.manifest.identity.dtype][0]
 
     def touch(self) -> None:
         (self.folder / USED).touch()
 
-    def scores(self) -> dict[str, np.ndarray]:
-        with np.load(self.folder / SCORES) as scores:
-            return {name: scores[name] for name in scores.files}
+    def scores(self) -> Scores:
+        return Scores.read(self.folder / SCORES)
 
     def result(self) -> PerplexityResult:
         """The baseline's result as it was scored: the same arrays, so the same PPL to the last bit."""
-        arrays = {name: array for name, array in self.scores().items() if name != "targets"}
-        return PerplexityResult(**self.manifest["result"], **arrays)
+        scores = self.scores()
+        return PerplexityResult(**self.manifest.result.summary, token_nll=scores.token_nll,
+                                window_nll=scores.window_nll, window_tokens=scores.window_tokens)
 
     def damage(self) -> str | None:
         """What is wrong with the reference's files, None when they hold what was written: the manifest's own
-        digest, each file's size and sha256, and the stored result against the stored scores. It reads every
-        file once (a hidden.bin of 5 GB takes seconds: far less than scoring the baseline again)."""
-        problem = manifest_problem(self.folder, self.manifest)
-        if problem:
-            return problem
+        digest (``problem``), each file's size and sha256, and the stored result against the stored scores. It reads
+        every file once (a hidden.bin of 5 GB takes seconds: far less than scoring the baseline again)."""
+        if self.problem:
+            return self.problem
         try:
-            return sealed.files_damage(self.folder, self.manifest["files"], (HIDDEN, SCORES)) or self._inconsistency()
-        except (KeyError, TypeError, IndexError) as error:  # a field within lacking or of the wrong kind, sealed again
+            return sealed.files_damage(self.folder, self.manifest.files, (HIDDEN, SCORES)) or self._inconsistency()
+        except (KeyError, TypeError, IndexError) as error:  # scores lacking what they hold: written by hand
             return f"{MANIFEST} lacks what a reference holds ({type(error).__name__}: {error})"
 
     def _inconsistency(self) -> str | None:
         """Where the manifest's result, the hidden states' shape and the per-token scores disagree."""
-        result, scores = self.manifest["result"], self.scores()
-        n = int(scores["window_tokens"].sum())
-        sizes = {"tokens counted": n, "token NLLs": len(scores["token_nll"]), "targets": len(scores["targets"]),
-                 "hidden rows": self.manifest["hidden"]["shape"][0]}
-        if len(set(sizes.values())) > 1 or n != result["n_tokens"]:
-            return f"its sizes disagree ({', '.join(f'{k} {v}' for k, v in sizes.items())}; result {result['n_tokens']})"
-        starts = np.cumsum(scores["window_tokens"]) - scores["window_tokens"]
-        sums = np.add.reduceat(scores["token_nll"].astype(np.float64), starts[scores["window_tokens"] > 0])
-        nll_sum = float(scores["window_nll"].sum())
-        if not (all(map(_close, sums, scores["window_nll"][scores["window_tokens"] > 0]))
-                and _close(nll_sum, result["nll_sum"]) and _close(math.exp(nll_sum / n), result["ppl"])):
-            return f"its result (PPL {result['ppl']:.6g}) is not what its scores give (PPL {math.exp(nll_sum / n):.6g})"
+        result, scores = self.manifest.result, self.scores()
+        n = int(scores.window_tokens.sum())
+        sizes = {"tokens counted": n, "token NLLs": len(scores.token_nll), "targets": len(scores.targets),
+                 "hidden rows": self.manifest.hidden.rows}
+        if len(set(sizes.values())) > 1 or n != result.n_tokens:
+            return f"its sizes disagree ({', '.join(f'{k} {v}' for k, v in sizes.items())}; result {result.n_tokens})"
+        counted = scores.window_tokens > 0
+        starts = np.cumsum(scores.window_tokens) - scores.window_tokens
+        sums = np.add.reduceat(scores.token_nll.astype(np.float64), starts[counted])
+        nll_sum = float(scores.window_nll.sum())
+        if not (all(map(_close, sums, scores.window_nll[counted]))
+                and _close(nll_sum, result.nll_sum) and _close(math.exp(nll_sum / n), result.ppl)):
+            return f"its result (PPL {result.ppl:.6g}) is not what its scores give (PPL {math.exp(nll_sum / n):.6g})"
         return None
 
     def verify(self) -> str | None:
@@ -369,9 +288,9 @@ class Reference:
         problem = self.damage()
         if problem:
             return problem
-        head, softcap = self.head(self.manifest["source"], torch.device("cpu")), self.manifest["head"]["softcap"]
-        hidden, nll = self._hidden(), torch.from_numpy(self.scores()["token_nll"])
-        targets = torch.from_numpy(self.scores()["targets"]).long()
+        head, softcap, scores = self.head(self.manifest.source, torch.device("cpu")), self.manifest.softcap, self.scores()
+        hidden, nll = self._hidden(), torch.from_numpy(scores.token_nll)
+        targets = torch.from_numpy(scores.targets).long()
         for start in range(0, len(nll), 4096):
             rows = slice(start, start + 4096)
             states = torch.from_numpy(np.array(hidden[rows])).view(self.dtype)
@@ -385,21 +304,20 @@ class Reference:
     def head(self, source: str, device: torch.device) -> torch.nn.Linear:
         """The baseline's LM head, stored beside the reference or read from ``source`` (its folder or Hub id),
         checked against the digest it was made with, on ``device`` in the reference's dtype."""
-        return _head(self.manifest["head"], self.folder / HEAD, source, device, self.dtype,
+        return _head(self.manifest.head, self.folder / HEAD, source, device, self.dtype,
                      f"rebuild its reference: ppl-audit reference rm {self.key}")
 
     def _hidden(self) -> np.memmap:
         """``hidden.bin`` mapped, after its size is checked: a short file must not be mapped (a SIGBUS or a
         ValueError far from here), a long one not read as if it were this reference's."""
-        shape = tuple(self.manifest["hidden"]["shape"])
-        stored_as = np.dtype(STORED_AS[self.dtype])
+        hidden = self.manifest.hidden
         path = self.folder / HIDDEN
         size = path.stat().st_size if path.is_file() else 0
-        if size != math.prod(shape) * stored_as.itemsize:
+        if size != _hidden_bytes(hidden, self.dtype):
             raise DamagedReference(f"baseline reference {self.key} is damaged: {HIDDEN} holds {size} bytes, not the "
-                                   f"{math.prod(shape) * stored_as.itemsize} of {shape[0]} rows of {shape[1]} "
+                                   f"{_hidden_bytes(hidden, self.dtype)} of {hidden.rows} rows of {hidden.width} "
                                    "numbers; the next audit scores the baseline again")
-        return np.memmap(path, dtype=stored_as, mode="r", shape=shape)
+        return np.memmap(path, dtype=STORED_AS[self.dtype], mode="r", shape=hidden.shape)
 
     def baseline(self, source: str, device: torch.device) -> Baseline:
         """The baseline as a variant meets it: its LM head on ``device``, its stored hidden states, and its stored
@@ -409,7 +327,7 @@ class Reference:
             source: the baseline's folder or Hub id (its head is read from there).
         """
         head, hidden, dtype = self.head(source, device), self._hidden(), self.dtype
-        nll = torch.from_numpy(self.scores()["token_nll"])
+        nll = torch.from_numpy(self.scores().token_nll)
 
         def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(hidden[slots.numpy()])).view(dtype)
@@ -417,18 +335,23 @@ class Reference:
         def stored_nll(slots: torch.Tensor) -> torch.Tensor:
             return nll[slots]
 
-        return Baseline(head, self.manifest["head"]["softcap"], states, stored_nll, self.tolerance,
+        return Baseline(head, self.manifest.softcap, states, stored_nll, self.tolerance,
                         f"baseline reference {self.key}")
 
 
-def _head(about: dict, stored: Path, source: str, device: torch.device, dtype: torch.dtype, rebuild: str
+def _hidden_bytes(hidden: Hidden, dtype: torch.dtype) -> int:
+    """The size of ``hidden.bin`` holding ``hidden`` computed in ``dtype``."""
+    return math.prod(hidden.shape) * np.dtype(STORED_AS[dtype]).itemsize
+
+
+def _head(about: Head, stored: Path, source: str, device: torch.device, dtype: torch.dtype, rebuild: str
           ) -> torch.nn.Module:
     """The LM head a reference's (or its first slice's) ``head`` entry names: ``stored`` beside it, or read from
     ``source`` by name; checked against its digest, on ``device`` in ``dtype``. ``rebuild``: what to do when it
     is gone or changed. A runtime's reference (``logits``: the vocabulary) keeps its logits as states: the identity."""
-    if "logits" in about:
-        return LogitsHead(about["logits"])
-    if about["stored"]:
+    if about.logits is not None:
+        return LogitsHead(about.logits)
+    if about.stored:
         from safetensors.torch import load_file
 
         tensors = load_file(stored)
@@ -436,24 +359,31 @@ def _head(about: dict, stored: Path, source: str, device: torch.device, dtype: t
     else:
         found = read_head(model_files(source) or Path(source))
         if found is None:
-            raise InputError(f"the baseline's LM head ({about['name']}) is no longer in {source}; {rebuild}")
+            raise InputError(f"the baseline's LM head ({about.name}) is no longer in {source}; {rebuild}")
         _, weight, bias = found
     weight, bias = (None if t is None else t.to(device=device, dtype=dtype) for t in (weight, bias))
-    if tensor_digest(*(t for t in (weight, bias) if t is not None)) != about["digest"]:
+    if tensor_digest(*(t for t in (weight, bias) if t is not None)) != about.digest:
         raise InputError(f"the baseline's LM head in {source} is not the one its reference was made with; {rebuild}")
     return _linear(weight, bias)
 
 
-def _slice_about(folder: Path) -> dict:
-    about = read_json(folder / SLICE, "baseline reference slice")
-    if not about:
+def _slice_about(folder: Path) -> Slice | None:
+    """What a slice's ``SLICE`` says it holds; None when it is missing or damaged (read_json says which)."""
+    return Slice.of_json(read_json(folder / SLICE, "baseline reference slice"))
+
+
+def _opened_slice(folder: Path) -> Slice:
+    about = _slice_about(folder)
+    if about is None:
         raise DamagedReference(f"the baseline reference's slice {folder.name} is missing or damaged")
     return about
 
 
-def _slice_bytes(about: dict) -> int:
-    """The size of the hidden states a slice's entry says it holds."""
-    return math.prod(about["hidden"]["shape"]) * np.dtype(STORED_AS[DTYPES[about["hidden"]["dtype"]]]).itemsize
+def _named_head(folder: Path, first: Slice) -> Head:
+    """The LM head the first slice names: only that one does."""
+    if first.head is None:
+        raise DamagedReference(f"the baseline reference's first slice {folder.name} does not name its LM head")
+    return first.head
 
 
 def _not_as_written(folder: Path) -> DamagedReference:
@@ -469,17 +399,14 @@ def slice_baseline(slices: list[Path], nll: torch.Tensor, source: str, device: t
     Args:
         source: the baseline's folder or Hub id (its head is read from there unless the slice stores it).
     """
-    first, own = _slice_about(slices[0]), _slice_about(slices[-1])
-    (start, stop), shape = own["rows"], tuple(own["hidden"]["shape"])
-    dtype = DTYPES[own["hidden"]["dtype"]]
-    path, stored_as = slices[-1] / HIDDEN, np.dtype(STORED_AS[dtype])
-    if shape[0] != stop - start or shape[0] != len(nll) or not path.is_file() \
-            or path.stat().st_size != _slice_bytes(own) or file_digest(path) != own["sha256"]:
+    first, own = _opened_slice(slices[0]), _opened_slice(slices[-1])
+    start, dtype = own.first, DTYPES[own.hidden.dtype]
+    path = slices[-1] / HIDDEN
+    if own.hidden.rows != own.stop - start or own.hidden.rows != len(nll) or not path.is_file() \
+            or path.stat().st_size != _hidden_bytes(own.hidden, dtype) or file_digest(path) != own.sha256:
         raise _not_as_written(slices[-1])
-    about = dict(first["head"])
-    softcap = about.pop("softcap")
-    head = _head(about, slices[0] / HEAD, source, device, dtype, "score the baseline again")
-    hidden = np.memmap(path, dtype=stored_as, mode="r", shape=shape)
+    head = _head(_named_head(slices[0], first), slices[0] / HEAD, source, device, dtype, "score the baseline again")
+    hidden = np.memmap(path, dtype=STORED_AS[dtype], mode="r", shape=own.hidden.shape)
 
     def states(slots: torch.Tensor, inputs: tuple) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(hidden[(slots - start).numpy()])).view(dtype)
@@ -487,7 +414,7 @@ def slice_baseline(slices: list[Path], nll: torch.Tensor, source: str, device: t
     def stored_nll(slots: torch.Tensor) -> torch.Tensor:
         return nll[slots - start]
 
-    return Baseline(head, softcap, states, stored_nll, DRIFT_TOLERANCE[own["hidden"]["dtype"]][0],
+    return Baseline(head, first.softcap, states, stored_nll, DRIFT_TOLERANCE[own.hidden.dtype][0],
                     f"the baseline reference's slice {slices[-1].name}")
 
 
@@ -500,12 +427,12 @@ def save_scores(path: Path, **arrays: np.ndarray) -> None:
                 np.lib.format.write_array(file, np.asanyarray(array), allow_pickle=False)
 
 
-def head_entry(source: Path, head: torch.nn.Module, staging: Path) -> dict:
-    """The manifest's ``head`` of the scored model's LM head (but its soft-cap): read back from the checkpoint by name
-    when that gives the same tensor, else stored as ``head.safetensors`` in ``staging``. A runtime that gives logits
-    (``LogitsHead``, llama.cpp) has none: its logits are the reference's states."""
+def lm_head(source: Path, head: torch.nn.Module, staging: Path) -> Head:
+    """The manifest's ``head`` of the scored model's LM head: read back from the checkpoint by name when that gives
+    the same tensor, else stored as ``head.safetensors`` in ``staging``. A runtime that gives logits (``LogitsHead``,
+    llama.cpp) has none: its logits are the reference's states."""
     if isinstance(head, LogitsHead):
-        return {"name": "", "logits": head.out_features, "digest": f"logits of {head.out_features}", "stored": False}
+        return Head("", f"logits of {head.out_features}", False, logits=head.out_features)
     tensors = [t.detach() for t in _head_tensors(head)]
     found = read_head(source)
     read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \
@@ -514,7 +441,12 @@ def head_entry(source: Path, head: torch.nn.Module, staging: Path) -> dict:
         from safetensors.torch import save_file
 
         save_file(dict(zip(("weight", "bias"), (t.cpu().contiguous() for t in tensors))), staging / HEAD)
-    return {"name": found[0] if found else "", "digest": tensor_digest(*tensors), "stored": not read_back}
+    return Head(found[0] if found else "", tensor_digest(*tensors), not read_back)
+
+
+def head_entry(source: Path, head: torch.nn.Module, staging: Path) -> dict:
+    """``lm_head`` as a slice's entry holds it (``Writer.seal``), but its soft-cap."""
+    return lm_head(source, head, staging).to_json()
 
 
 class Writer:
@@ -551,56 +483,50 @@ class Writer:
         except OSError as error:
             self.problem = f"could not write the baseline reference in {self.staging.parent}: {error}"
 
-    def _closed(self) -> tuple[list[int], str]:
-        """The hidden states' shape and dtype, written out."""
+    def _closed(self) -> Hidden:
+        """The hidden states, written out."""
         if self.problem:
             raise OSError(self.problem)
         self.hidden.flush()
-        shape = list(self.hidden.shape)
+        rows, width = self.hidden.shape
         self.hidden = None
-        return shape, str(self.dtype).removeprefix("torch.")
+        return Hidden(rows, width, str(self.dtype).removeprefix("torch."))
 
     def publish(self, key: str, manifest: dict, result: PerplexityResult, head: torch.nn.Module,
                 replace: bool) -> Reference:
         """Finish the files and rename the folder to ``references/<key>``.
 
         Args:
-            manifest: identity, environment, facts, source, softcap; the result, head and sizes are added here.
-            head: the scored model's LM head (``head_entry``).
+            manifest: what it is made from (``Draft``: identity, environment, facts, source, softcap); the result,
+                head and sizes are added here.
+            head: the scored model's LM head (``lm_head``).
             replace: put this one in place of an existing reference of the same key (a rescore);
                 otherwise an existing one (built meanwhile by another audit) is kept and returned.
         """
-        shape, dtype = self._closed()
-        entry = head_entry(Path(manifest["source"]), head, self.staging)
-        manifest |= {"hidden": {"shape": shape, "dtype": dtype}, "head": entry}
-        return _finish(self.staging, key, manifest, result, self.targets, replace)
+        hidden, draft = self._closed(), Draft.of_json(manifest)
+        return _finish(self.staging, key, draft, hidden, lm_head(Path(draft.source), head, self.staging), result,
+                       self.targets, replace)
 
     def seal(self, head_of: dict | None, out: Path) -> Path:
         """Finish a slice: its hidden states and what it holds (``SLICE``; ``head_of``: the first slice's
         ``head_entry`` and soft-cap) beside them, put at ``out`` in one rename. Returns ``out``."""
-        shape, dtype = self._closed()
-        about = {"rows": [self.offset, self.offset + self.n_scored], "hidden": {"shape": shape, "dtype": dtype},
-                 "sha256": file_digest(self.staging / HIDDEN), "head": head_of}
-        write_atomically(self.staging / SLICE, json.dumps(about))
+        about = Slice(self.offset, self.offset + self.n_scored, self._closed(), file_digest(self.staging / HIDDEN),
+                      *head_and_softcap(head_of))
+        write_atomically(self.staging / SLICE, json.dumps(about.to_json()))
         out.parent.mkdir(parents=True, exist_ok=True)
         os.rename(self.staging, out)
         return out
 
 
-def _finish(staging: Path, key: str, manifest: dict, result: PerplexityResult, targets: torch.Tensor, replace: bool,
-            known: dict[str, str] | None = None) -> Reference:
-    """Write the scores and the manifest beside ``staging``'s hidden states (and head), and rename it into place.
-    ``manifest`` holds the entries of the hidden states (``hidden``: shape, dtype) and of the head (``head``), and the
-    model's ``softcap``, which goes into the head's; ``known``: the sha256 of files already hashed as they were
-    written (not read again)."""
+def _finish(staging: Path, key: str, draft: Draft, hidden: Hidden, head: Head, result: PerplexityResult,
+            targets: torch.Tensor, replace: bool, known: dict[str, str] | None = None) -> Reference:
+    """Write the scores and the manifest beside ``staging``'s ``hidden`` states (and ``head``), and rename it into
+    place. ``known``: the sha256 of files already hashed as they were written (not read again)."""
     save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
                 window_tokens=result.window_tokens, targets=targets.numpy().astype(np.int32))
-    manifest |= {"format": REFERENCE_FORMAT, "key": key, "created": time.time(), "result": result.summary(),
-                 "head": manifest["head"] | {"softcap": manifest.pop("softcap")}}
-    manifest["files"] = sealed.files_entry(staging, [f.name for f in staging.iterdir()], known)
-    manifest["size_bytes"] = sum(f["bytes"] for f in manifest["files"].values()) + len(json.dumps(manifest))
-    manifest |= sealed.seal(manifest)
-    write_atomically(staging / MANIFEST, json.dumps(manifest, indent=1))
+    written = time.time()
+    files = sealed.files_entry(staging, [f.name for f in staging.iterdir()], known)
+    write_atomically(staging / MANIFEST, Manifest.made(draft, key, written, result.summary(), hidden, head, files).text())
     final = references_dir() / key
     if final.exists() and (replace or Reference.open(final) is None):  # a rescore, or one too damaged to open
         discard(final)
@@ -621,36 +547,35 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
     Args:
         slices: the shards' slice folders, in window order; the first holds the head's entry.
         staging: an empty folder of its own, on the references' file system.
-        manifest, result, replace: as ``Writer.publish``'s; ``targets``: every scored token's id.
+        manifest, result, replace: as ``Writer.publish``'s (the soft-cap is the first slice's); ``targets``: every
+            scored token's id.
     """
-    abouts = [read_json(folder / SLICE, "baseline reference slice") for folder in slices]
+    abouts = [_slice_about(folder) for folder in slices]
     rows, width, dtype, joined = 0, None, None, hashlib.sha256()
     with open(staging / HIDDEN, "wb") as out:
         for folder, about in zip(slices, abouts):
-            (first, stop), (n, across) = (about["rows"], about["hidden"]["shape"]) if about else ((None, 0), (0, 0))
-            if first != rows or n != stop - first or width not in (None, across) or dtype not in (None, about["hidden"]["dtype"]):
+            if about is None or about.first != rows or about.hidden.rows != about.stop - about.first \
+                    or width not in (None, about.hidden.width) or dtype not in (None, about.hidden.dtype):
                 raise DamagedReference(f"the baseline reference's slice {folder.name} is missing, damaged or out of "
                                        f"place (its rows should start at {rows})")
-            width, dtype = across, about["hidden"]["dtype"]
+            width, dtype = about.hidden.width, about.hidden.dtype
             digest, start = hashlib.sha256(), out.tell()
             with open(folder / HIDDEN, "rb") as part:
                 while block := part.read(1 << 24):
                     digest.update(block)
                     joined.update(block)
                     out.write(block)
-            if digest.hexdigest() != about["sha256"] or out.tell() - start != _slice_bytes(about):
+            if digest.hexdigest() != about.sha256 or out.tell() - start != _hidden_bytes(about.hidden, DTYPES[dtype]):
                 raise _not_as_written(folder)
-            rows = stop
+            rows = about.stop
     if rows != len(targets):
         raise DamagedReference(f"the baseline reference's slices hold {rows} of its {len(targets)} tokens")
-    if not abouts[0]["head"]:
-        raise DamagedReference(f"the baseline reference's first slice {slices[0].name} does not name its LM head")
-    head = dict(abouts[0]["head"])
-    manifest["softcap"] = head.pop("softcap")
-    if head["stored"]:
+    head = _named_head(slices[0], abouts[0])
+    if head.stored:
         shutil.copyfile(slices[0] / HEAD, staging / HEAD)
-    manifest |= {"hidden": {"shape": [rows, width], "dtype": dtype}, "head": head}
-    return _finish(staging, key, manifest, result, targets, replace, {HIDDEN: joined.hexdigest()})
+    draft = replace_field(Draft.of_json(manifest), softcap=abouts[0].softcap)
+    return _finish(staging, key, draft, Hidden(rows, width, dtype), head, result, targets, replace,
+                   {HIDDEN: joined.hexdigest()})
 
 
 def building() -> AbstractContextManager[Path]:
@@ -664,41 +589,27 @@ def folders() -> dict[str, Path]:
     return {f.name: f for f in root.iterdir() if f.is_dir() and not f.name.startswith(".")} if root.is_dir() else {}
 
 
-def _manifest(folder: Path) -> dict | None:
-    """The folder's manifest when it is one of this format, read without a warning."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == REFERENCE_FORMAT else None
-
-
 def verify(folder: Path) -> str | None:
     """What is wrong with the reference in ``folder`` (``Reference.verify``), None when it is intact; read
     without the warning an audit prints, as the caller says it."""
-    manifest = _manifest(folder)
-    if problem := manifest_problem(folder, manifest):
-        return problem
+    found = Reference.read(folder)
     try:
-        return Reference(folder, manifest).verify()
-    except (KeyError, TypeError, IndexError) as error:  # a field missing or of the wrong kind: edited by hand
+        return found.verify()
+    except (KeyError, TypeError, IndexError) as error:  # a file lacking what it holds: written by hand
         return f"{MANIFEST} lacks what a reference holds ({type(error).__name__}: {error})"
 
 
 def listed() -> list[tuple[Reference, str | None]]:
-    """Every reference folder, with what keeps its manifest from describing it (``manifest_problem``; None: nothing),
-    most recently made first. A damaged one holds whatever of its manifest could be read (``{}`` when nothing)."""
-    found = []
-    for folder in folders().values():
-        manifest = _manifest(folder)
-        found.append((Reference(folder, manifest or {}), manifest_problem(folder, manifest)))
-    return sorted(found, key=lambda pair: pair[0].created, reverse=True)
+    """Every reference folder, with what keeps its manifest from describing it (``Reference.problem``; None: nothing),
+    most recently made first. One whose manifest cannot be read holds none (``Reference.manifest``)."""
+    found = [Reference.read(folder) for folder in folders().values()]
+    return [(r, r.problem) for r in sorted(found, key=lambda r: r.created, reverse=True)]
 
 
 def stored() -> list[Reference]:
     """Every complete reference whose manifest can be matched to a baseline, most recently made first. One whose
     manifest cannot is left out, never read as another's: the audit of its own baseline removes it (``find_intact``)."""
-    return [found for found, _ in listed() if not _unreadable(found.folder, found.manifest)]
+    return [found for found, _ in listed() if found.manifest is not None]
 
 
 def find(identity_: dict, environment_: dict, rescore: Rescore) -> tuple[Reference | None, Reference | None]:
@@ -708,8 +619,8 @@ def find(identity_: dict, environment_: dict, rescore: Rescore) -> tuple[Referen
     ``always`` reuses none. A baseline that is scored is compared with this environment's reference,
     else the newest of its identity made elsewhere (another torch, say).
     """
-    same = [r for r in stored() if r.manifest["identity"] == identity_]
-    here = next((r for r in same if r.manifest["environment"] == environment_), None)
+    same = [r for r in stored() if r.manifest.identity.as_dict() == identity_]
+    here = next((r for r in same if r.manifest.environment == environment_), None)
     if rescore == "auto" and here:
         return here, None
     if rescore == "never" and same:
@@ -722,18 +633,17 @@ def find_intact(identity_: dict, environment_: dict, rescore: Rescore
     """``find``, with what it finds checked first (``Reference.damage``): a damaged reference is never used. It is
     removed, with one warning line naming it and its damage, and the search made again; under ``rescore: never``,
     which forbids scoring the baseline again, it is refused instead. So is the folder this baseline's reference is
-    kept in when its manifest cannot even be matched (``_unreadable``: no search finds it).
+    kept in when its manifest cannot even be matched (``Reference.read``: no search finds it).
 
     Returns:
         ``find``'s pair, and a ``"<key>: <damage>"`` line for each reference removed (for the record).
     """
     removed = []
-    own = references_dir() / key_of(identity_, environment_)
-    manifest = _manifest(own)
+    own = Reference.read(references_dir() / key_of(identity_, environment_))
     # left in place, it would fail every listing that trusted its manifest and keep the new one from taking its place
-    if own.is_dir() and (problem := _unreadable(own, manifest)):
-        _damaged(Reference(own, manifest or {}), problem, rescore)
-        removed.append(f"{own.name}: {problem}")
+    if own.folder.is_dir() and own.manifest is None:
+        _damaged(own, own.problem, rescore)
+        removed.append(f"{own.key}: {own.problem}")
     while True:
         found = find(identity_, environment_, rescore)
         damaged = next(((r, problem) for r in found if r is not None and (problem := r.damage())), None)
@@ -761,11 +671,10 @@ def drift(previous: Reference, result: PerplexityResult, environment_: dict) -> 
         ``reference`` (its key), ``max_abs_delta_nll`` and ``mean_abs_delta_nll`` (per token),
         ``delta_ppl_pct``, ``changed`` (environment entries that differ, ``then → now``) and ``drift``.
     """
-    with np.load(previous.folder / SCORES) as scores:
-        delta = result.token_nll.astype(np.float64) - scores["token_nll"].astype(np.float64)
-    token_limit, mean_limit = DRIFT_TOLERANCE[previous.identity.dtype]
-    mean_delta = result.mean_nll - previous.manifest["result"]["mean_nll"]
-    then = previous.manifest["environment"]
+    delta = result.token_nll.astype(np.float64) - previous.scores().token_nll.astype(np.float64)
+    token_limit, mean_limit = DRIFT_TOLERANCE[previous.manifest.identity.dtype]
+    mean_delta = result.mean_nll - previous.manifest.result.mean_nll
+    then = previous.manifest.environment
     changed = {k: f"{then.get(k)} → {environment_.get(k)}" for k in sorted(set(then) | set(environment_))
                if then.get(k) != environment_.get(k)}
     largest = float(np.abs(delta).max()) if delta.size else 0.0
@@ -784,8 +693,8 @@ def remove_damaged(found: Reference) -> bool:
     states against its NLL), so that the next audit scores the baseline again instead of failing the same way. Only
     while its folder holds the manifest it was opened with: another audit may have put a new one in its place, and
     another variant's process may have removed it first. Returns whether this call removed it."""
-    now = _manifest(found.folder)
-    if now is None or now.get("digest") != found.manifest.get("digest"):
+    now = Reference.read(found.folder).manifest
+    if now is None or now.digest != found.manifest.digest:
         return False
     try:
         discard(found.folder)

@@ -127,7 +127,7 @@ def _loaded(spec: VariantSpec, source: Located, evaluation_: Evaluation):
 
 def _reuse(found: reference.Reference, model: Located) -> tuple[PerplexityResult, VariantFacts]:
     found.touch()
-    facts = VariantFacts(**found.manifest["facts"])
+    facts = VariantFacts(**found.manifest.facts)
     # a reference stored before caches were measured: its model says (llama.cpp's cache is its own: not measured)
     if math.isnan(facts.kv_bytes_per_token) and facts.quantization.get("runtime") != "llama.cpp":
         facts.kv_bytes_per_token = kv_cache.bytes_per_token(model.config.get_text_config(),

@@ -8,8 +8,10 @@ the Hub's ``.eval_results/`` files (``eval_results``: one per corpus read from a
 ``huggingface_hub``'s ``EvalResultEntry`` reads and writes back unchanged) and plain data (``card_json``). Tracking logs the record and the three forms on every audit's parent run
 (``log_card``), so that ``ppl-audit card`` needs nothing but the tracking server.
 
-The record is read once, at the boundary (``Audit.of``): each model's row as the typed ``ModelRow`` it was written
-from, so that every figure the card gives comes from the value every other view reads.
+The record is read once, at the boundary (``Audit.of``): as the ``AuditResult`` it was written from
+(``tasks.record.serial.from_record``: always keyed by domain, each model's row the typed ``ModelRow`` and each
+variant's ``Verdict``), so that every figure the card gives comes from the value every other view reads; what the
+card needs beside it (the config as written, each stream's corpus, ...) by ``Written``.
 
 The figures are the console table's (``tasks.record.verdict.format_table``), to the digit: a card that said +1.2%
 where the audit's own table said +1.19% would be a second, unchecked account of one measurement. The intervals of KL
@@ -27,13 +29,15 @@ from pathlib import Path
 
 import yaml
 
-from tasks.config import EvaluationConfig
+from tasks.config import ONE_CORPUS, EvaluationConfig
 from tasks.record.domains import domain_view
+from tasks.record.entry_said import CorpusSaid
 from tasks.record.figures import GATED, SHOWN, Text, fixed, kl_text
 from tasks.record.floor_said import FloorJudgement
 from tasks.record.logged import RECORD
-from tasks.record.plots import verdict_of
+from tasks.record.result import AuditResult, DomainResult
 from tasks.record.row import Interval, ModelRow
+from tasks.record.serial import from_record
 from tasks.record.spool import record_json
 from tasks.record.verdict import Verdict
 from tasks.record.verdict import said as said_as
@@ -108,24 +112,45 @@ def figure_data(row: ModelRow) -> dict[str, float | None]:
 
 @dataclass(frozen=True)
 class Model:
-    """A model's entry of a record as the card reads it: its name, role and status, its verdict (``verdict_of``) and
-    why, its method (its row's, else its spec's), the domain its figures are of, and its row, typed."""
+    """A model of a token stream as the card reads it: its row, and a variant's verdict (None for the baseline, which
+    is not judged)."""
 
-    name: str
-    role: str
-    status: str
-    verdict: str
-    reason: str | None
-    method: str | None
-    domain: str | None
     row: ModelRow
+    judged: Verdict | None = None
 
-    @classmethod
-    def of(cls, entry: dict) -> Model:
-        row = ModelRow.of_record(entry["row"])
-        return cls(entry["name"], entry["role"], entry["status"], verdict_of(entry),
-                   (entry.get("verdict") or {}).get("reason") or entry.get("reason") or None,
-                   row.method or entry.get("spec", {}).get("method"), entry.get("domain"), row)
+    @property
+    def name(self) -> str:
+        return self.row.variant
+
+    @property
+    def role(self) -> str:
+        return "baseline" if self.judged is None else "variant"
+
+    @property
+    def status(self) -> str:
+        return self.row.status
+
+    @property
+    def verdict(self) -> str:
+        """As its colour and label say it (``tasks.record.plots.verdict_of``): ``baseline``, ``pass``, ``fail``,
+        ``ungated`` or ``error`` (a baseline that was not scored is an error)."""
+        if self.judged is None:
+            return "baseline" if self.row.ok else "error"
+        return self.judged.status or "error"
+
+    @property
+    def reason(self) -> str | None:
+        """Why its verdict (a variant's), else why it was not scored; None where nothing says."""
+        return (self.judged and self.judged.reason) or self.row.reason or None
+
+    @property
+    def method(self) -> str | None:
+        return self.row.method
+
+    @property
+    def domain(self) -> str | None:
+        """In an audit of several domains, the domain its figures are of (its worst)."""
+        return self.row.domain
 
     @property
     def floor_said(self) -> str | None:
@@ -138,50 +163,80 @@ class Model:
         return self.row.measured.llama_cpp if self.row.measured else None
 
 
-@dataclass(frozen=True)
-class Floor:
-    """A noise floor's row of one token stream: the baseline in a 16-bit dtype against its float32 self."""
+def models(rows: tuple[ModelRow, ...], verdicts: tuple[Verdict, ...]) -> tuple[Model, ...]:
+    """The models of ``rows`` (the baseline first), each variant with its verdict (``verdicts``: in ``rows[1:]``'
+    order)."""
+    return tuple(Model(row, judged) for row, judged in zip(rows, (None, *verdicts)))
 
-    name: str
-    dtype: str | None
-    row: ModelRow
+
+def floor_status(floor: ModelRow) -> str:
+    """A noise floor's row's status: ``ok`` for a row that says none (it was scored)."""
+    return floor.status or "ok"
+
+
+@dataclass(frozen=True)
+class Written:
+    """What the card reads of a record that its ``AuditResult`` does not hold, read once: the audit's id and when it
+    ended, the config as it recorded it (``config``) and as it was written (its file, its text), the baseline's path,
+    the evaluation settings, the corpus, the machine it ran on and its token population.
+
+    A record of any schema: a key kept later than the record reads as None."""
+
+    audit_id: str
+    created: str
+    config: dict
+    config_path: str | None
+    config_text: str | None
+    environment: dict
+    baseline: str | None
+    evaluation: EvaluationConfig
+    corpus: CorpusSaid
+    population: dict | None
 
     @classmethod
-    def of(cls, floor: dict) -> Floor:
-        return cls(floor["name"], floor.get("dtype"), ModelRow.of_record(floor["row"]))
+    def of_record(cls, record: dict) -> Written:
+        config = record["config"]
+        return cls(record["audit_id"], record["created"], config, record.get("config_path"),
+                   record.get("config_text"), record.get("environment") or {}, config["baseline"].get("path"),
+                   EvaluationConfig.of_record(config["evaluation"]), CorpusSaid.of_record(record["corpus"]),
+                   record.get("population"))
 
-    @property
-    def status(self) -> str:
-        return self.row.status or "ok"  # a floor's row that says none was scored
+
+def stream_records(record: dict) -> dict[str, dict]:
+    """Each token stream's record as its one-corpus audit's, by the name ``AuditResult.domains`` gives it: each domain
+    of an audit of several (``domain_view``), or the record of an audit of one corpus itself (``ONE_CORPUS``)."""
+    return {name: domain_view(record, name) for name in record.get("domains", {})} or {ONE_CORPUS: record}
 
 
 @dataclass(frozen=True)
 class Section:
-    """One token stream of the audit and its record as a one-corpus audit's (``domain``: its name in an audit of
-    several corpora, None for an audit of one), with what the card reads of it: its corpus (and the corpus's
-    ``source``), verdict, models and noise floor."""
+    """One token stream of the audit: its domain's result, named in an audit of several domains (``domain``; None
+    for an audit of one corpus, whose corpus names it), with what the card reads of its record (``written``)."""
 
     domain: str | None
-    record: dict
-    corpus: dict
-    source: str
-    verdict: Verdict
-    models: tuple[Model, ...]
-    floors: tuple[Floor, ...]
+    result: DomainResult
+    written: Written
 
-    @classmethod
-    def of(cls, domain: str | None, view: dict) -> Section:
-        corpus = view["corpus"]
-        return cls(domain, view, corpus, corpus["source"], Verdict.of_record(domain or "audit", view["verdict"]),
-                   tuple(Model.of(entry) for entry in view["variants"]),
-                   tuple(Floor.of(floor) for floor in view.get("floor") or []))
+    @property
+    def corpus(self) -> CorpusSaid:
+        return self.written.corpus
 
+    @property
+    def source(self) -> str:
+        return self.corpus.source
 
-def sections(record: dict) -> list[Section]:
-    """The audit's token streams: each domain's (``tasks.record.domains.domain_view``), or its one corpus."""
-    if "domains" not in record:
-        return [Section.of(None, record)]
-    return [Section.of(name, domain_view(record, name)) for name in record["domains"]]
+    @property
+    def verdict(self) -> Verdict:
+        return self.result.verdict
+
+    @property
+    def models(self) -> tuple[Model, ...]:
+        return models(self.result.rows, self.result.verdicts)
+
+    @property
+    def floors(self) -> tuple[ModelRow, ...]:
+        """Its noise floors' rows: the baseline in a 16-bit dtype (``floor_of``) against its float32 self."""
+        return self.result.floor
 
 
 @dataclass(frozen=True)
@@ -197,39 +252,51 @@ class Recipe:
 
 def reproduce(record: dict) -> dict:
     """How to run the audit again (``Recipe``) as plain data."""
-    return asdict(_recipe(record))
+    return asdict(_recipe(from_record(record).name, Written.of_record(record)))
 
 
-def _recipe(record: dict) -> Recipe:
+def _recipe(name: str, written: Written) -> Recipe:
     """The config as it was written (the config as the audit read it, for a record without its text)."""
-    config = record.get("config_text") or yaml.safe_dump(record["config"], sort_keys=False, allow_unicode=True)
-    file = Path(record.get("config_path") or f"{record['name']}.yaml").name
-    return Recipe(f"ppl-audit run {file}", file, config, record.get("environment") or {})
+    config = written.config_text or yaml.safe_dump(written.config, sort_keys=False, allow_unicode=True)
+    file = Path(written.config_path or f"{name}.yaml").name
+    return Recipe(f"ppl-audit run {file}", file, config, written.environment)
 
 
 @dataclass(frozen=True)
 class Audit:
-    """An audit's record as the card reads it, once: what names it, the baseline's path, its verdict, its token
-    streams, each model's figures on the whole audit (in an audit of several domains: its worst domain's), and in an
-    audit of several domains (``several``) their token populations, named."""
+    """An audit's record as the card reads it, once: its result (``tasks.record.serial.from_record``), what the
+    record holds beside it (``written``), and its token streams (in an audit of one corpus, its one)."""
 
-    name: str
-    audit_id: str
-    created: str
-    baseline: str | None
-    verdict: Verdict
+    result: AuditResult
+    written: Written
     sections: tuple[Section, ...]
-    models: tuple[Model, ...]
-    several: bool
-    population: dict | None
 
     @classmethod
     def of(cls, record: dict) -> Audit:
-        several = "domains" in record
-        return cls(record["name"], record["audit_id"], record["created"], record["config"]["baseline"].get("path"),
-                   Verdict.of_record("audit", record["verdict"]), tuple(sections(record)),
-                   tuple(Model.of(entry) for entry in record["variants"]), several,
-                   record.get("population") if several else None)
+        result, streams = from_record(record), stream_records(record)
+        several = result.named
+        return cls(result, Written.of_record(record),
+                   tuple(Section(name if several else None, domain, Written.of_record(streams[name]))
+                         for name, domain in result.domains.items()))
+
+    @property
+    def name(self) -> str:
+        return self.result.name
+
+    @property
+    def several(self) -> bool:
+        """Whether the audit names its domains (``corpora:``): each is shown by name."""
+        return self.result.named
+
+    @property
+    def population(self) -> dict | None:
+        """In an audit of several domains, their token populations, named (one corpus's is its section's)."""
+        return self.written.population if self.several else None
+
+    @property
+    def models(self) -> tuple[Model, ...]:
+        """Each model's figures on the whole audit (in an audit of several domains: its worst domain's)."""
+        return models(self.result.rows, self.result.verdicts)
 
     @property
     def variants(self) -> list[Model]:
@@ -238,6 +305,10 @@ class Audit:
     @property
     def baseline_name(self) -> str:
         return next((model.name for model in self.models if model.role == "baseline"), "baseline")
+
+    @property
+    def recipe(self) -> Recipe:
+        return _recipe(self.name, self.written)
 
 
 def card_row(model: Model) -> dict:
@@ -270,12 +341,12 @@ def cells(model: Model) -> list[str]:
             floor_cell(model.row.floor)]
 
 
-def floor_cells(floor: Floor) -> list[str]:
+def floor_cells(floor: ModelRow) -> list[str]:
     """A noise floor's Markdown cells: its ΔPPL and KL with their intervals, or why it was not measured."""
-    if floor.status != "ok":
-        return [floor.name, floor.dtype or "—", f"not measured: {floor.row.reason or None}", "—"]
-    return [floor.name, floor.dtype or "—", gated(floor.row, "delta_ppl_pct").text(DELTA),
-            gated(floor.row, "kld_mean").text(KL)]
+    if floor_status(floor) != "ok":
+        return [floor.variant, floor.floor_of or "—", f"not measured: {floor.reason or None}", "—"]
+    return [floor.variant, floor.floor_of or "—", gated(floor, "delta_ppl_pct").text(DELTA),
+            gated(floor, "kld_mean").text(KL)]
 
 
 def _cell(text: str) -> str:
@@ -288,23 +359,21 @@ def _table(header: tuple[str, ...] | list[str], body: list[list[str]]) -> list[s
         ["| " + " | ".join(_cell(cell) for cell in row) + " |" for row in body]
 
 
-def floor_data(floor: Floor) -> dict:
+def floor_data(floor: ModelRow) -> dict:
     """A noise floor's row as plain data: its figures (None where not measured), or why it was not measured."""
-    return {"name": floor.name, "dtype": floor.dtype, "status": floor.status, "reason": floor.row.reason or None,
-            **figure_data(floor.row)}
+    return {"name": floor.variant, "dtype": floor.floor_of, "status": floor_status(floor), "reason": floor.reason or None,
+            **figure_data(floor)}
 
 
 def population_in(section: Section) -> dict:
     """Which tokens were scored: the record's token population (its digest names them), or for a record from before
     the population was digested, the same facts from its corpus and settings (``digest`` None)."""
-    found = section.record.get("population")
-    if found and "domains" not in found:
-        return dict(found)
-    corpus = section.corpus
-    settings = EvaluationConfig.of_record(section.record["config"]["evaluation"])
-    return {"digest": None, "tokens": corpus.get("n_tokens"), "tokenizer": corpus.get("tokenizer"),
-            "text": corpus.get("digest"), "window": settings.window, "stride": settings.stride, "mode": settings.mode,
-            "bos": corpus.get("bos"), "max_tokens": settings.max_tokens}
+    if section.result.population:
+        return dict(section.result.population)
+    corpus, settings = section.corpus, section.written.evaluation
+    return {"digest": None, "tokens": corpus.n_tokens, "tokenizer": corpus.tokenizer, "text": corpus.digest,
+            "window": settings.window, "stride": settings.stride, "mode": settings.mode, "bos": corpus.bos,
+            "max_tokens": settings.max_tokens}
 
 
 def population_text(found: dict) -> str:
@@ -334,16 +403,17 @@ def card_data(record: dict, source_url: str, model_id: str | None = None) -> dic
     across the audit, how to reproduce it, and the model index. ``source_url``: where the record is
     (``source_url``)."""
     audit = Audit.of(record)
+    written = audit.written
     return _plain({
-        "name": audit.name, "audit_id": audit.audit_id, "created": audit.created, "baseline": audit.baseline,
-        "source_url": source_url, "verdict": audit.verdict.as_record(),
+        "name": audit.name, "audit_id": written.audit_id, "created": written.created, "baseline": written.baseline,
+        "source_url": source_url, "verdict": audit.result.verdict.as_record(),
         "population": audit.population,  # the domains' populations, named
         "sections": [{"domain": section.domain, "source": section.source, "verdict": section.verdict.as_record(),
                       "rows": [card_row(model) for model in section.models],
                       "floor": [floor_data(floor) for floor in section.floors], "population": population_in(section)}
                      for section in audit.sections],
         "variants": [card_verdict(model) for model in audit.variants],
-        "reproduce": reproduce(record),
+        "reproduce": asdict(audit.recipe),
         "model-index": _model_index(audit, source_url, model_id),
     })
 
@@ -386,8 +456,8 @@ def _dataset(section: Section) -> Dataset:
     dataset's id), a Hub dataset's config and split."""
     source = section.source
     if source.startswith("hf:"):
-        return Dataset(section.domain or source[3:], source[3:], section.corpus.get("hf_config"),
-                       section.corpus.get("hf_split"))
+        return Dataset(section.domain or source[3:], source[3:], section.corpus.hf_config,
+                       section.corpus.hf_split)
     return Dataset(section.domain or Path(source).name or source, source)
 
 
@@ -491,8 +561,8 @@ def eval_results(record: dict, source_url: str) -> EvalResults:
         if not section.source.startswith("hf:"):
             left_out[name] = section.source
             continue
-        entries = [{"dataset": {"id": dataset, "task_id": section.corpus.get("hf_config") or "default"},
-                    "value": metric.value, "date": audit.created, **source, "notes": metric.name}
+        entries = [{"dataset": {"id": dataset, "task_id": section.corpus.hf_config or "default"},
+                    "value": metric.value, "date": audit.written.created, **source, "notes": metric.name}
                    for metric in _metrics(section, audit.baseline_name)]
         if entries:
             files[f"{name}.yaml"] = entries
@@ -549,16 +619,16 @@ def _why(model: Model) -> str:
 def markdown(record: dict, source_url: str) -> str:
     """The card in Markdown, under a second-level heading (the model card has its own title)."""
     audit = Audit.of(record)
-    streams = audit.sections
+    streams, written, verdict = audit.sections, audit.written, audit.result.verdict
     on = (f"{len(streams)} domains ({', '.join(s.domain for s in streams)}), each its own token stream, a variant's "
           "verdict its worst domain's" if audit.several else f"`{streams[0].source}`")
     lines = [f"## Perplexity audit: {audit.name}", "",
-             f"**Verdict: {audit.verdict.said.upper()}.** {audit.verdict.reason}", "",
-             f"Audited {audit.created[:19].replace('T', ' ')} UTC with ppl-audit: the baseline "
-             f"`{audit.baseline}` and {len(audit.variants)} variant(s) scored on the same tokens of "
+             f"**Verdict: {verdict.said.upper()}.** {verdict.reason}", "",
+             f"Audited {written.created[:19].replace('T', ' ')} UTC with ppl-audit: the baseline "
+             f"`{written.baseline}` and {len(audit.variants)} variant(s) scored on the same tokens of "
              f"{on}. ΔPPL, KL and top-1 agreement are taken against the baseline, with paired 95% intervals over "
              f"windows; a variant passes when the pessimistic end of each interval is within its limit. "
-             f"Record: `{source_url}` (audit `{audit.audit_id}`).", ""]
+             f"Record: `{source_url}` (audit `{written.audit_id}`).", ""]
     population = audit.population or {}
     if population.get("digest"):
         named = ", ".join(f"{name} `{digest}`" for name, digest in population.get("domains", {}).items())
@@ -567,7 +637,7 @@ def markdown(record: dict, source_url: str) -> str:
         lines += _section_lines(section, audit.several)
     lines += ["### Why each verdict", ""]
     lines += [_why(model) for model in audit.variants]
-    again = _recipe(record)
+    again = audit.recipe
     environment = again.environment
     versions = ", ".join(f"{name} {version}" for name, version in (environment.get("versions") or {}).items())
     lines += ["", "### How to reproduce", "", "With ppl-audit installed and the models and corpora at the config's "

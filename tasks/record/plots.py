@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from tasks.config import Gate, Thresholds
+from tasks.config import Gate
+from tasks.record.entry_said import ModelSaid, RecordSaid, WhereGroup
 from tasks.record.row import Interval, ModelRow
 from tasks.record.verdict import gate_checks, said as said_as
 
@@ -34,47 +35,55 @@ TEXT, SMALL, TITLE = 11, 10, 13  # points
 LINE_STYLES = ("-", "--", ":", "-.")  # tells apart variants that share a verdict's colour
 
 
-def verdict_of(entry: dict) -> str:
+def said_of(record: dict | RecordSaid) -> RecordSaid:
+    """A record as the charts and the report read it: read once, where a public function takes it as plain data
+    (the charts and the report pass on what they read)."""
+    return record if isinstance(record, RecordSaid) else RecordSaid.of_record(record)
+
+
+def model_of(entry: dict | ModelSaid) -> ModelSaid:
+    """A model's entry of a record, typed (``said_of``'s, for one entry)."""
+    return entry if isinstance(entry, ModelSaid) else ModelSaid.alone(entry)
+
+
+def verdict_of(entry: dict | ModelSaid) -> str:
     """A model's verdict as its colour and label say it: ``baseline``, ``pass``, ``fail`` or ``error``
     (a baseline that was not scored, or a variant that was not judged, is an error)."""
-    if entry["role"] == "baseline":
-        return "baseline" if entry["status"] == "ok" else "error"
-    return (entry["verdict"] or {}).get("status") or "error"
+    model = model_of(entry)
+    if model.role == "baseline":
+        return "baseline" if model.status == "ok" else "error"
+    return (model.verdict.status if model.verdict else None) or "error"
 
 
-def gate_of(record: dict, name: str) -> Gate:
+def gate_of(record: dict | RecordSaid, name: str) -> Gate:
     """Variant ``name``'s gate (its own overrides, else the audit's). In an audit of several domains, the gate of the
-    variant's worst domain: the one its figures at the top come from."""
-    entry = next((v for v in record["variants"] if v["name"] == name), {})
-    if entry.get("domain") in record.get("domains", {}):  # a domain's config holds its own gate (``per_corpus``)
-        record = record["domains"][entry["domain"]]
-    return Thresholds.model_validate(record["config"]["thresholds"]).for_variant(name)
+    variant's worst domain: the one its figures at the top come from (a domain's config holds its own gate,
+    ``per_corpus``)."""
+    said = said_of(record)
+    domain = next((model.domain for model in said.models if model.name == name), None)
+    return said.domains.get(domain, said).thresholds.for_variant(name)
 
 
-def ppl_limit(record: dict, name: str) -> float | None:
+def ppl_limit(record: dict | RecordSaid, name: str) -> float | None:
     """The gate's ``max_ppl_increase_pct`` for variant ``name`` (``gate_of``), or None."""
     return gate_of(record, name).max_ppl_increase_pct
 
 
-def row_of(entry: dict) -> ModelRow:
-    """A model's comparison row in a record's entry (here and in the report), typed: read once, at the record."""
-    return ModelRow.of_record(entry["row"])
-
-
-def gates_said(record: dict, entry: dict) -> list[tuple[str, str, str]]:
+def gates_said(record: dict | RecordSaid, entry: dict | ModelSaid) -> list[tuple[str, str, str]]:
     """``(gate's name, status, reason)`` of each limit of a scored variant's gate (``tasks.record.verdict``); none
     for the baseline, a model not scored, or a row that lacks a gated figure (its verdict's reason says why)."""
-    row = row_of(entry)
-    if entry["role"] != "variant" or not row.ok:
+    model = model_of(entry)
+    if model.role != "variant" or not model.row.ok:
         return []
-    return gate_checks(row, gate_of(record, entry["name"]))
+    return gate_checks(model.row, gate_of(record, model.name))
 
 
-def verdict_label(record: dict, entry: dict) -> str:
+def verdict_label(record: dict | RecordSaid, entry: dict | ModelSaid) -> str:
     """A model's verdict as a chart of one figure names it: with the gates it did not pass (``fail: top-1
     agreement``), so that a chart of ΔPPL or of KL does not read as if its own figure failed."""
-    verdict = verdict_of(entry)
-    missed = [what for what, status, _ in gates_said(record, entry) if status != "pass"]
+    model = model_of(entry)
+    verdict = verdict_of(model)
+    missed = [what for what, status, _ in gates_said(record, model) if status != "pass"]
     return f"{verdict}: {', '.join(missed)}" if missed and verdict != "pass" else verdict
 
 
@@ -83,43 +92,44 @@ def measured(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-def charts(record: dict, folder: Path) -> dict[str, Figure]:
+def charts(record: dict | RecordSaid, folder: Path) -> dict[str, Figure]:
     """Every chart of an audit by its artifact name, in reading order (the names sort in that order too).
 
     Args:
         record: the audit's record (``tasks.record.contents.audit_record``).
         folder: the record's folder, which holds the per-token Parquet files.
     """
-    found = {"delta_ppl_pct.png": delta_ppl_chart(record), "ppl_by_model.png": ppl_chart(record)}
-    if _costed(record):
-        found["size_quality.png"] = size_quality_chart(record)
-    return found | {"token_kld_histogram.png": kld_histogram(record, folder),
-                    "window_delta_nll.png": delta_nll_per_window(record, folder)}
+    said = said_of(record)
+    found = {"delta_ppl_pct.png": delta_ppl_chart(said), "ppl_by_model.png": ppl_chart(said)}
+    if _costed(said):
+        found["size_quality.png"] = size_quality_chart(said)
+    return found | {"token_kld_histogram.png": kld_histogram(said, folder),
+                    "window_delta_nll.png": delta_nll_per_window(said, folder)}
 
 
-def pictures(record: dict, folder: Path) -> dict[str, bytes]:
+def pictures(record: dict | RecordSaid, folder: Path) -> dict[str, bytes]:
     """Every chart of ``charts`` as PNG bytes, in the same order: drawn once for the audit's run and its report
     (drawing them is about a third of the CPU that recording an audit takes). An audit of several domains has
     ``delta_ppl_by_domain.png`` first, then each domain's charts under ``DOMAIN/``: each domain is its own token
     stream, so every chart of a one-corpus audit is drawn for each."""
-    from tasks.record.domains import domain_view
-
-    if "domains" not in record:
-        return {name: png(figure) for name, figure in charts(record, folder).items()}
-    found = {"delta_ppl_by_domain.png": png(delta_ppl_by_domain_chart(record))}
-    for domain in record["domains"]:
-        found |= {f"{domain}/{name}": png(figure) for name, figure in charts(domain_view(record, domain), folder).items()}
+    said = said_of(record)
+    if not said.domains:  # one corpus: its charts are the audit's
+        return {name: png(figure) for name, figure in charts(said, folder).items()}
+    found = {"delta_ppl_by_domain.png": png(delta_ppl_by_domain_chart(said))}
+    for domain, view in said.domains.items():
+        found |= {f"{domain}/{name}": png(figure) for name, figure in charts(view, folder).items()}
     return found
 
 
-def title_name(record: dict) -> str:
+def title_name(record: dict | RecordSaid) -> str:
     """The audit's name as a chart's title says it: with the domain, for one domain's of an audit of several."""
-    return f"{record['name']} · {record['domain']}" if record.get("domain") else record["name"]
+    said = said_of(record)
+    return f"{said.result.name} · {said.domain}" if said.domain else said.result.name
 
 
-def _audit_said(record: dict) -> str:
+def _audit_said(said: RecordSaid) -> str:
     """The audit's verdict as a chart's title says it: ``PASS``, ``NO GATE``."""
-    return said_as(record["verdict"]["status"]).upper()
+    return said.result.verdict.said.upper()
 
 
 def png(figure: Figure) -> bytes:
@@ -129,7 +139,7 @@ def png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def delta_ppl_chart(record: dict) -> Figure:
+def delta_ppl_chart(record: dict | RecordSaid) -> Figure:
     """ΔPPL % of each variant against the baseline: a bar per variant, top to bottom in the config's order.
 
     A bar's colour is the variant's verdict; its whiskers span the paired 95% interval; a dashed tick marks the
@@ -138,65 +148,66 @@ def delta_ppl_chart(record: dict) -> Figure:
     limit; a variant without figures says why instead.
     Returns the figure.
     """
-    variants = [v for v in record["variants"] if v["role"] == "variant"]
-    figure, axis = _rows_figure(variants)
-    low, high = _delta_range(record, variants)
+    said = said_of(record)
+    variants = said.variants
+    figure, axis = _rows_figure([model.name for model in variants])
+    low, high = _delta_range(said, variants)
     shown = set()  # what the legend explains: only what the chart holds
-    for y, entry in enumerate(variants):
-        _delta_slot(axis, y, record, entry, (high, shown))
+    for y, model in enumerate(variants):
+        _delta_slot(axis, y, said, model, (high, shown))
     handles = _verdict_handles(variants) + _delta_marks(shown)
     axis.axvline(0, color="black", linewidth=1)
     axis.set_xlim(low, high)
     axis.set_xlabel("ΔPPL % against the baseline (bar: estimate, whiskers: paired 95% interval)", fontsize=TEXT)
-    return titled(figure, f"{title_name(record)}: ΔPPL % per variant · "
-                          f"{_audit_said(record)}", handles)
+    return titled(figure, f"{title_name(said)}: ΔPPL % per variant · "
+                          f"{_audit_said(said)}", handles)
 
 
-def delta_ppl_by_domain_chart(record: dict) -> Figure:
+def delta_ppl_by_domain_chart(record: dict | RecordSaid) -> Figure:
     """ΔPPL % of each variant on each domain of an audit of several: a group per domain (its name in bold, its
     verdict), in it a slot per variant, top to bottom in the config's order, as ``delta_ppl_chart`` draws it but
     with no bar: a diamond for the estimate, whiskers for its paired 95% interval, coloured by the variant's verdict
     on that domain, and that domain's gate limit for the variant (``per_corpus`` may change it). Returns the figure.
     """
-    from tasks.record.domains import domain_view
-
-    views = [domain_view(record, name) for name in record["domains"]]
+    said = said_of(record)
+    views = list(said.domains.values())
     slots = []  # (domain's record, variant's entry there, or None for the domain's header)
     for view in views:
-        slots += [(view, None)] + [(view, v) for v in view["variants"] if v["role"] == "variant"]
-    figure, axis = _rows_figure([{"name": view["domain"] if entry is None else entry["name"]} for view, entry in slots])
-    ranges = [_delta_range(view, [v for v in view["variants"] if v["role"] == "variant"]) for view in views]
+        slots += [(view, None)] + [(view, model) for model in view.variants]
+    figure, axis = _rows_figure([view.domain if model is None else model.name for view, model in slots])
+    ranges = [_delta_range(view, view.variants) for view in views]
     low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
     shown = set()
-    for y, (view, entry) in enumerate(slots):
-        if entry is not None:
-            _delta_slot(axis, y, view, entry, (high, shown), bar=False)
+    for y, (view, model) in enumerate(slots):
+        if model is not None:
+            _delta_slot(axis, y, view, model, (high, shown), bar=False)
             continue
         axis.get_yticklabels()[y].set_fontweight("bold")
-        verdict = view["verdict"]["status"]
-        axis.text(0.005, y, f"domain {view['domain']}: {said_as(verdict).upper()}", transform=axis.get_yaxis_transform(),
+        verdict = view.result.verdict.status
+        axis.text(0.005, y, f"domain {view.domain}: {said_as(verdict).upper()}", transform=axis.get_yaxis_transform(),
                   va="center", fontsize=SMALL, fontweight="bold", color=COLOURS[verdict], parse_math=False)
         if y:  # a rule between domains
             axis.axhline(y - 0.55, color="#9e9e9e", linewidth=1)
-    handles = _verdict_handles([entry for _, entry in slots if entry is not None]) + _delta_marks(shown)
+    handles = _verdict_handles([model for _, model in slots if model is not None]) + _delta_marks(shown)
     axis.axvline(0, color="black", linewidth=1)
     axis.set_xlim(low, high)
     axis.set_xlabel("ΔPPL % against the baseline on the domain (diamond: estimate, whiskers: paired 95% interval)",
                     fontsize=TEXT)
-    return titled(figure, f"{record['name']}: ΔPPL % by domain · {_audit_said(record)}",
+    return titled(figure, f"{said.result.name}: ΔPPL % by domain · {_audit_said(said)}",
                   handles)
 
 
-def _delta_slot(axis: Axes, y: int, record: dict, entry: dict, drawn: tuple[float, set], bar: bool = True) -> None:
-    """Slot ``y`` of a ΔPPL chart: ``entry``'s estimate (a bar unless ``bar`` is false) and interval, its gate limit
-    in ``record`` and a line of text above; ``drawn``: the axis's right end and the set of what the legend explains,
+def _delta_slot(axis: Axes, y: int, said: RecordSaid, model: ModelSaid, drawn: tuple[float, set],
+                bar: bool = True) -> None:
+    """Slot ``y`` of a ΔPPL chart: ``model``'s estimate (a bar unless ``bar`` is false) and interval, its gate limit
+    in ``said`` and a line of text above; ``drawn``: the axis's right end and the set of what the legend explains,
     added to."""
     high, shown = drawn
-    pct, verdict, limit = row_of(entry).figure("delta_ppl_pct"), verdict_of(entry), ppl_limit(record, entry["name"])
+    pct, verdict, limit = model.row.figure("delta_ppl_pct"), verdict_of(model), ppl_limit(said, model.name)
     limit_text = _draw_limit(axis, y, limit, high, shown)
     if pct is None or not measured(pct.value):
         axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4)
-        _note(axis, y, f"{verdict}: {_why(entry)} · {limit_text}", verdict)
+        _note(axis, y, f"{verdict}: {_why(model)} · {limit_text}", verdict)
         return
     delta = pct.value
     interval = delta if pct.low is None else pct.low, delta if pct.high is None else pct.high
@@ -207,26 +218,26 @@ def _delta_slot(axis: Axes, y: int, record: dict, entry: dict, drawn: tuple[floa
                   zorder=3)  # the diamond shows an estimate too close to zero for its bar to be seen
     shown.add("interval")
     _note(axis, y, f"{delta:+z.2f}% [{interval[0]:+z.2f}, {interval[1]:+z.2f}]   "
-                   f"{_delta_verdict(record, entry, limit_text)}", verdict)
+                   f"{_delta_verdict(said, model, limit_text)}", verdict)
 
 
 # a ΔPPL gate's status (``tasks.record.verdict``) as its slot says it
 PPL_SAID = {"pass": "within", "fail": "breaks", "noise": "is inside the noise of", "unjudged": "cannot be judged against"}
 
 
-def _delta_verdict(record: dict, entry: dict, limit_text: str) -> str:
+def _delta_verdict(said: RecordSaid, model: ModelSaid, limit_text: str) -> str:
     """A ΔPPL slot's verdict: a pass with its limit; any other verdict with what its ΔPPL did against its limit and
     which other gate failed it (``fail: ΔPPL within the limit ≤ 2%; top-1 agreement 0.8700 […] breaks the limit ≥
     0.9``): "fail, limit ≤ 2%" beside a ΔPPL within 2% read as if the ΔPPL had failed."""
-    verdict = verdict_of(entry)
+    verdict = verdict_of(model)
     if verdict in ("pass", "ungated"):
         return f"{verdict}, {limit_text}"
-    checks = gates_said(record, entry)
+    checks = gates_said(said, model)
     ppl = next((status for what, status, _ in checks if what == "ΔPPL"), None)
     said = [limit_text if ppl is None else f"ΔPPL {PPL_SAID[ppl]} the {limit_text}"]
     others = [reason for what, status, reason in checks if what != "ΔPPL" and status != "pass"]
     if not others and ppl in (None, "pass"):  # not a gate's figure: what kept it from a verdict
-        others = [_why(entry)]
+        others = [_why(model)]
     return f"{verdict}: {'; '.join(said + others)}"
 
 
@@ -241,19 +252,19 @@ def _delta_marks(shown: set) -> list:
     return [line for key, line in marks.items() if key in shown]
 
 
-def size_quality_chart(record: dict) -> Figure:
+def size_quality_chart(record: dict | RecordSaid) -> Figure:
     """What each variant costs against what it loses: ΔPPL % (whiskers: its paired 95% interval) and mean KL
     against bits per weight and against MiB in memory, a point per variant coloured by its verdict; a dominated
     variant hollow, the front (``tasks.record.dominance``) joined by a line. Returns the figure."""
-    costed = _costed(record)
-    variants = [v for v, _ in costed]
-    points = [SizePoint(v["name"], row.measured.bits_per_weight, row.measured.weight_mib,
-                        *(_ends(row.figure(key)) for key in ("delta_ppl_pct", "kld_mean")),
-                        COLOURS[verdict_of(v)], bool(row.dominated_by), kv=row.measured.kv_bytes_per_token)
-              for v, row in costed]
-    sizes = SIZES + (KV_SIZE,) * any(row.measured.kv_cache for _, row in costed)  # where a variant sets a cache
-    return titled(size_quality_figure(points, sizes), f"{title_name(record)}: size against quality · "
-                   f"{_audit_said(record)}", _verdict_handles(variants) + FRONT_HANDLES)
+    said = said_of(record)
+    costed = _costed(said)
+    points = [SizePoint(model.name, model.row.measured.bits_per_weight, model.row.measured.weight_mib,
+                        *(_ends(model.row.figure(key)) for key in ("delta_ppl_pct", "kld_mean")),
+                        COLOURS[verdict_of(model)], bool(model.row.dominated_by), kv=model.row.measured.kv_bytes_per_token)
+              for model in costed]
+    sizes = SIZES + (KV_SIZE,) * any(model.row.measured.kv_cache for model in costed)  # where a variant sets a cache
+    return titled(size_quality_figure(points, sizes), f"{title_name(said)}: size against quality · "
+                   f"{_audit_said(said)}", _verdict_handles(costed) + FRONT_HANDLES)
 
 
 @dataclass
@@ -324,12 +335,10 @@ def _ends(figure: Interval | None) -> tuple[float, float, float]:
     return tuple(math.nan if end is None else end for end in (figure.value, figure.low, figure.high))
 
 
-def _costed(record: dict) -> list[tuple[dict, ModelRow]]:
-    """The variants with both a cost (bits per weight) and a ΔPPL, with their rows: the points of
-    ``size_quality_chart``."""
-    rows = [(v, row_of(v)) for v in record["variants"] if v["role"] == "variant"]
-    return [(v, row) for v, row in rows if row.measured is not None and measured(row.measured.bits_per_weight)
-            and measured(row.delta_ppl_pct)]
+def _costed(said: RecordSaid) -> list[ModelSaid]:
+    """The variants with both a cost (bits per weight) and a ΔPPL: the points of ``size_quality_chart``."""
+    return [model for model in said.variants if model.row.measured is not None
+            and measured(model.row.measured.bits_per_weight) and measured(model.row.delta_ppl_pct)]
 
 
 def _draw_limit(axis, y: int, limit: float | None, high: float, shown: set) -> str:
@@ -347,45 +356,46 @@ def _draw_limit(axis, y: int, limit: float | None, high: float, shown: set) -> s
     return f"limit ≤ {limit:g}% (beyond the axis →)"
 
 
-def _delta_range(record: dict, variants: list[dict]) -> tuple[float, float]:
+def _delta_range(said: RecordSaid, variants: tuple[ModelSaid, ...]) -> tuple[float, float]:
     """The ΔPPL axis: zero, every estimate and interval, and the limits that leave the figures a fifth of
     the axis at least, with a margin on both sides."""
-    pcts = [row_of(v).figure("delta_ppl_pct") for v in variants]
+    pcts = [model.row.figure("delta_ppl_pct") for model in variants]
     figures = [0.0] + [end for pct in pcts if pct is not None for end in (pct.value, pct.low, pct.high) if measured(end)]
     low, high = min(figures), max(figures)
     width = (high - low) or 1.0
-    limits = [x for x in (ppl_limit(record, v["name"]) for v in variants) if x is not None and x <= high + 4 * width]
+    limits = [x for x in (ppl_limit(said, model.name) for model in variants) if x is not None and x <= high + 4 * width]
     high = max([high, *limits])
     margin = 0.06 * (high - low or 1.0)
     return low - margin, high + margin
 
 
-def ppl_chart(record: dict) -> Figure:
+def ppl_chart(record: dict | RecordSaid) -> Figure:
     """Perplexity ± standard error of every model on a zero-based axis, coloured by verdict (baseline blue),
     each value written above its bar and the baseline's drawn across as a dashed line. Returns the figure."""
-    models = record["variants"]
-    figure, axis = _rows_figure(models)
+    said = said_of(record)
+    models = said.models
+    figure, axis = _rows_figure([model.name for model in models])
     top = 0.0
     base = None  # the baseline's perplexity, where it was measured
-    for y, entry in enumerate(models):
-        ppl, verdict = _ppl(row_of(entry)), verdict_of(entry)
+    for y, model in enumerate(models):
+        ppl, verdict = _ppl(model.row), verdict_of(model)
         if ppl is None:
             axis.plot(0, y + 0.2, marker="X", markersize=12, color=COLOURS[verdict], zorder=4, clip_on=False)
-            _note(axis, y, f"{verdict}: {_why(entry)}", verdict)
+            _note(axis, y, f"{verdict}: {_why(model)}", verdict)
             continue
         value, error = ppl
-        base = value if base is None and entry["role"] == "baseline" else base
+        base = value if base is None and model.role == "baseline" else base
         axis.barh(y + 0.2, value, height=0.4, color=COLOURS[verdict], zorder=2)
         axis.errorbar(value, y + 0.2, xerr=error, fmt="none", ecolor="black", capsize=6, linewidth=1.6, zorder=3)
         top = max(top, value + error)
-        _note(axis, y, f"PPL {value:.4f} ± {error:.4f}   {verdict_label(record, entry)}", verdict)
+        _note(axis, y, f"PPL {value:.4f} ± {error:.4f}   {verdict_label(said, model)}", verdict)
     handles = _verdict_handles(models)
     if base is not None:
         axis.axvline(base, color=COLOURS["baseline"], linestyle="--", linewidth=1.4, zorder=1)
         handles.append(Line2D([], [], color=COLOURS["baseline"], linestyle="--", label="baseline PPL"))
     axis.set_xlim(0, 1.1 * top or 1)  # zero-based: a bar's length is its perplexity
     axis.set_xlabel("perplexity (whiskers: ± 1 standard error)", fontsize=TEXT)
-    return titled(figure, f"{title_name(record)}: perplexity per model", handles)
+    return titled(figure, f"{title_name(said)}: perplexity per model", handles)
 
 
 def _ppl(row: ModelRow) -> tuple[float, float] | None:
@@ -395,55 +405,57 @@ def _ppl(row: ModelRow) -> tuple[float, float] | None:
     return row.measured.ppl, row.measured.ppl_stderr if measured(row.measured.ppl_stderr) else 0.0
 
 
-def delta_nll_per_window(record: dict, folder: Path) -> Figure:
+def delta_nll_per_window(record: dict | RecordSaid, folder: Path) -> Figure:
     """Mean NLL per window of each scored variant minus the baseline's, window by window, coloured by verdict.
     Returns the figure."""
+    said = said_of(record)
     figure = Figure(figsize=(WIDTH, 4.6), dpi=DPI, layout="constrained")
     axis = figure.add_subplot()
-    base = next((v for v in record["variants"] if v["role"] == "baseline" and v.get("arrays")), None)
+    base = next((model for model in said.models if model.role == "baseline" and model.arrays), None)
     if base is not None:
         reference = _window_nll(folder, base)
-        for style, entry in _scored_variants(record):
-            change = _window_nll(folder, entry) - reference
-            axis.plot(change.index, change, color=COLOURS[verdict_of(entry)], linestyle=style, linewidth=1.5,
-                      label=_model_label(record, entry))
+        for style, model in _scored_variants(said):
+            change = _window_nll(folder, model) - reference
+            axis.plot(change.index, change, color=COLOURS[verdict_of(model)], linestyle=style, linewidth=1.5,
+                      label=_model_label(said, model))
     axis.axhline(0, color="black", linewidth=0.8)
     axis.set_xlabel("window", fontsize=TEXT)
     axis.set_ylabel("ΔNLL against the baseline (nats/token)", fontsize=TEXT)
     axis.tick_params(labelsize=TEXT)
-    return titled(figure, f"{title_name(record)}: change per window against the baseline",
+    return titled(figure, f"{title_name(said)}: change per window against the baseline",
                    axis.get_legend_handles_labels()[0])
 
 
-def kld_histogram(record: dict, folder: Path) -> Figure:
+def kld_histogram(record: dict | RecordSaid, folder: Path) -> Figure:
     """Distribution of per-token KL(baseline ‖ variant) on log axes, an outline per variant coloured by verdict.
     Returns the figure."""
     import numpy as np
     import pyarrow.parquet as pq
 
+    said = said_of(record)
     figure = Figure(figsize=(WIDTH, 4.6), dpi=DPI, layout="constrained")
     axis = figure.add_subplot()
-    for style, entry in _scored_variants(record):
-        table = pq.read_table(folder / entry["arrays"])
+    for style, model in _scored_variants(said):
+        table = pq.read_table(folder / model.arrays)
         if "kl" not in table.column_names:
             continue
         kl = np.clip(table.column("kl").to_numpy(), 1e-8, None)  # exact zeros cannot sit on a log axis
         axis.hist(kl, bins=np.logspace(-8, max(1, np.log10(kl.max()) + 0.1), 60), histtype="step", linewidth=1.6,
-                  color=COLOURS[verdict_of(entry)], linestyle=style, label=_model_label(record, entry))
+                  color=COLOURS[verdict_of(model)], linestyle=style, label=_model_label(said, model))
     axis.set_xscale("log")
     axis.set_xlabel("KL(baseline ‖ variant) per token (nats)", fontsize=TEXT)
     axis.set_ylabel("tokens", fontsize=TEXT)
     axis.tick_params(labelsize=TEXT)
-    return titled(figure, f"{title_name(record)}: per-token KL divergence", axis.get_legend_handles_labels()[0])
+    return titled(figure, f"{title_name(said)}: per-token KL divergence", axis.get_legend_handles_labels()[0])
 
 
-def _rows_figure(entries: list[dict]) -> tuple[Figure, Axes]:
-    """A figure with a horizontal slot per model, named on the left, the first on top: a line of text
+def _rows_figure(names: list[str]) -> tuple[Figure, Axes]:
+    """A figure with a horizontal slot per model (``names``), named on the left, the first on top: a line of text
     above a bar."""
-    n = len(entries)
+    n = len(names)
     figure = Figure(figsize=(WIDTH, 1.8 + 0.85 * max(n, 1)), dpi=DPI, layout="constrained")
     axis = figure.add_subplot()
-    axis.set_yticks(range(n), labels=[e["name"] for e in entries])
+    axis.set_yticks(range(n), labels=names)
     axis.set_ylim(max(n, 1) - 0.45, -0.45)
     axis.tick_params(labelsize=TEXT)
     axis.grid(axis="x", color="#e0e0e0", zorder=0)
@@ -465,79 +477,81 @@ def titled(figure: Figure, title: str, handles: list) -> Figure:
     return figure
 
 
-def _verdict_handles(entries: list[dict]) -> list:
-    """A legend patch per verdict among ``entries``, in a fixed order."""
-    present = {verdict_of(e) for e in entries}
+def _verdict_handles(models: list[ModelSaid] | tuple[ModelSaid, ...]) -> list:
+    """A legend patch per verdict among ``models``, in a fixed order."""
+    present = {verdict_of(model) for model in models}
     return [Patch(color=COLOURS[v], label=said_as(v)) for v in COLOURS if v in present]
 
 
-def _why(entry: dict) -> str:
+def _why(model: ModelSaid) -> str:
     """Why a model has no figures, cut to fit one line of a chart."""
-    reason = (entry["verdict"] or {}).get("reason") or entry["reason"] or "not scored"
+    reason = (model.verdict.reason if model.verdict else None) or model.reason or "not scored"
     return reason if len(reason) <= 90 else reason[:89] + "…"
 
 
-def _model_label(record: dict, entry: dict) -> str:
-    return f"{entry['name']} ({verdict_label(record, entry)})"
+def _model_label(said: RecordSaid, model: ModelSaid) -> str:
+    return f"{model.name} ({verdict_label(said, model)})"
 
 
-def _scored_variants(record: dict) -> list[tuple[str, dict]]:
-    """(line style, entry) of every variant with per-token figures; styles tell apart variants of one colour."""
-    scored = [v for v in record["variants"] if v["role"] == "variant" and v.get("arrays")]
-    return [(LINE_STYLES[i % len(LINE_STYLES)], v) for i, v in enumerate(scored)]
+def _scored_variants(said: RecordSaid) -> list[tuple[str, ModelSaid]]:
+    """(line style, model) of every variant with per-token figures; styles tell apart variants of one colour."""
+    scored = [model for model in said.variants if model.arrays]
+    return [(LINE_STYLES[i % len(LINE_STYLES)], model) for i, model in enumerate(scored)]
 
 
-def _window_nll(folder: Path, entry: dict):
+def _window_nll(folder: Path, model: ModelSaid):
     """Mean NLL per window of one model (a pandas Series by window index)."""
     import pyarrow.parquet as pq
 
-    return pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
+    return pq.read_table(folder / model.arrays).to_pandas().groupby("window")["nll"].mean()
 
 
-def where_chart(entry: dict, domain: str | None = None) -> Figure:
-    """Where a variant loses (``entry["where"]``, ``tasks.record.where``): its ΔNLL (top) and KL (bottom) against
+def where_chart(entry: dict | ModelSaid, domain: str | None = None) -> Figure:
+    """Where a variant loses (its entry's ``where``, ``tasks.record.where``): its ΔNLL (top) and KL (bottom) against
     the baseline by the token's position in its window (left) and by the baseline's top-1 probability (right); a bar
     per bin in the variant's verdict colour, whiskers its 95% interval (over windows), its tokens under it. A variant
     without KL has ΔNLL by position only. ``domain``: the text's, in an audit of several. Returns the figure."""
-    where, colour = entry["where"], COLOURS[verdict_of(entry)]
-    groups = (("position in the window (tokens of context)", where["by_position"], position_label),
-              ("baseline's top-1 probability", where.get("by_confidence", []), confidence_label))
-    figures = (("delta_nll", "ΔNLL (nats/token)"), ("kl", "KL(baseline ‖ variant) (nats/token)"))
+    model = model_of(entry)
+    where, colour = model.where, COLOURS[verdict_of(model)]
+    groups = (("position in the window (tokens of context)", where.by_position, position_label),
+              ("baseline's top-1 probability", where.by_confidence or (), confidence_label))
+    figures = ((lambda group: group.delta_nll, "ΔNLL (nats/token)"),
+               (lambda group: group.kl, "KL(baseline ‖ variant) (nats/token)"))
     figure = Figure(figsize=(WIDTH, 7.6), dpi=DPI, layout="constrained")
     axes = figure.subplots(len(figures), len(groups), squeeze=False)
     for column, (title, rows, label) in enumerate(groups):
-        ticks = [f"{label(row)}\n{row['tokens']:,} tok" for row in rows]
-        for line, (key, name) in enumerate(figures):
+        ticks = [f"{label(row)}\n{row.tokens:,} tok" for row in rows]
+        for line, (of, name) in enumerate(figures):
             axis = axes[line][column]
-            _bins_axis(axis, rows, key, colour)
+            _bins_axis(axis, [of(row) for row in rows], colour)
             axis.set_xticks(range(len(rows)), labels=ticks, fontsize=SMALL - 1 if len(rows) > 6 else SMALL)
             axis.set_ylabel(name, fontsize=SMALL)
             axis.set_xlabel(title, fontsize=SMALL)
-    verdict = verdict_of(entry)  # a verdict other than a pass with its reason: this chart's figures may not be why
-    said = verdict if verdict in ("pass", "ungated") else f"{verdict}: {_why(entry)}"
-    handles = [Patch(color=colour, label=f"{entry['name']} ({said}): mean over the bin's tokens"),
-               Line2D([], [], color="black", linewidth=1.6, label=where["interval"])]
+    verdict = verdict_of(model)  # a verdict other than a pass with its reason: this chart's figures may not be why
+    said = verdict if verdict in ("pass", "ungated") else f"{verdict}: {_why(model)}"
+    handles = [Patch(color=colour, label=f"{model.name} ({said}): mean over the bin's tokens"),
+               Line2D([], [], color="black", linewidth=1.6, label=where.interval)]
     on = f" on {domain}" if domain else ""
-    return titled(figure, f"{entry['name']}: where in the text{on} it loses against the baseline", handles)
+    return titled(figure, f"{model.name}: where in the text{on} it loses against the baseline", handles)
 
 
-def position_label(row: dict) -> str:
+def position_label(group: WhereGroup) -> str:
     """A position bin of ``where`` as the positions it holds, first and last (here and in the report)."""
-    return f"{row['low']}–{row['high'] - 1}"
+    return f"{group.low}–{group.high - 1}"
 
 
-def confidence_label(row: dict) -> str:
+def confidence_label(group: WhereGroup) -> str:
     """A bin of the baseline's top-1 probability of ``where`` as its bounds (here and in the report)."""
-    return f"{row['low']:g}–{row['high']:g}"
+    return f"{group.low:g}–{group.high:g}"
 
 
-def _bins_axis(axis: Axes, rows: list[dict], key: str, colour: str) -> None:
-    """A bar per row of ``rows`` with its ``key`` (ΔNLL or KL) and whiskers to its interval; a bin without tokens or
-    without the figure is left empty, an axis without any says so."""
-    shown = [(x, row) for x, row in enumerate(rows) if measured(row.get(key))]
-    for x, row in shown:
-        value = row[key]
-        low, high = (row[f"{key}_low"], row[f"{key}_high"]) if measured(row.get(f"{key}_low")) else (value, value)
+def _bins_axis(axis: Axes, figures: list[Interval], colour: str) -> None:
+    """A bar per bin with its figure (ΔNLL or KL) and whiskers to its interval; a bin without tokens or without the
+    figure is left empty, an axis without any says so."""
+    shown = [(x, found) for x, found in enumerate(figures) if measured(found.value)]
+    for x, found in shown:
+        value = found.value
+        low, high = (found.low, found.high) if measured(found.low) else (value, value)
         axis.bar(x, value, width=0.6, color=colour, zorder=2)
         axis.errorbar(x, value, yerr=[[value - low], [high - value]], fmt="none", ecolor="black", capsize=5,
                       linewidth=1.6, zorder=3)

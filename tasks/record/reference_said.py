@@ -24,6 +24,12 @@ class ReferenceSaid:
     problem: str | None = None
     slice: str | None = None
 
+    @classmethod
+    def of_record(cls, said: dict) -> ReferenceSaid:
+        """It read back from the record's dict (``as_record``): the fields any schema held."""
+        return cls(said.get("baseline"), said.get("key"), said.get("path"), said.get("baseline_key"),
+                   tuple(said.get("removed", ())), said.get("drift"), said.get("problem"), said.get("slice"))
+
     def as_record(self) -> dict:
         """The record's dict of it, key for key and in the order the record has always held them (a spooled record
         is replayed by ``ppl-audit sync`` long after: its format does not move)."""

@@ -14,8 +14,8 @@ import base64
 from datetime import datetime
 from html import escape
 
-from tasks.config import EvaluationConfig, Thresholds
 from tasks.record import plots
+from tasks.record.entry_said import CompressedFormat, GgufFormat, HqqFormat, Lineage, ModelSaid, RecordSaid, WhereSaid
 from tasks.record.figures import GATED, SHOWN, kl_text
 from tasks.record.floor import floor_text
 from tasks.record.population import population_line
@@ -54,60 +54,61 @@ def html_report(record: dict, pictures: dict[str, bytes], diagnoses: dict[str, s
         diagnoses: by variant, the address of its diagnosis's run in the MLflow UI, from the UI's root.
     Returns the HTML text.
     """
-    title = f"ppl-audit {record['name']}: {said_as(record['verdict']['status']).upper()}"
-    if "domains" in record:
+    said = plots.said_of(record)
+    title = f"ppl-audit {said.result.name}: {said.result.verdict.said.upper()}"
+    if said.domains:  # a summary over the domains, then each domain's section
         summary = {name: picture for name, picture in pictures.items() if "/" not in name}  # a domain's: DOMAIN/
-        body = [_verdict(record), _comparison(record) + _further(record), _domains(record), _charts(summary),
-                _diagnoses(record, diagnoses or {}), *(_domain(record, name, pictures) for name in record["domains"]),
-                _lineage(record)]
+        body = [_verdict(said), _comparison(said) + _further(said), _domains(said), _charts(summary),
+                _diagnoses(said, diagnoses or {}), *(_domain(name, view, pictures) for name, view in said.domains.items()),
+                _lineage(said)]
     else:
-        body = [_verdict(record), _comparison(record) + _further(record), _diagnoses(record, diagnoses or {}),
+        body = [_verdict(said), _comparison(said) + _further(said), _diagnoses(said, diagnoses or {}),
                 _charts(pictures),
-                _where(record), _settings(record), _lineage(record)]
+                _where(said), _settings(said), _lineage(said)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def _verdict(record: dict) -> str:
+def _verdict(said: RecordSaid) -> str:
     """The title: the audit's name, its verdict as a coloured badge, the reason and when it ran."""
-    verdict = record["verdict"]
-    started, ended = record.get("started"), record["created"]
+    verdict = said.result.verdict
+    started, ended = said.started, said.created
     when = f"{_time(started)} – {_time(ended)} ({_duration(started, ended)})" if started else f"ended {_time(ended)}"
-    return (f"<h1>Audit {escape(record['name'])} {_badge(verdict['status'])}</h1>"
-            f"<p class=\"lead\">{escape(verdict['reason'])}</p>"
-            f"<p class=\"meta\">{escape(when)} · audit id <code>{escape(record['audit_id'])}</code></p>")
+    return (f"<h1>Audit {escape(said.result.name)} {_badge(verdict.status)}</h1>"
+            f"<p class=\"lead\">{escape(verdict.reason)}</p>"
+            f"<p class=\"meta\">{escape(when)} · audit id <code>{escape(said.audit_id)}</code></p>")
 
 
-def _comparison(record: dict) -> str:
+def _comparison(said: RecordSaid) -> str:
     """A row per model: its verdict (first, where a narrow viewer still shows it), PPL ± s.e., ΔPPL % with its
     paired 95% interval, KLD, top-1, the gate's limit and bits per weight (the figures as the run's description
     prints them), then the verdict's reason across the table, with the variant that dominates it. In an audit of
     several domains, each model's row is its worst domain's, which a column names."""
-    several = "domains" in record
+    several = bool(said.domains)  # each model's row is its worst domain's, which a column names
     rows = []
-    for entry in record["variants"]:
-        row, verdict = plots.row_of(entry), plots.verdict_of(entry)
-        limit = plots.ppl_limit(record, row.variant) if entry["role"] == "variant" else None
-        reason = (entry["verdict"] or {}).get("reason") or entry["reason"]
+    for model in said.models:
+        row, verdict = model.row, plots.verdict_of(model)
+        limit = plots.ppl_limit(said, row.variant) if model.role == "variant" else None
+        reason = (model.verdict.reason if model.verdict else None) or model.reason
         cells = _cells(row, "—" if limit is None else f"≤ {limit:g}", stderr=True)
         if row.dominated_by:
             reason = f"{reason}; dominated by {row.dominated_by}"
         if row.floor:  # whether it lost more than running the baseline in 16 bits
             reason = f"{reason}; {row.floor.said}"
-        domain = f'<td>{escape(entry.get("domain") or "—")}</td>' if several else ""
+        domain = f'<td>{escape(model.domain or "—")}</td>' if several else ""
         rows.append(f'<tr class="model"><th>{escape(row.variant)}</th><td>{_badge(verdict)}</td>{domain}'
-                    f'<td>{escape(row.method or entry["spec"]["method"])}</td>'
+                    f'<td>{escape(row.method or model.method)}</td>'
                     + "".join(f'<td class="n">{escape(c)}</td>' for c in cells) + "</tr>")
         if reason:  # under its model, across the table: a reason is too long for a column
             rows.append(f'<tr><td class="reason" colspan="{9 + several}">{escape(reason)}</td></tr>')
-    for floor in record.get("floor", []):  # the noise floor: the baseline in 16 bits, never judged
-        row = plots.row_of(floor)
+    for floor in said.floor:  # the noise floor: the baseline in 16 bits, never judged
+        row = floor.row
         cells = _cells(row, "—", stderr=False)
         rows.append(f'<tr class="model"><th>{escape(row.variant)}</th><td>floor</td>' + "<td>—</td>" * several
-                    + f'<td>{escape(floor["dtype"])}</td>' + "".join(f'<td class="n">{escape(c)}</td>' for c in cells)
+                    + f'<td>{escape(floor.dtype)}</td>' + "".join(f'<td class="n">{escape(c)}</td>' for c in cells)
                     + f'</tr><tr><td class="reason" colspan="{9 + several}">{escape(floor_text(row))}</td></tr>')
     title = "Each model on its worst domain" if several else "Comparison with the baseline"
-    population = record.get("population") or {}
+    population = said.population or {}
     named = (f'<p class="meta">{escape(population_line(population))}</p>' if "tokens" in population else
              f'<p class="meta">token population {escape(population["digest"])}</p>' if population else "")
     return (f'<h2>{title}</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
@@ -115,10 +116,10 @@ def _comparison(record: dict) -> str:
             "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + f"</table></div>{named}")
 
 
-def _further(record: dict) -> str:
+def _further(said: RecordSaid) -> str:
     """The per-model figures shown beside the gated ones (``tasks.record.figures.SHOWN``) that the variants measured,
     each with its interval (in an audit of several domains, on each variant's worst domain), and what each is."""
-    variants = [plots.row_of(entry) for entry in record["variants"][1:]]  # the baseline's entry comes first
+    variants = [model.row for model in said.models[1:]]  # the baseline's entry comes first
     measured = [figure for figure in SHOWN if any(row.figure(figure.key) for row in variants)]
     if not measured:
         return ""
@@ -140,32 +141,29 @@ def _cells(row: ModelRow, limit: str, stderr: bool) -> list[str]:
             f"{100 * top1:.1f}%" if plots.measured(top1) else "—", limit, _number(bits, ".2f")]
 
 
-def _domains(record: dict) -> str:
+def _domains(said: RecordSaid) -> str:
     """A line per domain of an audit of several: its verdict, its text and how many tokens of it were scored, why."""
     rows = "".join(f'<tr><th><a href="#domain-{escape(name)}">{escape(name)}</a></th>'
-                   f'<td>{_badge(domain["verdict"]["status"])}</td><td class="long">{escape(domain["corpus"]["source"])}</td>'
-                   f'<td class="n">{domain["corpus"]["n_tokens"]:,}</td>'
-                   f'<td class="reason">{escape(domain["verdict"]["reason"])}</td></tr>'
-                   for name, domain in record["domains"].items())
+                   f'<td>{_badge(view.result.verdict.status)}</td><td class="long">{escape(view.corpus.source)}</td>'
+                   f'<td class="n">{view.corpus.n_tokens:,}</td>'
+                   f'<td class="reason">{escape(view.result.verdict.reason)}</td></tr>'
+                   for name, view in said.domains.items())
     return ('<h2>Domains</h2><p class="meta">Each scored and judged as its own audit; a variant passes only where it '
             'passes on every domain.</p><div class="wide"><table><tr><th>domain</th><th>verdict</th><th>text</th>'
             f"<th>tokens</th><th>why</th></tr>{rows}</table></div>")
 
 
-def _domain(record: dict, name: str, pictures: dict[str, bytes]) -> str:
-    """Domain ``name``'s section: its verdict, then its one-corpus audit's table, charts, where each variant loses,
-    its corpus and its gate, as a one-corpus report shows them, a heading level down."""
-    from tasks.record.domains import domain_view
-
-    view = domain_view(record, name)
-    verdict = view["verdict"]
+def _domain(name: str, view: RecordSaid, pictures: dict[str, bytes]) -> str:
+    """Domain ``name``'s section (``view``: its one-corpus audit's record): its verdict, then its table, charts, where
+    each variant loses, its corpus and its gate, as a one-corpus report shows them, a heading level down."""
+    verdict = view.result.verdict
     own = {chart.removeprefix(f"{name}/"): picture for chart, picture in pictures.items()
            if chart.startswith(f"{name}/")}
     inner = "".join([_comparison(view), _charts(own), _where(view), _settings(view)])
     # the record's texts are escaped, so the only headings in ``inner`` are its own markup
     inner = inner.replace("<h3>", "<h4>").replace("</h3>", "</h4>").replace("<h2>", "<h3>").replace("</h2>", "</h3>")
-    return (f'<section><h2 id="domain-{escape(name)}">Domain {escape(name)} {_badge(verdict["status"])}</h2>'
-            f'<p class="lead">{escape(verdict["reason"])}</p>{inner}</section>')
+    return (f'<section><h2 id="domain-{escape(name)}">Domain {escape(name)} {_badge(verdict.status)}</h2>'
+            f'<p class="lead">{escape(verdict.reason)}</p>{inner}</section>')
 
 
 def _charts(pictures: dict[str, bytes]) -> str:
@@ -175,51 +173,51 @@ def _charts(pictures: dict[str, bytes]) -> str:
     return "<h2>Charts</h2>" + "".join(images)
 
 
-def _where(record: dict) -> str:
+def _where(said: RecordSaid) -> str:
     """Where in the text each variant loses (its record's ``where``, ``tasks.record.where``); nothing for a record
     without any (divergence off, or an audit from before it was kept)."""
-    sections = [_variant_where(entry) for entry in record["variants"] if entry.get("where")]
-    if not sections:
+    found = [model for model in said.models if model.where]
+    if not found:
         return ""
-    interval = escape(next(entry["where"]["interval"] for entry in record["variants"] if entry.get("where")))
+    interval = escape(found[0].where.interval)
+    sections = [_variant_where(model, model.where) for model in found]
     return ("<h2>Where in the text</h2><p>Mean change in NLL (variant less baseline, nats a token) and KL(baseline ‖ "
             f"variant) over each group's tokens. Intervals: {interval}.</p>" + "".join(sections))
 
 
-def _variant_where(entry: dict) -> str:
+def _variant_where(model: ModelSaid, where: WhereSaid) -> str:
     """One variant's groups side by side (by position in the window, by the baseline's top-1 probability, by whether
     the baseline was right) and its tokens of largest KL, each in its context."""
-    where = entry["where"]
-    groups = [("position in window", plots.position_label, where["by_position"])]
-    if "by_confidence" in where:
-        groups += [("baseline's top-1 p", plots.confidence_label, where["by_confidence"]),
-                   ("baseline", lambda row: row["baseline"], where["by_baseline"])]
+    groups = [("position in window", plots.position_label, where.by_position)]
+    if where.by_confidence is not None:  # measured with KL
+        groups += [("baseline's top-1 p", plots.confidence_label, where.by_confidence),
+                   ("baseline", lambda group: group.baseline, where.by_baseline)]
     tables = "".join("<div>" + _table([title, "tokens", "ΔNLL [95%]", "KL [95%]"],
-                                      [[label(row), f"{row['tokens']:,}", _where_figure(row, "delta_nll"),
-                                        _where_figure(row, "kl")] for row in rows]) + "</div>"
+                                      [[label(group), f"{group.tokens:,}", _where_figure(group.delta_nll, "+.4f"),
+                                        _where_figure(group.kl, ".4f")] for group in rows]) + "</div>"
                      for title, label, rows in groups)
-    every = where["all"]
-    section = (f"<h3>{escape(entry['name'])} {_badge(plots.verdict_of(entry))}</h3>"
-               f"<p>All {every['tokens']:,} tokens: ΔNLL {escape(_where_figure(every, 'delta_nll'))}, "
-               f"KL {escape(_where_figure(every, 'kl'))}</p><div class=\"side\">{tables}</div>")
-    if where.get("top_kl"):
-        rows = [[n, f"{row['kl']:.4f}", f"{row['delta_nll']:+.4f}", row["window"], row["position"],
-                 _shown(row["context"]), repr(row["target_text"]), repr(row["base_top_text"]), repr(row["top_text"])]
-                for n, row in enumerate(where["top_kl"], 1)]
+    every = where.all
+    section = (f"<h3>{escape(model.name)} {_badge(plots.verdict_of(model))}</h3>"
+               f"<p>All {every.tokens:,} tokens: ΔNLL {escape(_where_figure(every.delta_nll, '+.4f'))}, "
+               f"KL {escape(_where_figure(every.kl, '.4f'))}</p><div class=\"side\">{tables}</div>")
+    if where.top_kl:
+        rows = [[n, f"{token.kl:.4f}", f"{token.delta_nll:+.4f}", token.window, token.position,
+                 _shown(token.context), repr(token.target_text), repr(token.base_top_text), repr(token.top_text)]
+                for n, token in enumerate(where.top_kl, 1)]
         section += (f"<p>The {len(rows)} tokens of largest KL:</p><div class=\"wide\">"
                     + _table(["", "KL", "ΔNLL", "window", "position", "text before it", "token", "baseline's top",
                               "variant's top"], rows) + "</div>")
     return section
 
 
-def _where_figure(row: dict, key: str) -> str:
-    """A group's ΔNLL (signed) or KL with its interval; a dash where the group has no tokens or no KL was measured."""
-    if not plots.measured(row.get(key)):
+def _where_figure(figure: Interval, form: str) -> str:
+    """A group's ΔNLL (signed: ``form``) or KL with its interval; a dash where the group has no tokens or no KL was
+    measured."""
+    if not plots.measured(figure.value):
         return "—"
-    form = "+.4f" if key == "delta_nll" else ".4f"
-    text = format(row[key], form)
-    if plots.measured(row.get(f"{key}_low")):
-        text += f" [{row[f'{key}_low']:{form}}, {row[f'{key}_high']:{form}}]"
+    text = format(figure.value, form)
+    if plots.measured(figure.low):
+        text += f" [{figure.low:{form}}, {figure.high:{form}}]"
     return text
 
 
@@ -228,27 +226,26 @@ def _shown(text: str) -> str:
     return text.replace("\n", "⏎")
 
 
-def _diagnoses(record: dict, runs: dict[str, str]) -> str:
+def _diagnoses(said: RecordSaid, runs: dict[str, str]) -> str:
     """Each diagnosed variant: the layers most responsible, what restoring them wins back and costs, and a link
     to its diagnosis's run; a diagnosis that failed, why. Nothing when no variant was diagnosed."""
     parts = []
-    for entry in record["variants"]:
-        found = entry.get("diagnosis")
+    for model in said.models:
+        name = escape(model.name)
+        if model.problem is not None:
+            parts.append(f"<p><b>{name}</b>: not diagnosed: {escape(model.problem)}</p>")
+        found = model.diagnosis
         if not found:
             continue
-        name = escape(entry["name"])
-        if "problem" in found:
-            parts.append(f"<p><b>{name}</b>: not diagnosed: {escape(found['problem'])}</p>")
-            continue
         # the report is viewed inside the MLflow UI: a path from its root opens the run there, whatever its host
-        link = (f' · <a href="{escape(runs[entry["name"]])}" target="_top">its diagnosis run</a>'
-                if entry["name"] in runs else "")
-        curve = [[len(step["restored"]), ", ".join(map(str, step["restored"])) or "none", f"{step['kl']:.5f}",
-                  f"{step['kl_recovery_pct']:.1f}%", f"{step['delta_nll']:+.5f}", f"{step['mib']:.1f}"]
-                 for step in found["restore_curve"]]
-        parts.append(f"<p><b>{name}</b>: on {found['windows']} windows ({found['tokens']} tokens), the layers most "
-                     f"responsible, first: {escape(', '.join(map(str, found['ranking'][:5])))}; the LM head's own KL "
-                     f"{found['head']['kl']:.2e}, the input embeddings' SQNR {found['embeddings']['sqnr_db']:.1f} dB"
+        link = (f' · <a href="{escape(runs[model.name])}" target="_top">its diagnosis run</a>'
+                if model.name in runs else "")
+        curve = [[len(step.restored), ", ".join(map(str, step.restored)) or "none", f"{step.kl:.5f}",
+                  f"{step.kl_recovery.pct:.1f}%", f"{step.delta_nll:+.5f}", f"{step.mib:.1f}"]
+                 for step in found.restore_curve]
+        parts.append(f"<p><b>{name}</b>: on {found.windows} windows ({found.tokens} tokens), the layers most "
+                     f"responsible, first: {escape(', '.join(map(str, found.ranking[:5])))}; the LM head's own KL "
+                     f"{found.head.kl:.2e}, the input embeddings' SQNR {found.embeddings.sqnr_db:.1f} dB"
                      f"{link}</p>" + _table(["layers restored", "which", "KL left", "KL won back", "ΔNLL left", "MiB"],
                                             curve))
     if not parts:
@@ -258,96 +255,91 @@ def _diagnoses(record: dict, runs: dict[str, str]) -> str:
             + "".join(parts))
 
 
-def _settings(record: dict) -> str:
+def _settings(said: RecordSaid) -> str:
     """How the audit scored (evaluation settings), on what (the corpus) and what it demanded (the gate)."""
-    evaluation, corpus = record["config"]["evaluation"], record["corpus"]
-    thresholds = Thresholds.model_validate(record["config"]["thresholds"])
-    source = corpus["source"] + (f" ({corpus['hf_config'] or 'default'}, {corpus['hf_split']})"
-                                 if corpus["source"].startswith("hf:") else "")
-    gates = [[v["name"], *(_limit(getattr(thresholds.for_variant(v["name"]), figure.limit)) for figure in GATED)]
-             for v in record["variants"] if v["role"] == "variant"]
+    corpus = said.corpus
+    source = corpus.source + (f" ({corpus.hf_config or 'default'}, {corpus.hf_split})"
+                              if corpus.source.startswith("hf:") else "")
+    gates = [[model.name, *(_limit(getattr(said.thresholds.for_variant(model.name), figure.limit)) for figure in GATED)]
+             for model in said.variants]
     limits = [f"{'max' if figure.above else 'min'} {figure.name}" + (f" {figure.unit}" if figure.unit else "")
               for figure in GATED]
-    evaluation = EvaluationConfig.of_record(evaluation).model_dump()  # as scored: the stride filled in
+    evaluation = said.evaluation.model_dump()  # as scored: the stride filled in
     return ('<h2>Settings</h2><div class="side">'
             + _pairs("Evaluation", evaluation)
-            + _pairs("Corpus", {"source": source, "location": corpus.get("location"),
-                                "digest (SHA-256)": corpus["digest"], "tokens scored": corpus["n_tokens"],
-                                "bytes": corpus["n_bytes"], "beginning of sequence": corpus["bos"]})
+            + _pairs("Corpus", {"source": source, "location": corpus.location,
+                                "digest (SHA-256)": corpus.digest, "tokens scored": corpus.n_tokens,
+                                "bytes": corpus.n_bytes, "beginning of sequence": corpus.bos})
             + "<div><h3>Gate</h3>" + _table(["variant", *limits], gates)
             + "<p>Judged on the pessimistic end of each 95% interval.</p></div></div>")
 
 
-def _lineage(record: dict) -> str:
+def _lineage(said: RecordSaid) -> str:
     """Where every model came from (path, method, quantization and calibration), what ran the audit, and its
     config as written."""
-    models = {entry["name"]: _model_lineage(entry) for entry in record["variants"]}
+    models = {model.name: _model_lineage(model) for model in said.models}
     rows = [[what, *(model[what] for model in models.values())] for what in next(iter(models.values()))]
-    env = record["environment"]
+    env = said.environment
     return ('<h2>Lineage</h2><div class="wide">' + _table(["", *models], rows) + "</div>"
             + '<div class="side">'
-            + _pairs("Environment", {"hardware": env["hardware"], "python": env.get("python"), **env["versions"]})
-            + _pairs("Audit", {"audit id": record["audit_id"], "config file": record.get("config_path"),
-                               "started": _time(record.get("started")), "ended": _time(record["created"]),
-                               "duration": _duration(record.get("started"), record["created"])})
-            + f"</div><details><summary>config as written</summary><pre>{escape(record.get('config_text') or '')}"
+            + _pairs("Environment", {"hardware": env.hardware, "python": env.python, **env.versions})
+            + _pairs("Audit", {"audit id": said.audit_id, "config file": said.config_path,
+                               "started": _time(said.started), "ended": _time(said.created),
+                               "duration": _duration(said.started, said.created)})
+            + f"</div><details><summary>config as written</summary><pre>{escape(said.config_text or '')}"
               "</pre></details>")
 
 
-def _model_lineage(entry: dict) -> dict:
+def _model_lineage(model: ModelSaid) -> dict:
     """One model's lineage by row name: what the config asked for, what was loaded and how it was made."""
-    spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
-    calibration = manifest.get("calibration") or {}
-    size = facts.get("size_on_disk_bytes")
-    found = facts.get("quantization") or {}
-    return {"role": entry["role"], "method": facts.get("method") or spec["method"],
-            "method found": found.get("detected"), "format": _format_text(found),
-            "path": facts.get("source") or spec["path"],
-            "bits": spec["bits"] or manifest.get("bits"),
-            "group size": spec["group_size"] or manifest.get("group_size"),
-            "symmetric": spec["sym"] if spec["sym"] is not None else manifest.get("sym"),
-            "dtype · device": f"{facts.get('dtype', spec['dtype'])} · {facts.get('device', spec['device'])}",
-            "backend": facts.get("backend"), "size on disk": None if size is None else f"{size / 2**20:.1f} MiB",
-            "bits per weight": _bits_text(facts),
-            "quantized from (digest)": manifest.get("source_model_digest"),
-            "calibration": (f"{calibration.get('samples')} × {calibration.get('seq_len')} tokens, seed "
-                            f"{calibration.get('seed')}") if calibration else None,
-            "calibration digest": calibration.get("digest"), "baseline reference": _reference_text(entry)}
+    lineage, calibration = model.lineage, model.lineage.calibration
+    size = lineage.size_on_disk_bytes
+    return {"role": model.role, "method": lineage.method,
+            "method found": lineage.detected, "format": _format_text(lineage.format),
+            "path": lineage.path, "bits": lineage.bits, "group size": lineage.group_size, "symmetric": lineage.sym,
+            "dtype · device": f"{lineage.dtype} · {lineage.device}",
+            "backend": lineage.backend, "size on disk": None if size is None else f"{size / 2**20:.1f} MiB",
+            "bits per weight": _bits_text(lineage),
+            "quantized from (digest)": lineage.source_model_digest,
+            "calibration": (f"{calibration.samples} × {calibration.seq_len} tokens, seed "
+                            f"{calibration.seed}") if calibration else None,
+            "calibration digest": calibration.digest if calibration else None,
+            "baseline reference": _reference_text(model)}
 
 
-def _bits_text(facts: dict) -> str | None:
+def _bits_text(lineage: Lineage) -> str | None:
     """Bits per weight of the quantized layers as shipped and of the whole model as loaded (NaN: not measured)."""
-    layers, whole = facts.get("bits_per_weight"), facts.get("model_bits_per_weight")
+    layers, whole = lineage.bits_per_weight, lineage.model_bits_per_weight
     if not plots.measured(layers):
         return None
     return f"{layers:.3f} (quantized layers, scales and zeros included); {whole:.3f} the whole model as loaded"
 
 
-def _format_text(found: dict) -> str | None:
+def _format_text(found: GgufFormat | CompressedFormat | HqqFormat | None) -> str | None:
     """A format's facts in a line: GGUF file type, tensor types and bits per weight; a compressed-tensors
     scheme and whether its activations were quantized; HQQ's bits, group and backend."""
-    if "file_type" in found:
-        types = ", ".join(f"{n} {name}" for name, n in found["tensor_types"].items())
-        return f"GGUF {found['file_type']}, {found['bits_per_weight']:.2f} bits per weight ({types})"
-    if "scheme" in found:
-        return (f"compressed-tensors {found['scheme']} ({found['format']}): weights {', '.join(found['weights'])}; "
-                f"activations {found['activation_quantization']}")
-    if "packing" in found:
-        return f"HQQ {found['bits']}-bit, group {found['group_size']}, {found['backend']} backend"
+    if isinstance(found, GgufFormat):
+        types = ", ".join(f"{n} {name}" for name, n in found.tensor_types.items())
+        return f"GGUF {found.file_type}, {found.bits_per_weight:.2f} bits per weight ({types})"
+    if isinstance(found, CompressedFormat):
+        return (f"compressed-tensors {found.scheme} ({found.format}): weights {', '.join(found.weights)}; "
+                f"activations {found.activation_quantization}")
+    if isinstance(found, HqqFormat):
+        return f"HQQ {found.bits}-bit, group {found.group_size}, {found.backend} backend"
     return None
 
 
-def _reference_text(entry: dict) -> str | None:
+def _reference_text(model: ModelSaid) -> str | None:
     """The baseline's: scored or reused, its reference, drift; a variant's: the reference its KL came from."""
-    said = entry.get("reference")
-    if not said:
-        key = plots.row_of(entry).reference
+    said = model.reference
+    if said is None:
+        key = model.row.reference
         return f"KL against {key}" if key else None
     from tasks.record.verdict import drift_text
 
-    parts = [f"{said['baseline']}" + (f", reference {said['key']}" if said.get("key") else "")]
-    parts += [drift_text(said["drift"])] if said.get("drift") else []
-    parts += [said["problem"]] if said.get("problem") else []
+    parts = [f"{said.baseline}" + (f", reference {said.key}" if said.key else "")]
+    parts += [drift_text(said.drift)] if said.drift else []
+    parts += [said.problem] if said.problem else []
     return "; ".join(parts)
 
 

@@ -14,11 +14,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from tasks.config import EvaluationConfig
 from tasks.core.places import home, tracking_uri
 from tasks.data.registry import is_registered, tag_version
 from tasks.record.figures import SHOWN
 from tasks.record.spool import read_record
+from tasks.record.row import ModelRow
+from tasks.record.entry_said import CorpusSaid
+from tasks.record.tracked_said import StreamScored, TrackedAudit, TrackedModel
 from tasks.record.tags import (AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS,
                                DOMAIN_REFERENCES, DOMAINS, DOMINATED_BY, FLOOR, POPULATION, REFERENCE, SCHEDULED)
 from tasks.record.verdict import said as said_as
@@ -34,12 +36,10 @@ COMPARISON_PREFIXES = ("delta_", "ppl_ratio", "kld_", "top1_", "dp_", "window_ln
                        *(figure.key for figure in SHOWN))  # and every per-model figure shown, with its interval
 
 
-def _absent(entry: dict) -> dict[str, str]:
+def _absent(scored: StreamScored) -> dict[str, str]:
     """Each figure a model's run lacks, and why: a tag, so that an empty column in the UI is explained."""
-    absent = dict((entry["result"] or {}).get("absent", {}))
-    if entry["row"].get("divergence_absent"):
-        absent["kld_mean"] = entry["row"]["divergence_absent"]
-    return absent
+    why = scored.row.divergence_absent
+    return {**scored.absent, **({"kld_mean": why} if why else {})}
 
 
 def is_tracking_outage(error: BaseException) -> bool:
@@ -121,35 +121,30 @@ def _experiment(client, name: str, uri: str) -> str:
     return found.experiment_id
 
 
-def _datasets(record: dict) -> list:
+def _datasets(audit: TrackedAudit) -> list:
     """The corpus a run was scored on as MLflow inputs: each domain's, in an audit of several (their sum, the
     record's ``corpus``, names no one source)."""
-    from tasks.record.domains import domain_view
-
-    if "domains" not in record:
-        return [_dataset_input(record)]
-    return [_dataset_input(domain_view(record, name)) for name in record["domains"]]
+    return [_dataset_input(stream.corpus, stream.domain) for stream in audit.streams.values()]
 
 
-def _dataset_input(record: dict):
+def _dataset_input(corpus: CorpusSaid, domain: str | None):
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
-    corpus = record["corpus"]
-    source_name = corpus["source"]
+    source_name = corpus.source
     if source_name.startswith("hf:"):
         from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
 
-        source = HuggingFaceDatasetSource(path=source_name[3:], config_name=corpus["hf_config"], split=corpus["hf_split"])
+        source = HuggingFaceDatasetSource(path=source_name[3:], config_name=corpus.hf_config, split=corpus.hf_split)
     else:
         from mlflow.data.dataset_source_registry import resolve_dataset_source
 
         with warnings.catch_warnings():  # MLflow warns that resolving by registry will change one day
             warnings.simplefilter("ignore")
-            source = resolve_dataset_source(corpus.get("location") or source_name)
+            source = resolve_dataset_source(corpus.location or source_name)
     name = Path(source_name).name or source_name
-    name = f"{record['domain']}: {name}" if record.get("domain") else name  # two domains may share a file name
-    dataset = MetaDataset(source=source, name=name, digest=corpus["digest"][:16])
+    name = f"{domain}: {name}" if domain else name  # two domains may share a file name
+    dataset = MetaDataset(source=source, name=name, digest=corpus.digest[:16])
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "evaluation")])
 
 
@@ -171,94 +166,83 @@ def _params(values: dict) -> list:
     return [Param(k, str(v)[:6000]) for k, v in values.items() if v is not None]
 
 
-def _audit_params(record: dict) -> dict:
-    config, corpus, env = record["config"], record["corpus"], record["environment"]
-    evaluation = config["evaluation"]
-    params = {"audit": record["name"], "window": evaluation["window"],
-              "stride": EvaluationConfig.of_record(evaluation).stride, "batch_size": evaluation["batch_size"],
-              "bos": corpus["bos"], "max_tokens": evaluation["max_tokens"], "corpus.source": corpus["source"],
-              "corpus.digest": corpus["digest"], "corpus.tokens": corpus["n_tokens"], "hardware": env["hardware"],
-              "corpus.tokenizer": corpus.get("tokenizer", "transformers"),  # a record of before #54 had none
-              "baseline": config["baseline"]["path"]}
-    params.update({f"version.{k}": v for k, v in env["versions"].items()})
-    for name, domain in record.get("domains", {}).items():  # the top's corpus is the domains' sum: each one's own
-        params.update({f"corpus.source.{name}": domain["corpus"]["source"], f"corpus.digest.{name}": domain["corpus"]["digest"],
-                       f"corpus.tokens.{name}": domain["corpus"]["n_tokens"],
-                       f"max_tokens.{name}": domain["config"]["evaluation"]["max_tokens"]})
+def _audit_params(audit: TrackedAudit) -> dict:
+    corpus = audit.corpus
+    params = {"audit": audit.name, "window": audit.window, "stride": audit.stride, "batch_size": audit.batch_size,
+              "bos": corpus.bos, "max_tokens": audit.max_tokens, "corpus.source": corpus.source,
+              "corpus.digest": corpus.digest, "corpus.tokens": corpus.n_tokens, "hardware": audit.hardware,
+              "corpus.tokenizer": corpus.tokenizer, "baseline": audit.baseline}
+    params.update({f"version.{k}": v for k, v in audit.versions.items()})
+    for name, stream in _named(audit.streams).items():  # the top's corpus is the domains' sum: each one's own
+        params.update({f"corpus.source.{name}": stream.corpus.source, f"corpus.digest.{name}": stream.corpus.digest,
+                       f"corpus.tokens.{name}": stream.corpus.n_tokens, f"max_tokens.{name}": stream.max_tokens})
     return params
 
 
-def _variant_params(record: dict, entry: dict) -> dict:
-    spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
-    params = {**_audit_params(record), "variant": entry["name"], "method": facts.get("method") or spec["method"],
+def _named(by_stream: dict) -> dict:
+    """What ``by_stream`` holds on each named domain, in an audit of several ({} for one corpus: its one stream has
+    no name, and the run's own figures and params are its)."""
+    return {name: value for name, value in by_stream.items() if name is not None}
+
+
+def _variant_params(audit: TrackedAudit, model: TrackedModel) -> dict:
+    setup = model.setup
+    params = {**_audit_params(audit), "variant": model.name, "method": setup.method,
               # the method as the audit's table says it (its format's label: "gptq 4-bit g32 tuned", "baseline kv:int8")
-              "label": entry["row"].get("method"), "path": spec["path"],
-              "bits": spec["bits"] or manifest.get("bits"), "group_size": spec["group_size"] or manifest.get("group_size"),
-              "sym": spec["sym"] if spec["sym"] is not None else manifest.get("sym"), "dtype": facts.get("dtype", spec["dtype"]),
-              "device": facts.get("device", spec["device"]), "backend": facts.get("backend"),
-              "worker": facts.get("worker"), "kv_cache": facts.get("kv_cache") or None, "body": facts.get("body"),
-              "shards": sum("failed" not in row for row in entry.get("shards", [])) or None,
-              "calibration.digest": (manifest.get("calibration") or {}).get("digest"),
-              "mode": record["config"]["evaluation"]["mode"], "reference": entry["row"].get("reference"),
-              "calibration.samples": (manifest.get("calibration") or {}).get("samples"),
-              "source_model_digest": manifest.get("source_model_digest")}
+              "label": model.top.row.method, "path": setup.path, "bits": setup.bits, "group_size": setup.group_size,
+              "sym": setup.sym, "dtype": setup.dtype, "device": setup.device, "backend": setup.backend,
+              "worker": setup.worker, "kv_cache": setup.kv_cache, "body": setup.body, "shards": model.shards,
+              "calibration.digest": setup.calibration_digest, "mode": audit.mode, "reference": model.top.row.reference,
+              "calibration.samples": setup.calibration_samples, "source_model_digest": setup.source_model_digest}
     # the format's own facts: a GGUF's file type and bits per weight, a compressed-tensors scheme and whether
     # its activations were quantized, how method auto found the method
     params.update({f"format.{key}": value if isinstance(value, (str, int, float)) else str(value)
-                   for key, value in (facts.get("quantization") or {}).items() if key != "llama_cpp"})
+                   for key, value in setup.formats.items()})
     # what llama.cpp ran it with (runtime: llama.cpp): threads, batch, type_k, type_v, flash_attn, gpu_layers
-    params.update({f"llama_cpp.{key}": value for key, value in
-                   ((facts.get("quantization") or {}).get("llama_cpp") or {}).items()})
-    params["runtime"] = spec.get("runtime", "transformers")
+    params.update({f"llama_cpp.{key}": value for key, value in setup.llama_cpp.items()})
+    params["runtime"] = setup.runtime
     # a sequential run: the order's seed and whether it stopped (its bounds at the stop are the row's)
-    params.update({f"sequential.{key}": entry["sequential"][key] for key in ("seed", "stopped", "decision")
-                   if key in entry.get("sequential", {})})
-    for name, own in _on_domains(record, entry).items():  # each domain's KL came from its own reference
-        params[f"reference.{name}"] = own["row"].get("reference")
+    params.update({f"sequential.{key}": value for key, value in model.sequential.items()})
+    for name, own in _named(model.streams).items():  # each domain's KL came from its own reference
+        params[f"reference.{name}"] = own.row.reference
     return params
 
 
-def _on_domains(record: dict, entry: dict) -> dict[str, dict]:
-    """The model's entry on each domain of an audit of several, by domain; {} for a one-corpus audit."""
-    from tasks.record.domains import entry_on
-
-    return {name: entry_on(record, name, entry["name"]) for name in record.get("domains", {})}
-
-
 def _metrics(record: dict, entry: dict, folder: Path, timestamp: int) -> list:
+    """A model's run's metrics (``_model_metrics``) of a record's entry."""
+    return _model_metrics(next(m for m in TrackedAudit.of_record(record).models if m.name == entry["name"]), folder,
+                          timestamp)
+
+
+def _model_metrics(model: TrackedModel, folder: Path, timestamp: int) -> list:
     """A model's run's metrics: its figures (of its worst domain, in an audit of several), the facts of the model
     and, in an audit of several, each domain's figures as ``<metric>.<DOMAIN>``."""
     from mlflow.entities import Metric
 
     from tasks.record.plots import measured
 
-    facts = entry["facts"] or {}
-    metrics = [Metric(key, float(facts[key]), timestamp, 0) for key in FACT_METRICS if measured(facts.get(key))]
-    domains = _on_domains(record, entry)
-    if not domains:
-        return _figures(entry, folder, timestamp) + metrics
-    for name, own in domains.items():  # the worst domain's figures are also the run's own, unsuffixed: read once
-        metrics += _figures(own, folder, timestamp, (f".{name}", "") if name == entry.get("domain") else (f".{name}",))
-    return metrics
+    figures = model.setup.figures
+    metrics = [Metric(key, float(figures[key]), timestamp, 0) for key in FACT_METRICS if measured(figures.get(key))]
+    # the worst domain's figures are also the run's own, unsuffixed: read once
+    return metrics + [metric for scored in model.streams.values() for metric in _figures(scored, folder, timestamp)]
 
 
-def _figures(entry: dict, folder: Path, timestamp: int, suffixes: tuple[str, ...] = ("",)) -> list:
+def _figures(scored: StreamScored, folder: Path, timestamp: int) -> list:
     """What scoring the model on one token stream gave: its result's figures, its comparison with the baseline, its
-    mean NLL per window (``window_nll``, a step per window), under each name ending in each of ``suffixes``."""
+    mean NLL per window (``window_nll``, a step per window), under each name ending in each of its ``suffixes``."""
     import pyarrow.parquet as pq
     from mlflow.entities import Metric
 
     from tasks.record.plots import measured
 
     figures = []  # (name, value, step)
-    result, row = entry["result"] or {}, entry["row"]
-    figures += [(key, float(result[key]), 0) for key in METRICS if result.get(key) is not None]
-    figures += [(key, float(value), 0) for key, value in row.items()
+    figures += [(key, float(scored.result[key]), 0) for key in METRICS if scored.result.get(key) is not None]
+    figures += [(key, float(value), 0) for key, value in scored.row.as_record().items()
                 if key.startswith(COMPARISON_PREFIXES) and measured(value)]
-    if entry.get("arrays"):
-        per_window = pq.read_table(folder / entry["arrays"]).to_pandas().groupby("window")["nll"].mean()
+    if scored.arrays:
+        per_window = pq.read_table(folder / scored.arrays).to_pandas().groupby("window")["nll"].mean()
         figures += [("window_nll", float(v), int(k)) for k, v in per_window.items()]
-    return [Metric(key + suffix, value, timestamp, step) for suffix in suffixes for key, value, step in figures]
+    return [Metric(key + suffix, value, timestamp, step) for suffix in scored.suffixes for key, value, step in figures]
 
 
 # what a reviewer compares across variants: on the parent as ``<variant>.<figure>``, columns of the runs table
@@ -281,83 +265,96 @@ def description(record: dict) -> str:
     says the audit's verdict, its ``audit.reason`` tag why), erring and failing variants on top, the
     baseline at the end.
     """
-    from tasks.record.plots import ppl_limit, verdict_of
+    return _note(TrackedAudit.of_record(record), record)
+
+
+def _note(audit: TrackedAudit, record: dict) -> str:
+    """``description`` of the audit read from ``record`` (whose config the gate's limits are read from)."""
+    from tasks.record.plots import ppl_limit
     from tasks.record.report import delta_text, figure_text, kl_figure
 
-    several = "domains" in record  # each row's figures are its worst domain's: a column names it
+    several = audit.result.named  # each row's figures are its worst domain's: a column names it
     lines = ["| model | verdict |" + " domain |" * several + " ΔPPL % [95% CI] | limit ΔPPL % | PPL | KLD | top-1 | bpw |",
              "|---|---|" + "---|" * several + "---|---|---|---|---|---|"]
-    for entry in sorted(record["variants"], key=lambda entry: DESCRIPTION_ORDER[verdict_of(entry)]):
-        row, status = entry["row"], verdict_of(entry)
-        top1 = f"{100 * row['top1_agreement']:.1f}%" if "top1_agreement" in row else "—"
-        limit = ppl_limit(record, entry["name"]) if entry["role"] == "variant" else None
-        scored = row.get("scored_fraction", 1.0)
-        said = said_as(status).upper() + (f" at {100 * scored:.0f}%" if scored < 1 else "")  # a sequential run's stop
-        said += f", dominated by {row['dominated_by']}" if row.get("dominated_by") else ""
-        domain = f" {entry.get('domain') or '—'} |" if several else ""
-        lines.append(f"| {entry['name']} | {said} |{domain} {delta_text(row)} | "
-                     f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(row, 'ppl', '.4f')} | "
-                     f"{kl_figure(row)} | {top1} | {figure_text(row, 'bits_per_weight', '.2f')} |")
+    for model in sorted(audit.models, key=lambda model: DESCRIPTION_ORDER[model.top.shown]):
+        row, flat = model.top.row, model.top.row.as_record()
+        top1 = row.divergences.top1_agreement if row.divergences else None
+        limit = ppl_limit(record, model.name) if model.role == "variant" else None
+        scored = row.measured.scored_fraction if row.measured else 1.0
+        # a sequential run's stop
+        said = said_as(model.top.shown).upper() + (f" at {100 * scored:.0f}%" if scored < 1 else "")
+        said += f", dominated by {row.dominated_by}" if row.dominated_by else ""
+        domain = f" {model.domain or '—'} |" * several
+        lines.append(f"| {model.name} | {said} |{domain} {delta_text(flat)} | "
+                     f"{'—' if limit is None else f'≤ {limit:g}'} | {figure_text(flat, 'ppl', '.4f')} | "
+                     f"{kl_figure(flat)} | {'—' if top1 is None else f'{100 * top1.value:.1f}%'} | "
+                     f"{figure_text(flat, 'bits_per_weight', '.2f')} |")
     return "\n".join(lines)
 
 
 def _glance_metrics(record: dict, timestamp: int) -> list:
+    """What a reviewer compares across variants (``_glance``) of a record."""
+    return _glance(TrackedAudit.of_record(record), timestamp)
+
+
+def _glance(audit: TrackedAudit, timestamp: int) -> list:
     from mlflow.entities import Metric
 
     from tasks.record.plots import measured
 
-    entries = [(entry, "") for entry in record["variants"]]
-    entries += [(own, f".{name}") for entry in record["variants"] for name, own in _on_domains(record, entry).items()]
+    result = audit.result
+    rows = [(row, "") for row in result.rows]
+    rows += [(scored.row, f".{name}") for model in audit.models for name, scored in _named(model.streams).items()]
     # the noise floor's rows (each domain's, in an audit of several), beside the variants' figures
-    entries += [(floor, "") for floor in record.get("floor", [])]
-    entries += [(floor, f".{name}") for name, domain in record.get("domains", {}).items()
-                for floor in domain.get("floor", [])]
-    return [Metric(f"{entry['name']}.{key}{suffix}", float(entry["row"][key]), timestamp, 0)
-            for entry, suffix in entries for key in AT_A_GLANCE if measured(entry["row"].get(key))]
+    rows += [(floor, stream.ending) for stream in audit.streams.values() for floor in stream.floor]
+    return [Metric(f"{row.variant}.{key}{suffix}", float(value), timestamp, 0) for row, suffix in rows
+            for key, value in zip(AT_A_GLANCE, _at_a_glance(row)) if measured(value)]
 
 
-def _baseline_tags(record: dict) -> dict[str, str]:
+def _at_a_glance(row: ModelRow) -> tuple[float | None, ...]:
+    """A row's figures of ``AT_A_GLANCE``, in its order (None where not measured)."""
+    change, kld, top1 = row.figure("delta_ppl_pct"), row.figure("kld_mean"), row.figure("top1_agreement")
+    delta = (change.value, change.low, change.high) if change else (None, None, None)
+    return row.measured.ppl if row.measured else None, *delta, kld.value if kld else None, top1.value if top1 else None
+
+
+def _baseline_tags(audit: TrackedAudit) -> dict[str, str]:
     """How the audit had its baseline: ``ppl_audit.baseline`` scored or reused, the reference's key, the baseline's
     key (``tasks.record.history``), whether Prefect's schedule started it, and for a rescore with a reference before it, ``ppl_audit.drift`` (``environment drift`` or ``none``)
     and the drift's line. An audit of several domains has a baseline key and a reference per domain (each its own
     token stream): ``_domain_tags`` instead."""
-    if "domains" in record:
-        return _domain_tags(record)
-    said = _baseline_said(record)
-    tags = {"ppl_audit.baseline": said.get("baseline"), REFERENCE: said.get("key"),
-            POPULATION: (record.get("population") or {}).get("digest"),
-            "ppl_audit.reference_problem": said.get("problem"), BASELINE_KEY: said.get("baseline_key"),
-            SCHEDULED: "true" if record.get("scheduled") else None}
-    if said.get("drift"):
+    if audit.result.named:
+        return _domain_tags(audit)
+    stream = audit.streams[None]
+    said = stream.reference
+    tags = {"ppl_audit.baseline": said.baseline, REFERENCE: said.key, POPULATION: stream.population,
+            "ppl_audit.reference_problem": said.problem, BASELINE_KEY: said.baseline_key,
+            SCHEDULED: "true" if audit.scheduled else None}
+    if said.drift:
         from tasks.record.verdict import drift_text
 
-        drift = said["drift"]
-        tags |= {"ppl_audit.drift": "environment drift" if drift["drift"] else "none",
-                 "ppl_audit.drift_detail": drift_text(drift)}
+        tags |= {"ppl_audit.drift": "environment drift" if said.drift["drift"] else "none",
+                 "ppl_audit.drift_detail": drift_text(said.drift)}
     return {key: value for key, value in tags.items() if value}
 
 
-def _baseline_said(record: dict) -> dict:
-    """How the baseline was had on the record's token stream (its entry's ``reference``)."""
-    return next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"), {})
-
-
-def _domain_tags(record: dict) -> dict[str, str]:
+def _domain_tags(audit: TrackedAudit) -> dict[str, str]:
     """``_baseline_tags`` of an audit of several domains: ``ppl_audit.domains`` (their names in the config's order),
     ``ppl_audit.domain_keys`` and ``ppl_audit.domain_references`` (``NAME=KEY`` pairs, a domain without one left
     out), no ``ppl_audit.baseline_key`` nor ``ppl_audit.reference`` (each names one token stream); the baseline scored
     or reused (``NAME=HOW`` pairs where domains differ), the reference's problems and drift on each domain."""
-    said = {name: _baseline_said(domain) for name, domain in record["domains"].items()}
-    how = {s.get("baseline") for s in said.values()}
+    streams = _named(audit.streams)
+    said = {name: stream.reference for name, stream in streams.items()}
+    how = {s.baseline for s in said.values()}
     tags = {DOMAINS: " ".join(said),
-            DOMAIN_KEYS: " ".join(f"{name}={s['baseline_key']}" for name, s in said.items() if s.get("baseline_key")),
-            DOMAIN_REFERENCES: " ".join(f"{name}={s['key']}" for name, s in said.items() if s.get("key")),
-            DOMAIN_POPULATIONS: " ".join(f"{name}={digest}" for name, digest in
-                                         (record.get("population") or {}).get("domains", {}).items() if digest),
-            "ppl_audit.baseline": how.pop() if len(how) == 1 else " ".join(f"{n}={s.get('baseline')}" for n, s in said.items()),
-            "ppl_audit.reference_problem": "; ".join(f"{n}: {s['problem']}" for n, s in said.items() if s.get("problem")),
-            SCHEDULED: "true" if record.get("scheduled") else None}
-    drifts = {name: s["drift"] for name, s in said.items() if s.get("drift")}
+            DOMAIN_KEYS: " ".join(f"{name}={s.baseline_key}" for name, s in said.items() if s.baseline_key),
+            DOMAIN_REFERENCES: " ".join(f"{name}={s.key}" for name, s in said.items() if s.key),
+            DOMAIN_POPULATIONS: " ".join(f"{name}={stream.population}" for name, stream in streams.items()
+                                         if stream.population),
+            "ppl_audit.baseline": how.pop() if len(how) == 1 else " ".join(f"{n}={s.baseline}" for n, s in said.items()),
+            "ppl_audit.reference_problem": "; ".join(f"{n}: {s.problem}" for n, s in said.items() if s.problem),
+            SCHEDULED: "true" if audit.scheduled else None}
+    drifts = {name: s.drift for name, s in said.items() if s.drift}
     if drifts:
         from tasks.record.verdict import drift_text
 
@@ -389,23 +386,24 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     from tasks.record import plots
 
     record = read_record(folder)
-    uri = tracking_uri(uri or record["config"]["tracking"]["uri"])
+    audit = TrackedAudit.of_record(record)
+    uri = tracking_uri(uri or audit.uri)
     client = client_of(uri)
-    experiment_id = _experiment(client, experiment or record["config"]["tracking"]["experiment"], uri)
-    done = _delete_partial(client, experiment_id, record["audit_id"])
+    experiment_id = _experiment(client, experiment or audit.experiment, uri)
+    done = _delete_partial(client, experiment_id, audit.audit_id)
     if done:
         return done
-    started, timestamp = _span(record)
-    verdict = record["verdict"]
-    datasets = _datasets(record)
-    parent = client.create_run(experiment_id, start_time=started, run_name=f"{record['name']} · {said_as(verdict['status']).upper()}",
-                               tags={AUDIT_ID: record["audit_id"], "audit.verdict": verdict["status"],
-                                     "audit.reason": verdict["reason"][:5000], "ppl_audit.kind": "audit",
-                                     "ppl_audit.audit": record["name"], "mlflow.note.content": description(record),
-                                     "mlflow.runColor": plots.COLOURS[verdict["status"]],
-                                     **_baseline_tags(record)}).info.run_id
+    started, timestamp = _span(audit)
+    verdict = audit.result.verdict
+    datasets = _datasets(audit)
+    parent = client.create_run(experiment_id, start_time=started, run_name=f"{audit.name} · {verdict.said.upper()}",
+                               tags={AUDIT_ID: audit.audit_id, "audit.verdict": verdict.status,
+                                     "audit.reason": verdict.reason[:5000], "ppl_audit.kind": "audit",
+                                     "ppl_audit.audit": audit.name, "mlflow.note.content": _note(audit, record),
+                                     "mlflow.runColor": plots.COLOURS[verdict.status],
+                                     **_baseline_tags(audit)}).info.run_id
     try:
-        _log_children(client, experiment_id, parent, record, folder, datasets)
+        _log_children(client, experiment_id, parent, audit, record, folder, datasets)
     except BaseException:
         # else it stays RUNNING in the UI for good; the next replay deletes it (``_delete_partial``) and logs it whole
         with suppress(Exception):
@@ -416,34 +414,33 @@ def replay(folder: Path, uri: str | None = None, experiment: str | None = None) 
     return parent
 
 
-def _span(record: dict) -> tuple[int, int]:
+def _span(audit: TrackedAudit) -> tuple[int, int]:
     """When the audit started and ended, in ms: its own, not the replay's (records from before "started" keep the end
     only)."""
     import pandas as pd
 
-    return (_ms(pd.Timestamp(record.get("started", record["created"])).timestamp()),
-            _ms(pd.Timestamp(record["created"]).timestamp()))
+    return _ms(pd.Timestamp(audit.started).timestamp()), _ms(pd.Timestamp(audit.created).timestamp())
 
 
-def _log_children(client, experiment_id: str, parent: str, record: dict, folder: Path, datasets: list) -> None:
-    """Everything of a replayed audit but its parent run: the parent's figures and artifacts, a run per model, history."""
+def _log_children(client, experiment_id: str, parent: str, audit: TrackedAudit, record: dict, folder: Path,
+                  datasets: list) -> None:
+    """Everything of a replayed audit but its parent run: the parent's figures and artifacts, a run per model, history.
+    ``record``: what ``audit`` was read from, which the card, the charts and the report read themselves."""
     import pandas as pd
-    from mlflow.entities import RunTag
 
     from tasks.record import plots
     from tasks.record.card import log_card
     from tasks.record.diagnosis import log_diagnosis_run
     from tasks.record.report import html_report
 
-    started, timestamp = _span(record)
-    _log_batches(client, parent, _glance_metrics(record, timestamp), _params(_audit_params(record)), [])
+    started, timestamp = _span(audit)
+    _log_batches(client, parent, _glance(audit, timestamp), _params(_audit_params(audit)), [])
     _log_dataset(client, parent, datasets)
-    client.log_text(parent, record["config_text"] or str(record["config"]), "config.yaml")
-    client.log_text(parent, record["table"], "comparison.txt")
-    for name, domain in record.get("domains", {}).items():  # each domain's full table, beside its charts
-        client.log_text(parent, domain["table"], f"{name}/comparison.txt")
-    table = [{k: v for k, v in entry["row"].items()} | {"verdict": (entry["verdict"] or {}).get("status", "baseline")}
-             for entry in record["variants"]]
+    client.log_text(parent, audit.config_text or str(audit.config), "config.yaml")
+    client.log_text(parent, audit.result.table, "comparison.txt")
+    for name, stream in _named(audit.streams).items():  # each domain's full table, beside its charts
+        client.log_text(parent, stream.table, f"{name}/comparison.txt")
+    table = [model.top.row.as_record() | {"verdict": model.judged} for model in audit.models]
     client.log_table(parent, pd.DataFrame(table), "comparison.json")
     log_card(client, parent, record, run_link(client.tracking_uri, parent))  # record.json and card/: ppl-audit card
     pictures = plots.pictures(record, folder)
@@ -452,73 +449,75 @@ def _log_children(client, experiment_id: str, parent: str, record: dict, folder:
             (Path(drawn) / name).parent.mkdir(exist_ok=True)  # a domain's charts: DOMAIN/
             (Path(drawn) / name).write_bytes(picture)
         client.log_artifacts(parent, drawn)
-    diagnosed = {entry["name"]: log_diagnosis_run(client, experiment_id, entry["diagnosis"],
-                                        {"mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"]})
-                 for entry in record["variants"] if "problem" not in entry.get("diagnosis", {"problem": None})}
+    diagnosed = {model.name: log_diagnosis_run(client, experiment_id, model.diagnosis,
+                                               {"mlflow.parentRunId": parent, AUDIT_ID: audit.audit_id})
+                 for model in audit.models if model.diagnosis is not None}
     runs = {name: ui_link("", experiment_id, run) for name, run in diagnosed.items()}  # from the UI's own root
     client.log_text(parent, html_report(record, pictures, runs), "report.html")  # MLflow's artifact viewer shows it inline
-    for entry in record["variants"]:
-        status = plots.verdict_of(entry)
-        child = client.create_run(experiment_id, start_time=_ms(entry["started"]) if entry.get("started") else started,
-                                  run_name=f"{entry['name']} · {said_as(status).upper()}", tags={
-            "mlflow.parentRunId": parent, AUDIT_ID: record["audit_id"], "ppl_audit.variant": entry["name"],
-            "ppl_audit.kind": entry["role"], "audit.verdict": status,
-            "mlflow.runColor": plots.COLOURS[status],  # the UI's dot and lines for the run: the charts' colours
-            "audit.reason": ((entry["verdict"] or {}).get("reason") or entry["reason"])[:5000],
-            **{f"absent.{figure}": why for figure, why in _absent(entry).items()}}).info.run_id
-        own = [RunTag(DOMINATED_BY, entry["row"]["dominated_by"])] if entry["row"].get("dominated_by") else []
-        own += [RunTag(DOMAIN, entry["domain"])] if entry.get("domain") else []  # what its unsuffixed figures are of
-        own += [RunTag(FLOOR, entry["row"]["floor"]["said"])] if entry["row"].get("floor") else []
-        for domain, on in _on_domains(record, entry).items():  # each domain's verdict and dominator: compare's rows
-            own.append(RunTag(f"audit.verdict.{domain}", plots.verdict_of(on)))
-            if on["row"].get("dominated_by"):
-                own.append(RunTag(f"{DOMINATED_BY}.{domain}", on["row"]["dominated_by"]))
-        _log_batches(client, child, _metrics(record, entry, folder, timestamp), _params(_variant_params(record, entry)),
-                     [RunTag("ppl_audit.status", entry["status"]), *own])
-        _log_dataset(client, child, datasets)
-        _log_streams(client, child, folder, _on_domains(record, entry) or {None: entry}, entry.get("domain"))
-        client.set_terminated(child, "FINISHED" if entry["status"] == "ok" else "FAILED",
-                              end_time=_ms(entry["ended"]) if entry.get("ended") else timestamp)
-        if is_registered(entry["spec"]["path"]):
-            tag_version(client, entry["spec"]["path"], status, ((entry["verdict"] or {}).get("reason") or entry["reason"]),
-                        child, parent)
-    _log_history(client, experiment_id, parent, record)
+    for model in audit.models:
+        _log_model(client, experiment_id, (parent, started, timestamp), audit, model, folder, datasets)
+    _log_history(client, experiment_id, parent, audit, record)
 
 
-def _log_streams(client, child: str, folder: Path, entries: dict, worst: str | None = None) -> None:
-    """A model's artifacts of each token stream it was scored on (``entries``, by domain; None for a one-corpus
-    audit's): its per-token table under ``nll/``, and where in the text it loses, its figures (a domain's under
-    ``DOMAIN/``) and their chart, drawn for its ``worst`` domain only (in an audit of several: a chart is a second
-    of a warm demo's three minutes; the report's tables show every domain's)."""
+def _log_model(client, experiment_id: str, under: tuple[str, int, int], audit: TrackedAudit, model: TrackedModel,
+               folder: Path, datasets: list) -> None:
+    """A model's run, under the audit's run (``under``: its id, and when the audit started and ended, in ms)."""
+    from mlflow.entities import RunTag
+
     from tasks.record import plots
 
-    for domain, entry in entries.items():
-        if entry.get("arrays"):
-            client.log_artifact(child, str(folder / entry["arrays"]), "nll")
-        if entry.get("where"):
+    parent, started, timestamp = under
+    status, row = model.top.shown, model.top.row
+    child = client.create_run(experiment_id, start_time=_ms(model.started) if model.started else started,
+                              run_name=f"{model.name} · {said_as(status).upper()}", tags={
+        "mlflow.parentRunId": parent, AUDIT_ID: audit.audit_id, "ppl_audit.variant": model.name,
+        "ppl_audit.kind": model.role, "audit.verdict": status,
+        "mlflow.runColor": plots.COLOURS[status],  # the UI's dot and lines for the run: the charts' colours
+        "audit.reason": model.reason[:5000],
+        **{f"absent.{figure}": why for figure, why in _absent(model.top).items()}}).info.run_id
+    own = [RunTag(DOMINATED_BY, row.dominated_by)] if row.dominated_by else []
+    own += [RunTag(DOMAIN, model.domain)] if model.domain else []  # what its unsuffixed figures are of
+    own += [RunTag(FLOOR, row.floor.said)] if row.floor else []
+    for domain, on in _named(model.streams).items():  # each domain's verdict and dominator: compare's rows
+        own.append(RunTag(f"audit.verdict.{domain}", on.shown))
+        if on.row.dominated_by:
+            own.append(RunTag(f"{DOMINATED_BY}.{domain}", on.row.dominated_by))
+    _log_batches(client, child, _model_metrics(model, folder, timestamp), _params(_variant_params(audit, model)),
+                 [RunTag("ppl_audit.status", model.status), *own])
+    _log_dataset(client, child, datasets)
+    _log_streams(client, child, folder, model)
+    client.set_terminated(child, "FINISHED" if model.status == "ok" else "FAILED",
+                          end_time=_ms(model.ended) if model.ended else timestamp)
+    if is_registered(model.setup.path):
+        tag_version(client, model.setup.path, status, model.reason, child, parent)
+
+
+def _log_streams(client, child: str, folder: Path, model: TrackedModel) -> None:
+    """A model's artifacts of each token stream it was scored on: its per-token table under ``nll/``, and where in
+    the text it loses, its figures (a domain's under ``DOMAIN/``) and their chart, drawn for its worst domain only
+    (in an audit of several: a chart is a second of a warm demo's three minutes; the report's tables show every
+    domain's)."""
+    from tasks.record import plots
+
+    for domain, scored in model.streams.items():
+        if scored.arrays:
+            client.log_artifact(child, str(folder / scored.arrays), "nll")
+        if scored.where:
             under = f"{domain}/" if domain else ""
-            client.log_dict(child, entry["where"], f"{under}where.json")
-            if domain == worst:
-                client.log_figure(child, plots.where_chart(entry, domain), f"{under}where.png")
+            client.log_dict(child, scored.where, f"{under}where.json")
+            if domain == model.domain:
+                client.log_figure(child, plots.where_chart(scored.entry, domain), f"{under}where.png")
 
 
-def _baseline_key(record: dict) -> str | None:
-    """The key of the audit's baseline on its token stream; None for an audit of several domains: the history of
-    audits (``tasks.record.history``) sets audits of one stream side by side, and one of several has no one key."""
-    if "domains" in record:
-        return None
-    return next((entry.get("reference") or {} for entry in record["variants"] if entry["role"] == "baseline"),
-                {}).get("baseline_key")
-
-
-def _log_history(client, experiment_id: str, parent: str, record: dict) -> None:
+def _log_history(client, experiment_id: str, parent: str, audit: TrackedAudit, record: dict) -> None:
     """Set this audit beside the earlier audits of its baseline: the size-against-quality chart of all of them
     (``history.png``), and on each variant whose ΔPPL moved since the previous scheduled run, a ``changed`` tag
-    (on the parent too, with a line under the description's table)."""
+    (on the parent too, with a line under the description's table). Only an audit of one token stream has one
+    baseline key (``TrackedAudit.history_key``): the history sets audits of one stream side by side."""
     from tasks.record.history import audited, history_chart
     from tasks.record.logged import Records
 
-    key = _baseline_key(record)
+    key = audit.history_key
     if key is None:
         return
     rows = audited(Records(client), experiment_id, key, also=parent)
@@ -530,7 +529,7 @@ def _log_history(client, experiment_id: str, parent: str, record: dict) -> None:
     if changed:
         said = "; ".join(f"{row.name} {row.changed}" for row in changed)
         client.set_tag(parent, CHANGED, said[:5000])
-        client.set_tag(parent, "mlflow.note.content", f"{description(record)}\n\n{said}")
+        client.set_tag(parent, "mlflow.note.content", f"{_note(audit, record)}\n\n{said}")
 
 
 def track_diagnosis(found: dict, uri: str | None, experiment: str) -> str:

@@ -1,0 +1,325 @@
+"""What an audit's record says beyond the ``AuditResult`` it was written from, typed, for the report and the charts
+(``tasks.record.report``, ``tasks.record.plots``): each model's entry (``ModelSaid``: where it came from, where in
+the text it loses, its diagnosis, the baseline's reference) and the audit's settings, corpus and environment
+(``RecordSaid``).
+
+A record is plain data (``tasks.record.contents.audit_record``); this module alone reads the parts of it that
+``tasks.record.serial.from_record`` does not (``RecordSaid.of_record``, ``ModelSaid.alone``), so that a view reads
+attributes. It reads records of every schema: a key a record from before it was kept lacks reads as None. Pure
+Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tasks.config import EvaluationConfig, Thresholds
+from tasks.record.diagnosis_said import VariantDiagnosis
+from tasks.record.reference_said import ReferenceSaid
+from tasks.record.result import AuditResult
+from tasks.record.row import Interval, ModelRow
+from tasks.record.serial import from_record
+from tasks.record.verdict import Verdict
+
+
+@dataclass(frozen=True)
+class CalibrationSaid:
+    """The calibration a quantized model was made with (its manifest's): how many samples of how many tokens, the
+    seed that drew them and their digest."""
+
+    samples: int | None
+    seq_len: int | None
+    seed: int | None
+    digest: str | None
+
+    @classmethod
+    def of_record(cls, said: dict) -> CalibrationSaid:
+        return cls(said.get("samples"), said.get("seq_len"), said.get("seed"), said.get("digest"))
+
+
+@dataclass(frozen=True)
+class GgufFormat:
+    """A GGUF file's facts: its file type, how many tensors of each type, bits per weight."""
+
+    file_type: str
+    tensor_types: Mapping[str, int]
+    bits_per_weight: float
+
+
+@dataclass(frozen=True)
+class CompressedFormat:
+    """A compressed-tensors checkpoint's scheme, format, weights' types and whether its activations are quantized."""
+
+    scheme: str
+    format: str
+    weights: tuple[str, ...]
+    activation_quantization: str
+
+
+@dataclass(frozen=True)
+class HqqFormat:
+    """An HQQ model's bits, group size and backend."""
+
+    bits: int
+    group_size: int
+    backend: str
+
+
+def _format(found: dict) -> GgufFormat | CompressedFormat | HqqFormat | None:
+    """The format a model's facts found (``quantization``), where it is one the report describes."""
+    if "file_type" in found:
+        return GgufFormat(found["file_type"], found["tensor_types"], found["bits_per_weight"])
+    if "scheme" in found:
+        return CompressedFormat(found["scheme"], found["format"], tuple(found["weights"]),
+                                found["activation_quantization"])
+    if "packing" in found:
+        return HqqFormat(found["bits"], found["group_size"], found["backend"])
+    return None
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a model came from: what the config asked for (its ``spec``), what was loaded (its ``facts``) and how it
+    was made (its ``manifest``), each figure from the first that holds it."""
+
+    method: str
+    detected: str | None
+    format: GgufFormat | CompressedFormat | HqqFormat | None
+    path: str | None
+    bits: int | None
+    group_size: int | None
+    sym: bool | None
+    dtype: str | None
+    device: str | None
+    backend: str | None
+    size_on_disk_bytes: int | None
+    bits_per_weight: float | None  # of the quantized layers as shipped
+    model_bits_per_weight: float | None  # of the whole model as loaded
+    source_model_digest: str | None
+    calibration: CalibrationSaid | None
+
+    @classmethod
+    def of_record(cls, spec: dict, facts: dict | None, manifest: dict | None) -> Lineage:
+        facts, manifest = facts or {}, manifest or {}
+        found = facts.get("quantization") or {}
+        calibration = manifest.get("calibration")
+        return cls(facts.get("method") or spec["method"], found.get("detected"), _format(found),
+                   facts.get("source") or spec["path"], spec["bits"] or manifest.get("bits"),
+                   spec["group_size"] or manifest.get("group_size"),
+                   spec["sym"] if spec["sym"] is not None else manifest.get("sym"),
+                   facts.get("dtype", spec["dtype"]), facts.get("device", spec["device"]), facts.get("backend"),
+                   facts.get("size_on_disk_bytes"), facts.get("bits_per_weight"), facts.get("model_bits_per_weight"),
+                   manifest.get("source_model_digest"), CalibrationSaid.of_record(calibration) if calibration else None)
+
+
+@dataclass(frozen=True)
+class WhereGroup:
+    """A group of tokens of ``where`` (``tasks.record.where.where_figures``): a bin of positions or of the baseline's
+    top-1 probability (``low``, ``high``), or the tokens the baseline got ``right`` or ``wrong`` (``baseline``); how
+    many tokens it holds, and their mean ΔNLL and KL with 95% intervals (a value of None: no tokens, or no KL)."""
+
+    tokens: int
+    delta_nll: Interval
+    kl: Interval
+    low: float | None = None
+    high: float | None = None
+    baseline: str | None = None
+
+    @classmethod
+    def of_record(cls, said: dict) -> WhereGroup:
+        return cls(said["tokens"], _interval(said, "delta_nll"), _interval(said, "kl"), said.get("low"),
+                   said.get("high"), said.get("baseline"))
+
+
+def _interval(said: dict, name: str) -> Interval:
+    return Interval(said.get(name), None, said.get(f"{name}_low"), said.get(f"{name}_high"))
+
+
+@dataclass(frozen=True)
+class TopToken:
+    """One of the tokens of largest KL: its KL and ΔNLL, its window and position, the text before it, the token and
+    the baseline's and the variant's top tokens."""
+
+    kl: float
+    delta_nll: float
+    window: int
+    position: int
+    context: str
+    target_text: str
+    base_top_text: str
+    top_text: str
+
+    @classmethod
+    def of_record(cls, said: dict) -> TopToken:
+        return cls(said["kl"], said["delta_nll"], said["window"], said["position"], said["context"],
+                   said["target_text"], said["base_top_text"], said["top_text"])
+
+
+@dataclass(frozen=True)
+class WhereSaid:
+    """Where in the text a variant loses: how its intervals are taken, every token's figures, by position in the
+    window, and with KL by the baseline's confidence (None without KL), by whether it was right, and the tokens
+    of largest KL."""
+
+    interval: str
+    all: WhereGroup
+    by_position: tuple[WhereGroup, ...]
+    by_confidence: tuple[WhereGroup, ...] | None
+    by_baseline: tuple[WhereGroup, ...]
+    top_kl: tuple[TopToken, ...]
+
+    @classmethod
+    def of_record(cls, said: dict) -> WhereSaid:
+        groups = lambda key: tuple(WhereGroup.of_record(row) for row in said.get(key) or ())  # noqa: E731
+        return cls(said["interval"], WhereGroup.of_record(said["all"]), groups("by_position"),
+                   groups("by_confidence") if "by_confidence" in said else None, groups("by_baseline"),
+                   tuple(TopToken.of_record(row) for row in said.get("top_kl") or ()))
+
+
+@dataclass(frozen=True)
+class ModelSaid:
+    """One model's entry of a record.
+
+    Attributes:
+        name, role, status, reason: the model's name, ``baseline`` or ``variant``, ``ok`` or ``error`` and why.
+        method: its method as its config names it.
+        row: its comparison row; ``verdict``: a variant's (None for the baseline).
+        domain: in an audit of several domains, its worst (the one its row is of).
+        arrays: its per-token Parquet file in the record's folder, where it was scored.
+        where: where in the text it loses, where it was found.
+        diagnosis: its diagnosis, where one was made; ``problem``: why one asked for was not.
+        lineage: where it came from.
+        reference: the baseline's: its stored reference (None for a variant, or when it has none).
+    """
+
+    name: str
+    role: str
+    status: str
+    reason: str
+    method: str
+    row: ModelRow
+    verdict: Verdict | None
+    domain: str | None
+    arrays: str | None
+    where: WhereSaid | None
+    diagnosis: VariantDiagnosis | None
+    problem: str | None
+    lineage: Lineage
+    reference: ReferenceSaid | None
+
+    @classmethod
+    def of_record(cls, entry: dict, row: ModelRow, verdict: Verdict | None) -> ModelSaid:
+        """Entry ``entry``, whose ``row`` and ``verdict`` were read already (``from_record``)."""
+        where, found, reference = entry.get("where"), entry.get("diagnosis") or {}, entry.get("reference")
+        diagnosis = VariantDiagnosis.of_record(found) if found and "problem" not in found else None
+        return cls(entry["name"], entry["role"], entry["status"], entry["reason"], entry["spec"]["method"], row, verdict,
+                   entry.get("domain"), entry.get("arrays"), WhereSaid.of_record(where) if where else None, diagnosis,
+                   found.get("problem"), Lineage.of_record(entry["spec"], entry.get("facts"), entry.get("manifest")),
+                   ReferenceSaid.of_record(reference) if reference else None)
+
+    @classmethod
+    def alone(cls, entry: dict) -> ModelSaid:
+        """An entry read on its own, its row and verdict with it."""
+        verdict = entry["verdict"]
+        return cls.of_record(entry, ModelRow.of_record(entry["row"]),
+                             Verdict.of_record(entry["name"], verdict) if verdict else None)
+
+
+@dataclass(frozen=True)
+class CorpusSaid:
+    """The text an audit scored: where from (``source``: a path or ``hf:NAME``, on disk at ``location``), its digest,
+    how many tokens and bytes were scored, how BOS was placed, which tokenizer cut it (``transformers`` in a record
+    of before #54, which did not say), and a Hugging Face dataset's config and split. The report, the card and
+    MLflow read it."""
+
+    source: str
+    location: str | None
+    digest: str
+    n_tokens: int
+    n_bytes: int
+    bos: str
+    tokenizer: str
+    hf_config: str | None
+    hf_split: str | None
+
+    @classmethod
+    def of_record(cls, said: dict) -> CorpusSaid:
+        return cls(said["source"], said.get("location"), said["digest"], said["n_tokens"], said["n_bytes"],
+                   said["bos"], said.get("tokenizer", "transformers"), said.get("hf_config"), said.get("hf_split"))
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What ran the audit: the hardware, Python, and the versions of the packages that score."""
+
+    hardware: str
+    python: str | None
+    versions: Mapping[str, str]
+
+    @classmethod
+    def of_record(cls, said: dict) -> Environment:
+        return cls(said["hardware"], said.get("python"), said["versions"])
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A noise floor: its row and the dtype the baseline was scored in."""
+
+    row: ModelRow
+    dtype: str
+
+    @classmethod
+    def of_record(cls, said: dict) -> Floor:
+        return cls(ModelRow.of_record(said["row"]), said["dtype"])
+
+
+@dataclass(frozen=True)
+class RecordSaid:
+    """An audit's record as the report and the charts read it.
+
+    Attributes:
+        result: what ``from_record`` reads of it: the audit's name, its verdict, each model's row and verdict.
+        models: each model's entry, the baseline first.
+        audit_id, started, created: the audit's id and when it started (None before it was kept) and ended.
+        config_path, config_text: the config's file and its text as written.
+        environment: what ran it.
+        corpus, evaluation, thresholds, population: what it scored, how, what it demanded, which tokens.
+        floor: the noise floors.
+        domain: the domain a record is of, for one domain's of an audit of several (``domain_view``).
+        domains: each domain's, for an audit of several (none for an audit of one corpus).
+    """
+
+    result: AuditResult
+    models: tuple[ModelSaid, ...]
+    audit_id: str
+    started: str | None
+    created: str
+    config_path: str | None
+    config_text: str | None
+    environment: Environment
+    corpus: CorpusSaid
+    evaluation: EvaluationConfig
+    thresholds: Thresholds
+    population: dict | None
+    floor: tuple[Floor, ...]
+    domain: str | None
+    domains: Mapping[str, RecordSaid]
+
+    @property
+    def variants(self) -> tuple[ModelSaid, ...]:
+        return tuple(model for model in self.models if model.role == "variant")
+
+    @classmethod
+    def of_record(cls, record: dict) -> RecordSaid:
+        from tasks.record.domains import domain_view
+
+        result = from_record(record)
+        models = tuple(ModelSaid.of_record(entry, row, verdict) for entry, row, verdict
+                       in zip(record["variants"], result.rows, (None, *result.verdicts)))
+        return cls(result, models, record["audit_id"], record.get("started"), record["created"],
+                   record.get("config_path"), record.get("config_text"), Environment.of_record(record["environment"]),
+                   CorpusSaid.of_record(record["corpus"]), EvaluationConfig.of_record(record["config"]["evaluation"]),
+                   Thresholds.model_validate(record["config"]["thresholds"]), record.get("population"),
+                   tuple(Floor.of_record(floor) for floor in record.get("floor", [])), record.get("domain"),
+                   {name: cls.of_record(domain_view(record, name)) for name in record.get("domains", {})})
