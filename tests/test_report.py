@@ -310,9 +310,9 @@ def _assert_model_reads(model, entry: dict) -> None:
     assert (model.reference.as_record() if model.reference else None) == (entry.get("reference") or None)
     facts, spec, manifest = entry["facts"], entry["spec"], entry["manifest"] or {}
     lineage = model.lineage
-    assert (lineage.method, lineage.path, lineage.dtype, lineage.device, lineage.backend, lineage.size_on_disk_bytes,
-            lineage.bits_per_weight, lineage.model_bits_per_weight) == (
-        facts["method"], facts["source"], facts["dtype"], facts["device"], facts["backend"],
+    assert (lineage.method, lineage.path, lineage.loaded_from, lineage.dtype, lineage.device, lineage.backend,
+            lineage.size_on_disk_bytes, lineage.bits_per_weight, lineage.model_bits_per_weight) == (
+        facts["method"], spec["path"], facts["source"], facts["dtype"], facts["device"], facts["backend"],
         facts["size_on_disk_bytes"], facts["bits_per_weight"], facts["model_bits_per_weight"])
     assert (lineage.bits, lineage.group_size, lineage.sym, lineage.source_model_digest) == (
         spec["bits"] or manifest.get("bits"), spec["group_size"] or manifest.get("group_size"),

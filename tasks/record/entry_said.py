@@ -78,39 +78,64 @@ def _format(found: dict) -> GgufFormat | CompressedFormat | HqqFormat | None:
     return None
 
 
+# what llama.cpp ran a model with: a format fact of its own, logged under its own prefix
+LLAMA_CPP_FACTS = "llama_cpp"
+
+
 @dataclass(frozen=True)
 class Lineage:
-    """Where a model came from: what the config asked for (its ``spec``), what was loaded (its ``facts``) and how it
-    was made (its ``manifest``), each figure from the first that holds it."""
+    """Where a model came from and what it ran as: what the config asked for (its ``spec``), what was loaded (its
+    ``facts``) and how it was made (its ``manifest``), each figure from the first that holds it. The report's lineage
+    and MLflow's parameters read it.
+
+    Attributes:
+        path: the config's; ``loaded_from``: what was loaded (a Hub snapshot's folder, a made checkpoint's).
+        formats: the format's own facts (a GGUF's file type, a compressed-tensors scheme, how method auto found the
+            method), as loading found them; ``format`` those the report describes, typed.
+        llama_cpp: the settings llama.cpp ran it with.
+        figures: what loading it found and measured, whole (``load_seconds``, sizes, bits per weight).
+    """
 
     method: str
     detected: str | None
     format: GgufFormat | CompressedFormat | HqqFormat | None
-    path: str | None
+    path: str
+    loaded_from: str | None
     bits: int | None
     group_size: int | None
     sym: bool | None
     dtype: str | None
     device: str | None
     backend: str | None
+    worker: str | None
+    kv_cache: str | None
+    body: str | None
+    runtime: str
     size_on_disk_bytes: int | None
     bits_per_weight: float | None  # of the quantized layers as shipped
     model_bits_per_weight: float | None  # of the whole model as loaded
     source_model_digest: str | None
     calibration: CalibrationSaid | None
+    formats: Mapping[str, object]
+    llama_cpp: Mapping[str, object]
+    figures: Mapping[str, object]
 
     @classmethod
     def of_record(cls, spec: dict, facts: dict | None, manifest: dict | None) -> Lineage:
         facts, manifest = facts or {}, manifest or {}
         found = facts.get("quantization") or {}
         calibration = manifest.get("calibration")
-        return cls(facts.get("method") or spec["method"], found.get("detected"), _format(found),
+        return cls(facts.get("method") or spec["method"], found.get("detected"), _format(found), spec["path"],
                    facts.get("source") or spec["path"], spec["bits"] or manifest.get("bits"),
                    spec["group_size"] or manifest.get("group_size"),
                    spec["sym"] if spec["sym"] is not None else manifest.get("sym"),
                    facts.get("dtype", spec["dtype"]), facts.get("device", spec["device"]), facts.get("backend"),
-                   facts.get("size_on_disk_bytes"), facts.get("bits_per_weight"), facts.get("model_bits_per_weight"),
-                   manifest.get("source_model_digest"), CalibrationSaid.of_record(calibration) if calibration else None)
+                   facts.get("worker"), facts.get("kv_cache") or None, facts.get("body"),
+                   spec.get("runtime", "transformers"), facts.get("size_on_disk_bytes"), facts.get("bits_per_weight"),
+                   facts.get("model_bits_per_weight"), manifest.get("source_model_digest"),
+                   CalibrationSaid.of_record(calibration) if calibration else None,
+                   {key: value for key, value in found.items() if key != LLAMA_CPP_FACTS},
+                   found.get(LLAMA_CPP_FACTS) or {}, facts)
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ def _model_lineage(model: ModelSaid) -> dict:
     size = lineage.size_on_disk_bytes
     return {"role": model.role, "method": lineage.method,
             "method found": lineage.detected, "format": _format_text(lineage.format),
-            "path": lineage.path, "bits": lineage.bits, "group size": lineage.group_size, "symmetric": lineage.sym,
+            "path": lineage.loaded_from, "bits": lineage.bits, "group size": lineage.group_size, "symmetric": lineage.sym,
             "dtype · device": f"{lineage.dtype} · {lineage.device}",
             "backend": lineage.backend, "size on disk": None if size is None else f"{size / 2**20:.1f} MiB",
             "bits per weight": _bits_text(lineage),

@@ -1,6 +1,6 @@
 """What MLflow logs of an audit's record that ``AuditResult`` does not hold, typed: how the audit was set up
 (``AuditSetup``: its evaluation settings, corpora, environment, where it is tracked), each model as it was loaded
-(``ModelSetup``: its spec, facts and manifest) and what it scored on each token stream (``StreamScored``).
+(``Lineage``: its spec, facts and manifest) and what it scored on each token stream (``StreamScored``).
 
 Read once, by ``TrackedAudit.of_record``, at ``tasks.record.tracking``'s entry; records of every schema, of one
 corpus or of several domains, read the same: always by token stream (one corpus is one stream). Light: no torch.
@@ -12,54 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tasks.config import EvaluationConfig
-from tasks.record.entry_said import CorpusSaid
+from tasks.record.entry_said import CorpusSaid, Lineage
 from tasks.record.reference_said import ReferenceSaid
 from tasks.record.result import AuditResult
 from tasks.record.row import ModelRow
 from tasks.record.serial import from_record
 
-# what llama.cpp ran a model with: a format fact of its own, logged under its own prefix
-LLAMA_CPP_FACTS = "llama_cpp"
-
-
-@dataclass(frozen=True)
-class ModelSetup:
-    """A model as it was asked for and loaded: its spec, what loading it found (``facts``) and what its quantizer
-    wrote beside it (``manifest``), each read where the others are silent. ``formats``: the format's own facts (a
-    GGUF's file type, a compressed-tensors scheme, how method auto found the method); ``llama_cpp`` the settings
-    llama.cpp ran it with; ``figures`` what loading it measured (``load_seconds``, sizes, bits per weight)."""
-
-    method: str
-    path: str
-    bits: int | None
-    group_size: int | None
-    sym: bool | None
-    dtype: str | None
-    device: str | None
-    backend: str | None
-    worker: str | None
-    kv_cache: str | None
-    body: str | None
-    runtime: str
-    calibration_digest: str | None
-    calibration_samples: int | None
-    source_model_digest: str | None
-    formats: Mapping[str, object]
-    llama_cpp: Mapping[str, object]
-    figures: Mapping[str, object]
-
-    @classmethod
-    def of_entry(cls, entry: dict) -> ModelSetup:
-        spec, facts, manifest = entry["spec"], entry["facts"] or {}, entry["manifest"] or {}
-        calibration, quantization = manifest.get("calibration") or {}, facts.get("quantization") or {}
-        return cls(facts.get("method") or spec["method"], spec["path"], spec["bits"] or manifest.get("bits"),
-                   spec["group_size"] or manifest.get("group_size"),
-                   spec["sym"] if spec["sym"] is not None else manifest.get("sym"), facts.get("dtype", spec["dtype"]),
-                   facts.get("device", spec["device"]), facts.get("backend"), facts.get("worker"),
-                   facts.get("kv_cache") or None, facts.get("body"), spec.get("runtime", "transformers"),
-                   calibration.get("digest"), calibration.get("samples"), manifest.get("source_model_digest"),
-                   {key: value for key, value in quantization.items() if key != LLAMA_CPP_FACTS},
-                   quantization.get(LLAMA_CPP_FACTS) or {}, facts)
 
 
 @dataclass(frozen=True)
@@ -106,7 +64,7 @@ class TrackedModel:
     reason: str
     started: float | None
     ended: float | None
-    setup: ModelSetup
+    setup: Lineage
     shards: int | None
     sequential: Mapping[str, object]
     diagnosis: dict | None
@@ -122,7 +80,7 @@ def _model(entry: dict, streams: Mapping[str | None, StreamScored] | None = None
     diagnosis = entry.get("diagnosis")
     return TrackedModel(
         entry["name"], entry["role"], entry["status"], verdict.get("status", "baseline"),
-        verdict.get("reason") or entry["reason"], entry.get("started"), entry.get("ended"), ModelSetup.of_entry(entry),
+        verdict.get("reason") or entry["reason"], entry.get("started"), entry.get("ended"), Lineage.of_record(entry["spec"], entry["facts"], entry["manifest"]),
         sum("failed" not in shard for shard in entry.get("shards", [])) or None,
         {key: value for key, value in entry.get("sequential", {}).items() if key in ("seed", "stopped", "decision")},
         diagnosis if diagnosis is not None and "problem" not in diagnosis else None, entry.get("domain"),

@@ -186,14 +186,16 @@ def _named(by_stream: dict) -> dict:
 
 
 def _variant_params(audit: TrackedAudit, model: TrackedModel) -> dict:
-    setup = model.setup
+    setup, calibration = model.setup, model.setup.calibration
     params = {**_audit_params(audit), "variant": model.name, "method": setup.method,
               # the method as the audit's table says it (its format's label: "gptq 4-bit g32 tuned", "baseline kv:int8")
               "label": model.top.row.method, "path": setup.path, "bits": setup.bits, "group_size": setup.group_size,
               "sym": setup.sym, "dtype": setup.dtype, "device": setup.device, "backend": setup.backend,
               "worker": setup.worker, "kv_cache": setup.kv_cache, "body": setup.body, "shards": model.shards,
-              "calibration.digest": setup.calibration_digest, "mode": audit.mode, "reference": model.top.row.reference,
-              "calibration.samples": setup.calibration_samples, "source_model_digest": setup.source_model_digest}
+              "calibration.digest": calibration.digest if calibration else None, "mode": audit.mode,
+              "reference": model.top.row.reference,
+              "calibration.samples": calibration.samples if calibration else None,
+              "source_model_digest": setup.source_model_digest}
     # the format's own facts: a GGUF's file type and bits per weight, a compressed-tensors scheme and whether
     # its activations were quantized, how method auto found the method
     params.update({f"format.{key}": value if isinstance(value, (str, int, float)) else str(value)
