@@ -173,3 +173,20 @@ def test_the_token_cache_keeps_the_recently_used_streams_within_its_size(tmp_pat
     corpus.cached_tokenize(texts[2], tokenizer)  # a third entry: the cache is over its size
     kept = set((tmp_path / "tokens").glob("*"))
     assert entries[0] in kept and entries[1] not in kept and len(kept) == 2
+
+
+@pytest.mark.parametrize("bos, max_tokens", [("window", None), ("stream", 50), ("none", None)])
+def test_a_cached_stream_reads_back_as_the_stream_it_was_made_from(tmp_path, monkeypatch, tokenizer, text, bos,
+                                                                 max_tokens):
+    """Each field of a token cache entry is read back into its own place (a prefix, bytes, words or BOS id read from
+    another field, or what it was made from, would change the figures of every audit that reads the cache)."""
+    from tasks.data.corpus import cached_tokenize
+
+    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path))
+    made = cached_tokenize(text, tokenizer, bos, max_tokens)
+    read = cached_tokenize(text, tokenizer, bos, max_tokens)
+    assert len(list((tmp_path / "tokens").glob("*.npz"))) == 1  # the second was read from the cache
+    assert read.ids.tolist() == made.ids.tolist() == tokenize(text, tokenizer, bos, max_tokens).ids.tolist()
+    assert (read.prefix, read.bos, read.n_bytes, read.n_words, read.text_digest, read.bos_id) == \
+        (made.prefix, made.bos, made.n_bytes, made.n_words, made.text_digest, made.bos_id)
+    assert read.n_bytes != read.n_words and read.prefix == ((tokenizer.bos_token_id,) if bos == "window" else ())

@@ -317,6 +317,27 @@ def test_a_transformers_fp8_checkpoint_on_cpu_is_refused_in_one_line():
     require("fp8", "cuda")
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gptqmodel_checkpoint_s_facts_are_its_settings_as_given(method):
+    """The settings the facts show, in their order, those the config gives; a tune's ``dynamic`` counted, with its
+    bits and group size in the label. Only the loaded model's config is read: it stands for the model."""
+    from types import SimpleNamespace
+
+    from tasks.models.formats import describe
+
+    def facts(settings: dict) -> dict:
+        model = SimpleNamespace(config=SimpleNamespace(quantization_config=settings))
+        return describe(VariantSpec(name="q", method=method), "q", model)
+
+    given = {"format": "gemm", "quant_method": method, "desc_act": False, "group_size": 128, "sym": True, "bits": 4}
+    assert list(facts(given).items()) == [("bits", 4), ("group_size", 128), ("sym", True), ("desc_act", False),
+                                          ("format", "gemm")]
+    tuned = facts({"bits": 3, "group_size": 32, "dynamic": {"-:lm_head": {}, "+:.*mlp.*": {"bits": 8}}})
+    assert list(tuned.items()) == [("bits", 3), ("group_size", 32), ("module_overrides", 2),
+                                   ("label", f"{method} 3-bit g32 tuned")]
+    assert facts({"group_size": 64, "dynamic": {}}) == {"group_size": 64} and facts({}) == {}
+
+
 @pytest.fixture(scope="module")
 def compressed(trained_model_dir, tmp_path_factory) -> dict[str, Path]:
     """W4A16 (pack-quantized: 4 bits in 32-bit words) and W8A8 (int-quantized: int8) checkpoints."""

@@ -21,6 +21,7 @@ from tasks.core import console, sealed
 from tasks.core.errors import InputError, one_line
 from tasks.core.files import prune
 from tasks.core.places import embedded_corpus_name
+from tasks.data.stream_said import Encoding, MadeFrom, StreamEntry, TokenizerJson, load_tokens, save_tokens
 from tasks.engine.settings import BOS_POLICIES, BosPolicy
 from tasks.engine.stream import TokenStream
 
@@ -153,8 +154,8 @@ def corpus_text(spec: CorpusConfig) -> str:
 
 
 def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return encoding["input_ids"], encoding["offset_mapping"]
+    encoding = Encoding.of_call(tokenizer(text, add_special_tokens=False, return_offsets_mapping=True))
+    return encoding.ids, encoding.offsets
 
 
 def _encode_chunked(tokenizer, text: str, chunk_chars: int, lookahead: int, advance=None):
@@ -205,10 +206,9 @@ def tokenizer_digest(tokenizer) -> str:
     if isinstance(getattr(tokenizer, "digest", None), str):
         return tokenizer.digest
     if getattr(tokenizer, "is_fast", False):
-        state = json.loads(tokenizer.backend_tokenizer.to_str())
-        model = state.get("model", {})
-        canonical = {"vocab": model.get("vocab"), "merges": model.get("merges"),
-                     "added": [(t["id"], t["content"], t["special"]) for t in state.get("added_tokens", [])]}
+        state = TokenizerJson.of_json(json.loads(tokenizer.backend_tokenizer.to_str()))
+        canonical = {"vocab": state.vocab, "merges": state.merges,
+                     "added": [(t.id, t.content, t.special) for t in state.added]}
     else:
         canonical = {"vocab": sorted(tokenizer.get_vocab().items()), "special": tokenizer.all_special_tokens}
     return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
@@ -286,9 +286,9 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
     from tasks.core.places import cache_dir
 
     bos = bos or default_bos(tokenizer)
-    text_digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    made_from = {"text": text_digest, "tokenizer": tokenizer_digest(tokenizer), "bos": bos, "max_tokens": max_tokens}
-    key = hashlib.sha256(json.dumps(list(made_from.values())).encode()).hexdigest()
+    made_from = MadeFrom(text=hashlib.sha256(text.encode("utf-8")).hexdigest(), tokenizer=tokenizer_digest(tokenizer),
+                         bos=bos, max_tokens=max_tokens)
+    key = hashlib.sha256(json.dumps(list(made_from.as_record().values())).encode()).hexdigest()
     file = cache_dir() / "tokens" / f"{key}.npz"
     if file.is_file():
         found, problem = _read_tokens(file, made_from)
@@ -299,30 +299,30 @@ def cached_tokenize(text: str, tokenizer, bos: BosPolicy | None = None, max_toke
     stream = tokenize(text, tokenizer, bos, max_tokens, progress)
     file.parent.mkdir(parents=True, exist_ok=True)
     ids = stream.ids.numpy().astype(np.int32)
-    meta = sealed.seal(made_from | {"ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "prefix": list(stream.prefix),
-                                    "n_bytes": stream.n_bytes, "n_words": stream.n_words, "bos_id": stream.bos_id})
+    entry = StreamEntry(ids_sha256=hashlib.sha256(ids.tobytes()).hexdigest(), prefix=stream.prefix,
+                        n_bytes=stream.n_bytes, n_words=stream.n_words, bos_id=stream.bos_id)
     partial = file.with_suffix(f".{os.getpid()}.tmp.npz")
-    np.savez(partial, ids=ids, meta=json.dumps(meta))
+    save_tokens(partial, ids, sealed.seal(entry.as_record(made_from)))
     partial.rename(file)
     prune(file.parent, TOKEN_CACHE_BYTES)
     return stream
 
 
-def _read_tokens(file: Path, made_from: dict) -> tuple[TokenStream | None, str]:
+def _read_tokens(file: Path, made_from: MadeFrom) -> tuple[TokenStream | None, str]:
     """The stream a token cache file holds, when it was made from ``made_from`` and its ids are those written; else
     None and what is wrong. Costs a sha256 of its ids (4 bytes a token)."""
     import numpy as np
 
     try:
-        with np.load(file) as saved:
-            meta, ids = json.loads(str(saved["meta"])), saved["ids"]
+        meta, ids = load_tokens(file)
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         return None, f"it cannot be read ({type(error).__name__})"
-    problem = sealed.damage(meta, "its entry", made_from)
-    if problem is None and hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest() != meta["ids_sha256"]:
-        problem = "its token ids are not those written (their sha256 differs)"
+    problem = sealed.damage(meta, "its entry", made_from.as_record())
     if problem:
         return None, problem
-    return TokenStream(ids=torch.from_numpy(ids.astype(np.int64)), prefix=tuple(meta["prefix"]), bos=made_from["bos"],
-                       n_bytes=meta["n_bytes"], n_words=meta["n_words"], text_digest=made_from["text"],
-                       bos_id=meta["bos_id"]), ""
+    entry = StreamEntry.of_json(meta)  # sealed as written, from what this stream is made from
+    if hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest() != entry.ids_sha256:
+        return None, "its token ids are not those written (their sha256 differs)"
+    return TokenStream(ids=torch.from_numpy(ids.astype(np.int64)), prefix=entry.prefix, bos=made_from.bos,
+                       n_bytes=entry.n_bytes, n_words=entry.n_words, text_digest=made_from.text,
+                       bos_id=entry.bos_id), ""

@@ -16,6 +16,7 @@ from tasks.config import VariantSpec
 from tasks.core.errors import InputError
 from tasks.methods.registry import method_of
 from tasks.engine.model_facts import input_device
+from tasks.models.formats_said import CompressedConfig, ConfigRefusal, FormatLabel, GptqConfig, HqqMeta, QuantArgs
 from tasks.models.gguf import gguf_facts
 from tasks.models.resolve import Located
 
@@ -160,22 +161,21 @@ def _settings(model) -> dict | None:
 def _gguf_described(spec: VariantSpec, source: str, model) -> dict:
     facts = gguf_facts(Path(source))
     if spec.tensor_types:  # a recipe's: some tensors in other types than the file type's (``ppl-audit tune``)
-        facts |= {"tensor_overrides": len(spec.tensor_types), "label": f"{facts['label']} tuned"}
+        facts |= {"tensor_overrides": len(spec.tensor_types), "label": f"{FormatLabel.of_facts(facts).label} tuned"}
     return facts
 
 
 def _hqq_described(spec: VariantSpec, source: str, model) -> dict:
     from hqq.core.quantize import HQQLinear
 
-    meta = next(m.meta for m in model.modules() if isinstance(m, HQQLinear))
-    return {"bits": meta["nbits"], "group_size": meta["group_size"], "axis": meta["axis"],
-            "packing": meta["packing"], "backend": HQQLinear.backend.name,
-            "label": f"hqq {meta['nbits']}-bit g{meta['group_size']}"}
+    meta = HqqMeta.of_json(next(m.meta for m in model.modules() if isinstance(m, HQQLinear)))
+    return {"bits": meta.nbits, "group_size": meta.group_size, "axis": meta.axis, "packing": meta.packing,
+            "backend": HQQLinear.backend.name, "label": f"hqq {meta.nbits}-bit g{meta.group_size}"}
 
 
 def _compressed_described(spec: VariantSpec, source: str, model) -> dict:
     settings = _settings(model)
-    return compressed_facts(settings, model) if settings else {}
+    return compressed_facts(CompressedConfig.of_json(settings), model) if settings else {}
 
 
 def _gptqmodel_described(spec: VariantSpec, source: str, model) -> dict:
@@ -183,10 +183,11 @@ def _gptqmodel_described(spec: VariantSpec, source: str, model) -> dict:
     settings = _settings(model)
     if not settings:
         return {}
-    facts = {key: settings[key] for key in ("bits", "group_size", "sym", "desc_act", "format") if key in settings}
-    if settings.get("dynamic"):  # a recipe's: some modules at other bits or group sizes (``ppl-audit tune``)
-        facts |= {"module_overrides": len(settings["dynamic"]),
-                  "label": f"{spec.method} {facts.get('bits')}-bit g{facts.get('group_size')} tuned"}
+    config = GptqConfig.of_json(settings)
+    facts = dict(config.shown)
+    if config.overrides:  # a recipe's: some modules at other bits or group sizes (``ppl-audit tune``)
+        facts |= {"module_overrides": config.overrides,
+                  "label": f"{spec.method} {config.bits}-bit g{config.group_size} tuned"}
     return facts
 
 
@@ -207,10 +208,10 @@ def _compressed_folder(model: Located) -> None:
         check_compressed(model)
 
 
-def _args_text(args: dict) -> str:
+def _args_text(args: QuantArgs) -> str:
     """One quantization's numbers as text: ``int4 g32``, ``int8 per channel``, ``float8 per token, dynamic``."""
-    grouping = f"g{args['group_size']}" if args.get("group_size") else f"per {args.get('strategy')}"
-    return f"{args.get('type')}{args.get('num_bits')} {grouping}" + (", dynamic" if args.get("dynamic") else "")
+    grouping = f"g{args.group_size}" if args.group_size else f"per {args.strategy}"
+    return f"{args.type}{args.num_bits} {grouping}" + (", dynamic" if args.dynamic else "")
 
 
 def check_compressed(model: Located) -> None:
@@ -226,18 +227,19 @@ def check_compressed(model: Located) -> None:
     try:
         QuantizationConfig.model_validate(settings)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if "function-after" not in str(part))
-        raise InputError(f"{source}: quantization_config.{where}: {first['msg'].removeprefix('Value error, ')}; "
+        refused = ConfigRefusal.of_error(error)
+        where = ".".join(str(part) for part in refused.loc if "function-after" not in str(part))
+        raise InputError(f"{source}: quantization_config.{where}: {refused.msg.removeprefix('Value error, ')}; "
                          "it is not a config compressed-tensors reads") from None
-    if not settings.get("config_groups"):
+    config = CompressedConfig.of_json(settings)
+    if not config.grouped:
         raise InputError(f"{source}: quantization_config has no config_groups: nothing in it is quantized")
     formats = [f.value for f in CompressionFormat]
-    if settings.get("format") not in formats:
-        raise InputError(f"{source}: quantization_config.format '{settings.get('format')}' is not a compressed-tensors "
+    if config.format not in formats:
+        raise InputError(f"{source}: quantization_config.format '{config.format}' is not a compressed-tensors "
                          f"format ({', '.join(formats)})")
-    claimed = max(g["weights"]["num_bits"] for g in settings["config_groups"].values() if g.get("weights"))
-    stored = _stored_bits(Path(source), settings["format"])
+    claimed = max(weights.num_bits for weights in config.weights)
+    stored = _stored_bits(Path(source), config.format)
     if stored is not None and stored > claimed:
         raise InputError(f"{source}: its config claims {claimed}-bit weights, but its tensors hold {stored}-bit ones; "
                          "fix the checkpoint's quantization_config")
@@ -264,21 +266,19 @@ def _stored_bits(folder: Path, format_: str) -> int | None:
     return None
 
 
-def compressed_facts(settings: dict, model) -> dict:
+def compressed_facts(config: CompressedConfig, model) -> dict:
     """A compressed-tensors checkpoint's scheme and whether its activation quantization runs here: on CPU
     transformers decompresses the weights and each layer fake-quantizes its inputs in its forward, so a
     W8A8 figure is a W8A8 one; a model loaded dequantized would be weight-only, and the label says so."""
-    groups = list((settings.get("config_groups") or {}).values())
-    weights = [g["weights"] for g in groups if g.get("weights")]
-    inputs = [g["input_activations"] for g in groups if g.get("input_activations")]
+    weights, inputs = config.weights, config.inputs
     applied = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None
                and m.quantization_scheme.input_activations is not None and "forward" in vars(m)
                and getattr(m, "quantization_enabled", True)]  # the checks compressed-tensors' quantized_forward makes
-    scheme = f"W{weights[0]['num_bits'] if weights else 16}A{inputs[0]['num_bits'] if inputs else 16}"
-    if any(args.get("type") == "float" for args in weights + inputs):
-        scheme += "-FP8" if weights and weights[0]["num_bits"] == 8 else "-FP"
+    scheme = f"W{weights[0].num_bits if weights else 16}A{inputs[0].num_bits if inputs else 16}"
+    if any(args.type == "float" for args in weights + inputs):
+        scheme += "-FP8" if weights and weights[0].num_bits == 8 else "-FP"
     elif inputs:
-        scheme += "-INT8" if inputs[0]["num_bits"] == 8 else ""
+        scheme += "-INT8" if inputs[0].num_bits == 8 else ""
     if not inputs:
         state = "none: a weight-only scheme"
     elif applied:
@@ -287,9 +287,9 @@ def compressed_facts(settings: dict, model) -> dict:
     else:
         state = "NOT applied: this figure is weight-only"
     label = f"ct {scheme}" + (" W-only" if inputs and not applied else "")
-    return {"scheme": scheme, "format": settings.get("format"), "weights": [_args_text(a) for a in weights],
+    return {"scheme": scheme, "format": config.format, "weights": [_args_text(a) for a in weights],
             "activations": [_args_text(a) for a in inputs], "activation_quantization": state,
-            "ignored": settings.get("ignore") or [], "label": label}
+            "ignored": config.ignore or [], "label": label}
 
 
 # What each method needs of torch and its package, by the method's name (its descriptor, tasks.methods, says the rest):
