@@ -8,7 +8,7 @@ import pytest
 from helpers import typed
 
 from tasks.config import Thresholds
-from tasks.record.verdict import format_table, judge_row as judge_typed, overall
+from tasks.record.verdict import Verdict, format_table, judge_row as judge_typed, overall
 
 
 def row(delta=0.5, low=0.2, high=0.8, kld=0.01, kld_high=0.012, top1=0.97, top1_low=0.96, **extra):
@@ -139,3 +139,47 @@ def test_table_keeps_figures_apart_and_says_how_many_windows():
     assert cells[:6] == ["a-variant-with-a-long-name", "compressed-tensors", "9829.4174", "15894.1041", "+130.73",
                          "[+nan,+nan]"] and cells[6] == "1"
     assert len({len(lines[0]), len(lines[1])}) == 1
+
+
+def test_the_lines_of_a_drift_and_of_llama_cpp_say_each_field_where_it_belongs():
+    """Each field read to its own place: distinct values, so that one read for another shows."""
+    from tasks.record.verdict import drift_text, llama_cpp_text
+
+    drift = {"reference": "r0", "max_abs_delta_nll": 0.0123, "mean_abs_delta_nll": 0.0004, "delta_ppl_pct": 0.567,
+             "changed": {"torch": "2.1 → 2.2"}, "drift": True}
+    said = ("environment drift: the baseline's NLL moved by up to 0.0123 nats a token (ΔPPL +0.5670%) since "
+            "reference r0 (torch 2.1 → 2.2)")
+    assert drift_text(drift) == said
+    assert overall(typed(OK), [Verdict("q", "pass", "")]).reason == "all 1 variant(s) passed"
+    assert overall(typed(OK), [Verdict("q", "pass", "")], drift).reason == f"{said}; all 1 variant(s) passed"
+    assert drift_text(drift | {"drift": False, "changed": {}}).startswith("no drift: ")
+    assert overall(typed(OK), [Verdict("q", "pass", "")], drift | {"drift": False}).reason == "all 1 variant(s) passed"
+    ran = {"threads": 3, "batch": 64, "type_k": "q8_0", "type_v": "f16", "flash_attn": "on", "gpu_layers": 5,
+           "n_ctx": 256, "n_batch": 64, "n_ubatch": 32, "flash_attn_asked": "auto", "gpu_layers_asked": 7}
+    assert llama_cpp_text(ran) == ("flash attention on (asked: auto), K/V cache q8_0/f16, n_ctx 256, batch 64/32, "
+                                   "3 threads, 5 layers on a GPU (7 asked: this build cannot offload)")
+    asked = {"threads": "default", "batch": 64, "type_k": "f16", "type_v": "q4_0", "flash_attn": "auto", "gpu_layers": 0}
+    assert llama_cpp_text(asked) == "flash attention auto, K/V cache f16/q4_0, default threads"
+
+
+def test_the_lines_under_a_table_say_each_field_where_it_belongs():
+    """The population, the runtime's cost and the stream llama.cpp tokenized, each field to its own place."""
+    from tasks.record.population import population_line
+    from tasks.record.runtime_cost import runtime_cost_lines, stream_line
+
+    found = {"digest": "d" * 16, "tokenizer": "t" * 64, "tokenized_by": "transformers", "text": "x" * 64,
+             "stream": "s" * 64, "mode": "sliding", "window": 256, "stride": 128, "bos": "stream", "max_tokens": None,
+             "chunks": None, "tokens": 1024}
+    assert population_line(found) == (f"token population {'d' * 16}: 1,024 tokens of text {'x' * 12}, tokenizer "
+                                      f"{'t' * 12} (transformers), window 256, stride 128, BOS stream, max_tokens all")
+    assert population_line(found | {"mode": "chunks", "max_tokens": 2048}).endswith(
+        "window 256 (chunks chunks), BOS stream, max_tokens 2048")
+    cost = {"served": "q4 served", "weights": "q4 weights", "file": "m.gguf", "delta_ppl_pct": 1.5,
+            "delta_ppl_pct_low": 0.25, "delta_ppl_pct_high": 2.75, "windows": 9}
+    assert runtime_cost_lines([cost]) == [
+        "runtime cost: q4 served (llama.cpp) against q4 weights (the same file dequantized in transformers): "
+        "ΔPPL +1.50% [+0.25, +2.75] over 9 windows"]
+    differ = {"transformers_tokens": 1000, "llama_cpp_tokens": 1002, "first_difference": 17}
+    assert stream_line(differ) == ["tokens: llama.cpp's tokenizer of the served file gives 1,002 tokens where "
+                                   "transformers' gives 1,000, first different at token 17; every model scored "
+                                   "llama.cpp's stream"] and stream_line(None) == []

@@ -393,7 +393,7 @@ def test_a_variant_shard_reads_the_baseline_s_slices_as_the_joined_reference_and
 def test_the_record_says_the_baseline_s_reference_in_the_dict_it_always_held(tiny_model_dir, text, references):
     """``ReferenceSaid.as_record``: a spooled record is replayed long after (``ppl-audit sync``), so the typed value
     is written as the dict the audit wrote before it was typed: the same keys, in the same order, none added."""
-    from tasks.record.reference_said import ReferenceSaid
+    from tasks.record.reference_said import Drift, ReferenceSaid
 
     scored = score_baseline(tiny_model_dir, text).reference.as_record()
     reused = score_baseline(tiny_model_dir, text).reference.as_record()
@@ -401,6 +401,8 @@ def test_the_record_says_the_baseline_s_reference_in_the_dict_it_always_held(tin
     assert list(scored) == ["baseline_key", "baseline", "key", "path"] and scored["baseline"] == "scored"
     assert reused == scored | {"baseline": "reused"} and list(reused) == list(scored)
     assert list(rescored) == ["baseline_key", "baseline", "key", "drift", "path"] and not rescored["drift"]["drift"]
+    # the drift read as ``Drift`` is written back key for key, each to its own field
+    assert list(Drift.of_record(rescored["drift"]).as_record().items()) == list(rescored["drift"].items())
     assert json.loads(json.dumps(rescored)) == rescored  # plain data: what the spool writes is what it reads
     unkept = ReferenceSaid(baseline="scored", problem="not on this machine").as_record()
     assert list(unkept.items()) == [("baseline", "scored"), ("key", None), ("problem", "not on this machine")]

@@ -24,7 +24,8 @@ from tasks.record.serial import SCHEMA
 
 if TYPE_CHECKING:
     from tasks.engine.perplexity import PerplexityResult
-    from tasks.record.result import DomainResult
+    from tasks.record.result import DomainResult, Findings
+    from tasks.record.row import ModelRow
 
 # a variant's per-token divergence from the baseline (``tasks.engine.perplexity.token_stats``), kept beside its NLL
 TOKEN_COLUMNS = ("kl", "kl_reverse", "top1", "base_top", "top", "base_top_p", "base_right", "kl_llama")
@@ -78,32 +79,10 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, judg
                  started: Started) -> dict:
     """A domain's record, as its one-corpus audit's: everything it computed but the per-token arrays
     (``token_arrays``)."""
-    where, diagnoses = judged.findings.where, judged.findings.diagnoses
     created = datetime.now(timezone.utc)
     verdicts = {v.name: v.as_record() for v in judged.verdicts}
-    variants = []
-    for outcome, row in zip(judged.results, judged.rows):
-        spec = config.baseline if outcome.name == config.baseline.name else next(
-            v for v in config.variants if v.name == outcome.name)
-        entry = {"name": outcome.name, "role": "baseline" if spec is config.baseline else "variant",
-                 "spec": spec.model_dump(mode="json"), "status": outcome.status, "reason": outcome.reason,
-                 "row": row.as_record(), "verdict": verdicts.get(outcome.name), "manifest": outcome.manifest,
-                 "result": outcome.result.summary() if outcome.result else None,
-                 "facts": outcome.facts.summary() if outcome.facts else None,
-                 "started": outcome.started, "ended": outcome.ended}
-        if arrays_file(outcome):
-            entry["arrays"] = arrays_file(outcome)
-        if outcome.shards:  # where each slice of its windows ran, and any try that failed before
-            entry["shards"] = list(outcome.shards)
-        if outcome.sequential:  # the order's seed, how much was scored, the bounds at a stop
-            entry["sequential"] = outcome.sequential.as_record()
-        if outcome.name in where:
-            entry["where"] = where[outcome.name]
-        if outcome.name in diagnoses:
-            entry["diagnosis"] = diagnoses[outcome.name]
-        if entry["role"] == "baseline":  # the record's dict of it, as it has always been written
-            entry["reference"] = outcome.reference.as_record() if outcome.reference else {}
-        variants.append(entry)
+    variants = [_entry(config, outcome, row, verdicts.get(outcome.name), judged.findings)
+                for outcome, row in zip(judged.results, judged.rows)]
     stream = scored.stream
     return {
         "schema": SCHEMA, "audit_id": uuid.uuid4().hex, "name": config.name, "started": started.at.isoformat(),
@@ -126,6 +105,29 @@ def audit_record(config: AuditConfig, config_path: str, scored: Evaluation, judg
         "runtime_costs": list(judged.runtime_costs), "tokens_differ": judged.tokens_differ,
         "floor": [{"name": row.variant, "dtype": row.floor_of, "row": row.as_record()} for row in judged.floor],
     }
+
+
+def _entry(config: AuditConfig, outcome: VariantResult, row: ModelRow, verdict: dict | None,
+           findings: Findings) -> dict:
+    """A model's entry of the record, its keys in the order records have always held them: those every entry has,
+    then those only some have."""
+    baseline = outcome.name == config.baseline.name
+    spec = config.baseline if baseline else next(v for v in config.variants if v.name == outcome.name)
+    arrays = arrays_file(outcome)
+    return ({"name": outcome.name, "role": "baseline" if baseline else "variant", "spec": spec.model_dump(mode="json"),
+             "status": outcome.status, "reason": outcome.reason, "row": row.as_record(), "verdict": verdict,
+             "manifest": outcome.manifest, "result": outcome.result.summary() if outcome.result else None,
+             "facts": outcome.facts.summary() if outcome.facts else None, "started": outcome.started,
+             "ended": outcome.ended}
+            | ({"arrays": arrays} if arrays else {})
+            # where each slice of its windows ran, and any try that failed before
+            | ({"shards": list(outcome.shards)} if outcome.shards else {})
+            # the order's seed, how much was scored, the bounds at a stop
+            | ({"sequential": outcome.sequential.as_record()} if outcome.sequential else {})
+            | ({"where": findings.where[outcome.name]} if outcome.name in findings.where else {})
+            | ({"diagnosis": findings.diagnoses[outcome.name]} if outcome.name in findings.diagnoses else {})
+            # the record's dict of the baseline's reference, as it has always been written
+            | ({"reference": outcome.reference.as_record() if outcome.reference else {}} if baseline else {}))
 
 
 def token_arrays(results: list[VariantResult]) -> dict[str, pa.Table]:

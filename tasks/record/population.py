@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from tasks.record.reference_said import Population
+
 
 def population_line(found: dict) -> str:
     """One line naming the population under a table."""
-    stride = f", stride {found['stride']}" if found["mode"] == "sliding" else f" ({found['mode']} chunks)"
-    return (f"token population {found['digest']}: {found['tokens']:,} tokens of text {found['text'][:12]}, "
-            f"tokenizer {str(found['tokenizer'])[:12]} ({found['tokenized_by']}), window {found['window']}{stride}, "
-            f"BOS {found['bos']}, max_tokens {found['max_tokens'] or 'all'}")
+    said = Population.of_record(found)
+    stride = f", stride {said.stride}" if said.mode == "sliding" else f" ({said.mode} chunks)"
+    return (f"token population {said.digest}: {said.tokens:,} tokens of text {said.text[:12]}, "
+            f"tokenizer {str(said.tokenizer)[:12]} ({said.tokenized_by}), window {said.window}{stride}, "
+            f"BOS {said.bos}, max_tokens {said.max_tokens or 'all'}")

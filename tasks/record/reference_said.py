@@ -1,5 +1,7 @@
-"""What an audit says of the baseline's stored reference (``ReferenceSaid``) and of what a variant's divergence was
-measured against (``Divergence``): typed values while the audit runs, the record's plain dict at its boundary."""
+"""What an audit says of the baseline's stored reference (``ReferenceSaid``, a rescore's ``Drift`` from it) and of what
+a variant's divergence was measured against (``Divergence``): typed values while the audit runs, the record's plain dict
+at its boundary. Beside them, the typed reads of the dicts the lines under a table say: the tokens scored
+(``Population``, ``StreamDifference``) and what llama.cpp ran a variant with (``LlamaCppRan``)."""
 
 from __future__ import annotations
 
@@ -54,3 +56,89 @@ class Divergence:
     @classmethod
     def missing(cls, why: str) -> Divergence:
         return cls(absent=why)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How a rescored baseline's numbers differ from the reference stored before it (``tasks.audit.reference.drift``):
+    that reference's key, the largest and the mean change of a token's NLL, the change of PPL, the environment entries
+    that differ (``then → now``) and whether it is beyond float noise (``drift``)."""
+
+    reference: str
+    max_abs_delta_nll: float
+    mean_abs_delta_nll: float
+    delta_ppl_pct: float
+    changed: dict[str, str]
+    drift: bool
+
+    @classmethod
+    def of_record(cls, said: dict) -> Drift:
+        return cls(said["reference"], said["max_abs_delta_nll"], said["mean_abs_delta_nll"], said["delta_ppl_pct"],
+                   said["changed"], said["drift"])
+
+    def as_record(self) -> dict:
+        """The record's dict of it, key for key in the order ``tasks.audit.reference.drift`` has always written."""
+        return {"reference": self.reference, "max_abs_delta_nll": self.max_abs_delta_nll,
+                "mean_abs_delta_nll": self.mean_abs_delta_nll, "delta_ppl_pct": self.delta_ppl_pct,
+                "changed": self.changed, "drift": self.drift}
+
+
+@dataclass(frozen=True)
+class Population:
+    """The tokens the baseline and every variant were scored on, named (``tasks.audit.population``): its ``digest``
+    and what it digests (the record's dict also holds the scored ``stream``'s digest and ``chunks``, which no line
+    says)."""
+
+    digest: str
+    tokens: int
+    text: str
+    tokenizer: str | None
+    tokenized_by: str
+    mode: str
+    window: int
+    stride: int
+    bos: str
+    max_tokens: int | None
+
+    @classmethod
+    def of_record(cls, said: dict) -> Population:
+        return cls(said["digest"], said["tokens"], said["text"], said["tokenizer"], said["tokenized_by"], said["mode"],
+                   said["window"], said["stride"], said["bos"], said["max_tokens"])
+
+
+@dataclass(frozen=True)
+class StreamDifference:
+    """Where llama.cpp's tokenizer of a served file parts from transformers' on the corpus (``tasks.audit.plan``):
+    each one's count of tokens, and the first token that differs."""
+
+    llama_cpp_tokens: int
+    transformers_tokens: int
+    first_difference: int
+
+    @classmethod
+    def of_record(cls, said: dict) -> StreamDifference:
+        return cls(said["llama_cpp_tokens"], said["transformers_tokens"], said["first_difference"])
+
+
+@dataclass(frozen=True)
+class LlamaCppRan:
+    """What llama.cpp ran a variant with (``tasks.models.llama_cpp.described``): flash attention, the key/value cache
+    types, threads and the layers on a GPU; the context's sizes where what ran was kept (None: a record of before,
+    which kept the settings as asked), and what was asked where it ran otherwise (None where it ran as asked)."""
+
+    flash_attn: str
+    type_k: str
+    type_v: str
+    threads: int | str
+    gpu_layers: int
+    n_ctx: int | None = None
+    n_batch: int | None = None
+    n_ubatch: int | None = None
+    flash_attn_asked: str | None = None
+    gpu_layers_asked: int | None = None
+
+    @classmethod
+    def of_record(cls, said: dict) -> LlamaCppRan:
+        return cls(said["flash_attn"], said["type_k"], said["type_v"], said["threads"], said["gpu_layers"],
+                   said.get("n_ctx"), said.get("n_batch"), said.get("n_ubatch"), said.get("flash_attn_asked"),
+                   said.get("gpu_layers_asked"))

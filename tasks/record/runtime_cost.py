@@ -5,7 +5,9 @@ tokens, so their difference is measured paired, with its interval, as a variant'
 from __future__ import annotations
 
 from tasks.engine.paired import paired_difference
+from tasks.record.reference_said import StreamDifference
 from tasks.record.results import VariantResult
+from tasks.record.row import Change
 
 
 def runtime_costs(variants: list[VariantResult]) -> list[dict]:
@@ -29,9 +31,14 @@ def runtime_costs(variants: list[VariantResult]) -> list[dict]:
 
 def runtime_cost_lines(costs: list[dict]) -> list[str]:
     """One line per cost, as the console and the report say it."""
-    return [f"runtime cost: {c['served']} (llama.cpp) against {c['weights']} (the same file dequantized in "
-            f"transformers): ΔPPL {c['delta_ppl_pct']:+.2f}% [{c['delta_ppl_pct_low']:+.2f}, "
-            f"{c['delta_ppl_pct_high']:+.2f}] over {c['windows']} windows" for c in costs]
+    return [_cost_line(c["served"], c["weights"], Change.of_flat(c)) for c in costs]
+
+
+def _cost_line(served: str, weights: str, change: Change) -> str:
+    """The served row's paired change against the weights' (``paired_difference``'s figures, as a row's)."""
+    pct = change.delta_ppl_pct
+    return (f"runtime cost: {served} (llama.cpp) against {weights} (the same file dequantized in transformers): "
+            f"ΔPPL {pct.value:+.2f}% [{pct.low:+.2f}, {pct.high:+.2f}] over {change.windows} windows")
 
 
 def stream_line(differ: dict | None) -> list[str]:
@@ -39,6 +46,7 @@ def stream_line(differ: dict | None) -> list[str]:
     they agree)."""
     if not differ:
         return []
-    return [f"tokens: llama.cpp's tokenizer of the served file gives {differ['llama_cpp_tokens']:,} tokens where "
-            f"transformers' gives {differ['transformers_tokens']:,}, first different at token "
-            f"{differ['first_difference']:,}; every model scored llama.cpp's stream"]
+    said = StreamDifference.of_record(differ)
+    return [f"tokens: llama.cpp's tokenizer of the served file gives {said.llama_cpp_tokens:,} tokens where "
+            f"transformers' gives {said.transformers_tokens:,}, first different at token "
+            f"{said.first_difference:,}; every model scored llama.cpp's stream"]

@@ -11,7 +11,7 @@ from tasks.config import Gate, Thresholds
 from tasks.engine.paired import MIN_WINDOWS, divergence_summary, paired_difference, token_slots
 from tasks.record.figures import GATED, Gated, kl_text
 from tasks.record.floor import floor_text
-from tasks.record.reference_said import Divergence, ReferenceSaid
+from tasks.record.reference_said import Divergence, Drift, LlamaCppRan, ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.row import BaselineSaid, Change, Divergences, Interval, OwnFigures, ModelRow, Spread
 from tasks.record.sequential_said import SequentialSaid
@@ -72,10 +72,10 @@ def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int)
 
 
 def _baseline_row(row: ModelRow, said: ReferenceSaid) -> ModelRow:
-    drift = said.drift or {}
+    drift = Drift.of_record(said.drift) if said.drift else None
     return replace(row, reference=said.key, said=BaselineSaid(
-        said.baseline, tuple(said.removed), ("environment drift" if drift["drift"] else "none") if drift else None,
-        drift.get("reference")))
+        said.baseline, tuple(said.removed), ("environment drift" if drift.drift else "none") if drift else None,
+        drift.reference if drift else None))
 
 
 def _against(row: ModelRow, outcome: VariantResult, base: PerplexityResult) -> ModelRow:
@@ -91,8 +91,8 @@ def _against(row: ModelRow, outcome: VariantResult, base: PerplexityResult) -> M
         flat |= paired_difference(base_nll, r.token_nll, r.window_tokens)
         row = replace(row, divergence_absent=said.absent)
         if "kl" in r.extra:
-            flat |= divergence_summary(r.extra, base_nll, r.token_nll, r.window_tokens)
-            flat["divergence_mib"] = said.memory_bytes / 2**20
+            flat |= (divergence_summary(r.extra, base_nll, r.token_nll, r.window_tokens)
+                     | {"divergence_mib": said.memory_bytes / 2**20})
             row = replace(row, reference=said.reference)
     row = replace(row, change=Change.of_flat(flat), divergences=Divergences.of_flat(flat))
     return _sequential_figures(row, outcome.sequential, base.ppl) if outcome.sequential else row
@@ -190,10 +190,11 @@ def judge_row(row: ModelRow, thresholds: Thresholds) -> Verdict:
 
 def drift_text(drift: dict) -> str:
     """One line on a rescored baseline against its stored reference (``tasks.audit.reference.drift``)."""
-    changed = ", ".join(f"{k} {v}" for k, v in drift["changed"].items()) or "same versions and device"
-    what = "environment drift" if drift["drift"] else "no drift"
-    return (f"{what}: the baseline's NLL moved by up to {drift['max_abs_delta_nll']:.3g} nats a token "
-            f"(ΔPPL {drift['delta_ppl_pct']:+.4f}%) since reference {drift['reference']} ({changed})")
+    said = Drift.of_record(drift)
+    changed = ", ".join(f"{k} {v}" for k, v in said.changed.items()) or "same versions and device"
+    what = "environment drift" if said.drift else "no drift"
+    return (f"{what}: the baseline's NLL moved by up to {said.max_abs_delta_nll:.3g} nats a token "
+            f"(ΔPPL {said.delta_ppl_pct:+.4f}%) since reference {said.reference} ({changed})")
 
 
 def overall(baseline_row: ModelRow, verdicts: list[Verdict], drift: dict | None = None, stopped: int = 0,
@@ -219,7 +220,7 @@ def overall(baseline_row: ModelRow, verdicts: list[Verdict], drift: dict | None 
     else:
         status = "fail" if any(v.status == "fail" for v in bad) else "error"
         verdict = Verdict("audit", status, "; ".join(f"{v.name}: {v.reason}" for v in bad))
-    if drift and drift["drift"]:
+    if drift and Drift.of_record(drift).drift:
         verdict = Verdict("audit", verdict.status, f"{drift_text(drift)}; {verdict.reason}")
     if front:
         verdict = Verdict("audit", verdict.status, f"{verdict.reason}; {FRONT}: {', '.join(front)}")
@@ -294,15 +295,15 @@ def llama_cpp_text(settings: dict) -> str:
     """What llama.cpp ran a model with (``tasks.models.llama_cpp.described``), in a line: ``flash attention on (asked:
     auto), K/V cache f16/f16, n_ctx 65, batch 65/65, 2 threads`` (a record from before what ran was kept: its
     settings as asked)."""
-    asked = f" (asked: {settings['flash_attn_asked']})" if "flash_attn_asked" in settings else ""
-    said = [f"flash attention {settings['flash_attn']}{asked}", f"K/V cache {settings['type_k']}/{settings['type_v']}"]
-    if "n_ctx" in settings:
-        said += [f"n_ctx {settings['n_ctx']}", f"batch {settings['n_batch']}/{settings['n_ubatch']}"]
-    said.append(f"{settings['threads']} threads")
-    if settings.get("gpu_layers") or settings.get("gpu_layers_asked"):
-        said.append(f"{settings['gpu_layers']} layers on a GPU" + (f" ({settings['gpu_layers_asked']} asked: this "
-                                                                 "build cannot offload)" if settings.get(
-                                                                     "gpu_layers_asked") else ""))
+    ran = LlamaCppRan.of_record(settings)
+    asked = f" (asked: {ran.flash_attn_asked})" if ran.flash_attn_asked is not None else ""
+    said = [f"flash attention {ran.flash_attn}{asked}", f"K/V cache {ran.type_k}/{ran.type_v}"]
+    if ran.n_ctx is not None:
+        said += [f"n_ctx {ran.n_ctx}", f"batch {ran.n_batch}/{ran.n_ubatch}"]
+    said.append(f"{ran.threads} threads")
+    if ran.gpu_layers or ran.gpu_layers_asked:
+        said.append(f"{ran.gpu_layers} layers on a GPU" + (f" ({ran.gpu_layers_asked} asked: this build cannot "
+                                                           "offload)" if ran.gpu_layers_asked else ""))
     return ", ".join(said)
 
 

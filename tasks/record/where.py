@@ -12,6 +12,7 @@ cannot be negative, is taken on the log scale (``positive_mean``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,26 @@ CONFIDENCE_EDGES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)  # of the baseline's to
 TOP_TOKENS = 20  # the tokens of largest KL listed
 INTERVAL = ("95%, Student's t with the error taken over windows (tokens of a window are not independent); KL's on "
             "the log scale")
+
+
+@dataclass(frozen=True)
+class TokenDivergence:
+    """A variant's per-token divergence from the baseline that ``where`` groups and ranks its tokens by
+    (``tasks.engine.perplexity.token_stats``): its KL, the baseline's top-1 probability, whether the baseline was
+    right, and the baseline's and the variant's top tokens; each aligned with the variant's NLL."""
+
+    kl: np.ndarray
+    base_top_p: np.ndarray
+    base_right: np.ndarray
+    base_top: np.ndarray
+    top: np.ndarray
+
+    @classmethod
+    def of_extra(cls, extra: dict[str, np.ndarray]) -> TokenDivergence | None:
+        """Read from a result's per-token arrays (``extra``); None without KL (divergence off)."""
+        if "kl" not in extra:
+            return None
+        return cls(extra["kl"], extra["base_top_p"], extra["base_right"], extra["base_top"], extra["top"])
 
 
 def position_edges(window: int) -> np.ndarray:
@@ -57,13 +78,13 @@ def _binned(figures: dict[str, np.ndarray], windows: np.ndarray, values: np.ndar
             for i in range(len(edges) - 1)]
 
 
-def _top_tokens(extra: dict[str, np.ndarray], delta: np.ndarray, positions: np.ndarray, windows: np.ndarray,
+def _top_tokens(said: TokenDivergence, delta: np.ndarray, positions: np.ndarray, windows: np.ndarray,
                 targets: np.ndarray) -> list[dict]:
     """The ``TOP_TOKENS`` tokens of largest KL, largest first (the earlier token first among equals)."""
-    order = np.argsort(-extra["kl"], kind="stable")[:TOP_TOKENS]
-    return [{"token": int(i), "window": int(windows[i]), "position": int(positions[i]), "kl": float(extra["kl"][i]),
-             "delta_nll": float(delta[i]), "target": int(targets[i]), "base_top": int(extra["base_top"][i]),
-             "top": int(extra["top"][i])} for i in order]
+    order = np.argsort(-said.kl, kind="stable")[:TOP_TOKENS]
+    return [{"token": int(i), "window": int(windows[i]), "position": int(positions[i]), "kl": float(said.kl[i]),
+             "delta_nll": float(delta[i]), "target": int(targets[i]), "base_top": int(said.base_top[i]),
+             "top": int(said.top[i])} for i in order]
 
 
 def where_figures(base_nll: np.ndarray, nll: np.ndarray, extra: dict[str, np.ndarray], positions: np.ndarray,
@@ -89,17 +110,16 @@ def where_figures(base_nll: np.ndarray, nll: np.ndarray, extra: dict[str, np.nda
         ``delta_nll`` (mean variant NLL less the baseline's) and with KL ``kl``, each with ``_low``/``_high``.
     """
     delta = np.asarray(nll, np.float64) - np.asarray(base_nll, np.float64)
-    figures = {"delta_nll": delta}
-    if "kl" in extra:
-        figures["kl"] = np.asarray(extra["kl"], np.float64)
+    said = TokenDivergence.of_extra(extra)
+    figures = {"delta_nll": delta} | ({"kl": np.asarray(said.kl, np.float64)} if said is not None else {})
     every = np.ones(len(delta), bool)
     windows = np.asarray(windows)
     found = {"tokens": len(delta), "interval": INTERVAL, "all": _figures(figures, windows, every),
              "by_position": _binned(figures, windows, positions, position_edges(window))}
-    if "kl" in extra:
-        right = np.asarray(extra["base_right"], bool)
-        found |= {"by_confidence": _binned(figures, windows, extra["base_top_p"], np.asarray(CONFIDENCE_EDGES)),
+    if said is not None:
+        right = np.asarray(said.base_right, bool)
+        found |= {"by_confidence": _binned(figures, windows, said.base_top_p, np.asarray(CONFIDENCE_EDGES)),
                   "by_baseline": [{"baseline": "right"} | _figures(figures, windows, right),
                                   {"baseline": "wrong"} | _figures(figures, windows, ~right)],
-                  "top_kl": _top_tokens(extra, delta, positions, windows, targets)}
+                  "top_kl": _top_tokens(said, delta, positions, windows, targets)}
     return found
