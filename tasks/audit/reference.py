@@ -504,8 +504,8 @@ class Writer:
                 otherwise an existing one (built meanwhile by another audit) is kept and returned.
         """
         hidden, draft = self._closed(), Draft.of_json(manifest)
-        return _finish(self.staging, key, draft, hidden, lm_head(Path(draft.source), head, self.staging), result,
-                       self.targets, replace)
+        return _finish(self.staging, key, _Made(draft, hidden, lm_head(Path(draft.source), head, self.staging), result,
+                                                self.targets), replace)
 
     def seal(self, head_of: dict | None, out: Path) -> Path:
         """Finish a slice: its hidden states and what it holds (``SLICE``; ``head_of``: the first slice's
@@ -518,15 +518,28 @@ class Writer:
         return out
 
 
-def _finish(staging: Path, key: str, draft: Draft, hidden: Hidden, head: Head, result: PerplexityResult,
-            targets: torch.Tensor, replace: bool, known: dict[str, str] | None = None) -> Reference:
-    """Write the scores and the manifest beside ``staging``'s ``hidden`` states (and ``head``), and rename it into
-    place. ``known``: the sha256 of files already hashed as they were written (not read again)."""
+@dataclass(frozen=True)
+class _Made:
+    """What a reference holds once its hidden states are written, before it is put in place: its draft manifest, the
+    hidden states' shape, its LM head, the baseline's scores and every scored token's id (``targets``)."""
+
+    draft: Draft
+    hidden: Hidden
+    head: Head
+    result: PerplexityResult
+    targets: torch.Tensor
+
+
+def _finish(staging: Path, key: str, made: _Made, replace: bool, known: dict[str, str] | None = None) -> Reference:
+    """Write the scores and the manifest beside ``staging``'s hidden states (and head), and rename it into place.
+    ``known``: the sha256 of files already hashed as they were written (not read again)."""
+    result = made.result
     save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
-                window_tokens=result.window_tokens, targets=targets.numpy().astype(np.int32))
+                window_tokens=result.window_tokens, targets=made.targets.numpy().astype(np.int32))
     written = time.time()
     files = sealed.files_entry(staging, [f.name for f in staging.iterdir()], known)
-    write_atomically(staging / MANIFEST, Manifest.made(draft, key, written, result.summary(), hidden, head, files).text())
+    write_atomically(staging / MANIFEST, Manifest.made(made.draft, key, written, result.summary(), made.hidden,
+                                                       made.head, files).text())
     final = references_dir() / key
     if final.exists() and (replace or Reference.open(final) is None):  # a rescore, or one too damaged to open
         discard(final)
@@ -574,7 +587,7 @@ def assemble(slices: list[Path], staging: Path, key: str, manifest: dict, result
     if head.stored:
         shutil.copyfile(slices[0] / HEAD, staging / HEAD)
     draft = replace_field(Draft.of_json(manifest), softcap=abouts[0].softcap)
-    return _finish(staging, key, draft, Hidden(rows, width, dtype), head, result, targets, replace,
+    return _finish(staging, key, _Made(draft, Hidden(rows, width, dtype), head, result, targets), replace,
                    {HIDDEN: joined.hexdigest()})
 
 
