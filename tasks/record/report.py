@@ -394,7 +394,7 @@ def _value(figure: Interval | None) -> float | None:
 
 def delta_text(row: dict) -> str:
     """ΔPPL % of a flat row and its paired 95% interval (here, in the run's description and the history)."""
-    return _delta(Interval(row.get("delta_ppl_pct"), None, row.get("delta_ppl_pct_low"), row.get("delta_ppl_pct_high")))
+    return _delta(Interval.of_flat(row, "delta_ppl_pct"))
 
 
 def _delta(figure: Interval | None) -> str:

@@ -39,7 +39,9 @@ class Interval:
                     for end, number in zip(_ENDS, (self.value, self.stderr, self.low, self.high)) if number is not None)
 
     @classmethod
-    def _read(cls, flat: dict, name: str) -> Interval | None:
+    def of_flat(cls, flat: dict, name: str) -> Interval | None:
+        """The figure ``name`` of a flat row (``name``, ``name_stderr``, ``name_low``, ``name_high``); None where the row
+        does not hold it."""
         if name not in flat:
             return None
         return cls(*(flat.get(name if end == "value" else f"{name}_{end}") for end in _ENDS))
@@ -140,9 +142,9 @@ class Change:
         """The change a flat row holds (``paired_difference``'s figures over its points); None without one."""
         if "delta_ppl_pct" not in flat:
             return None
-        return cls(flat.get("delta_ppl", math.nan), Interval._read(flat, "ppl_ratio") or Interval(math.nan),
-                   Interval._read(flat, "delta_ppl_pct"),
-                   Interval._read(flat, "delta_nll"), flat.get("window_lnppl_correlation"), flat.get("windows"))
+        return cls(flat.get("delta_ppl", math.nan), Interval.of_flat(flat, "ppl_ratio") or Interval(math.nan),
+                   Interval.of_flat(flat, "delta_ppl_pct"),
+                   Interval.of_flat(flat, "delta_nll"), flat.get("window_lnppl_correlation"), flat.get("windows"))
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class Divergences:
         """The statistics a flat row holds (``divergence_summary``'s, and ``divergence_mib``); None without KL."""
         if "kld_mean" not in flat:
             return None
-        interval, spread = partial(Interval._read, flat), partial(Spread._read, flat)
+        interval, spread = partial(Interval.of_flat, flat), partial(Spread._read, flat)
         return cls(interval("kld_mean"), spread("kld"), interval("kld_reverse_mean"), spread("kld_reverse"),
                    interval("top1_agreement"), interval("dp_mean"), spread("dp"), interval("dp_rms"),
                    flat.get("token_lnppl_correlation", math.nan), interval("kld_llama_mean"), flat.get("divergence_mib"),
