@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         record = _record(client, run_id)
         url = source_url(_page(client, run_id), run_id)
     if several:
-        return _eval_results(eval_results(record, url), record["name"], out, model_id)
+        return _eval_results(eval_results(record, url), out, model_id)
     card = render(record, args.format, url, model_id)
     if out is None:
         print(card, end="", file=console.out())
@@ -103,14 +103,14 @@ def _out_folder(path: Path) -> Path:
     return path
 
 
-def _eval_results(found: EvalResults, audit: str, out: Path | None, model_id: str | None) -> int:
+def _eval_results(found: EvalResults, out: Path | None, model_id: str | None) -> int:
     """Write (``out``) or print the audit's ``.eval_results/`` files; the token streams left out said on stderr, and
     with ``model_id``, how the files reach its repo."""
     from tasks.core.files import output_file
     from tasks.record.card import EVAL_RESULTS, eval_results_file, eval_results_text
 
     if not found.files:
-        raise InputError(f"no corpus of audit {audit} is a Hugging Face dataset (hf:NAME), and each result in "
+        raise InputError(f"no corpus of audit {found.audit} is a Hugging Face dataset (hf:NAME), and each result in "
                          f"{EVAL_RESULTS}/ names the Hub dataset it is on; give --format model-index")
     for name, source in found.left_out.items():
         print(f"{name} ({source}) left out of {EVAL_RESULTS}/: it is not a Hugging Face dataset, which each result "

@@ -70,11 +70,10 @@ def _variant(args: argparse.Namespace):
     method = args.method or "auto"  # one of the registry's: --method's choices are the config's methods
     backend = method_of(method)
     name = (Path(args.model).name or args.model) if backend.detected or backend.float_model else method
-    spec = {"name": name.replace("/", "_"), "method": method, "dtype": args.dtype, "device": args.device,
-            "runtime": args.runtime}
-    if not (backend.quantized_here or backend.quantized_at_load):  # a checkpoint measured as it is, not made from --model
-        spec["path"] = args.model
-    return parse(VariantSpec, spec, "arguments")
+    # a checkpoint measured as it is has --model as its path; one made from --model has none
+    path = None if backend.quantized_here or backend.quantized_at_load else args.model
+    return parse(VariantSpec, {"name": name.replace("/", "_"), "method": method, "path": path, "dtype": args.dtype,
+                               "device": args.device, "runtime": args.runtime}, "arguments")
 
 
 def _settings(args: argparse.Namespace):

@@ -210,7 +210,8 @@ def _corpus_damage(folder: Path) -> str | None:
     problem = sealed.damage(entry, f"its {CORPUS_FILES}")
     if problem is not None:
         return problem
-    listed, present = set(entry.get("files") or {}), {file.name for file in folder.glob("*.txt")}
+    files = entry.get("files")  # read once: a sealed entry without them lists none (``files_damage`` says so)
+    listed, present = set(files or {}), {file.name for file in folder.glob("*.txt")}
     if present != listed:
         return f"it holds {', '.join(sorted(present ^ listed))} beside or instead of the files it was built with"
-    return sealed.files_damage(folder, entry["files"])
+    return sealed.files_damage(folder, files)

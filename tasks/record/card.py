@@ -29,9 +29,9 @@ from pathlib import Path
 
 import yaml
 
-from tasks.config import ONE_CORPUS, EvaluationConfig
+from tasks.config import ONE_CORPUS
 from tasks.record.domains import domain_view
-from tasks.record.entry_said import CorpusSaid
+from tasks.record.entry_said import CorpusSaid, PopulationSaid, Written
 from tasks.record.figures import GATED, SHOWN, Text, fixed, kl_text
 from tasks.record.floor_said import FloorJudgement
 from tasks.record.logged import RECORD
@@ -174,34 +174,6 @@ def floor_status(floor: ModelRow) -> str:
     return floor.status or "ok"
 
 
-@dataclass(frozen=True)
-class Written:
-    """What the card reads of a record that its ``AuditResult`` does not hold, read once: the audit's id and when it
-    ended, the config as it recorded it (``config``) and as it was written (its file, its text), the baseline's path,
-    the evaluation settings, the corpus, the machine it ran on and its token population.
-
-    A record of any schema: a key kept later than the record reads as None."""
-
-    audit_id: str
-    created: str
-    config: dict
-    config_path: str | None
-    config_text: str | None
-    environment: dict
-    baseline: str | None
-    evaluation: EvaluationConfig
-    corpus: CorpusSaid
-    population: dict | None
-
-    @classmethod
-    def of_record(cls, record: dict) -> Written:
-        config = record["config"]
-        return cls(record["audit_id"], record["created"], config, record.get("config_path"),
-                   record.get("config_text"), record.get("environment") or {}, config["baseline"].get("path"),
-                   EvaluationConfig.of_record(config["evaluation"]), CorpusSaid.of_record(record["corpus"]),
-                   record.get("population"))
-
-
 def stream_records(record: dict) -> dict[str, dict]:
     """Each token stream's record as its one-corpus audit's, by the name ``AuditResult.domains`` gives it: each domain
     of an audit of several (``domain_view``), or the record of an audit of one corpus itself (``ONE_CORPUS``)."""
@@ -289,7 +261,7 @@ class Audit:
         return self.result.named
 
     @property
-    def population(self) -> dict | None:
+    def population(self) -> PopulationSaid | None:
         """In an audit of several domains, their token populations, named (one corpus's is its section's)."""
         return self.written.population if self.several else None
 
@@ -407,7 +379,7 @@ def card_data(record: dict, source_url: str, model_id: str | None = None) -> dic
     return _plain({
         "name": audit.name, "audit_id": written.audit_id, "created": written.created, "baseline": written.baseline,
         "source_url": source_url, "verdict": audit.result.verdict.as_record(),
-        "population": audit.population,  # the domains' populations, named
+        "population": audit.population.said if audit.population else None,  # the domains' populations, named
         "sections": [{"domain": section.domain, "source": section.source, "verdict": section.verdict.as_record(),
                       "rows": [card_row(model) for model in section.models],
                       "floor": [floor_data(floor) for floor in section.floors], "population": population_in(section)}
@@ -536,10 +508,11 @@ def card_json(record: dict, source_url: str, model_id: str | None = None) -> str
 
 @dataclass(frozen=True)
 class EvalResults:
-    """The Hub's ``.eval_results/`` files of an audit: each file's entries by its name (``prose.yaml``), and the token
-    streams left out, by name, with their source (a local file or an embedded text: the Hub keys a result by the Hub
-    dataset it is on)."""
+    """The Hub's ``.eval_results/`` files of an audit (``audit``: its name): each file's entries by its name
+    (``prose.yaml``), and the token streams left out, by name, with their source (a local file or an embedded text:
+    the Hub keys a result by the Hub dataset it is on)."""
 
+    audit: str
     files: dict[str, list[dict]]
     left_out: dict[str, str]
 
@@ -566,7 +539,7 @@ def eval_results(record: dict, source_url: str) -> EvalResults:
                    for metric in _metrics(section, audit.baseline_name)]
         if entries:
             files[f"{name}.yaml"] = entries
-    return EvalResults(files, left_out)
+    return EvalResults(audit.name, files, left_out)
 
 
 def eval_results_file(entries: list[dict]) -> str:
@@ -629,10 +602,10 @@ def markdown(record: dict, source_url: str) -> str:
              f"{on}. ΔPPL, KL and top-1 agreement are taken against the baseline, with paired 95% intervals over "
              f"windows; a variant passes when the pessimistic end of each interval is within its limit. "
              f"Record: `{source_url}` (audit `{written.audit_id}`).", ""]
-    population = audit.population or {}
-    if population.get("digest"):
-        named = ", ".join(f"{name} `{digest}`" for name, digest in population.get("domains", {}).items())
-        lines += [f"Token populations `{population.get('digest')}`: {named}.", ""]
+    population = audit.population
+    if population and population.digest:
+        named = ", ".join(f"{name} `{digest}`" for name, digest in population.domains.items())
+        lines += [f"Token populations `{population.digest}`: {named}.", ""]
     for section in streams:
         lines += _section_lines(section, audit.several)
     lines += ["### Why each verdict", ""]

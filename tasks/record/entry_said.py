@@ -1,12 +1,12 @@
 """What an audit's record says beyond the ``AuditResult`` it was written from, typed, for the report and the charts
 (``tasks.record.report``, ``tasks.record.plots``): each model's entry (``ModelSaid``: where it came from, where in
 the text it loses, its diagnosis, the baseline's reference) and the audit's settings, corpus and environment
-(``RecordSaid``).
+(``RecordSaid``); and for the card, the same settings of a record of any schema (``Written``).
 
 A record is plain data (``tasks.record.contents.audit_record``); this module alone reads the parts of it that
-``tasks.record.serial.from_record`` does not (``RecordSaid.of_record``, ``ModelSaid.alone``), so that a view reads
-attributes. It reads records of every schema: a key a record from before it was kept lacks reads as None. Pure
-Python, no torch.
+``tasks.record.serial.from_record`` does not (``RecordSaid.of_record``, ``ModelSaid.alone``, ``Written.of_record``),
+so that a view reads attributes. It reads records of every schema: a key a record from before it was kept lacks reads
+as None. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -300,6 +300,55 @@ class Floor:
 
 
 @dataclass(frozen=True)
+class PopulationSaid:
+    """Which tokens an audit scored, named (``tasks.audit.population``): its digest and the record's ``population``
+    whole (``said``, what ``tasks.record.population.population_line`` reads). The record of an audit of several
+    domains names each domain's population (``domains``: its digest, by name) and counts no tokens itself
+    (``counted`` false)."""
+
+    digest: str
+    counted: bool
+    domains: Mapping[str, str | None]
+    said: dict
+
+    @classmethod
+    def of_record(cls, said: dict) -> PopulationSaid:
+        return cls(said["digest"], "tokens" in said, said.get("domains") or {}, said)
+
+
+def _population(said: dict | None) -> PopulationSaid | None:
+    return PopulationSaid.of_record(said) if said else None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What the card (``tasks.record.card``) reads of a record that its ``AuditResult`` does not hold, read once: the
+    audit's id and when it ended, the config as it recorded it (``config``) and as it was written (its file, its text),
+    the baseline's path, the evaluation settings, the corpus, the machine it ran on and its token population.
+
+    A record of any schema: a key kept later than the record reads as None."""
+
+    audit_id: str
+    created: str
+    config: dict
+    config_path: str | None
+    config_text: str | None
+    environment: dict
+    baseline: str | None
+    evaluation: EvaluationConfig
+    corpus: CorpusSaid
+    population: PopulationSaid | None
+
+    @classmethod
+    def of_record(cls, record: dict) -> Written:
+        config = record["config"]
+        return cls(record["audit_id"], record["created"], config, record.get("config_path"),
+                   record.get("config_text"), record.get("environment") or {}, config["baseline"].get("path"),
+                   EvaluationConfig.of_record(config["evaluation"]), CorpusSaid.of_record(record["corpus"]),
+                   _population(record.get("population")))
+
+
+@dataclass(frozen=True)
 class RecordSaid:
     """An audit's record as the report and the charts read it.
 
@@ -334,6 +383,11 @@ class RecordSaid:
     @property
     def variants(self) -> tuple[ModelSaid, ...]:
         return tuple(model for model in self.models if model.role == "variant")
+
+    @property
+    def population_said(self) -> PopulationSaid | None:
+        """Its token population typed (``population``: the record's, whole)."""
+        return _population(self.population)
 
     @classmethod
     def of_record(cls, record: dict) -> RecordSaid:

@@ -29,7 +29,8 @@ from tasks.record.dominance import no_larger
 from tasks.record.logged import RECORD, Records
 from tasks.record.tags import (BASELINE_KEY, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS, DOMAIN_REFERENCES,
                                DOMAINS, DOMINATED_BY, POPULATION, REFERENCE, SCHEDULED)
-from tasks.record.plots import COLOURS, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured, size_quality_figure, titled
+from tasks.record.plots import (COLOURS, ERROR_COLOUR, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured,
+                                size_quality_figure, titled)
 from tasks.record.verdict import said as said_as
 
 NAN = math.nan
@@ -138,7 +139,7 @@ def _method(params: dict) -> str:
 
 def _row(child, parent, domain: str | None = None) -> Audited:
     """``child``'s row: its figures on ``domain`` in an audit of several corpora (its sizes are the model's own)."""
-    metrics, tags = child.data.metrics, child.data.tags
+    tags = child.data.tags
     return Audited(
         name=tags.get("ppl_audit.variant", child.info.run_name), method=_method(child.data.params),
         audit=parent.data.tags.get("ppl_audit.audit", "?"), run_id=child.info.run_id, parent_run_id=parent.info.run_id,
@@ -147,7 +148,7 @@ def _row(child, parent, domain: str | None = None) -> Audited:
         **{key: _figure(child, key, domain) for key in ("delta_ppl_pct", "delta_ppl_pct_low", "delta_ppl_pct_high",
                                                          "kld_mean", "kld_mean_low", "kld_mean_high")},
         bpw=_figure(child, "bits_per_weight"), kv_bytes_per_token=_figure(child, "kv_bytes_per_token"),
-        mib=metrics["weight_memory_bytes"] / 2**20 if "weight_memory_bytes" in metrics else NAN,
+        mib=_figure(child, "weight_memory_bytes") / 2**20,
         own_dominator=_domain_tag(tags, DOMINATED_BY, domain, None), domain=domain,
         population=population_of(parent, domain))
 
@@ -359,7 +360,7 @@ def history_chart(rows: list[Audited], key: str, domain: str | None = None) -> F
     names it)."""
     points = [SizePoint(f"{row.name} {row.started:%m-%d}" if row.past else row.name, row.bpw, row.mib,
                         (row.delta_ppl_pct, row.delta_ppl_pct_low, row.delta_ppl_pct_high),
-                        (row.kld_mean, row.kld_mean_low, row.kld_mean_high), COLOURS.get(row.verdict, COLOURS["error"]),
+                        (row.kld_mean, row.kld_mean_low, row.kld_mean_high), COLOURS.get(row.verdict, ERROR_COLOUR),
                         row.dominated_by is not None, row.past) for row in reversed(rows)]
     handles = [Patch(color=COLOURS[v], label=f"{said_as(v)} (newest audit)") for v in COLOURS
                if any(row.verdict == v and not row.past for row in rows)]

@@ -27,7 +27,9 @@ from tasks.record.entry_said import ModelSaid, RecordSaid, WhereGroup
 from tasks.record.row import Interval, ModelRow
 from tasks.record.verdict import gate_checks, said as said_as
 
-COLOURS = {"baseline": "#1565c0", "pass": "#2e7d32", "fail": "#c62828", "error": "#9e9e9e", "ungated": "#f9a825"}
+BASELINE_COLOUR, ERROR_COLOUR = "#1565c0", "#9e9e9e"  # the baseline's (its PPL line too); a model no verdict colours
+COLOURS = {"baseline": BASELINE_COLOUR, "pass": "#2e7d32", "fail": "#c62828", "error": ERROR_COLOUR,
+           "ungated": "#f9a825"}
 LIMIT_COLOUR = "#212121"
 DPI = 130  # with 11-inch figures: about 1400 pixels wide, legible when MLflow's viewer scales them down
 WIDTH = 11
@@ -55,35 +57,32 @@ def verdict_of(entry: dict | ModelSaid) -> str:
     return (model.verdict.status if model.verdict else None) or "error"
 
 
-def gate_of(record: dict | RecordSaid, name: str) -> Gate:
+def gate_of(said: RecordSaid, name: str) -> Gate:
     """Variant ``name``'s gate (its own overrides, else the audit's). In an audit of several domains, the gate of the
     variant's worst domain: the one its figures at the top come from (a domain's config holds its own gate,
     ``per_corpus``)."""
-    said = said_of(record)
     domain = next((model.domain for model in said.models if model.name == name), None)
     return said.domains.get(domain, said).thresholds.for_variant(name)
 
 
 def ppl_limit(record: dict | RecordSaid, name: str) -> float | None:
     """The gate's ``max_ppl_increase_pct`` for variant ``name`` (``gate_of``), or None."""
-    return gate_of(record, name).max_ppl_increase_pct
+    return gate_of(said_of(record), name).max_ppl_increase_pct
 
 
-def gates_said(record: dict | RecordSaid, entry: dict | ModelSaid) -> list[tuple[str, str, str]]:
+def gates_said(said: RecordSaid, model: ModelSaid) -> list[tuple[str, str, str]]:
     """``(gate's name, status, reason)`` of each limit of a scored variant's gate (``tasks.record.verdict``); none
     for the baseline, a model not scored, or a row that lacks a gated figure (its verdict's reason says why)."""
-    model = model_of(entry)
     if model.role != "variant" or not model.row.ok:
         return []
-    return gate_checks(model.row, gate_of(record, model.name))
+    return gate_checks(model.row, gate_of(said, model.name))
 
 
-def verdict_label(record: dict | RecordSaid, entry: dict | ModelSaid) -> str:
+def verdict_label(said: RecordSaid, model: ModelSaid) -> str:
     """A model's verdict as a chart of one figure names it: with the gates it did not pass (``fail: top-1
     agreement``), so that a chart of ΔPPL or of KL does not read as if its own figure failed."""
-    model = model_of(entry)
     verdict = verdict_of(model)
-    missed = [what for what, status, _ in gates_said(record, model) if status != "pass"]
+    missed = [what for what, status, _ in gates_said(said, model) if status != "pass"]
     return f"{verdict}: {', '.join(missed)}" if missed and verdict != "pass" else verdict
 
 
@@ -101,10 +100,9 @@ def charts(record: dict | RecordSaid, folder: Path) -> dict[str, Figure]:
     """
     said = said_of(record)
     found = {"delta_ppl_pct.png": delta_ppl_chart(said), "ppl_by_model.png": ppl_chart(said)}
-    if _costed(said):
-        found["size_quality.png"] = size_quality_chart(said)
-    return found | {"token_kld_histogram.png": kld_histogram(said, folder),
-                    "window_delta_nll.png": delta_nll_per_window(said, folder)}
+    costed = {"size_quality.png": size_quality_chart(said)} if _costed(said) else {}  # no sizes: nothing to draw
+    return found | costed | {"token_kld_histogram.png": kld_histogram(said, folder),
+                             "window_delta_nll.png": delta_nll_per_window(said, folder)}
 
 
 def pictures(record: dict | RecordSaid, folder: Path) -> dict[str, bytes]:
@@ -121,9 +119,8 @@ def pictures(record: dict | RecordSaid, folder: Path) -> dict[str, bytes]:
     return found
 
 
-def title_name(record: dict | RecordSaid) -> str:
+def title_name(said: RecordSaid) -> str:
     """The audit's name as a chart's title says it: with the domain, for one domain's of an audit of several."""
-    said = said_of(record)
     return f"{said.result.name} · {said.domain}" if said.domain else said.result.name
 
 
@@ -163,13 +160,12 @@ def delta_ppl_chart(record: dict | RecordSaid) -> Figure:
                           f"{_audit_said(said)}", handles)
 
 
-def delta_ppl_by_domain_chart(record: dict | RecordSaid) -> Figure:
+def delta_ppl_by_domain_chart(said: RecordSaid) -> Figure:
     """ΔPPL % of each variant on each domain of an audit of several: a group per domain (its name in bold, its
     verdict), in it a slot per variant, top to bottom in the config's order, as ``delta_ppl_chart`` draws it but
     with no bar: a diamond for the estimate, whiskers for its paired 95% interval, coloured by the variant's verdict
     on that domain, and that domain's gate limit for the variant (``per_corpus`` may change it). Returns the figure.
     """
-    said = said_of(record)
     views = list(said.domains.values())
     slots = []  # (domain's record, variant's entry there, or None for the domain's header)
     for view in views:
@@ -391,8 +387,8 @@ def ppl_chart(record: dict | RecordSaid) -> Figure:
         _note(axis, y, f"PPL {value:.4f} ± {error:.4f}   {verdict_label(said, model)}", verdict)
     handles = _verdict_handles(models)
     if base is not None:
-        axis.axvline(base, color=COLOURS["baseline"], linestyle="--", linewidth=1.4, zorder=1)
-        handles.append(Line2D([], [], color=COLOURS["baseline"], linestyle="--", label="baseline PPL"))
+        axis.axvline(base, color=BASELINE_COLOUR, linestyle="--", linewidth=1.4, zorder=1)
+        handles.append(Line2D([], [], color=BASELINE_COLOUR, linestyle="--", label="baseline PPL"))
     axis.set_xlim(0, 1.1 * top or 1)  # zero-based: a bar's length is its perplexity
     axis.set_xlabel("perplexity (whiskers: ± 1 standard error)", fontsize=TEXT)
     return titled(figure, f"{title_name(said)}: perplexity per model", handles)
@@ -501,9 +497,11 @@ def _scored_variants(said: RecordSaid) -> list[tuple[str, ModelSaid]]:
 
 def _window_nll(folder: Path, model: ModelSaid):
     """Mean NLL per window of one model (a pandas Series by window index)."""
+    import pandas as pd
     import pyarrow.parquet as pq
 
-    return pq.read_table(folder / model.arrays).to_pandas().groupby("window")["nll"].mean()
+    table = pq.read_table(folder / model.arrays, columns=["window", "nll"])
+    return pd.Series(table.column("nll").to_numpy()).groupby(table.column("window").to_numpy()).mean()
 
 
 def where_chart(entry: dict | ModelSaid, domain: str | None = None) -> Figure:

@@ -108,9 +108,9 @@ def _comparison(said: RecordSaid) -> str:
                     + f'<td>{escape(floor.dtype)}</td>' + "".join(f'<td class="n">{escape(c)}</td>' for c in cells)
                     + f'</tr><tr><td class="reason" colspan="{9 + several}">{escape(floor_text(row))}</td></tr>')
     title = "Each model on its worst domain" if several else "Comparison with the baseline"
-    population = said.population or {}
-    named = (f'<p class="meta">{escape(population_line(population))}</p>' if "tokens" in population else
-             f'<p class="meta">token population {escape(population["digest"])}</p>' if population else "")
+    population = said.population_said
+    named = ("" if population is None else f'<p class="meta">{escape(population_line(population.said))}</p>'
+             if population.counted else f'<p class="meta">token population {escape(population.digest)}</p>')
     return (f'<h2>{title}</h2><div class="wide"><table><tr><th>model</th><th>verdict</th>'
             + "<th>worst domain</th>" * several + "<th>method</th><th>PPL ± s.e.</th><th>ΔPPL % [95% CI]</th><th>KLD</th><th>top-1</th>"
             "<th>limit ΔPPL %</th><th>bits per weight</th></tr>" + "".join(rows) + f"</table></div>{named}")
