@@ -26,6 +26,7 @@ from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import shard_bounds
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
+from tasks.record.shard_said import ShardSaid
 from tasks.steps import join_baseline_reference, look_up_baseline, make, score_baseline, score_variant
 
 def _raised(error: BaseException) -> str:
@@ -172,14 +173,14 @@ def _tried_again(scheduler: Scheduler, checkpoints: list, outcomes: list[list[Va
     for v, shards in enumerate(outcomes):
         for n, failed in enumerate(shards):
             if failed.retry_elsewhere:
-                others = scheduler.elsewhere(failed.shards[0]["worker"]) if failed.shards else None
+                others = scheduler.elsewhere(failed.shards[0].worker) if failed.shards else None
                 with scheduler.held_to(others):  # none left: fail now, not hold it to nobody (Dask reads [] as anyone)
                     again[v, n] = (resubmit(v, n) if others != [] else None), others
     for (v, n), (future, others) in again.items():
         failed = outcomes[v][n]
         ran, settled = (False, None) if future is None else scheduler.settled_on(future, others)
         retried = _outcome(checkpoints[v], settled) if ran else _nobody_left(failed)
-        outcomes[v][n] = replace(retried, shards=(*(row | {"failed": failed.reason} for row in failed.shards),
+        outcomes[v][n] = replace(retried, shards=(*(replace(row, failed=failed.reason) for row in failed.shards),
                                                  *retried.shards))
 
 
@@ -408,17 +409,17 @@ def score_all(scheduler: Scheduler | None, config: AuditConfig, lineup: Lineup, 
     return baseline, variants
 
 
-def where_it_ran(shards: list[dict]) -> str:
+def where_it_ran(shards: tuple[ShardSaid, ...]) -> str:
     """Which worker scored which windows, and which tries failed where, for the run's log."""
-    def ran(row: dict) -> str:
-        if "sample" in row:
-            return f"{len(row['sample'])} windows from window {row['sample'][0]} on {row['worker']}" + (
-                f" failed: {row['failed']}" if "failed" in row else "")
-        first, stop = row["windows"]
-        if "failed" in row:
-            return f"windows {first}-{stop - 1} failed on {row['worker']}: {row['failed']}"
-        if "tokens" in row:
-            return f"windows {first}-{stop - 1} on {row['worker']} ({row['tokens']} tokens, {row['seconds']:.1f} s)"
-        return f"windows {first}-{stop - 1} not scored on {row['worker']}"
+    def ran(row: ShardSaid) -> str:
+        if row.sample is not None:
+            return f"{len(row.sample)} windows from window {row.sample[0]} on {row.worker}" + (
+                f" failed: {row.failed}" if row.failed is not None else "")
+        first, stop = row.windows
+        if row.failed is not None:
+            return f"windows {first}-{stop - 1} failed on {row.worker}: {row.failed}"
+        if row.tokens is not None:
+            return f"windows {first}-{stop - 1} on {row.worker} ({row.tokens} tokens, {row.seconds:.1f} s)"
+        return f"windows {first}-{stop - 1} not scored on {row.worker}"
 
     return "; ".join(map(ran, shards)) or "no task of it ran"

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 
+from tasks.audit.cluster_said import dask_workers
 from tasks.config import Runner
 from tasks.core.places import cache_dir
 
@@ -131,7 +132,7 @@ class Scheduler:
         no workers listed) may replace in between; under load it said a cluster of two had none (measured: 79 of 300
         calls with the refresh every 1 ms), and a retry was then given up as having no other worker."""
         client = self._runner.client
-        return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+        return {worker.address for worker in dask_workers(client.sync(client.scheduler.identity, n_workers=-1))}
 
     def elsewhere(self, worker: str) -> list[str] | None:
         """The workers a task that failed on ``worker`` may run again on: on Dask, any other; None: anywhere (Ray

@@ -141,14 +141,14 @@ def watch(names: list[str], say: Callable[[str], None], every: float = 2.0) -> N
     )
 
     since, said = datetime.now(timezone.utc), {}
-    runs = {"deployment_filter": DeploymentFilter(name=DeploymentFilterName(any_=names)),
-            "flow_run_filter": FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since))}
+    deployments = DeploymentFilter(name=DeploymentFilterName(any_=names))
+    started = FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since))
     while True:
         time.sleep(every)
         try:
             with get_client(sync_client=True) as client:
-                found = client.read_flow_runs(**runs, limit=200)
-                deployment = {d.id: d.name for d in client.read_deployments(deployment_filter=runs["deployment_filter"])}
+                found = client.read_flow_runs(deployment_filter=deployments, flow_run_filter=started, limit=200)
+                deployment = {d.id: d.name for d in client.read_deployments(deployment_filter=deployments)}
         except Exception:  # noqa: BLE001 -- the API restarting or busy: the next poll sees the same runs
             continue
         for run in found:

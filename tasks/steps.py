@@ -37,6 +37,7 @@ from tasks.record.reference_said import ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
 from tasks.record.tracking import is_tracking_outage, replay, track_diagnosis, track_tune
+from tasks.task_run_said import task_run
 
 
 def _transient(task, run, state) -> bool:
@@ -55,10 +56,8 @@ def open_plan(path: str, overrides: list[str], event: Event | None = None,
 
 def _score_name() -> str:
     """``score-<model>``, and a shard's windows or a sequential run's sample after it."""
-    from prefect.runtime import task_run
-
-    piece = task_run.parameters.get("piece") or WHOLE
-    return f"score-{task_run.parameters['checkpoint'].name}{piece.named()}"
+    run = task_run()
+    return f"score-{run.model}{(run.piece or WHOLE).named()}"
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10, task_run_name=_score_name,
@@ -175,11 +174,8 @@ def examine_variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluat
 
 
 def _restore_name() -> str:
-    from prefect.runtime import task_run
-
-    parameters = task_run.parameters
-    sets = parameters["sets"]
-    return f"restore-{parameters['checkpoint'].name}-{len(sets)}-sets-from-{'-'.join(map(str, sets[0]))}"
+    run = task_run()
+    return f"restore-{run.model}-{len(run.sets)}-sets-from-{'-'.join(map(str, run.sets[0]))}"
 
 
 @task(cache_policy=NO_CACHE, task_run_name=_restore_name)

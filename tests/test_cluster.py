@@ -143,7 +143,7 @@ def test_an_audit_on_an_existing_dask_cluster_scores_as_sequential_and_names_eac
     ran_on = {outcome.name: outcome.facts.worker for outcome in only(on_cluster).results}
     assert set(ran_on.values()) <= set(workers)  # every model, the baseline too, ran on the cluster's workers
     baseline = only(on_cluster).results[0]
-    assert baseline.reference.baseline == "scored" and baseline.shards[0]["worker"] == ran_on["baseline"]
+    assert baseline.reference.baseline == "scored" and baseline.shards[0].worker == ran_on["baseline"]
 
 
 def prefect_servers_under(address: str) -> list:
@@ -205,7 +205,8 @@ class BlindWorker:
 @pytest.fixture(scope="module")
 def blind_worker(tmp_path_factory, prefect_harness):
     """``BlindWorker``: one cluster for the module's tests of a worker that cannot see a folder, each of which
-    started one of its own (some 20 CPU-s each). The test that kills the worker that sees everything comes last."""
+    started one of its own (some 20 CPU-s each). The tests that kill, then stop, the worker that sees everything come
+    last."""
     from tasks.core.places import references_dir
 
     private = tmp_path_factory.mktemp("private")
@@ -262,8 +263,8 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
     assert state.is_completed(), state.message
     sharded = state.result()
     baseline = only(sharded).results[0]
-    assert [row["windows"] for row in baseline.shards] == [[0, 16], [16, 32], [32, 46]]
-    assert {row["worker"] for row in baseline.shards} <= set(workers)
+    assert [row.windows for row in baseline.shards] == [(0, 16), (16, 32), (32, 46)]
+    assert {row.worker for row in baseline.shards} <= set(workers)
     with get_client(sync_client=True) as api:  # the shards ran at once, one on each worker, not one after another
         runs = {name: sorted((run for run in api.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(
             like_=like))) if run.flow_run_id == state.state_details.flow_run_id), key=lambda run: run.start_time)
@@ -293,10 +294,10 @@ def test_sharded_models_on_an_existing_cluster_equal_one_worker_bit_for_bit(tmp_
         for name, x, y in [("nll", a.token_nll, b.token_nll), ("windows", a.window_nll, b.window_nll),
                            *((key, a.extra[key], split.result.extra[key]) for key in ("kl", "kl_reverse", "top1"))]:
             assert np.array_equal(x, y), name
-        assert [row["windows"] for row in split.shards] == [[0, 16], [16, 32], [32, 46]]
-        assert {row["worker"] for row in split.shards} <= set(workers)
-        assert sum(row["tokens"] for row in split.shards) == b.n_tokens
-        assert split.facts.worker.split(", ")[0] == split.shards[0]["worker"]
+        assert [row.windows for row in split.shards] == [(0, 16), (16, 32), (32, 46)]
+        assert {row.worker for row in split.shards} <= set(workers)
+        assert sum(row.tokens for row in split.shards) == b.n_tokens
+        assert split.facts.worker.split(", ")[0] == split.shards[0].worker
 
 
 def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_a_borderline_one_to_the_end(
@@ -317,8 +318,8 @@ def test_a_sequential_audit_on_a_cluster_stops_submitting_once_settled_and_runs_
     assert verdicts["clear"].status == "pass" and "stopped at" in verdicts["clear"].reason
     assert rows["clear"]["scored_fraction"] < 1 and clear.sequential.decision == "pass"
     assert minimum_windows(46, 4) <= len(clear.sequential.windows) < 46
-    pieces = [row["sample"] for row in clear.shards]
-    assert 1 < len(pieces) < 8 and {row["worker"] for row in clear.shards} <= set(workers)
+    pieces = [row.sample for row in clear.shards]
+    assert 1 < len(pieces) < 8 and {row.worker for row in clear.shards} <= set(workers)
     assert sorted(w for piece in pieces for w in piece) == list(clear.sequential.windows)  # each window once
     assert verdicts["borderline"].status == "fail" and rows["borderline"]["scored_fraction"] == 1.0
     assert len(borderline.shards) == 8 and borderline.sequential.stopped == "ran to the end"
@@ -387,7 +388,7 @@ def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_i
     # two workers killed: the second may be the first one started again by its nanny, under a new address
     assert len(set(killed)) == 2 and killed[0] in workers
     for outcome, alone, dead in zip(only(state.result()).results, only(whole).results, killed):
-        assert dead not in {row["worker"] for row in outcome.shards}  # its shard ran again on a live worker
+        assert dead not in {row.worker for row in outcome.shards}  # its shard ran again on a live worker
         assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
         assert outcome.result.nll_sum == alone.result.nll_sum
     baseline = only(state.result()).results[0]
@@ -473,15 +474,15 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
     state = audit(config=str(config), return_state=True)  # the baseline's reference, the whole audit's, reused
     assert state.is_completed(), state.message
     outcome = only(state.result()).results[1]
-    failed = [row for row in outcome.shards if "failed" in row]
+    failed = [row for row in outcome.shards if row.failed is not None]
     assert failed, outcome.shards  # the hidden worker took shards
     for row in failed:
-        assert row["worker"] == workers[-1]
-        assert row["failed"] == (f"the baseline reference {references_dir()}/{outcome.divergence.reference} is "
-                                 f"not on {row['worker']}; every worker must see $PPL_AUDIT_REFERENCES at the same path")
-    done = [row for row in outcome.shards if "failed" not in row]
-    assert [row["windows"] for row in done] == [[0, 12], [12, 24], [24, 36], [36, 46]]
-    assert all(row["worker"] != failed[0]["worker"] for row in done)
+        assert row.worker == workers[-1]
+        assert row.failed == (f"the baseline reference {references_dir()}/{outcome.divergence.reference} is "
+                              f"not on {row.worker}; every worker must see $PPL_AUDIT_REFERENCES at the same path")
+    done = [row for row in outcome.shards if row.failed is None]
+    assert [row.windows for row in done] == [(0, 12), (12, 24), (24, 36), (36, 46)]
+    assert all(row.worker != failed[0].worker for row in done)
     assert np.array_equal(outcome.result.extra["kl"], whole.outcome("int8").result.extra["kl"])
     assert outcome.result.nll_sum == whole.outcome("int8").result.nll_sum
 
@@ -494,20 +495,6 @@ def embedded_int8(path: Path, **sections) -> Path:
               "variants": [{"name": "int8", "method": "torchao-int8"}]}
     path.write_text(yaml.safe_dump(config | sections))
     return path
-
-
-@pytest.mark.usefixtures("smollm2_int8_here")  # its baseline reference, which the worker cannot see
-def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path):
-    """A retry elsewhere with nowhere else to go fails at once (Dask would read an empty list of workers as any
-    worker, the one it failed on included)."""
-    from tasks.core.places import references_dir
-
-    with dask_cluster(1, hide=(references_dir(),)) as (address, _):
-        config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
-        _, variant = only(result_of(audit(config=str(config), return_state=True))).results
-    assert variant.reason.endswith("; no other worker is left to run it again"), variant.reason
-    assert len(variant.shards) == 2, variant.shards  # one try each
-    assert all("failed" in row for row in variant.shards), variant.shards
 
 
 @pytest.mark.usefixtures("smollm2_int8_here")  # its baseline reference, which worker-1 cannot see
@@ -532,7 +519,7 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
             killed.append(workers[0])
 
     killed: list[str] = []
-    address, workers = blind_worker.address, blind_worker.workers  # its last user: a worker of it is killed
+    address, workers = blind_worker.address, blind_worker.workers  # a worker of it is killed
     config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 4})
     killer = threading.Thread(target=kill_the_other_when_a_retry_runs, args=(address, killed))
     killer.start()
@@ -543,6 +530,34 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
     assert re.fullmatch(r"shard \d of 4: the baseline reference .* is not on tcp://127\.0\.0\.1:\d+; every worker "
                         r"must see \$PPL_AUDIT_REFERENCES at the same path; no other worker is left to run it again",
                         variant.reason), variant.reason
+
+
+def stop_worker(address: str, name: str) -> None:
+    """Stop the worker ``name`` of the cluster at ``address`` for good: its `dask worker` process (the nanny, which
+    would start a killed worker again) ends, and its worker with it."""
+    import psutil
+
+    [nanny] = [p for p in psutil.Process().children() if address in p.cmdline() and name in p.cmdline()]
+    nanny.terminate()
+    nanny.wait(timeout=60)
+
+
+@pytest.mark.usefixtures("smollm2_int8_here")  # its baseline reference, which the worker cannot see
+def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path, blind_worker):
+    """A retry elsewhere with nowhere else to go fails at once (Dask would read an empty list of workers as any
+    worker, the one it failed on included). The blind cluster's last user: the worker that sees the references
+    stopped, the one that does not is the only one left (a cluster of its own cost a scheduler and a worker)."""
+    from distributed import Client
+
+    address, blind = blind_worker.address, blind_worker.workers[-1]
+    stop_worker(address, "worker-0")
+    with Client(address, timeout=60, set_as_default=False) as client:
+        wait_for(lambda: list(client.scheduler_info()["workers"]) == [blind], 60, "the blind worker alone", every=0.5)
+    config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
+    _, variant = only(result_of(audit(config=str(config), return_state=True))).results
+    assert variant.reason.endswith("; no other worker is left to run it again"), variant.reason
+    assert len(variant.shards) == 2, variant.shards  # one try each
+    assert all(row.failed is not None for row in variant.shards), variant.shards
 
 
 @pytest.fixture(scope="module")
@@ -571,9 +586,9 @@ def test_an_audit_on_a_ray_cluster_in_shards_scores_as_sequential(tmp_path, trai
         alone = whole.outcome(outcome.name)
         assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
         assert outcome.result.nll_sum == alone.result.nll_sum
-        assert [row["windows"] for row in outcome.shards] == [[0, 24], [24, 46]]
-        assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
-        assert os.getpid() not in {int(re.search(r"pid (\d+)", row["worker"]).group(1)) for row in outcome.shards}
+        assert [row.windows for row in outcome.shards] == [(0, 24), (24, 46)]
+        assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row.worker) for row in outcome.shards), outcome.shards
+        assert os.getpid() not in {int(re.search(r"pid (\d+)", row.worker).group(1)) for row in outcome.shards}
     baseline, variant = only(state.result()).results
     assert np.array_equal(variant.result.extra["kl"], whole.outcome("int8").result.extra["kl"])
     assert baseline.reference.drift["max_abs_delta_nll"] == 0 and baseline.reference.problem is None
@@ -590,7 +605,7 @@ def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_pat
     outcome = only(state.result()).results[1]
     assert outcome.sequential.decision == "pass" and outcome.result.scored_fraction < 1
     assert 1 < len(outcome.shards) < 8
-    assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row["worker"]) for row in outcome.shards), outcome.shards
+    assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row.worker) for row in outcome.shards), outcome.shards
 
 
 def test_gpus_no_worker_offers_are_one_line_before_anything_loads(cli, tmp_path, trained_model_dir, corpus_path,
@@ -635,7 +650,7 @@ def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_mo
 
         assert (len(runs("make-gptq")), len(runs("score-gptq-windows"))) == (1, 3)
         assert runs("make-gptq")[0].start_time < max(run.end_time for run in runs("score-baseline-windows"))
-    assert {row["worker"] for row in sharded.shards} <= set(workers)
+    assert {row.worker for row in sharded.shards} <= set(workers)
     alone = only(audit(config=str(write_config(tmp_path / "s.yaml", trained_model_dir, corpus_path, variants)),
                        return_state=True).result()).results[1]
     assert alone.manifest == sharded.manifest  # the checkpoint the sharded audit made
@@ -722,7 +737,7 @@ def test_an_audit_crosses_a_real_network_to_workers_on_two_hosts(caplog, tmp_pat
     assert ppl_by_model(flat(on_hosts.rows)) == ppl_by_model(whole.rows("int8", "copy"))  # to the last bit
     for split in only(on_hosts).results[1:]:
         assert np.array_equal(whole.outcome(split.name).result.token_nll, split.result.token_nll)
-    ran_on = {row["worker"] for outcome in only(on_hosts).results[1:] for row in outcome.shards}
+    ran_on = {row.worker for outcome in only(on_hosts).results[1:] for row in outcome.shards}
     assert ran_on == set(workers) and {w.split("//")[1].split(":")[0] for w in workers} == {a for _, a in network.hosts}
     host = r"tcp://10\.\d+\.\d+\.1[12]:\d+"
     for name in ("int8", "copy"):  # the run's log says which host scored which windows
@@ -776,16 +791,18 @@ def test_a_task_that_fails_before_prefect_records_it_fails_its_variant_not_the_a
 
 
 
-def test_the_scheduler_always_sees_every_worker():
+def test_the_scheduler_always_sees_every_worker(two_workers):
     """Which workers a retry may go to is asked of the cluster each time; the client's cached view, which its own
     periodic refresh empties, said at times that a cluster of two had none, and a shard's retry was given up as
-    having no other worker (a full-suite run, 2026-11-27). The refresh made frequent, to make the race likely."""
+    having no other worker (a full-suite run, 2026-11-27). The refresh made frequent, to make the race likely. The
+    module's cluster, not a local one of its own: the client's cache is the same (test_flows.py starts local ones)."""
     import dask
 
     from flows.scheduler import Scheduler
     from tasks.config import Runner
 
+    address, workers = two_workers
     with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}), \
-            Scheduler.started(Runner(kind="dask", workers=2)) as scheduler:
+            Scheduler.started(Runner(kind="dask", address=address)) as scheduler:
         seen = [scheduler.elsewhere("no such worker") for _ in range(300)]
-    assert all(len(workers) == 2 for workers in seen), sum(len(workers) != 2 for workers in seen)
+    assert all(set(others) == set(workers) for others in seen), sum(len(others) != 2 for others in seen)

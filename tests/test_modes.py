@@ -128,11 +128,11 @@ def test_a_long_stream_s_divergence_is_compiled_and_gives_the_float64_figures():
         lv = torch.log_softmax(head(hidden).double(), -1)
     forward, reverse = (lb.exp() * (lb - lv)).sum(-1), (lv.exp() * (lv - lb)).sum(-1)
     # a token's KL sums 8192 float32 terms of log-probabilities near -9: a few 1e-7 each way
-    torch.testing.assert_close(measured["kl"].double(), forward, rtol=0, atol=5e-6)
-    torch.testing.assert_close(measured["kl_reverse"].double(), reverse, rtol=0, atol=5e-6)
-    for figure, truth in (("kl", forward), ("kl_reverse", reverse)):  # the corpus figure, as the engine's test above
-        assert float(measured[figure].double().mean()) == pytest.approx(float(truth.mean()), rel=1e-5, abs=0)
-    assert torch.equal(measured["top1"], lb.argmax(-1) == lv.argmax(-1))
+    torch.testing.assert_close(measured.kl.double(), forward, rtol=0, atol=5e-6)
+    torch.testing.assert_close(measured.kl_reverse.double(), reverse, rtol=0, atol=5e-6)
+    for figure, truth in ((measured.kl, forward), (measured.kl_reverse, reverse)):  # the corpus figure, as above
+        assert float(figure.double().mean()) == pytest.approx(float(truth.mean()), rel=1e-5, abs=0)
+    assert torch.equal(measured.top1, lb.argmax(-1) == lv.argmax(-1))
     assert float(forward.mean()) > 1e-3  # the heads really differ
 
 

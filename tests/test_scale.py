@@ -142,7 +142,7 @@ def test_a_128k_vocabulary_never_gets_a_full_logits_tensor():
     generator = torch.Generator().manual_seed(0)
     states = torch.randn(tokens, hidden, generator=generator)
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    nll = token_stats(head, states, targets)["nll"]
+    nll = token_stats(head, states, targets).nll
     assert nll.shape == (tokens,) and bool(torch.isfinite(nll).all())
     assert max(rows_seen) * vocab * 4 <= HEAD_CHUNK_BYTES["cpu"] < tokens * vocab * 4
     assert sum(rows_seen) == tokens

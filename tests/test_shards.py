@@ -37,9 +37,9 @@ def test_each_piece_names_its_task_and_its_row_of_where_it_ran():
 
     assert (WHOLE.named(), WHOLE.row()) == ("", None)
     assert Windows(16, 32).named() == "-windows-16-31" and Windows(16, 32).bounds == (16, 32)
-    assert Windows(16, 32).row() == {"windows": [16, 32], "worker": worker()}
+    assert Windows(16, 32).row().as_record() == {"windows": [16, 32], "worker": worker()}
     assert Sample((5, 2, 9)).named() == "-sample-of-3-from-window-5"
-    assert Sample((5, 2, 9)).row() == {"sample": [5, 2, 9], "worker": worker()}
+    assert Sample((5, 2, 9)).row().as_record() == {"sample": [5, 2, 9], "worker": worker()}
 
 
 @pytest.mark.parametrize("mode, bos, shards", [("sliding", "none", 3), ("sliding", "window", 2), ("sliding", "stream", 5),

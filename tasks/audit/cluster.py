@@ -11,6 +11,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from urllib.parse import urlparse
 
+from tasks.audit.cluster_said import dask_workers, ray_nodes
 from tasks.config import Runner
 from tasks.core.errors import InputError, one_line
 
@@ -65,8 +66,7 @@ def _dask_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[
 
     with Client(address, timeout=CONNECT_SECONDS * 6, set_as_default=False) as client:
         looked = client.run(_look, paths, api)
-        offered = {worker: info.get("resources", {}).get("GPU", 0)
-                   for worker, info in client.scheduler_info()["workers"].items()}
+        offered = {worker.address: worker.gpus for worker in dask_workers(client.scheduler_info())}
     return {worker: (*looked[worker], offered.get(worker, 0)) for worker in looked}
 
 
@@ -99,11 +99,10 @@ def _ray_workers(address: str, paths: list[str], api: tuple[str, int]) -> dict[s
     connect_ray(address, logging_level="ERROR", log_to_driver=False)
     try:
         look = ray.remote(num_cpus=0)(_look)
-        nodes = [node for node in ray.nodes() if node["Alive"]]
-        on = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in nodes]
+        nodes = [node for node in ray_nodes(ray.nodes()) if node.alive]
+        on = [NodeAffinitySchedulingStrategy(node.node_id, soft=False) for node in nodes]
         looked = ray.get([look.options(scheduling_strategy=strategy).remote(paths, api) for strategy in on])
-        return {f"ray node {node['NodeManagerAddress']}": (*seen, node["Resources"].get("GPU", 0))
-                for node, seen in zip(nodes, looked)}
+        return {f"ray node {node.address}": (*seen, node.gpus) for node, seen in zip(nodes, looked)}
     finally:
         ray.shutdown()
 
@@ -182,6 +181,6 @@ def worker() -> str:
 
         context = ray.get_runtime_context() if ray.is_initialized() else None
         if context is not None and context.get_task_id() is not None:
-            node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
-            return f"ray node {node['NodeManagerAddress']} (pid {os.getpid()})"  # as the node was started
+            node = next(n for n in ray_nodes(ray.nodes()) if n.node_id == context.get_node_id())
+            return f"ray node {node.address} (pid {os.getpid()})"  # as the node was started
     return f"{socket.gethostname()} (pid {os.getpid()})"

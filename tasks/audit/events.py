@@ -70,7 +70,6 @@ def event_config(config: AuditConfig, model_path: str, method: str | None = None
                                                                if k == variant.name}})
                for domain, gate in thresholds.per_corpus.items()}
     update = {"variants": [variant], "thresholds": thresholds.model_copy(update={"per_variant": gates,
-                                                                                 "per_corpus": domains})}
-    if baseline:
-        update["baseline"] = config.baseline.model_copy(update={"path": baseline})
+                                                                                 "per_corpus": domains})} \
+        | ({"baseline": config.baseline.model_copy(update={"path": baseline})} if baseline else {})
     return parse(AuditConfig, config.model_copy(update=update).model_dump(), "quantization.completed event"), why

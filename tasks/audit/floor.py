@@ -15,9 +15,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 from tasks.audit.checkpoints import Checkpoint, Lineup
+from tasks.audit.floor_kept_said import EXTRA, FloorScores, KeptFloor
 from tasks.audit.reference import save_scores
 from tasks.config import VariantSpec, floor_name
 from tasks.core import sealed
@@ -69,10 +68,12 @@ def stored_floor(baseline: VariantResult, name: str) -> VariantResult | None:
     if folder is None or not (folder / ENTRY).is_file():
         return None
     try:
-        entry = json.loads((folder / ENTRY).read_text())
-        problem = sealed.damage(entry, f"noise floor {name}", {"format": FLOOR_FORMAT, "name": name,
-                                                                 "reference": baseline.reference.key}) \
-            or sealed.files_damage(folder, entry["files"], (SCORES,))
+        raw = json.loads((folder / ENTRY).read_text())
+        problem = sealed.damage(raw, f"noise floor {name}", {"format": FLOOR_FORMAT, "name": name,
+                                                               "reference": baseline.reference.key})
+        if problem is None:  # sealed as written: it holds every key
+            entry = KeptFloor.of_json(raw)
+            problem = sealed.files_damage(folder, entry.files, (SCORES,))
         if problem is None:
             return replace(_read(folder, entry), reference=ReferenceSaid("reused", baseline.reference.key,
                                                                          str(folder)))
@@ -84,14 +85,12 @@ def stored_floor(baseline: VariantResult, name: str) -> VariantResult | None:
     return None
 
 
-def _read(folder: Path, entry: dict) -> VariantResult:
-    with np.load(folder / SCORES) as arrays:
-        scores = {name: arrays[name] for name in arrays.files}
-    extra = {name.removeprefix("extra."): array for name, array in scores.items() if name.startswith("extra.")}
-    result = PerplexityResult(**entry["result"], token_nll=scores["token_nll"], window_nll=scores["window_nll"],
-                              window_tokens=scores["window_tokens"], extra=extra)
-    return VariantResult(entry["name"], entry["method"], "ok", result=result, facts=VariantFacts(**entry["facts"]),
-                         divergence=Divergence(**entry["divergence"]) if entry["divergence"] else None)
+def _read(folder: Path, entry: KeptFloor) -> VariantResult:
+    scores = FloorScores.read(folder / SCORES)
+    result = PerplexityResult(**entry.result, token_nll=scores.token_nll, window_nll=scores.window_nll,
+                              window_tokens=scores.window_tokens, extra=scores.extra)
+    return VariantResult(entry.name, entry.method, "ok", result=result, facts=VariantFacts(**entry.facts),
+                         divergence=Divergence(**entry.divergence) if entry.divergence else None)
 
 
 def store(baseline: VariantResult, outcome: VariantResult) -> str | None:
@@ -106,7 +105,7 @@ def store(baseline: VariantResult, outcome: VariantResult) -> str | None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         save_scores(staging / SCORES, token_nll=result.token_nll, window_nll=result.window_nll,
-                    window_tokens=result.window_tokens, **{f"extra.{k}": v for k, v in result.extra.items()})
+                    window_tokens=result.window_tokens, **{f"{EXTRA}{k}": v for k, v in result.extra.items()})
         # as JSON gives it back (numpy scalars as numbers), so that the digest sealed is the digest read
         entry = sealed.seal(json.loads(json.dumps({
             "format": FLOOR_FORMAT, "name": outcome.name, "method": outcome.method, "reference": baseline.reference.key,

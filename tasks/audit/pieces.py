@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from tasks.audit.cluster import worker
 from tasks.record.results import VariantResult
+from tasks.record.shard_said import ShardSaid
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,7 @@ class Whole:
     """Every window of the audit, as one result (a sequential run: in its seeded order, stopping itself once its
     verdict is settled)."""
 
-    def row(self) -> dict | None:
+    def row(self) -> ShardSaid | None:
         return None
 
     def named(self) -> str:
@@ -32,8 +33,8 @@ class Windows:
     def bounds(self) -> tuple[int, int]:
         return self.first, self.stop
 
-    def row(self) -> dict:
-        return {"windows": [self.first, self.stop], "worker": worker()}
+    def row(self) -> ShardSaid:
+        return ShardSaid(worker(), windows=self.bounds)
 
     def named(self) -> str:
         return f"-windows-{self.first}-{self.stop - 1}"
@@ -45,8 +46,8 @@ class Sample:
 
     windows: tuple[int, ...]
 
-    def row(self) -> dict:
-        return {"sample": [int(w) for w in self.windows], "worker": worker()}
+    def row(self) -> ShardSaid:
+        return ShardSaid(worker(), sample=tuple(int(w) for w in self.windows))
 
     def named(self) -> str:
         return f"-sample-of-{len(self.windows)}-from-window-{self.windows[0]}"

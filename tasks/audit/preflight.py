@@ -97,7 +97,8 @@ def preflight(config: AuditConfig, lineup: Lineup, strict: bool = True) -> None:
     check_checkpoint(baseline.model)
     # what the workers of an existing cluster must see: the baseline's files (a variant quantized at load
     # reads them) and its stored references (a variant's KL), and each variant's own files
-    local = {"the baseline": baseline.source, "baseline references": references_dir()}
+    references = references_dir()
+    local = {"the baseline": baseline.source, "baseline references": references}
     for checkpoint in lineup.variants if strict else []:
         spec, model = checkpoint.spec, checkpoint.model
         if checkpoint.problem:  # a variant made here names itself; a checkpoint's files name themselves
@@ -118,7 +119,7 @@ def preflight(config: AuditConfig, lineup: Lineup, strict: bool = True) -> None:
         if spec.kv_cache is not None and (model is not None and Path(model.source).exists() or spec.path is None):
             _check_kv_cache(spec, (model or baseline.model).config)
     if config.runner.address:
-        local["baseline references"].mkdir(parents=True, exist_ok=True)
+        references.mkdir(parents=True, exist_ok=True)
         check_workers(config.runner, {whose: str(path) for whose, path in local.items()
                                       if Path(path).exists()})  # a Hub id: each worker fetches it
 

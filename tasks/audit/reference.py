@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tasks.audit.head_said import save_stored_head, stored_head
 from tasks.audit.manifest import MANIFEST_JSON as MANIFEST  # the file's name, as the references' tests read it
 from tasks.audit.manifest import (DRIFT_TOLERANCE, REFERENCE_FORMAT, Draft, Head, Hidden, Identity, Manifest, Scores,
                                   Slice, Unreadable, created, head_and_softcap, load)
@@ -296,7 +297,7 @@ class Reference:
             states = torch.from_numpy(np.array(hidden[rows])).view(self.dtype)
             batch = BaselineBatch(head, states, softcap, nll[rows], self.tolerance, f"baseline reference {self.key}")
             try:
-                batch.check(token_stats(head, states, targets[rows], softcap)["nll"], 0)
+                batch.check(token_stats(head, states, targets[rows], softcap).nll, 0)
             except DamagedReference:
                 return f"its LM head on its hidden states does not give back its stored NLL (tokens {start}…)"
         return None
@@ -352,10 +353,7 @@ def _head(about: Head, stored: Path, source: str, device: torch.device, dtype: t
     if about.logits is not None:
         return LogitsHead(about.logits)
     if about.stored:
-        from safetensors.torch import load_file
-
-        tensors = load_file(stored)
-        weight, bias = tensors["weight"], tensors.get("bias")
+        weight, bias = stored_head(stored)
     else:
         found = read_head(model_files(source) or Path(source))
         if found is None:
@@ -438,9 +436,7 @@ def lm_head(source: Path, head: torch.nn.Module, staging: Path) -> Head:
     read_back = found is not None and tensor_digest(*(t.to(tensors[0].dtype) for t in found[1:] if t is not None)) \
         == tensor_digest(*tensors)
     if not read_back:
-        from safetensors.torch import save_file
-
-        save_file(dict(zip(("weight", "bias"), (t.cpu().contiguous() for t in tensors))), staging / HEAD)
+        save_stored_head(staging / HEAD, tensors)
     return Head(found[0] if found else "", tensor_digest(*tensors), not read_back)
 
 

@@ -43,6 +43,7 @@ from tasks.models.resolve import Located, device_and_dtype, model_files
 from tasks.models.variants import VariantFacts, cache_format, check_same_tokenizer, load_variant
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
+from tasks.record.shard_said import ShardSaid
 
 
 def score_with_backoff(model, evaluation_: Evaluation, name: str, progress: bool,
@@ -154,14 +155,17 @@ def baseline_identity(checkpoint: Checkpoint, evaluation_: Evaluation) -> tuple[
 @dataclass
 class Lookup:
     """What the stored references say of an audit's baseline before it is loaded: its result and facts when one is
-    ``reused``; else the ``key`` its reference is written under (None: none can be, ``problem`` says why), the
-    ``manifest`` it starts from, the reference a rescore is compared with (``previous``), and, for the record,
-    ``said`` (``baseline_key``, damaged references ``removed``)."""
+    ``reused``; else the ``key`` its reference is written under (None: none can be, ``problem`` says why), what its
+    manifest starts from (the baseline's ``identity``, ``environment`` and ``source``: ``made_from``), the reference a
+    rescore is compared with (``previous``), and, for the record, ``said`` (``baseline_key``, damaged references
+    ``removed``)."""
 
     said: ReferenceSaid
     reused: tuple[PerplexityResult, VariantFacts] | None = None
     key: str | None = None
-    manifest: dict = field(default_factory=dict)
+    identity: dict | None = None
+    environment: dict = field(default_factory=dict)
+    source: str = ""
     previous: reference.Reference | None = None
     problem: str = ""
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # its slices' folder: this audit's own
@@ -178,9 +182,13 @@ class Lookup:
             self.problem = f"could not write the baseline reference in {references_dir()}: {error}"
             return None
 
+    def made_from(self, facts: dict) -> dict:
+        """What its reference's manifest is made from (``reference.Draft``), with the baseline's load ``facts``."""
+        return {"identity": self.identity, "environment": self.environment, "source": self.source, "facts": facts}
+
     def scored(self, result: PerplexityResult) -> ReferenceSaid:
         """What the record says of a baseline scored to ``result`` before its reference is put in place."""
-        drift = None if self.previous is None else reference.drift(self.previous, result, self.manifest["environment"])
+        drift = None if self.previous is None else reference.drift(self.previous, result, self.environment)
         return replace(self.said, baseline="scored", key=None, drift=drift, problem=self.problem or None)
 
     def publish(self, write, said: ReferenceSaid) -> ReferenceSaid:
@@ -209,7 +217,7 @@ def look_up(checkpoint: Checkpoint, evaluation_: Evaluation) -> Lookup:
         facts.worker = worker()
         return Lookup(replace(said, baseline="reused", key=reuse.key, path=str(reuse.folder)), reused=(result, facts))
     return Lookup(said, key=reference.key_of(identity, environment), previous=previous,
-                  manifest={"identity": identity, "environment": environment, "source": str(folder)})
+                  identity=identity, environment=environment, source=str(folder))
 
 
 def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: bool
@@ -227,7 +235,7 @@ def _score_baseline(checkpoint: Checkpoint, evaluation_: Evaluation, progress: b
     with ExitStack() as stack:
         writer = found.writer(stack, scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode))
         result = perplexity_with_backoff(model, evaluation_, checkpoint.spec.name, progress, keep_hidden=writer)
-        manifest = found.manifest | {"facts": facts.summary(), "softcap": softcap(model)}
+        manifest = found.made_from(facts.summary()) | {"softcap": softcap(model)}
         said = found.publish(lambda replace: writer.publish(found.key, manifest, result, model.get_output_embeddings(),
                                                             replace), found.scored(result))
     return result, facts, said
@@ -259,7 +267,7 @@ def _baseline_slice(checkpoint: Checkpoint, evaluation_: Evaluation, lookup: Loo
             return part, facts, ReferenceSaid(problem=lookup.problem) if lookup.problem else None
         try:
             head = None if windows[0] else reference.head_entry(
-                Path(lookup.manifest["source"]), model.get_output_embeddings(), writer.staging) | {"softcap": softcap(model)}
+                Path(lookup.source), model.get_output_embeddings(), writer.staging) | {"softcap": softcap(model)}
             out = slices_dir(lookup) / f"windows-{windows[0]}-{windows[1] - 1}-{uuid.uuid4().hex[:8]}"
             return part, facts, ReferenceSaid(key=lookup.key, slice=str(writer.seal(head, out)))
         except OSError as error:
@@ -280,7 +288,7 @@ def join_reference(lookup: Lookup, baseline: VariantResult, shards: list[Variant
         if problem or lookup.problem:
             return replace(said, problem=problem or lookup.problem)
         targets = scored_targets(evaluation_.stream, settings.window, settings.stride, settings.mode)
-        manifest = lookup.manifest | {"facts": baseline.facts.summary()}
+        manifest = lookup.made_from(baseline.facts.summary())
         with reference.building() as scratch:
             staging = scratch / lookup.key
             staging.mkdir()
@@ -405,9 +413,9 @@ def _refused(problem: str) -> Failure:
     return Failure(one_line(InputError(problem)))
 
 
-def _done(rows: tuple[dict, ...], part: Part) -> tuple[dict, ...]:
+def _done(rows: tuple[ShardSaid, ...], part: Part) -> tuple[ShardSaid, ...]:
     """A piece's row (none for a whole model) with what it scored."""
-    return tuple(row | {"tokens": int(part.scores.window_tokens.sum()), "seconds": part.wall_seconds} for row in rows)
+    return tuple(replace(row, tokens=int(part.scores.window_tokens.sum()), seconds=part.wall_seconds) for row in rows)
 
 
 def _variant(checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evaluation, against: Against, piece: Piece,
@@ -522,9 +530,8 @@ def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> Varian
     """One variant's outcome from its shards' (in window order): their parts combined into one result
     (``tasks.engine.perplexity.combine``: bit for bit what one worker scoring every window gives), every worker named.
     It fails, with the first failed shard's reason, when a shard failed."""
-    first = shards[0]
-    known = {"manifest": first.manifest, "facts": first.facts, "divergence": first.divergence,
-             "shards": tuple(row for s in shards for row in s.shards),
+    first, rows = shards[0], tuple(row for s in shards for row in s.shards)
+    known = {"manifest": first.manifest, "facts": first.facts, "divergence": first.divergence, "shards": rows,
              # a task that raised before it started (e.g. on a worker that cannot reach
              # Prefect's API) has no times
              "started": min((s.started for s in shards if s.started), default=None),
@@ -538,6 +545,6 @@ def merge_shards(shards: list[VariantResult], evaluation_: Evaluation) -> Varian
     result = attempt(lambda: result_of_parts([shard.part for shard in shards], evaluation_, first.name))
     if isinstance(result, Failure):
         return VariantResult.failed(first.name, first.method, result.reason, result.retry_elsewhere, **known)
-    workers = ", ".join(dict.fromkeys(row["worker"] for row in known["shards"]))
+    workers = ", ".join(dict.fromkeys(row.worker for row in rows))
     return VariantResult(first.name, first.method, "ok", result=result, **known | {"facts": replace(first.facts,
                                                                                                   worker=workers)})

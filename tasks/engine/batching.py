@@ -19,6 +19,7 @@ import torch
 from tasks.core import sealed
 from tasks.core.files import write_atomically
 from tasks.core.places import cache_dir
+from tasks.engine.batch_sizes_said import BatchSizes
 from tasks.engine.kv_cache import KVCacheFormat
 from tasks.engine.model_facts import input_device
 from tasks.engine.perplexity import score_windows
@@ -42,13 +43,12 @@ def _known(file: Path) -> dict[str, int]:
         return {}
     entry = sealed.read_entry(file)
     problem = sealed.damage(entry, "its content")
-    if problem is None and not (isinstance(entry.get("sizes"), dict) and all(
-            isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in entry["sizes"].values())):
-        problem = "it holds a batch size that is not a positive whole number"
-    if problem:
-        sealed.warn_remade("batch size cache", file, problem, "the sizes are searched again")
+    found = None if problem else BatchSizes.of_json(entry)
+    if found is None:
+        sealed.warn_remade("batch size cache", file, problem or "it holds a batch size that is not a positive whole "
+                           "number", "the sizes are searched again")
         return {}
-    return entry["sizes"]
+    return found.sizes
 
 
 def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: str = "sliding", cap: int = 64,
@@ -82,5 +82,5 @@ def auto_batch_size(model, stream: TokenStream, window: int, stride: int, mode: 
         torch.cuda.empty_cache()
     known[key] = best
     file.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(file, json.dumps(sealed.seal({"sizes": known}), indent=1))
+    write_atomically(file, json.dumps(sealed.seal(BatchSizes(known).to_json()), indent=1))
     return best

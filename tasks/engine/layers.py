@@ -190,8 +190,8 @@ def layer_errors(baseline, variant, feed: Feed, windows: list[Window]) -> LayerE
         errors.embeddings.tokens += tokens
         stats = token_stats(head, base_final, targets.to(base_final.device), softcap,
                             reference=BaselineBatch(base_head, base_final, base_softcap), stream_tokens=len(feed.ids))
-        errors.head_kl_sum += float(stats["kl"].sum())
-        errors.head_top1_sum += float(stats["top1"].double().sum())
+        errors.head_kl_sum += float(stats.kl.sum())
+        errors.head_top1_sum += float(stats.top1.double().sum())
         errors.tokens += tokens
     return errors
 
@@ -335,8 +335,8 @@ def _changed_scores(variant, changes: list, feed: Feed, windows: list[Window], a
                 stats = token_stats(head, hidden, targets.to(hidden.device), softcap,
                                     reference=dataclasses.replace(reference, hidden=reference.hidden.to(hidden.device)),
                                     stream_tokens=len(feed.ids))
-                nll[slots] = stats["nll"].double().cpu()
-                kl[slots] = stats["kl"].double().cpu()
+                nll[slots] = stats.nll.double().cpu()
+                kl[slots] = stats.kl.double().cpu()
                 bar.update(len(batch))
     return scores
 

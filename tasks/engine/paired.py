@@ -162,7 +162,7 @@ def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, varia
     rms = math.sqrt(squares.value)
     summary |= cluster_mean(dp, window_tokens).as_dict("dp_mean") | _spread(dp, "dp", DP_PERCENTILES)
     summary |= {"dp_rms": rms, "dp_rms_stderr": squares.stderr / (2 * rms) if rms else math.nan}
-    summary["token_lnppl_correlation"] = float(np.corrcoef(base, variant)[0, 1]) if len(base) > 1 else math.nan
+    summary |= {"token_lnppl_correlation": float(np.corrcoef(base, variant)[0, 1]) if len(base) > 1 else math.nan}
     if "base_top_p" in extra:  # the share of all tokens that are confident flips, its interval on the logit scale
         flips = (np.asarray(extra["base_top_p"], np.float64) >= CONFIDENT) & ~np.asarray(extra["top1"], bool)
         summary |= share_mean(flips.astype(np.float64), window_tokens).as_dict("confident_flip_rate")

@@ -135,9 +135,37 @@ def head_chunk_bytes(device: torch.device) -> int:
     return HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["cpu"])
 
 
+@dataclass(frozen=True)
+class TokenStats:
+    """``token_stats``'s per-token figures, each ``[T]``, by the names ``WindowScores.extra`` keeps them under: ``nll``
+    (float32, or float64 for a float64 model); measured against a baseline, ``kl`` (KL(base‖variant)), ``kl_reverse``
+    (KL(variant‖base)), ``top1`` (same most likely token), ``base_top`` and ``top`` (each model's most likely token),
+    ``base_top_p`` (the baseline's probability of its own) and ``base_right`` (the baseline's most likely token is the
+    target); with ``BaselineBatch.llama_kld`` also ``kl_llama`` (KL as llama-perplexity estimates it). None: not
+    measured."""
+
+    nll: torch.Tensor
+    kl: torch.Tensor | None = None
+    kl_reverse: torch.Tensor | None = None
+    top1: torch.Tensor | None = None
+    base_top: torch.Tensor | None = None
+    top: torch.Tensor | None = None
+    base_top_p: torch.Tensor | None = None
+    base_right: torch.Tensor | None = None
+    kl_llama: torch.Tensor | None = None
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        """The figures measured, by name, ``nll`` first."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+    def on_host(self) -> TokenStats:
+        """Its figures being copied to the host (asynchronously: ``_to_host``)."""
+        return TokenStats(**{name: value.to("cpu", non_blocking=True) for name, value in self.figures().items()})
+
+
 def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
                 chunk_bytes: int | None = None, reference: BaselineBatch | None = None,
-                stream_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                stream_tokens: int | None = None) -> TokenStats:
     """Per-token NLL (and divergence from the baseline), running the LM head in chunks of rows.
 
     Args:
@@ -152,11 +180,7 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
             (``divergence_kernel``); default ``T``.
 
     Returns:
-        ``nll`` ``[T]`` (float32, or float64 for a float64 model); with ``reference`` also ``kl``
-        (KL(base‖variant)), ``kl_reverse`` (KL(variant‖base)), ``top1`` (same most likely token), ``base_top`` and
-        ``top`` (each model's most likely token), ``base_top_p`` (the baseline's probability of its own) and
-        ``base_right`` (the baseline's most likely token is the target); with ``reference.llama_kld`` also ``kl_llama``
-        (KL as llama-perplexity estimates it).
+        ``nll``; with ``reference`` also its divergence from the baseline (``TokenStats``).
     """
     rows = _chunk_rows(head, chunk_bytes or head_chunk_bytes(hidden.device))
     nll = _fused_nll if hidden.is_cuda else _nll
@@ -172,12 +196,12 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
             base_logits = reference.head(reference.hidden[start:stop]).to(logits.device)
             parts |= measure(logits, base_logits, target, softcap, reference.softcap)
             if reference.llama_kld:
-                parts["kl_llama"] = divergence.as_llama_perplexity(_upcast(base_logits, reference.softcap),
-                                                                   _upcast(logits, softcap))
+                parts |= {"kl_llama": divergence.as_llama_perplexity(_upcast(base_logits, reference.softcap),
+                                                                     _upcast(logits, softcap))}
             reference.check(parts.pop("base_nll"), start)
         for key, value in parts.items():
             out.setdefault(key, []).append(value)
-    return {key: torch.cat(values) for key, values in out.items()}
+    return TokenStats(**{key: torch.cat(values) for key, values in out.items()})
 
 
 @dataclass
@@ -256,18 +280,20 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _to_host(stats: dict[str, torch.Tensor], device: torch.device):
-    """Start copying a batch's per-token results to the host; returns them and an event to wait on.
+def _to_host(stats: TokenStats, hidden: torch.Tensor | None, device: torch.device):
+    """Start copying a batch's per-token results (and its ``hidden`` states, where they are kept) to the host;
+    returns them and an event to wait on.
 
     On CUDA the copies go to pinned memory asynchronously, so the next batch is queued before these
     results are read (``store`` then waits for this batch alone).
     """
-    host = {key: value.to("cpu", non_blocking=True) for key, value in stats.items()}
+    host = stats.on_host()
+    kept = None if hidden is None else hidden.to("cpu", non_blocking=True)
     copied = None
     if device.type == "cuda":
         copied = torch.cuda.Event()
         copied.record()
-    return host, copied
+    return host, kept, copied
 
 
 def hidden_states(model, input_ids: torch.Tensor, mask: torch.Tensor | None, row_index, columns,
@@ -316,22 +342,22 @@ def score_windows(model, feed: Feed, windows: list[Window], options: ScoreOption
     prefix_ids = torch.tensor(feed.prefix, dtype=torch.long)
     progress = Progress([], {}, counts, feed.batch_size)
 
-    def store(batch: list[Window], slots: torch.Tensor, host: dict[str, torch.Tensor], copied) -> None:
+    def store(batch: list[Window], slots: torch.Tensor, host: TokenStats, kept: torch.Tensor | None, copied) -> None:
         if copied is not None:
             copied.synchronize()
-        if "hidden" in host:
-            keep_hidden(slots, host.pop("hidden"))
-        for w, part in zip(batch, host["nll"].split([w.n_scored for w in batch])):
+        if kept is not None:
+            keep_hidden(slots, kept)
+        for w, part in zip(batch, host.nll.split([w.n_scored for w in batch])):
             window_nll[w.index] = part.double().sum()
         if until is not None:
             progress.order += [w.index for w in batch]
-            for key, value in host.items():
+            for key, value in host.figures().items():
                 if key not in PROGRESS_FIGURES:
                     continue
                 sums = progress.sums.setdefault(key, torch.zeros(len(counts), dtype=torch.float64))
                 for w, part in zip(batch, value.split([w.n_scored for w in batch])):
                     sums[w.index] = part.double().sum()
-        for key, value in host.items():
+        for key, value in host.figures().items():
             if key not in arrays:
                 # at least float32 (a bf16 model's figures are float32); a float64 model's stay float64
                 dtype = torch.promote_types(value.dtype, torch.float32) if value.is_floating_point() else value.dtype
@@ -357,11 +383,9 @@ def score_windows(model, feed: Feed, windows: list[Window], options: ScoreOption
                                         reference.tolerance, reference.source, reference.llama_kld)
             stats = token_stats(head, hidden, _to_device(targets, hidden.device), softcap, reference=against,
                                 stream_tokens=len(feed.ids))
-            if keep_hidden is not None:
-                stats["hidden"] = hidden
             if pending is not None:
                 store(*pending)
-            pending = (batch, slots, *_to_host(stats, hidden.device))
+            pending = (batch, slots, *_to_host(stats, hidden if keep_hidden is not None else None, hidden.device))
             abandon.check()
             if until is not None:  # judged on this batch before the next is queued: none is scored for nothing
                 store(*pending)
@@ -432,8 +456,9 @@ def _per_unit_ppl(nll_sum: float, units: int, unit: str, absent: dict[str, str])
     return math.exp(nll_sum / units)
 
 
-def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityResult:
-    """Turn sums into the corpus figures: every mean is one sum divided once by one count."""
+def summarize(scores: WindowScores, stream: TokenStream, *, mode: str, **facts) -> PerplexityResult:
+    """Turn sums into the corpus figures: every mean is one sum divided once by one count; ``mode`` says which
+    text the stream's bytes and words were counted for, and ``facts`` the rest of what it took."""
     nll = scores.token_nll.double()
     n = int(scores.window_tokens.sum())
     nll_sum = float(scores.window_nll.sum())
@@ -444,7 +469,7 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
     variance = float(((nll - mean) ** 2).sum()) / (n - 1) if n > 1 else float("nan")
     stderr = math.sqrt(variance / n)
     ppl = math.exp(mean)
-    n_bytes, n_words = (stream.n_bytes, stream.n_words) if stream.counted_for == facts["mode"] else (0, 0)
+    n_bytes, n_words = (stream.n_bytes, stream.n_words) if stream.counted_for == mode else (0, 0)
     absent: dict[str, str] = {}
     sampled = scores.windows is not None
     if sampled:  # the stream's bytes and words are not those of the windows scored
@@ -461,7 +486,8 @@ def summarize(scores: WindowScores, stream: TokenStream, **facts) -> PerplexityR
         scored_windows=scores.windows.numpy() if sampled else None,
         bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
         token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
-        window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, **facts,
+        window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, mode=mode,
+        **facts,
     )
 
 

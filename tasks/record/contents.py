@@ -121,7 +121,7 @@ def _entry(config: AuditConfig, outcome: VariantResult, row: ModelRow, verdict: 
              "ended": outcome.ended}
             | ({"arrays": arrays} if arrays else {})
             # where each slice of its windows ran, and any try that failed before
-            | ({"shards": list(outcome.shards)} if outcome.shards else {})
+            | ({"shards": [row.as_record() for row in outcome.shards]} if outcome.shards else {})
             # the order's seed, how much was scored, the bounds at a stop
             | ({"sequential": outcome.sequential.as_record()} if outcome.sequential else {})
             | ({"where": findings.where[outcome.name]} if outcome.name in findings.where else {})

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.sequential_said import SequentialSaid
+from tasks.record.shard_said import ShardSaid
 
 if TYPE_CHECKING:
     from tasks.engine.perplexity import Part, PerplexityResult
@@ -33,7 +34,7 @@ class VariantResult:
     divergence: Divergence | None = None
     reference: ReferenceSaid | None = None
     part: Part | None = field(default=None, repr=False)  # a shard's windows, before they are merged
-    shards: tuple[dict, ...] = ()  # per shard: windows, tokens, worker, seconds
+    shards: tuple[ShardSaid, ...] = ()  # per task that scored a piece of it: where it ran, what it scored
     sequential: SequentialSaid | None = None
     retry_elsewhere: bool = False  # failed in a way another worker may not (out of memory, a crash)
     started: float | None = None  # epoch seconds: when it began and ended (quantizing and loading included)
