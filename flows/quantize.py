@@ -16,6 +16,7 @@ from flows.answers import failed
 from flows.notify import announcement
 from tasks.audit.served import Policy, Refused
 from tasks.models.quantize_request import QuantizeRequest, open_quantize
+from tasks.models.quantize_said import ManifestSaid
 from tasks.steps import quantize_model
 
 
@@ -40,5 +41,5 @@ def quantize_flow(request: QuantizeRequest) -> dict:
     manifest = quantize_model(request)
     emit_event(**announcement(Path(request.out), {
         "method": request.method, "bits": request.bits, "group_size": request.group_size, "baseline": request.model,
-        "calibration_digest": manifest["calibration"]["digest"], "name": request.name}))
+        "calibration_digest": ManifestSaid.of_json(manifest).calibration_digest, "name": request.name}))
     return manifest

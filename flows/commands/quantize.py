@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from flows.quantize import quantize_flow
     from tasks.config import CalibrationConfig, CorpusConfig, parse
     from tasks.models.quantize_request import QuantizeRequest, open_quantize
+    from tasks.models.quantize_said import ManifestSaid
 
     corpus = parse(CorpusConfig, {"source": args.calibration, "column": args.text_column}, "--calibration")
     calibration = parse(CalibrationConfig, {"corpus": corpus, "samples": args.samples, "seq_len": args.seq_len,
@@ -58,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
               "sym": not args.asym, "calibration": calibration, "holdout_tokens": args.holdout_tokens, "out": args.out,
               "name": args.name, "dynamic": _dynamic(args)}
     request = open_quantize(parse(QuantizeRequest, fields, "arguments"))
-    manifest = quantize_flow(request)
+    manifest = ManifestSaid.of_json(quantize_flow(request))
     overrides = f" with {len(request.dynamic)} per-module override{'s' * (len(request.dynamic) != 1)}" \
         if request.dynamic else ""
     print(f"{args.method} {args.bits}-bit g{args.group_size} checkpoint{overrides} in {request.out} "
-          f"({manifest['calibration']['samples']} calibration samples, {manifest['seconds']} s); "
+          f"({manifest.calibration_samples} calibration samples, {manifest.seconds} s); "
           "emitted quantization.completed", file=console.out())
     return 0
 
@@ -74,6 +75,7 @@ def _dynamic(args: argparse.Namespace) -> object:
     import yaml
 
     from tasks.config import yaml_problem
+    from tasks.models.quantize_said import DynamicRecipe
 
     if args.dynamic is None:
         return None
@@ -91,11 +93,12 @@ def _dynamic(args: argparse.Namespace) -> object:
         raise InputError(f"--dynamic: not YAML or JSON ({yaml_problem(error)}); give a mapping such as "
                          "'{\"-:.*lm_head\": {}}' or a file") from None
     if isinstance(given, dict) and "dynamic" in given:  # tune's gptqmodel-dynamic.json
-        for key, flag in (("bits", "--bits"), ("group_size", "--group-size")):
-            if key in given and given[key] != getattr(args, key):
-                raise InputError(f"--dynamic: the recipe is for {key} {given[key]} and the command's {flag} is "
-                                 f"{getattr(args, key)}; give {flag} {given[key]}")
-        given = given["dynamic"]
+        recipe = DynamicRecipe.of_json(given)
+        for key, flag, value in (("bits", "--bits", recipe.bits), ("group_size", "--group-size", recipe.group_size)):
+            if value is not None and value != getattr(args, key):
+                raise InputError(f"--dynamic: the recipe is for {key} {value} and the command's {flag} is "
+                                 f"{getattr(args, key)}; give {flag} {value}")
+        given = recipe.dynamic
     if isinstance(given, str):  # neither a file nor a mapping: most likely a file's name mistyped
         raise InputError(f"--dynamic {given}: no such file, nor a mapping; give tune's gptqmodel-dynamic.json or "
                          "'{\"-:.*lm_head\": {}}'")

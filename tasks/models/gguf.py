@@ -6,6 +6,7 @@ import functools
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,8 @@ def gguf_state_dict(path: Path, model: torch.nn.Module, dtype: torch.dtype) -> d
     architecture = str(header.field("general.architecture"))
     processor = _processor(architecture, model.config)
     names = _gguf_names(model, processor, _name_map(architecture, model.config.num_hidden_layers), "")
-    parsed: dict[str, dict] = {"tensors": {}}  # where a processor puts what it splits or stacks itself
+    tensors: dict[str, torch.Tensor] = {}
+    parsed = {"tensors": tensors}  # as transformers' processors take it: they put what they split or stack there
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         for tensor in header.tensors:
             found = processor.process(weights=_dequantized(header, tensor, pool), name=tensor.name,
@@ -117,8 +119,8 @@ def gguf_state_dict(path: Path, model: torch.nn.Module, dtype: torch.dtype) -> d
             if found.name in names:
                 weights = np.asarray(found.weights)  # a float tensor stored as it is: a read-only view of the file
                 weights = weights if weights.flags.writeable else weights.copy()
-                parsed["tensors"][names[found.name]] = torch.from_numpy(weights).to(dtype)
-    return parsed["tensors"]
+                tensors[names[found.name]] = torch.from_numpy(weights).to(dtype)
+    return tensors
 
 
 def _dequantized(header, tensor: TensorInfo, pool: ThreadPoolExecutor) -> np.ndarray:
@@ -157,10 +159,31 @@ def _dequantized(header, tensor: TensorInfo, pool: ThreadPoolExecutor) -> np.nda
     return out.reshape(quant_shape_from_byte_shape(data.shape, tensor.tensor_type))
 
 
-def gguf_facts(path: Path) -> dict:
-    """A GGUF file's quantization: its file type as llama.cpp names it (``Q4_K_M``), the count of tensors of
-    each type, bits per weight over all its tensors (how llama.cpp reports a file's size), and, where it was
-    quantized with an importance matrix, over how many chunks of text (``imatrix_chunks``; labelled ``imatrix``)."""
+@dataclass(frozen=True)
+class GgufFacts:
+    """A GGUF file's quantization: its file type as llama.cpp names it (``Q4_K_M``), the count of tensors of each
+    type (most first), bits per weight over all its tensors (how llama.cpp reports a file's size), and, where it was
+    quantized with an importance matrix, over how many chunks of text (None: without one)."""
+
+    file_type: str
+    tensor_types: dict[str, int]
+    bits_per_weight: float
+    imatrix_chunks: int | None
+
+    @property
+    def label(self) -> str:
+        """What the table calls it: ``gguf Q4_K_M``, ``gguf Q4_K_M imatrix``."""
+        return f"gguf {self.file_type}" + (" imatrix" if self.imatrix_chunks is not None else "")
+
+    def record(self) -> dict:
+        """As the record and MLflow keep it (``imatrix_chunks`` only where there is one)."""
+        chunks = {} if self.imatrix_chunks is None else {"imatrix_chunks": self.imatrix_chunks}
+        return {"file_type": self.file_type, "tensor_types": dict(self.tensor_types),
+                "bits_per_weight": self.bits_per_weight, "label": self.label} | chunks
+
+
+def gguf_file_facts(path: Path) -> GgufFacts:
+    """The quantization of the GGUF file ``path``, from its header."""
     from gguf import LlamaFileType
 
     header = read_header(path)
@@ -172,9 +195,12 @@ def gguf_facts(path: Path) -> dict:
         file_type = LlamaFileType(int(field)).name.removeprefix("MOSTLY_").removeprefix("ALL_")  # ALL_F32: F32
     else:  # older files: the type most of the weights have
         file_type = max((n, name) for name, n in types.items() if name not in ("F32", "F16"))[1]
-    facts = {"file_type": file_type, "tensor_types": dict(types.most_common()),
-             "bits_per_weight": round(8 * stored / weights, 3), "label": f"gguf {file_type}"}
-    chunks = header.field("quantize.imatrix.chunks_count")
-    if chunks is not None:  # llama-quantize writes what importance matrix it quantized with into the file
-        facts |= {"imatrix_chunks": int(chunks), "label": f"gguf {file_type} imatrix"}
-    return facts
+    chunks = header.field("quantize.imatrix.chunks_count")  # llama-quantize writes what importance matrix it used
+    return GgufFacts(file_type=file_type, tensor_types=dict(types.most_common()),
+                     bits_per_weight=round(8 * stored / weights, 3),
+                     imatrix_chunks=None if chunks is None else int(chunks))
+
+
+def gguf_facts(path: Path) -> dict:
+    """``gguf_file_facts`` as the record keeps them."""
+    return gguf_file_facts(path).record()

@@ -180,13 +180,29 @@ def tensor_data(header: Header, tensor: TensorInfo) -> np.ndarray:
     return raw.reshape(*tensor.shape[:-1], tensor.shape[-1] // block * block_bytes)
 
 
+@dataclass(frozen=True)
+class HeaderConfig:
+    """The transformers config a GGUF header gives: the model type it names (``model_type``) and the whole config, as
+    ``from_dict`` takes it."""
+
+    model_type: str
+    values: dict
+
+
 def config_dict(header: Header) -> dict | None:
+    """The transformers config of the model the file holds, as a dict (``header_config``); None where transformers
+    builds it itself."""
+    found = header_config(header)
+    return None if found is None else found.values
+
+
+def header_config(header: Header) -> HeaderConfig | None:
     """The transformers config of the model the file holds, built as transformers' GGUF loader builds it
     (``load_gguf_checkpoint``: its name maps, defaults and tied head) for the architectures it maps by name alone;
     None for those it builds with code of its own (t5, stablelm, gemma3/4, lfm2, gpt-oss, minimax, MoE Qwens):
     their config is left to transformers."""
-    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, GGUF_TO_TRANSFORMERS_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     architecture = str(header.field("general.architecture"))
     name = str(header.field("general.name", ""))
@@ -201,7 +217,7 @@ def config_dict(header: Header) -> dict | None:
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}
                                                        ).items():
         config.setdefault(key, value)
-    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    renames = GGUF_CONFIG_MAPPING  # what GGUF_TO_TRANSFORMERS_MAPPING's "config" is
     for key, value in header.fields.items():
         prefix, _, config_key = key.replace(architecture, updated).partition(".")
         renamed = renames.get(prefix, {}).get(config_key)
@@ -209,11 +225,11 @@ def config_dict(header: Header) -> dict | None:
             continue
         value = _plain(value)
         config[renamed] = value.replace(architecture, updated) if isinstance(value, str) else value
-    if "vocab_size" not in config:
-        tokens = header.field("tokenizer.ggml.tokens")
-        if tokens is not None:
-            config["vocab_size"] = tokens.count if isinstance(tokens, Strings) else len(tokens)
-    return config
+    tokens = header.field("tokenizer.ggml.tokens")
+    if tokens is not None:  # its size, where no field says it
+        config.setdefault("vocab_size", tokens.count if isinstance(tokens, Strings) else len(tokens))
+    # its general.architecture, renamed model_type as the rest, is the architecture transformers loads
+    return HeaderConfig(model_type=updated, values=config)
 
 
 def _plain(value):

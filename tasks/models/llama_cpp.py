@@ -31,7 +31,9 @@ import torch
 from tasks.core.errors import InputError
 from tasks.core.files import file_digest, once_per_file_state
 from tasks.engine.logits_head import LogitsHead
-from tasks.models import llama_cpp_worker as wire
+from tasks.models import llama_cpp_worker
+from tasks.models.llama_cpp_said import (Answer, Close, Detokenize, Done, Failed, Open, Opened, Request, Score, Tokenize,
+                                       Tokenized, receive, reply_of, send)
 
 SETUP = "bash .ci/llama-cpp"  # builds llama.cpp once per machine and installs its bindings into .venv
 CLOSE_SECONDS = 2.0  # a worker asked to close gets this long before it is killed
@@ -72,10 +74,8 @@ def cache_types() -> list[str]:
 
 def file_types() -> dict[str, int]:
     """The file types llama.cpp's quantizer makes, as llama-quantize names them (``Q4_K_M``, ``Q8_0``, ``F32``)."""
-    found = {name.removeprefix("MOSTLY_"): value for name, value in _constants("LLAMA_FTYPE_").items()
-             if name.startswith("MOSTLY_") or name == "ALL_F32"}
-    found["F32"] = found.pop("ALL_F32")
-    return found
+    return {"F32" if name == "ALL_F32" else name.removeprefix("MOSTLY_"): value
+            for name, value in _constants("LLAMA_FTYPE_").items() if name.startswith("MOSTLY_") or name == "ALL_F32"}
 
 
 def check_llama_cpp_settings(where: str, type_k: str, type_v: str, file_type: str | None = None) -> None:
@@ -101,20 +101,23 @@ class Process:
     def __init__(self, what: str):
         self.what = what
         self.log = tempfile.NamedTemporaryFile(prefix="llama-cpp-", suffix=".log", delete=False)  # noqa: SIM115
-        self.child = subprocess.Popen([sys.executable, wire.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self.log, env=os.environ | {"PYTHONNOUSERSITE": "1"})
+        self.child = subprocess.Popen([sys.executable, llama_cpp_worker.__file__], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self.log,
+                                      env=os.environ | {"PYTHONNOUSERSITE": "1"})
         self.lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _end, self.child, self.log.name)
 
-    def request(self, header: dict, payload: bytes = b"") -> tuple[dict, bytes]:
+    def request(self, request: Request, answered_by: type[Answer], payload: bytes = b"") -> tuple[Answer, bytes]:
+        """``request``'s reply (of the kind ``answered_by``) and its payload; a failure raised in one line."""
         with self.lock:
             try:
-                wire.send(self.child.stdin, header, payload)
-                reply, data = wire.receive(self.child.stdout)
+                send(self.child.stdin, request, payload)
+                header, data = receive(self.child.stdout)
             except (EOFError, BrokenPipeError, OSError):
-                raise RuntimeCrash(self._crash(header["op"])) from None
-        if not reply.pop("ok"):
-            raise RuntimeError(f"llama.cpp ({self.what}): {reply['error']}")
+                raise RuntimeCrash(self._crash(request.op)) from None
+        reply = reply_of(header, answered_by)
+        if isinstance(reply, Failed):
+            raise RuntimeError(f"llama.cpp ({self.what}): {reply.error}")
         return reply, data
 
     def _crash(self, op: str) -> str:
@@ -141,7 +144,7 @@ def _end(child: subprocess.Popen, log: str) -> None:
     try:
         if child.poll() is None:
             try:
-                wire.send(child.stdin, {"op": "close"})
+                send(child.stdin, Close())
                 child.stdin.close()
             except OSError:
                 pass
@@ -154,7 +157,7 @@ def _end(child: subprocess.Popen, log: str) -> None:
         Path(log).unlink(missing_ok=True)
 
 
-def described(settings, facts: dict | None = None) -> dict:
+def described(settings, facts: Opened | None = None) -> dict:
     """What llama.cpp runs a file with (``LlamaCppSettings``), as the record and MLflow's params keep it; with the
     ``facts`` of the model it opened (``open_model``), what ran: the flash attention llama.cpp chose where ``auto``
     let it (it moves a figure: 1.1% of Q4_K_M's PPL on C headers on a CPU), the context's sizes (``n_ctx``,
@@ -162,11 +165,12 @@ def described(settings, facts: dict | None = None) -> dict:
     otherwise than asked keeps what was asked beside it (``flash_attn_asked: auto``)."""
     asked = {"threads": settings.threads or "default", "batch": settings.batch, "type_k": settings.type_k,
              "type_v": settings.type_v, "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers}
-    ran = dict((facts or {}).get("ran") or {})
-    if not ran:
+    if facts is None or facts.loaded is None:
         return asked
-    ran["batch"] = ran["n_batch"]
-    ran["flash_attn"] = ran["flash_attn"] or "unknown"  # llama.cpp said neither: its log changed
+    took = facts.loaded.ran
+    ran = {"flash_attn": took.flash_attn or "unknown",  # llama.cpp said neither: its log changed
+           "n_ctx": took.n_ctx, "n_batch": took.n_batch, "n_ubatch": took.n_ubatch, "threads": took.threads,
+           "threads_batch": took.threads_batch, "gpu_layers": took.gpu_layers, "batch": took.n_batch}
     return asked | ran | {f"{key}_asked": value for key, value in asked.items() if key in ran and ran[key] != value}
 
 
@@ -193,14 +197,14 @@ class _NoConfig:
 
 class LlamaCppModel(torch.nn.Module):
     """A GGUF file run by llama.cpp, as the engine scores it (``tasks.engine.perplexity.hidden_states`` asks
-    ``scored_logits``). ``facts``: what llama.cpp said of it when it opened."""
+    ``scored_logits``). ``facts``: what llama.cpp said of it when it opened ``path``."""
 
-    def __init__(self, process: Process, facts: dict, settings):
+    def __init__(self, process: Process, facts: Opened, settings, path: Path):
         super().__init__()
         self.process, self.facts, self.settings = process, facts, settings
-        self.name_or_path = facts.get("path", "")
+        self.name_or_path = str(path)
         self.config = _NoConfig()
-        self.head = LogitsHead(facts["n_vocab"])
+        self.head = LogitsHead(facts.n_vocab)
         self.inputs = _Inputs()
 
     @property
@@ -230,9 +234,9 @@ class LlamaCppModel(torch.nn.Module):
             wanted = columns[row_index == i]
             if len(wanted) and not bool((wanted.diff() == 1).all()):
                 raise ValueError("scored columns of a window are not one run")
-            rows.append([int(lengths[i]), int(wanted[0]) if len(wanted) else 0, len(wanted)])
+            rows.append((int(lengths[i]), int(wanted[0]) if len(wanted) else 0, len(wanted)))
             tokens.append(input_ids[i, : int(lengths[i])].to(torch.int32).numpy())
-        _, data = self.process.request({"op": "score", "rows": rows, "n_batch": self.settings.batch},
+        _, data = self.process.request(Score(rows=tuple(rows), n_batch=self.settings.batch), Done,
                                        np.concatenate(tokens).tobytes())
         logits = np.frombuffer(data, dtype=np.float32).reshape(-1, self.head.out_features)
         return torch.from_numpy(logits.copy())
@@ -246,14 +250,13 @@ def open_model(path: Path, name: str, settings, n_ctx: int) -> LlamaCppModel:
     audit's window)."""
     process = Process(f"variant '{name}'")
     try:
-        facts, _ = process.request({"op": "open", "path": str(path), "n_ctx": n_ctx,
-                                    "n_batch": min(settings.batch, n_ctx), "threads": settings.threads,
-                                    "type_k": settings.type_k, "type_v": settings.type_v,
-                                    "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers})
+        facts, _ = process.request(Open(path=str(path), n_ctx=n_ctx, n_batch=min(settings.batch, n_ctx),
+                                        threads=settings.threads, type_k=settings.type_k, type_v=settings.type_v,
+                                        flash_attn=settings.flash_attn, gpu_layers=settings.gpu_layers), Opened)
     except BaseException:
         process.close()
         raise
-    return LlamaCppModel(process, facts | {"path": str(path)}, settings)
+    return LlamaCppModel(process, facts, settings, path)
 
 
 class Tokenizer:
@@ -270,27 +273,24 @@ class Tokenizer:
         self._lock = threading.Lock()
         with self._lock:
             facts = self._start()
-        self.bos_token_id, self.add_bos, self.vocabulary = facts["bos"], facts["add_bos"], facts["n_vocab"]
+        self.bos_token_id, self.add_bos, self.vocabulary = facts.bos, facts.add_bos, facts.n_vocab
         self.digest = f"llama.cpp {version()}:{vocabulary_digest}"
 
-    def _start(self) -> dict:
+    def _start(self) -> Opened:
         """A tokenizer worker for this file (the last one closed): what llama.cpp says of its vocabulary."""
         if self._process is not None:
             self._process.close()
         self._process = Process(f"the tokenizer of {self.path.name}")
-        return self._process.request({"op": "open", "path": str(self.path), "vocab_only": True})[0]
+        return self._process.request(Open(path=str(self.path), vocab_only=True), Opened)[0]
 
     def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False) -> dict:
         ids, offsets = self.encode_with_offsets(text, add_special_tokens)
-        out = {"input_ids": ids}
-        if return_offsets_mapping:
-            out["offset_mapping"] = offsets
-        return _Encoding(out)
+        return _Encoding(ids, offsets if return_offsets_mapping else None)
 
     def encode_with_offsets(self, text: str, add_special: bool) -> tuple[list[int], list[tuple[int, int]]]:
         encoded = text.encode("utf-8")
-        reply, data = self._ask({"op": "tokenize", "add_special": add_special}, encoded)
-        count = reply["count"]
+        reply, data = self._ask(Tokenize(add_special=add_special), Tokenized, encoded)
+        count = reply.count
         both = np.frombuffer(data, dtype=np.int32)
         ids, lengths = both[:count], both[count:]
         return ids.tolist(), _char_offsets(text, encoded, lengths)
@@ -305,15 +305,15 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         """The text of ``ids``: their pieces' bytes joined (a piece may end inside a character), as UTF-8."""
-        return self._ask({"op": "detokenize"}, np.asarray(ids, dtype=np.int32).tobytes())[1].decode("utf-8", "replace")
+        return self._ask(Detokenize(), Done, np.asarray(ids, dtype=np.int32).tobytes())[1].decode("utf-8", "replace")
 
-    def _ask(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+    def _ask(self, request: Request, answered_by: type[Answer], payload: bytes) -> tuple[Answer, bytes]:
         """One request to this file's tokenizer worker, started on first use and kept (an audit decodes tokens by the
         hundred); started again where it has ended (it dies with the thread that started it)."""
         with self._lock:
             if self._process is None or self._process.child.poll() is not None:
                 self._start()
-            return self._process.request(header, payload)
+            return self._process.request(request, answered_by, payload)
 
     def close(self) -> None:
         if self._process is not None:
@@ -328,9 +328,13 @@ class Tokenizer:
 
 
 class _Encoding(dict):
-    @property
-    def input_ids(self) -> list[int]:
-        return self["input_ids"]
+    """What a transformers tokenizer's call gives: a mapping of ``input_ids`` and, where asked, ``offset_mapping``;
+    its ids are also an attribute."""
+
+    def __init__(self, input_ids: list[int], offset_mapping: list[tuple[int, int]] | None):
+        given = {"input_ids": input_ids, "offset_mapping": offset_mapping}
+        super().__init__((key, value) for key, value in given.items() if value is not None)
+        self.input_ids = input_ids
 
 
 def _char_offsets(text: str, encoded: bytes, lengths: np.ndarray) -> list[tuple[int, int]]:
@@ -501,11 +505,9 @@ def made_file(source: Path, file_type: str, calibration: ImportanceText | None =
     importance matrix of that text; with ``tensor_types``: those tensors in the types they name), made on first use
     and kept (``$PPL_AUDIT_CACHE/gguf``) by the digest of the source, the type, the calibration samples, the tensor
     types and the llama.cpp version."""
-    made_from = {"source": _source_digest(source), "type": file_type, "llama_cpp": version()}
-    if calibration is not None:
-        made_from["imatrix"] = calibration.digest
-    if tensor_types:
-        made_from["tensor_types"] = list(tensor_types)
+    made_from = ({"source": _source_digest(source), "type": file_type, "llama_cpp": version()}
+                 | ({"imatrix": calibration.digest} if calibration is not None else {})
+                 | ({"tensor_types": list(tensor_types)} if tensor_types else {}))
     importance = None if calibration is None else importance_matrix(source, calibration)
     return _kept(_cached_path(source, file_type, made_from), made_from,
                  lambda target: llama_quantize(source, target, file_type, importance, tuple(tensor_types)), "GGUF file")

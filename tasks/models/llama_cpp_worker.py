@@ -5,8 +5,8 @@ segmentation fault or an abort is not a Python exception). Run here, it kills th
 fails that variant with one line and scores the others. The process dies with its parent (``PR_SET_PDEATHSIG``):
 however the audit stops, nothing of llama.cpp is left running.
 
-Requests and replies are frames on stdin/stdout: a JSON header and a binary payload (``tasks.models.llama_cpp``
-``send``/``receive``). ``open`` loads a file (its vocabulary only, or the model with a context);
+Requests and replies are frames on stdin/stdout: a JSON header and a binary payload, typed messages both sides read
+(``tasks.models.llama_cpp_said``). ``open`` loads a file (its vocabulary only, or the model with a context);
 ``tokenize`` gives llama.cpp's token ids of a text and each token's bytes; ``score`` evaluates windows, each a fresh
 sequence (the context's memory cleared), and gives back the logits of the positions asked for, as float32.
 """
@@ -14,41 +14,16 @@ sequence (the context's memory cleared), and gives back the logits of the positi
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 import signal
-import struct
 import sys
+from dataclasses import replace
 
 import numpy as np
 
-HEADER = struct.Struct("<IQ")  # header length, payload length
-
-
-def send(stream, header: dict, payload: bytes = b"") -> None:
-    data = json.dumps(header).encode()
-    stream.write(HEADER.pack(len(data), len(payload)))
-    stream.write(data)
-    stream.write(payload)
-    stream.flush()
-
-
-def _exactly(stream, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = stream.read(left)
-        if not chunk:
-            raise EOFError("the other end closed")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def receive(stream) -> tuple[dict, bytes]:
-    size, payload = HEADER.unpack(_exactly(stream, HEADER.size))
-    header = json.loads(_exactly(stream, size))
-    return header, _exactly(stream, payload)
+from tasks.models.llama_cpp_said import (Close, Detokenize, Done, Failed, Loaded, Open, Opened, Ran, Score, Tokenize,
+                                       Tokenized, receive, request_of, send)
 
 
 def _die_with_parent() -> None:
@@ -99,56 +74,54 @@ class Worker:
         if self.said is not None:
             self.said.append(line)
 
-    def open(self, header: dict) -> tuple[dict, bytes]:
+    def open(self, request: Open) -> tuple[Opened, bytes]:
         ll = self.ll
         params = ll.llama_model_default_params()
-        params.n_gpu_layers = header.get("gpu_layers", 0)
-        params.vocab_only = header.get("vocab_only", False)
-        self.model = ll.llama_model_load_from_file(header["path"].encode(), params)
+        params.n_gpu_layers = request.gpu_layers
+        params.vocab_only = request.vocab_only
+        self.model = ll.llama_model_load_from_file(request.path.encode(), params)
         if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {header['path']}")
+            raise RuntimeError(f"llama.cpp could not load {request.path}")
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
-        facts = {"n_vocab": self.n_vocab, "add_bos": bool(ll.llama_vocab_get_add_bos(self.vocab)),
-                 "bos": int(ll.llama_vocab_bos(self.vocab)), "system_info": ll.llama_print_system_info().decode()}
-        if not params.vocab_only:
-            ctx = ll.llama_context_default_params()
-            ctx.n_ctx = header["n_ctx"]
-            ctx.n_batch = ctx.n_ubatch = header["n_batch"]
-            ctx.n_seq_max = 1
-            # llama.cpp's context default is 4 threads whatever the machine: on 2 cores that oversubscribes them;
-            # llama-perplexity's default is the cores this process may use, as here
-            ctx.n_threads = ctx.n_threads_batch = header.get("threads") or len(os.sched_getaffinity(0))
-            ctx.type_k = getattr(ll, f"GGML_TYPE_{header['type_k'].upper()}")
-            ctx.type_v = getattr(ll, f"GGML_TYPE_{header['type_v'].upper()}")
-            ctx.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[header["flash_attn"]]
-            self.said = []
-            try:
-                self.ctx = ll.llama_init_from_model(self.model, ctx)
-            finally:
-                said, self.said = "".join(self.said), None
-            if not self.ctx:
-                raise RuntimeError("llama.cpp could not make a context with these settings (n_ctx "
-                                   f"{header['n_ctx']}, type_k {header['type_k']}, type_v {header['type_v']}, "
-                                   f"flash_attn {header['flash_attn']})")
-            buffer = ctypes.create_string_buffer(256)
-            ll.llama_model_desc(self.model, buffer, 256)
-            facts |= {"desc": buffer.value.decode(), "size": int(ll.llama_model_size(self.model)),
-                      "n_params": int(ll.llama_model_n_params(self.model)), "threads": int(ctx.n_threads),
-                      "n_ctx": int(ll.llama_n_ctx(self.ctx)),
-                      # what ran, as the context took it (llama.h: "the requested values ... may differ")
-                      "ran": {"flash_attn": flash_attention_ran(said), "n_ctx": int(ll.llama_n_ctx(self.ctx)),
-                              "n_batch": int(ll.llama_n_batch(self.ctx)), "n_ubatch": int(ll.llama_n_ubatch(self.ctx)),
-                              "threads": int(ll.llama_n_threads(self.ctx)),
-                              "threads_batch": int(ll.llama_n_threads_batch(self.ctx)),
-                              "gpu_layers": params.n_gpu_layers if ll.llama_supports_gpu_offload() else 0}}
-        return facts, b""
+        opened = Opened(n_vocab=self.n_vocab, add_bos=bool(ll.llama_vocab_get_add_bos(self.vocab)),
+                        bos=int(ll.llama_vocab_bos(self.vocab)), system_info=ll.llama_print_system_info().decode())
+        if params.vocab_only:
+            return opened, b""
+        ctx = ll.llama_context_default_params()
+        ctx.n_ctx = request.n_ctx
+        ctx.n_batch = ctx.n_ubatch = request.n_batch
+        ctx.n_seq_max = 1
+        # llama.cpp's context default is 4 threads whatever the machine: on 2 cores that oversubscribes them;
+        # llama-perplexity's default is the cores this process may use, as here
+        ctx.n_threads = ctx.n_threads_batch = request.threads or len(os.sched_getaffinity(0))
+        ctx.type_k = getattr(ll, f"GGML_TYPE_{request.type_k.upper()}")
+        ctx.type_v = getattr(ll, f"GGML_TYPE_{request.type_v.upper()}")
+        ctx.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[request.flash_attn]
+        self.said = []
+        try:
+            self.ctx = ll.llama_init_from_model(self.model, ctx)
+        finally:
+            said, self.said = "".join(self.said), None
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not make a context with these settings (n_ctx "
+                               f"{request.n_ctx}, type_k {request.type_k}, type_v {request.type_v}, "
+                               f"flash_attn {request.flash_attn})")
+        buffer = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self.model, buffer, 256)
+        # what ran, as the context took it (llama.h: "the requested values ... may differ")
+        ran = Ran(flash_attn=flash_attention_ran(said), n_ctx=int(ll.llama_n_ctx(self.ctx)),
+                  n_batch=int(ll.llama_n_batch(self.ctx)), n_ubatch=int(ll.llama_n_ubatch(self.ctx)),
+                  threads=int(ll.llama_n_threads(self.ctx)), threads_batch=int(ll.llama_n_threads_batch(self.ctx)),
+                  gpu_layers=params.n_gpu_layers if ll.llama_supports_gpu_offload() else 0)
+        loaded = Loaded(desc=buffer.value.decode(), size=int(ll.llama_model_size(self.model)), ran=ran)
+        return replace(opened, loaded=loaded), b""
 
-    def tokenize(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+    def tokenize(self, request: Tokenize, payload: bytes) -> tuple[Tokenized, bytes]:
         ll = self.ll
         n = len(payload) + 8
         tokens = (ll.llama_token * n)()
-        count = ll.llama_tokenize(self.vocab, payload, len(payload), tokens, n, header["add_special"], False)
+        count = ll.llama_tokenize(self.vocab, payload, len(payload), tokens, n, request.add_special, False)
         if count < 0:
             raise RuntimeError(f"llama.cpp's tokenizer gave {-count} tokens for {len(payload)} bytes")
         ids = np.ctypeslib.as_array(tokens)[:count].astype(np.int32)
@@ -157,25 +130,25 @@ class Worker:
         for i, token in enumerate(ids.tolist()):
             written = ll.llama_token_to_piece(self.vocab, token, buffer, 256, 0, False)
             lengths[i] = max(written, 0)
-        return {"count": count}, ids.tobytes() + lengths.tobytes()
+        return Tokenized(count=count), ids.tobytes() + lengths.tobytes()
 
-    def detokenize(self, payload: bytes) -> tuple[dict, bytes]:
+    def detokenize(self, request: Detokenize, payload: bytes) -> tuple[Done, bytes]:
         """The bytes of the tokens ``payload`` (int32 ids), each token's piece in turn, as the text they stand for."""
         buffer = ctypes.create_string_buffer(256)
         pieces = []
         for token in np.frombuffer(payload, dtype=np.int32).tolist():
             written = self.ll.llama_token_to_piece(self.vocab, token, buffer, 256, 0, False)
             pieces.append(buffer.raw[: max(written, 0)])
-        return {}, b"".join(pieces)
+        return Done(), b"".join(pieces)
 
-    def score(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+    def score(self, request: Score, payload: bytes) -> tuple[Done, bytes]:
         ll = self.ll
         tokens = np.frombuffer(payload, dtype=np.int32)
-        n_batch = header["n_batch"]
+        n_batch = request.n_batch
         out, at = [], 0
         batch = ll.llama_batch_init(n_batch, 0, 1)
         try:
-            for length, first, count in header["rows"]:
+            for length, first, count in request.rows:
                 row = tokens[at : at + length]
                 at += length
                 wanted = set(range(first, first + count))
@@ -201,7 +174,18 @@ class Worker:
                 out.append(np.concatenate(logits) if logits else np.empty((0, self.n_vocab), np.float32))
         finally:
             ll.llama_batch_free(batch)
-        return {"rows": len(out)}, np.concatenate(out).astype(np.float32).tobytes()
+        return Done(), np.concatenate(out).astype(np.float32).tobytes()
+
+    def answer(self, request: Open | Tokenize | Detokenize | Score,
+               payload: bytes) -> tuple[Opened | Tokenized | Done, bytes]:
+        """The reply to ``request`` and its payload."""
+        if isinstance(request, Open):
+            return self.open(request)
+        if isinstance(request, Tokenize):
+            return self.tokenize(request, payload)
+        if isinstance(request, Detokenize):
+            return self.detokenize(request, payload)
+        return self.score(request, payload)
 
 
 def main() -> int:
@@ -218,23 +202,14 @@ def main() -> int:
             header, payload = receive(source)
         except EOFError:
             return 0
-        op = header.pop("op")
-        if op == "close":
-            return 0
         try:
-            if op == "open":
-                reply, data = worker.open(header)
-            elif op == "tokenize":
-                reply, data = worker.tokenize(header, payload)
-            elif op == "detokenize":
-                reply, data = worker.detokenize(payload)
-            elif op == "score":
-                reply, data = worker.score(header, payload)
-            else:
-                raise ValueError(f"unknown request {op}")
-            send(sink, {"ok": True, **reply}, data)
+            request = request_of(header)
+            if isinstance(request, Close):
+                return 0
+            reply, data = worker.answer(request, payload)
+            send(sink, reply, data)
         except Exception as error:  # a Python-level failure is answered; a native crash ends the process
-            send(sink, {"ok": False, "error": f"{type(error).__name__}: {error}"})
+            send(sink, Failed(error=f"{type(error).__name__}: {error}"))
 
 
 if __name__ == "__main__":

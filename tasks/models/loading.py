@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from tasks.core.errors import InputError, TransientError, is_network_error, one_line
+from tasks.models.checkpoint_said import LoadingInfo, WeightIndex
 from tasks.models.gguf import check_gguf, gguf_state_dict
 from tasks.models.resolve import Located, from_pretrained_args, locate_model
 
@@ -35,7 +35,7 @@ def check_checkpoint(model: Located | str) -> None:
     missing = []
     for index in path.glob("*.index.json"):
         try:
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            shards = WeightIndex.read(index).shards
         except (OSError, ValueError, AttributeError):
             raise InputError(f"model folder {path}: {index.name} is not a weight index; copy the checkpoint again") from None
         missing += sorted(shard for shard in shards if not (path / shard).is_file())
@@ -57,7 +57,7 @@ def _weight_files(folder: Path) -> list[Path]:
         file = folder / name
         if file.is_file():
             if name.endswith(".index.json"):
-                return sorted({folder / shard for shard in json.loads(file.read_text())["weight_map"].values()})
+                return sorted({folder / shard for shard in WeightIndex.read(file).shards})
             return [file]
     return []
 
@@ -110,9 +110,10 @@ def _few(names: list[str]) -> str:
 def check_loading_info(what: str, model_class: str, info: dict) -> None:
     """Refuse a load whose loading info (``output_loading_info``) names a weight the model needs that its
     files lack, a tensor there that it does not use, or one of another shape: one line naming a few of each."""
+    said = LoadingInfo.of_info(info)
     found = [f"{len(names)} {kind}: {_few(names)}" for kind, names in (
-        ("missing", sorted(info["missing_keys"])), ("unexpected", sorted(info["unexpected_keys"])),
-        ("of another shape", sorted(key for key, *_ in info["mismatched_keys"]))) if names]
+        ("missing", sorted(said.missing)), ("unexpected", sorted(said.unexpected)),
+        ("of another shape", sorted(said.mismatched))) if names]
     if found:
         raise InputError(f"{what}: its weights do not fit {model_class} ({'; '.join(found)}): it would be scored "
                          "with random weights in their place; give the checkpoint as save_pretrained wrote it, with "
@@ -138,10 +139,11 @@ def load_model(model: Located | str, dtype: torch.dtype, device: torch.device, *
     if "gguf_file" in extra:  # checked before the model is built for it
         gguf = Path(source) / extra.pop("gguf_file")
         check_gguf(gguf, model.config)
-        extra["config"] = model.config
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(extra["config"])
-        loader, source, extra["state_dict"] = type(skeleton), None, gguf_state_dict(gguf, skeleton, dtype)
+            skeleton = AutoModelForCausalLM.from_config(model.config)
+        # the tensors dequantized here (``gguf_state_dict``), given to the model's own class with its config
+        loader, source = type(skeleton), None
+        extra = {"config": model.config, "state_dict": gguf_state_dict(gguf, skeleton, dtype)}
     try:
         loaded, info = loader.from_pretrained(source, dtype=dtype, output_loading_info=True,
                                               **({"device_map": str(device)} | extra | from_pretrained))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -16,21 +17,34 @@ from tasks.core.errors import InputError
 from tasks.core.places import cache_dir
 
 
-def split_arguments(spec) -> dict:
-    """``from_pretrained``'s arguments for ``spec.device_map``: the map, ``max_memory``, and a scratch folder for
-    what goes to ``disk`` (removed with the model: ``forget_with``). Empty for a model on one device."""
+@dataclass(frozen=True)
+class Split:
+    """How a model is split over devices (``spec.device_map``): the map, ``max_memory``, and the scratch folder
+    for what goes to ``disk`` (removed with the model: ``forget_with``)."""
+
+    device_map: object
+    max_memory: object
+    offload_folder: str
+
+    def arguments(self) -> dict:
+        """As ``from_pretrained`` takes them."""
+        return {"device_map": self.device_map, "max_memory": self.max_memory, "offload_folder": self.offload_folder}
+
+
+def split_of(spec) -> Split | None:
+    """How ``spec`` splits its model, its scratch folder made; None for a model on one device."""
     if spec.device_map is None:
-        return {}
+        return None
     scratch = cache_dir() / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
-    return {"device_map": spec.device_map, "max_memory": spec.max_memory,
-            "offload_folder": tempfile.mkdtemp(prefix="offload-", dir=scratch)}
+    return Split(device_map=spec.device_map, max_memory=spec.max_memory,
+                 offload_folder=tempfile.mkdtemp(prefix="offload-", dir=scratch))
 
 
-def forget_with(model, arguments: dict) -> None:
+def forget_with(model, split: Split | None) -> None:
     """Remove the model's offload folder when the model is collected."""
-    if "offload_folder" in arguments:
-        weakref.finalize(model, shutil.rmtree, arguments["offload_folder"], True)
+    if split is not None:
+        weakref.finalize(model, shutil.rmtree, split.offload_folder, True)
 
 
 def _placed_on(device_map: dict, module: str):

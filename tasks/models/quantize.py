@@ -33,6 +33,7 @@ from tasks.engine import abandon
 from tasks.models.formats import import_package
 from tasks.models.loading import WEIGHT_SUFFIXES
 from tasks.models.patches import clip_search_by_matmul, logs_in
+from tasks.models.quantize_said import RememberedDigest
 from tasks.models.resolve import Located, model_files
 
 MANIFEST = "ppl-audit.json"
@@ -131,8 +132,9 @@ def model_digest(path: str) -> str:
     if remembered.is_file():
         entry = sealed.read_entry(remembered)
         problem = sealed.damage(entry, "its entry", {"files": stamp})
-        if problem is None and isinstance(entry.get("sha256"), str):
-            return entry["sha256"]
+        # read once it is sound: a damaged entry may be no mapping at all
+        if problem is None and (kept := RememberedDigest.of_entry(entry).sha256) is not None:
+            return kept
         sealed.warn_remade("remembered model digest", remembered, problem or "it holds no sha256",
                            f"{path} is read again")
     if single:  # its bytes alone: a renamed copy is the same model
@@ -171,11 +173,11 @@ def _with_pad(source: str, tokenizer, staging: Path) -> str:
         return source
     config = json.loads((Path(source) / "config.json").read_text())
     special = (config.get("bos_token_id"), config.get("eos_token_id"), tokenizer.bos_token_id, tokenizer.eos_token_id)
-    config["pad_token_id"] = next(i for i in range(len(tokenizer)) if i not in special)
+    amended = config | {"pad_token_id": next(i for i in range(len(tokenizer)) if i not in special)}
     for file in Path(source).iterdir():
         if file.name != "config.json":
             (staging / file.name).symlink_to(file.resolve())
-    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    (staging / "config.json").write_text(json.dumps(amended, indent=2))
     return str(staging)
 
 

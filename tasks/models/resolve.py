@@ -242,11 +242,11 @@ def _from_gguf(file: Path, auto):
     if auto is AutoConfig:  # from the header alone where it can be (tasks.models.gguf_file): no vocabulary parsed
         from transformers import CONFIG_MAPPING
 
-        from tasks.models.gguf_file import config_dict, read_header
+        from tasks.models.gguf_file import header_config, read_header
 
-        found = config_dict(read_header(file))
+        found = header_config(read_header(file))
         if found is not None:
-            config = CONFIG_MAPPING[found["model_type"]].from_dict(found)
+            config = CONFIG_MAPPING[found.model_type].from_dict(found.values)
             config._name_or_path = str(file.parent)  # as from_pretrained names it
             return config
     if auto is AutoTokenizer and (chosen := _gguf_tokenizer_class(file)) is not None:

@@ -25,11 +25,12 @@ from tasks.engine import kv_cache
 from tasks.engine.kv_cache import KVCacheFormat
 from tasks.models.cost import model_bits, quantized_bits, weight_bytes
 from tasks.models.formats import describe, distributions, ready, require
-from tasks.models.gguf import gguf_facts
+from tasks.models.formats_said import GptqConfig
+from tasks.models.gguf import gguf_file_facts
 from tasks.models import kernel_start
 from tasks.models.loading import WEIGHT_SUFFIXES, as_located, load_model
 from tasks.models.quantize import load_per_module, per_module
-from tasks.models.placement import check_ties, devices, forget_with, split_arguments
+from tasks.models.placement import check_ties, devices, forget_with, split_of
 from tasks.models.resolve import Located, device_and_dtype, model_files
 
 
@@ -74,7 +75,7 @@ def quantization_config(method: str, dtype: torch.dtype, kernel: str | None = No
         import transformers
 
         # transformers takes only the loading settings (the backend) from it; bits must still be the checkpoint's
-        bits = config.quantization_config["bits"]
+        bits = GptqConfig.of_json(config.quantization_config).bits
         return getattr(transformers, KERNEL_CONFIGS[method])(bits=bits, backend=kernel)
     made = AT_LOAD.get(method)
     return made(dtype) if made is not None else None
@@ -163,12 +164,10 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
     method = spec.backend
     if method.saved_on_cpu and spec.path is not None and device.type == "cpu":
         raise InputError(f"variant '{spec.name}': {method.saved_on_cpu}")
-    extra = {}
     config = quantization_config(spec.method, dtype, spec.kernel, found.config)
-    if config is not None:
-        extra["quantization_config"] = config
+    extra = {"quantization_config": config} if config is not None else {}
     check_ties(spec, found.config)
-    split = split_arguments(spec)
+    split = split_of(spec)
     started = time.perf_counter()
     with warnings.catch_warnings():
         if spec.kernel is not None:  # transformers warns that it takes only the backend from this config: the point
@@ -180,7 +179,7 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
             if method.takes_dynamic and (spec.dynamic is not None or per_module(found.config)):
                 model = load_per_module(found, dtype, device)
             else:
-                model = load_model(found, dtype, device, **extra, **split)
+                model = load_model(found, dtype, device, **extra, **(split.arguments() if split else {}))
     forget_with(model, split)
     ready(spec, model)
     weights = weight_bytes(model)  # as loaded: a kernel may repack its weights at its first forward, just below
@@ -209,7 +208,7 @@ def load_variant(spec: VariantSpec, model: Located | str, window: int | None = N
 
 def load_served(spec: VariantSpec, model: Located, window: int | None):
     """``spec``'s GGUF file as llama.cpp runs it (``runtime: llama.cpp``), with a context of the audit's window:
-    ``(LlamaCppModel, VariantFacts)``. Its figures are the file's (``gguf_facts``), its backend llama.cpp's."""
+    ``(LlamaCppModel, VariantFacts)``. Its figures are the file's (``gguf_file_facts``), its backend llama.cpp's."""
     from tasks.models import llama_cpp
 
     file = Path(model.source)
@@ -218,19 +217,19 @@ def load_served(spec: VariantSpec, model: Located, window: int | None):
     settings = spec.llama_cpp_settings
     started = time.perf_counter()
     served = llama_cpp.open_model(file, spec.name, settings, (window or 4096) + 1)  # + a BOS prefix
-    facts = gguf_facts(file)
-    said = served.facts
+    facts = gguf_file_facts(file)
+    said, loaded = served.facts, served.facts.loaded
     ran = llama_cpp.described(settings, said)  # what ran: flash attention as llama.cpp chose it, the GPU's layers
-    bits = facts["bits_per_weight"]
+    bits = facts.bits_per_weight
     return served, VariantFacts(
-        method=spec.method, source=model.source, device="cuda" if ran["gpu_layers"] else "cpu", dtype="gguf",
+        method=spec.method, source=model.source, device="cuda" if loaded.ran.gpu_layers else "cpu", dtype="gguf",
         load_seconds=time.perf_counter() - started, size_on_disk_bytes=file.stat().st_size,
-        weight_memory_bytes=said["size"], quantized_layers=sum(n for t, n in facts["tensor_types"].items()
-                                                                if t not in ("F32", "F16", "BF16")),
-        linear_layers=0, backend=f"llama.cpp ({said['desc']})",
+        weight_memory_bytes=loaded.size, quantized_layers=sum(n for t, n in facts.tensor_types.items()
+                                                              if t not in ("F32", "F16", "BF16")),
+        linear_layers=0, backend=f"llama.cpp ({loaded.desc})",
         versions=versions("llama_cpp_python", "gguf"),
-        quantization=facts | {"runtime": "llama.cpp", "label": f"{facts['label']} @llama.cpp",
-                              "llama_cpp": ran, "system_info": said["system_info"]},
+        quantization=facts.record() | {"runtime": "llama.cpp", "label": f"{facts.label} @llama.cpp",
+                                       "llama_cpp": ran, "system_info": said.system_info},
         bits_per_weight=bits, model_bits_per_weight=bits,
         # the table labels a cache by its first word: "kv:q8_0/q8_0"
         kv_cache="" if (settings.type_k, settings.type_v) == ("f16", "f16") else f"{settings.type_k}/{settings.type_v} "
