@@ -44,13 +44,15 @@ def run(args: argparse.Namespace) -> int:
     from tasks.audit.diagnose import narrowed
     from tasks.audit.plan import open_audit
     from tasks.record.diagnosis import diagnosis_json, diagnosis_table
+    from tasks.record.diagnosis_said import VariantDiagnosis
 
     plan = open_audit(args.config, overrides(args), narrow=partial(narrowed, variant=args.variant))  # before any model loads
     on_domain(plan, args.corpus)  # an unknown --corpus too: refused before Prefect starts the flow
     found = diagnose(config=args.config, variant=args.variant, overrides=overrides(args), plan=plan, corpus=args.corpus)
+    said = VariantDiagnosis.of_record(found)
     say = console.out()
-    print(diagnosis_table(found), file=say)
-    print(f"record: {found['record']}", file=say)
+    print(diagnosis_table(said), file=say)
+    print(f"record: {said.record}", file=say)
     if args.json:
         print(diagnosis_json(found), file=say)
     return 0

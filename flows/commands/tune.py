@@ -46,16 +46,17 @@ def run(args: argparse.Namespace) -> int:
     plan = open_audit(args.config, args.set, narrow=partial(alone, variant=args.variant))
     types = list(prepare_tune(plan.lineup, args.variant, budget, args.per, types).types)  # checked: the options it takes
     from flows.tune import tune
+    from tasks.record.tune_said import TuneFound
     from tasks.record.tuning import tune_table, tune_json
 
-    found = tune(config=args.config, variant=args.variant, budget=args.budget, per=args.per, types=list(types),
-                 overrides=args.set, plan=plan)
+    found = TuneFound.of_record(tune(config=args.config, variant=args.variant, budget=args.budget, per=args.per,
+                                     types=list(types), overrides=args.set, plan=plan))
     say = console.out()
-    if found.get("audit_table"):
-        print(found["audit_table"], file=say)
+    if found.audit_table:
+        print(found.audit_table, file=say)
     print(tune_table(found), file=say)
-    print(f"record: {found['record']}", file=say)
+    print(f"record: {found.record}", file=say)
     if args.json:
         print(tune_json(found), file=say)
     # a recipe not proven better than the uniform variant it would replace, in every domain, is not a success
-    return 0 if found.get("proven", {}).get("uniform") else 1
+    return 0 if found.proven and found.proven.uniform else 1

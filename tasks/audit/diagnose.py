@@ -34,6 +34,7 @@ from tasks.engine.sequential import window_order
 from tasks.engine.windows import Window
 from tasks.models.cost import decoder_layer_bytes, weight_bytes
 from tasks.models.variants import check_same_tokenizer, load_variant
+from tasks.record.diagnosis_said import EmbeddingError, HeadError, LayerFinding, RestoreStep, VariantDiagnosis, WonBack
 
 # The greedy search tries, at each step, the layers among the CANDIDATES that won back most alone not chosen yet:
 # a layer that wins back little alone rarely wins back much beside others, and trying every layer at every step
@@ -96,16 +97,24 @@ class Pair:
 def held_baseline(model, evaluation_: Evaluation, windows: list[Window], feed: Feed) -> tuple[WindowScores, Baseline]:
     """The baseline ``model``'s scores on ``windows`` and itself as a ``Baseline`` whose final hidden states are
     kept in memory: what a variant's KL on a sample is taken against."""
-    held: dict[str, torch.Tensor] = {}
-
-    def keep(slots: torch.Tensor, hidden: torch.Tensor) -> None:
-        whole = held.setdefault("hidden", torch.empty(_tokens(windows), hidden.shape[-1], dtype=hidden.dtype))
-        whole[slots] = hidden
-
-    scores = score_windows(model, feed, windows, ScoreOptions(keep_hidden=keep))
+    held = _Held(_tokens(windows))
+    scores = score_windows(model, feed, windows, ScoreOptions(keep_hidden=held.keep))
     against = Baseline(model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None),
-                       lambda slots, inputs: held["hidden"][slots])
+                       lambda slots, inputs: held.hidden[slots])
     return scores, against
+
+
+@dataclass
+class _Held:
+    """The baseline's final hidden states of a sample's ``tokens``, kept batch by batch as it is scored."""
+
+    tokens: int
+    hidden: torch.Tensor | None = None
+
+    def keep(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        if self.hidden is None:
+            self.hidden = torch.empty(self.tokens, hidden.shape[-1], dtype=hidden.dtype)
+        self.hidden[slots] = hidden
 
 
 def _tokens(windows: list[Window]) -> int:
@@ -236,26 +245,25 @@ def restore(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: E
     return [Restored(each.layers, each.nll.numpy(), each.kl.numpy()) for each in found]
 
 
-def _step(seen: Examination, found: Restored) -> dict:
+def _step(seen: Examination, found: Restored) -> RestoreStep:
     """What restoring ``found.layers`` gives: the loss left, what it wins back (with intervals) and costs."""
     kl = recovered_share(seen.kl, found.kl, seen.window_tokens, CONFIDENCE)
     nll = recovered_share(seen.nll - seen.base_nll, found.nll - seen.base_nll, seen.window_tokens, CONFIDENCE)
-    return {"restored": list(found.layers), "mib": float(seen.layer_mib[list(found.layers)].sum()),
-            "delta_nll": float((found.nll - seen.base_nll).mean()), "kl": float(found.kl.mean()),
-            "kl_recovery_pct": kl[0], "kl_recovery_low": kl[1], "kl_recovery_high": kl[2],
-            "nll_recovery_pct": nll[0], "nll_recovery_low": nll[1], "nll_recovery_high": nll[2]}
+    return RestoreStep(tuple(found.layers), float(seen.layer_mib[list(found.layers)].sum()),
+                       float((found.nll - seen.base_nll).mean()), float(found.kl.mean()), WonBack(*kl), WonBack(*nll))
 
 
-def _gain(step: dict) -> tuple[float, float]:
+def _gain(step: RestoreStep) -> tuple[float, float]:
     """How a restore is ranked: by the KL it wins back (every token's, always ≥ 0: a steadier measure than
     ΔNLL on a sample, which can move either way), then by ΔNLL."""
-    return step["kl_recovery_pct"], step["nll_recovery_pct"]
+    return step.kl_recovery.pct, step.nll_recovery.pct
 
 
 Evaluate = Callable[[list[tuple[int, ...]]], list[Restored]]
 
 
-def search(seen: Examination, evaluate: Evaluate, restore_k: int) -> tuple[list[dict], list[dict]]:
+def search(seen: Examination, evaluate: Evaluate, restore_k: int
+           ) -> tuple[list[RestoreStep], list[RestoreStep]]:
     """Every layer restored alone, then the greedy curve: restore the layer that wins back most, then the one that
     wins back most beside it, ... ``restore_k`` layers. ``evaluate`` scores a list of layer sets (as tasks).
 
@@ -273,29 +281,25 @@ def search(seen: Examination, evaluate: Evaluate, restore_k: int) -> tuple[list[
         steps = [alone[candidates[0]]] if k == 0 else \
             [_step(seen, found) for found in evaluate([tuple(sorted(chosen + (i,))) for i in candidates])]
         best = max(steps, key=_gain)
-        chosen = tuple(best["restored"])
+        chosen = best.restored
         curve.append(best)
     return alone, curve
 
 
-def diagnosis_report(seen: Examination, alone: list[dict], curve: list[dict], seconds: float) -> dict:
-    """The diagnosis as plain data: the JSON line of ``ppl-audit diagnose --json``, the MLflow run's artifact."""
+def diagnosis_report(seen: Examination, alone: list[RestoreStep], curve: list[RestoreStep], seconds: float) -> dict:
+    """The diagnosis as plain data (``VariantDiagnosis.as_record``): the JSON line of ``ppl-audit diagnose --json``,
+    the MLflow run's artifact."""
     own, accumulated = seen.errors.own, seen.errors.accumulated
-    layers = [{"layer": i, "own_sqnr_db": float(own.sqnr_db()[i]), "accumulated_sqnr_db": float(accumulated.sqnr_db()[i]),
-               "own_rel_error": float(own.relative_error()[i]),
-               "accumulated_rel_error": float(accumulated.relative_error()[i]),
-               "own_cos_err": float(own.mean_cos_error()[i]), "accumulated_cos_err": float(accumulated.mean_cos_error()[i]),
-               "restore_recovery_pct": step["kl_recovery_pct"], "restore_recovery_low": step["kl_recovery_low"],
-               "restore_recovery_high": step["kl_recovery_high"], "restore_nll_recovery_pct": step["nll_recovery_pct"],
-               "restore_nll_recovery_low": step["nll_recovery_low"],
-               "restore_nll_recovery_high": step["nll_recovery_high"], "restore_mib": step["mib"]}
+    layers = [LayerFinding(i, float(own.sqnr_db()[i]), float(accumulated.sqnr_db()[i]), float(own.relative_error()[i]),
+                           float(accumulated.relative_error()[i]), float(own.mean_cos_error()[i]),
+                           float(accumulated.mean_cos_error()[i]), step.kl_recovery, step.nll_recovery, step.mib)
               for i, step in enumerate(alone)]
     delta = seen.nll - seen.base_nll
-    return {"variant": seen.name, "method": seen.method, "windows": len(seen.windows), "window_indices": seen.windows,
-            "tokens": int(seen.window_tokens.sum()), "delta_nll": float(delta.mean()),
-            "delta_ppl_pct": float(100 * np.expm1(delta.mean())), "kl": float(seen.kl.mean()),
-            "head": {"kl": seen.errors.head_kl, "top1": seen.errors.head_top1},
-            "embeddings": {"sqnr_db": float(seen.errors.embeddings.sqnr_db()[0]),
-                           "rel_error": float(seen.errors.embeddings.relative_error()[0])},
-            "layers": layers, "ranking": sorted(range(len(alone)), key=lambda i: _gain(alone[i]), reverse=True),
-            "restore_curve": curve, "where": seen.where, "seconds": seconds}
+    embeddings = seen.errors.embeddings
+    return VariantDiagnosis(
+        seen.name, seen.method, len(seen.windows), tuple(seen.windows), int(seen.window_tokens.sum()),
+        float(delta.mean()), float(100 * np.expm1(delta.mean())), float(seen.kl.mean()),
+        HeadError(seen.errors.head_kl, seen.errors.head_top1),
+        EmbeddingError(float(embeddings.sqnr_db()[0]), float(embeddings.relative_error()[0])), tuple(layers),
+        tuple(sorted(range(len(alone)), key=lambda i: _gain(alone[i]), reverse=True)), tuple(curve), seen.where,
+        seconds).as_record()

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from tasks.core.places import home
 from tasks.record.diagnosis_said import VariantDiagnosis, WonBack
-from tasks.record.plots import COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
+from tasks.record.plots import BASELINE_COLOUR, COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
 from tasks.record.tags import DOMAIN
 
 WORST = 3  # layers marked in the console table: those that win back most
@@ -35,10 +35,11 @@ def _share(won: WonBack) -> str:
     return _pct(won.pct, won.low, won.high)
 
 
-def diagnosis_table(found: dict) -> str:
+def diagnosis_table(found: dict | VariantDiagnosis) -> str:
     """A row per decoder layer (own and accumulated SQNR, what restoring it alone wins back, its cost), the
-    layers that win back most marked; then the LM head's own error and the greedy restore curve."""
-    said = VariantDiagnosis.of_record(found)
+    layers that win back most marked; then the LM head's own error and the greedy restore curve. ``found`` as plain
+    data is read here; as read (``ppl-audit diagnose``'s), taken as it is."""
+    said = found if isinstance(found, VariantDiagnosis) else VariantDiagnosis.of_record(found)
     marked = set(said.ranking[:WORST])
     domain = f" of the domain {said.domain}" if said.domain else ""  # an audit of several corpora's
     lines = [f"{said.variant} ({said.method}): ΔPPL {said.delta_ppl_pct:+.2f}%, KL {said.kl:.5f} on "
@@ -99,7 +100,7 @@ def restore_curve_chart(said: VariantDiagnosis) -> Figure:
     added = [""] + [f"+ layer {(set(b.restored) - set(a.restored)).pop()}" for a, b in zip(steps, steps[1:])]
     twin = axis.twinx()
     deltas = [step.delta_nll for step in steps]
-    twin.plot(counts, deltas, "s--", color=COLOURS["baseline"], label="ΔNLL")
+    twin.plot(counts, deltas, "s--", color=BASELINE_COLOUR, label="ΔNLL")
     # both from zero: a curve drawn from its own minimum makes a tenth of a nat look like the whole loss
     axis.set_ylim(0, 1.1 * max(step.kl for step in steps) or 1.0)
     twin.set_ylim(1.1 * min(0.0, *deltas), 1.1 * max(0.0, *deltas) or 1.0)

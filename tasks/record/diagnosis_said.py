@@ -2,11 +2,12 @@
 restoring it alone wins back, the LM head's and the input embeddings' own error, the ranking and the greedy restore
 curve. Every view of a diagnosis (``tasks.record.diagnosis``) reads its attributes.
 
-A diagnosis is made as plain data (``tasks.audit.diagnose.diagnosis_report``, with what the flows add: the seed,
-the audit, the domain, where it was logged) and kept so (the audit's record, ``<home>/diagnoses``, ``--json``,
-the MLflow run's ``diagnosis.json``). This module alone reads it (``VariantDiagnosis.of_record``) and writes it
-back (``VariantDiagnosis.as_record``), key for key and in the order it was made, so that a diagnosis kept before
-it was typed reads and prints as it did. Pure Python.
+A diagnosis is made typed (``tasks.audit.diagnose``: each restore a ``RestoreStep``, the whole a
+``VariantDiagnosis``) and handed on as plain data (``tasks.audit.diagnose.diagnosis_report``, with what the flows
+add: the seed, the audit, the domain, where it was logged), and kept so (the audit's record, ``<home>/diagnoses``,
+``--json``, the MLflow run's ``diagnosis.json``). This module alone writes it (``VariantDiagnosis.as_record``) and
+reads it back (``VariantDiagnosis.of_record``), key for key and in the order it was made, so that a diagnosis kept
+before it was typed reads and prints as it did. Pure Python.
 """
 
 from __future__ import annotations

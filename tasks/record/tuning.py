@@ -15,7 +15,7 @@ import time
 from matplotlib.figure import Figure
 
 from tasks.methods.registry import find_method
-from tasks.record.plots import COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
+from tasks.record.plots import BASELINE_COLOUR, COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
 from tasks.record.tune_said import ChosenUnit, RecipeUnit, TuneFound, TuneRecipe
 
 # What a GGUF type's precision is closest to in gptqmodel and compressed-tensors, which store integers of 2, 3, 4 or
@@ -49,13 +49,20 @@ def _scheme(found: _Recipe, unit: ChosenUnit | RecipeUnit | None = None) -> tupl
 
 
 def gptqmodel_dynamic(found: dict) -> dict:
-    """gptqmodel's ``dynamic`` per-module overrides for the recipe (``+:`` more bits or a smaller group, ``-:`` left
-    unquantized), as its QuantizeConfig takes them and stores them in a checkpoint's quantization config (which vLLM
-    and SGLang read); a gptq tune's are the ones its recipe was made with."""
+    """gptqmodel's quantization config for the recipe: the variant's bits and group size, and its ``dynamic``
+    per-module overrides (``gptqmodel_overrides``)."""
     return _dynamic(TuneRecipe.of_record(found))
 
 
 def _dynamic(found: _Recipe) -> dict:
+    bits, group = _scheme(found)
+    return {"bits": bits, "group_size": group, "dynamic": gptqmodel_overrides(found)}
+
+
+def gptqmodel_overrides(found: _Recipe) -> dict:
+    """gptqmodel's ``dynamic`` per-module overrides for the recipe (``+:`` more bits or a smaller group, ``-:`` left
+    unquantized), as its QuantizeConfig takes them and stores them in a checkpoint's quantization config (which vLLM
+    and SGLang read); a gptq tune's are the ones its recipe was made with."""
     dynamic = {}
     for unit in found.chosen:
         bits, group = _scheme(found, unit)
@@ -64,8 +71,7 @@ def _dynamic(found: _Recipe) -> dict:
             dynamic[f"-:{pattern}"] = {}
         else:
             dynamic[f"+:{pattern}"] = {"bits": bits, "group_size": group}
-    bits, group = _scheme(found)
-    return {"bits": bits, "group_size": group, "dynamic": dynamic}
+    return dynamic
 
 
 def llm_compressor_recipe(found: dict) -> dict:
@@ -114,10 +120,10 @@ def _pct(share) -> str:
     return f"{value:5.1f}%"
 
 
-def tune_table(found: dict) -> str:
+def tune_table(found: dict | TuneFound) -> str:
     """What got more precision (its type, what it won back alone with its interval, its cost), the assignment as
     measured against the sum of its gains, the curve, the file as built and the verdicts."""
-    return _table(TuneFound.of_record(found))
+    return _table(_said(found))
 
 
 def _table(found: TuneFound) -> str:
@@ -157,7 +163,7 @@ def _chart(found: TuneFound) -> Figure:
     axis.plot([p[0] for p in points], [p[1] for p in points], "o-", color=COLOURS["fail"],
               label="recipe, measured on the sample (knapsack at ¼, ½, ¾ and all of the budget)")
     for i, (name, point) in enumerate(found.audited or ()):
-        axis.plot(point.bpw, point.kl, "s", color=COLOURS["baseline"],
+        axis.plot(point.bpw, point.kl, "s", color=BASELINE_COLOUR,
                   label="audited on all of the audit's tokens" if i == 0 else None)
         axis.annotate(f"{name} (audit)", (point.bpw, point.kl), textcoords="offset points", xytext=(4, 6),
                       fontsize=SMALL)
@@ -202,9 +208,14 @@ def log_tune_run(client, experiment_id: str, found: dict, tags: dict[str, str]) 
     return run
 
 
-def tune_json(found: dict) -> str:
+def tune_json(found: dict | TuneFound) -> str:
     """One JSON line (NaN as null)."""
-    return _json(TuneFound.of_record(found))
+    return _json(_said(found))
+
+
+def _said(found: dict | TuneFound) -> TuneFound:
+    """A tune read once: given as plain data, read here; given as read (``ppl-audit tune``'s), taken as it is."""
+    return found if isinstance(found, TuneFound) else TuneFound.of_record(found)
 
 
 def _json(found: TuneFound) -> str:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.audit.recipe.sizes import GGUF_NAMES, Sizes
-from tasks.config import KERNEL_GROUP_SIZES
 from tasks.core.errors import InputError
+from tasks.methods.gptq import METHOD as GPTQ
 from tasks.models.cost import tensor_shapes
 
 FLOAT = "bf16"  # the option that leaves a unit unquantized: gptqmodel saves it in bfloat16
+GROUP_SIZES = GPTQ.kernel_group_sizes  # those gptqmodel's kernels run (one a row: -1)
 FLOAT_WORDS = ("bf16", "f16", "fp16", "unquantized")
 
 
@@ -62,9 +63,9 @@ def parse_options(text: str, variant: Option) -> Option:
         raise InputError(f"--types {text}: a gptq option is 8bit (more bits, the variant's group size), g32 (a smaller "
                          "group), 8bit-g32, or bf16 (left unquantized)")
     option = Option(int(found[1]) if found[1] else variant.bits, int(found[2]) if found[2] else variant.group)
-    if option.bits not in (2, 3, 4, 8) or option.group not in KERNEL_GROUP_SIZES["gptq"]:
+    if option.bits not in (2, 3, 4, 8) or option.group not in GROUP_SIZES:
         raise InputError(f"--types {text}: gptq takes 2, 3, 4 or 8 bits and a group size of "
-                         f"{', '.join(map(str, KERNEL_GROUP_SIZES['gptq']))}")
+                         f"{', '.join(map(str, GROUP_SIZES))}")
     return option
 
 
@@ -74,7 +75,7 @@ def defaults(variant: Option, shapes: Shapes, kernels: Kernels) -> tuple[list[Op
     largest at most half the variant's (128 for one a row) that the model's widths take and a kernel here runs.
     Returns the options, and a line for each left out saying why."""
     half = 128 if variant.group < 0 else variant.group // 2
-    smaller = [Option(variant.bits, group) for group in sorted(KERNEL_GROUP_SIZES["gptq"], reverse=True)
+    smaller = [Option(variant.bits, group) for group in sorted(GROUP_SIZES, reverse=True)
                if 0 < group <= half and shapes.fits(group)]
     runs = [option for option in smaller if kernels.problem(option) is None]
     wanted = ([Option(8, variant.group)] if variant.bits != 8 else []) + runs[:1] + [Option(None, variant.group)]
@@ -176,7 +177,7 @@ def held(folder: Path, shapes: Shapes) -> dict[str, str]:
 def larger(own: Option, shapes: Shapes, kernels: Kernels) -> list[Option]:
     """The uniform schemes a recipe of ``own`` may be audited beside, smallest first: its bits at a smaller group
     size, and 8 bits at any group size, that fit the model's widths and this machine's kernels run."""
-    groups = [g for g in KERNEL_GROUP_SIZES["gptq"] if shapes.fits(g)]
+    groups = [g for g in GROUP_SIZES if shapes.fits(g)]
     found = [Option(bits, group) for bits in sorted({own.bits, 8}) for group in groups
              if Option(bits, group) != own and (bits > own.bits or 0 < group < own.group or own.group < 0 < group)
              and kernels.problem(Option(bits, group)) is None]

@@ -16,6 +16,7 @@ import torch
 from tasks.audit.checkpoints import Checkpoint, Lineup, baseline_gguf, loading_from
 from tasks.audit.diagnose import held_baseline, sample, sample_feed
 from tasks.audit.recipe.choose import Choice, knapsack
+from tasks.audit.recipe.gains_said import choices_of, rows_of
 from tasks.audit.recipe.gptq import FLOAT, as_name
 from tasks.audit.recipe.plan import Prepared
 from tasks.audit.recipe.sizes import Sizes, Unit, split, splits
@@ -319,7 +320,7 @@ def _remembered(made_from: dict) -> list[Choice] | None:
     entry = sealed.read_entry(path)
     problem = sealed.damage(entry, "its entry", made_from)
     if problem is None:
-        return [Choice(c["unit"], c["option"], c["cost"], c["gain"], tuple(c["share"])) for c in entry["choices"]]
+        return choices_of(entry)
     sealed.warn_remade("a tune's kept gains", path, problem, "they are measured again")
     return None
 
@@ -330,5 +331,4 @@ def _remember(made_from: dict, choices: list[Choice]) -> None:
 
     path = _cached(made_from)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"unit": c.unit, "option": c.option, "cost": c.cost, "gain": c.gain, "share": list(c.share)} for c in choices]
-    write_atomically(path, json.dumps(sealed.seal(made_from | {"choices": rows})))
+    write_atomically(path, json.dumps(sealed.seal(made_from | {"choices": rows_of(choices)})))

@@ -3,6 +3,7 @@ them written, and the recipe compared with each uniform variant on the audit's t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,12 @@ from tasks.audit.recipe import gptq
 from tasks.audit.recipe.measure import Measured, Tuning
 from tasks.audit.recipe.plan import Prepared
 from tasks.audit.recipe.sizes import MIB, Sizes
-from tasks.config import AuditConfig
+from tasks.config import AuditConfig, EvaluationConfig
 from tasks.data.evaluation import Evaluation
 from tasks.engine.layers import recovered_share
 from tasks.engine.paired import CONFIDENCE
-from tasks.methods.registry import method_of
+from tasks.record.tune_said import TuneRecipe
+from tasks.record.where import TokenDivergence
 
 # Uniform file types by their nominal bits per weight (llama.cpp's table): the uniform variant of equal or larger size
 # the recipe is audited beside is the first of these at least as large as the recipe, as built
@@ -60,13 +62,37 @@ def tune_report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes]) ->
             "tensor_types": tuning.tensor_types() if not prepared.tune.gptqmodel else []} | own
 
 
+@dataclass(frozen=True)
+class RecipeChanges:
+    """What the recipe changes in the variant's spec: a GGUF tune's llama-quantize ``tensor_types``, or a gptq tune's
+    gptqmodel ``dynamic`` overrides (None for a GGUF tune)."""
+
+    tensor_types: tuple[str, ...] = ()
+    dynamic: dict | None = None
+
+    def changes(self) -> dict:
+        """As the variant's spec takes it, and as the audit's YAML and the tune's record write it."""
+        if self.dynamic is not None:
+            return {"dynamic": self.dynamic}
+        return {"tensor_types": list(self.tensor_types)}
+
+
+def _recipe(found: TuneRecipe, prepared: Prepared) -> RecipeChanges:
+    """The recipe the tune ``found``: a gptq tune's as gptqmodel's overrides, a GGUF tune's as llama-quantize's."""
+    from tasks.record.tuning import gptqmodel_overrides
+
+    if prepared.tune.gptqmodel:
+        return RecipeChanges(dynamic=gptqmodel_overrides(found))
+    return RecipeChanges(tensor_types=found.tensor_types)
+
+
 def built(found: dict, tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes], lineup: Lineup,
           evaluation_: Evaluation) -> dict:
     """The recipe made (cached: the audit of it finds it made) and checked on what was made: every matrix of a
     chosen unit as its option's uniform model holds it, every other as in the uniform variant, the whole within the
     budget. A GGUF file's tensor types are read from its header; a gptq checkpoint's bits and group sizes from its
     tensors' shapes."""
-    recipe = recipe_of(found)
+    recipe = _recipe(TuneRecipe.of_record(found), prepared)
     path = Path(_made(recipe, prepared, lineup, evaluation_))
     if prepared.tune.gptqmodel:
         held = gptq.held(path, prepared.shapes)
@@ -79,10 +105,11 @@ def built(found: dict, tuning: Tuning, prepared: Prepared, donor_sizes: list[Siz
     matrix = sizes.matrix_bytes(list(prepared.units))
     return {"file": path.name, "path": str(path), "bpw": prepared.span.bpw(matrix), "bytes": matrix,
             "file_mib": sizes.total / MIB, "within": matrix <= prepared.span.variant_bytes + prepared.extra,
-            "checked": len(expected) - len(wrong), "tensors": len(expected), "wrong": wrong[:5], "recipe": recipe}
+            "checked": len(expected) - len(wrong), "tensors": len(expected), "wrong": wrong[:5],
+            "recipe": recipe.changes()}
 
 
-def _made(recipe: dict, prepared: Prepared, lineup: Lineup, evaluation_: Evaluation) -> str:
+def _made(recipe: RecipeChanges, prepared: Prepared, lineup: Lineup, evaluation_: Evaluation) -> str:
     """The recipe's file (llama.cpp's quantizer) or checkpoint (gptqmodel, with the variant's calibration), named as
     the audit of it names the tuned variant, so that the audit finds it made."""
     [checkpoint] = lineup.variants
@@ -90,22 +117,13 @@ def _made(recipe: dict, prepared: Prepared, lineup: Lineup, evaluation_: Evaluat
         from tasks.audit.checkpoints import quantized_checkpoint
         from tasks.data.corpus import corpus_text
 
-        spec = checkpoint.spec.model_copy(update={"name": f"{prepared.variant}-tuned"} | recipe)
+        spec = checkpoint.spec.model_copy(update={"name": f"{prepared.variant}-tuned"} | recipe.changes())
         return quantized_checkpoint(spec, lineup, evaluation_, corpus_text, True)
     from tasks.models import llama_cpp
 
     # the type as the spec gives it, as the audit of the recipe asks for the file: one cached file, not two
     return str(llama_cpp.made_file(prepared.baseline_file, checkpoint.spec.type,
-                                   tensor_types=tuple(recipe["tensor_types"])))
-
-
-def recipe_of(found: dict) -> dict:
-    """What the recipe changes in the variant's spec: a GGUF tune's ``tensor_types``, a gptq tune's ``dynamic``."""
-    from tasks.record.tuning import gptqmodel_dynamic
-
-    if method_of(found["method"]).tune.gptqmodel:
-        return {"dynamic": gptqmodel_dynamic(found)["dynamic"]}
-    return {"tensor_types": found["tensor_types"]}
+                                   tensor_types=recipe.tensor_types))
 
 
 def _stored(folder: Path, modules: list[str]) -> dict[str, int]:
@@ -154,22 +172,29 @@ def audit_of(config: AuditConfig, variant: str, recipe: dict, larger: tuple[str,
     (``uniform_above``), with divergence on and the variant's gate for each; and the names it gives them
     (``tuned``, ``uniform``, ``larger``)."""
     spec = next(v for v in config.variants if v.name == variant)
-    names = {"uniform": variant, "tuned": f"{variant}-tuned"}
+    tuned = f"{variant}-tuned"
     # gptq: every model of the audit loaded as the recipe's is (by gptqmodel, its scales exact): transformers' route,
     # which rounds them to bfloat16, would hand the recipe a small edge of its own (KL 0.0007 of 0.46 on the demo)
     same = {"dynamic": {}} if spec.backend.tune.gptqmodel else {}
     own = spec.model_dump(mode="json", exclude_defaults=True) | same
-    variants = [own, own | {"name": names["tuned"]} | recipe]
+    variants = [own, own | {"name": tuned} | recipe]
+    names = {"uniform": variant, "tuned": tuned}
     if larger is not None:
         label, _, changes = larger
-        names["larger"] = gptq.as_name(variant, label)
-        variants.append(own | {"name": names["larger"]} | changes)
+        beside = gptq.as_name(variant, label)
+        names |= {"larger": beside}
+        variants.append(own | {"name": beside} | changes)
     data = config.model_dump(mode="json", exclude_defaults=True)
-    data |= {"name": f"{config.name}-tune", "variants": variants, "diagnose": False}
-    data["evaluation"] = data.get("evaluation", {}) | {"divergence": "on"}
-    gate = (data.get("thresholds") or {}).get("per_variant", {}).get(variant)
-    if gate is not None:
-        data["thresholds"]["per_variant"] = {name: gate for name in names.values()}
+    # as the dump leaves it: out where it is its default (whose stride a validator fills), else without defaults
+    given = {} if config.evaluation == EvaluationConfig() else \
+        config.evaluation.model_dump(mode="json", exclude_defaults=True)
+    data |= {"name": f"{config.name}-tune", "variants": variants, "diagnose": False,
+             "evaluation": given | {"divergence": "on"}}
+    gate = config.thresholds.per_variant.get(variant)
+    if gate is not None:  # the variant's gate for each model (one value: the YAML names it once)
+        limits = gate.model_dump(mode="json", exclude_defaults=True)
+        thresholds = config.thresholds.model_dump(mode="json", exclude_defaults=True)
+        data |= {"thresholds": thresholds | {"per_variant": {name: limits for name in names.values()}}}
     data.pop("schedule", None)
     return data, names
 
@@ -182,10 +207,11 @@ def compared(tuned, other, tuned_bpw: float, other_bpw: float, label: str) -> tu
 
     a, b = tuned.result, other.result
     tokens = np.asarray(a.window_tokens)
-    kl = recovered_share(np.asarray(b.extra["kl"], np.float64), np.asarray(a.extra["kl"], np.float64), tokens, CONFIDENCE)
+    tuned_kl, other_kl = TokenDivergence.of_extra(a.extra).kl, TokenDivergence.of_extra(b.extra).kl
+    kl = recovered_share(np.asarray(other_kl, np.float64), np.asarray(tuned_kl, np.float64), tokens, CONFIDENCE)
     nll = cluster_mean(np.asarray(a.token_nll, np.float64) - np.asarray(b.token_nll, np.float64), tokens)
     better = bool(kl[1] > 0 and not nll.low > 0)  # numpy's bool is not JSON's
-    mine, theirs = float(np.mean(a.extra["kl"])), float(np.mean(b.extra["kl"]))
+    mine, theirs = float(np.mean(tuned_kl)), float(np.mean(other_kl))
     relative = (f"KL {-kl[0]:+.0f}% [{-kl[2]:+.0f}, {-kl[1]:+.0f}]" if theirs > 0 and kl[1] == kl[1]
                 else f"KL {mine:.5f} against {theirs:.5f}")
     change = f"{relative}, ΔNLL {nll.value:+.5f} [{nll.low:+.5f}, {nll.high:+.5f}]"
