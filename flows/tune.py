@@ -27,16 +27,16 @@ from tasks.audit.recipe.proof import audit_of, compared, uniform_above
 from tasks.audit.recipe.sizes import Budget
 from tasks.core.places import home
 from tasks.record.result import AuditResult
-from tasks.record.results import VariantResult
+from tasks.record.tune_audit_said import AuditedModel, RecipeAudit
 from tasks.record.tune_said import AuditedAt, Proven, TuneFound
 from tasks.record.tuning import gptqmodel_dynamic, llm_compressor_recipe, tensor_type_lines, tune_json
 from tasks.steps import log_tune, measure_tune, open_plan
 
 
-def _written(found: TuneFound, audit_config: dict) -> Path:
+def _written(found: TuneFound, audit: RecipeAudit) -> Path:
     """The recipe in every format and the audit of it, in a folder of their own under ``<home>/tunes``: written
     before the audit runs, so nothing measured is lost if it fails."""
-    folder = home() / "tunes" / f"{datetime.now():%Y%m%dT%H%M%S}-{audit_config['name']}-{found.variant}"
+    folder = home() / "tunes" / f"{datetime.now():%Y%m%dT%H%M%S}-{audit.name}-{found.variant}"
     folder.mkdir(parents=True, exist_ok=True)
     print(f"the recipe and its audit: {folder}")
     record = found.as_record()  # what the recipe formats and the tune's JSON are written from
@@ -44,45 +44,40 @@ def _written(found: TuneFound, audit_config: dict) -> Path:
         (folder / "llama-quantize-tensor-types.txt").write_text(tensor_type_lines(record))
     (folder / "gptqmodel-dynamic.json").write_text(json.dumps(gptqmodel_dynamic(record), indent=2) + "\n")
     (folder / "llm-compressor-recipe.yaml").write_text(yaml.safe_dump(llm_compressor_recipe(record), sort_keys=False))
-    (folder / "audit.yaml").write_text(yaml.safe_dump(audit_config, sort_keys=False, allow_unicode=True))
+    (folder / "audit.yaml").write_text(yaml.safe_dump(audit.config, sort_keys=False, allow_unicode=True))
     (folder / "tune.json").write_text(tune_json(record) + "\n")
     return folder
 
 
-def _mean_kl(model: VariantResult) -> float:
-    """A model's mean KL on the audit's tokens (its scores' ``kl``: one a token)."""
-    return float(np.mean(model.result.extra["kl"]))
-
-
-def claims(result: AuditResult, names: dict[str, str], found: TuneFound, larger: tuple[str, float, dict] | None
+def claims(result: AuditResult, audit: RecipeAudit, found: TuneFound, larger: tuple[str, float, dict] | None
            ) -> TuneFound:
     """The tune with what the audit of the recipe found: per uniform variant (and per domain), whether the recipe is
     proven better there (``verdicts``), whether it is in every domain (``proven``), and each model's audit figures
-    for the chart (``audited``). A model that failed makes no claim: not proven."""
+    for the chart (``audited``: on the first domain). A model that failed makes no claim: not proven."""
     lines, audited = [], {}
-    tuned_name, tuned_bpw = names["tuned"], found.built.bpw
+    tuned_bpw = found.built.bpw
     # by role, in the order of Proven's fields: the uniform variant, then the larger one where there is one
-    against = [("uniform", found.variant_bpw, f"uniform {found.file_type}")]
+    against = [("uniform", audit.uniform, found.variant_bpw, f"uniform {found.file_type}")]
     if larger is not None:
-        against.append(("larger", larger[1], f"uniform {larger[0]}"))
-    proven = {role: True for role, _, _ in against}
-    for domain, judged in result.domains.items():
-        by_name = {m.name: m for m in judged.results}
-        tuned = by_name.get(tuned_name)
-        on = f" on {domain}" if result.named else ""
-        for role, bpw, label in against:
-            other = by_name.get(names[role])
-            if tuned is None or other is None or not (tuned.ok and other.ok) or "kl" not in tuned.result.extra:
-                failed = next((m for m in (tuned, other) if m is not None and not m.ok), None)
+        against.append(("larger", audit.larger, larger[1], f"uniform {larger[0]}"))
+    proven = {role: True for role, *_ in against}
+    first = next(iter(result.domains.values()))
+    for on, judged in result.labelled(" on {}"):  # " on DOMAIN" where the audit names its domains
+        by_name = {m.name: AuditedModel.of(m) for m in judged.results}
+        tuned = by_name.get(audit.tuned)
+        for role, name, bpw, label in against:
+            other = by_name.get(name)
+            if tuned is None or other is None or not (tuned.scored.ok and other.scored.ok) or tuned.kl is None:
+                failed = next((m.scored for m in (tuned, other) if m is not None and not m.scored.ok), None)
                 lines.append(f"no claim against {label}{on}: {failed.reason if failed else 'not scored'}")
                 proven[role] = False
                 continue
-            better, line = compared(tuned, other, tuned_bpw, bpw, label)
+            better, line = compared(tuned.scored, other.scored, tuned_bpw, bpw, label)
             lines.append(line + on)
             proven[role] = proven[role] and better
-            if domain == next(iter(result.domains)):
-                audited[names[role]] = AuditedAt(bpw, _mean_kl(other))
-                audited[tuned_name] = AuditedAt(tuned_bpw, _mean_kl(tuned))
+            if judged is first:
+                audited[name] = AuditedAt(bpw, float(np.mean(other.kl)))
+                audited[audit.tuned] = AuditedAt(tuned_bpw, float(np.mean(tuned.kl)))
     return replace(found, verdicts=tuple(lines), proven=Proven(*proven.values()), audited=tuple(audited.items()))
 
 
@@ -109,8 +104,8 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
     found = TuneFound.of_record(measure_tune(plan.lineup, [d.evaluation for d in plan.domains], prepared,
                                              settings.diagnosis.windows, settings.diagnosis.seed))
     larger = uniform_above(prepared, found.built.bpw)
-    audit_config, names = audit_of(settings, variant, found.built.recipe, larger)
-    folder = _written(found, audit_config)
+    recipe_audit = RecipeAudit.of(*audit_of(settings, variant, found.built.recipe, larger))
+    folder = _written(found, recipe_audit)
     found = replace(found, folder=str(folder))
     state = audit(config=str(folder / "audit.yaml"), return_state=True)  # it opens its plan, as a run Prefect starts
     result = result_of(state)
@@ -119,7 +114,7 @@ def tune(config: str, variant: str, budget: str, per: str = "layer", types: list
                         proven=Proven())
         parent = None
     else:
-        found = replace(claims(result, names, found, larger), audit_table=result.table,
+        found = replace(claims(result, recipe_audit, found, larger), audit_table=result.table,
                         audit_verdict=result.verdict.said)
         parent = result.mlflow_run_id
     record = found.as_record()  # the tune as plain data: what is written, logged and answered

@@ -14,7 +14,8 @@ from tasks.audit.population import population
 from tasks.audit.where import where_of
 from tasks.config import AuditConfig
 from tasks.record.contents import Started, audit_record, token_arrays
-from tasks.record.domains import audit_over_domains, domain_arrays, domains_record
+from tasks.record.domain_record_said import domain_arrays, domains_record
+from tasks.record.domains import audit_over_domains
 from tasks.record.dominance import dominated_by
 from tasks.record.floor import floor_row, judged, kept_as
 from tasks.record.population import population_line

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-from tasks.record.domains import by_domain_table
 from tasks.record.result import AuditResult, DomainResult
 from tasks.record.row import ModelRow
 from tasks.record.verdict import format_stats
@@ -36,21 +35,21 @@ def answer_json(result: AuditResult) -> str:
     said = {"audit": result.name, "verdict": verdict.status, "reason": verdict.reason,
             "mlflow_run_id": result.mlflow_run_id, "record": result.record,
             "models": _models(result.rows, result.verdicts)}
-    if result.named:
-        said |= {"runtime_costs": [], "population": None, "floor": [],
-                 "domains": {name: {"verdict": d.verdict.status, "reason": d.verdict.reason} | _domain_json(d)
-                             for name, d in result.domains.items()}}
-    else:
-        said |= _domain_json(next(iter(result.domains.values())))
+    shown = {name: {"verdict": d.verdict.status, "reason": d.verdict.reason} | _domain_json(d)
+             for name, d in result.shown.items()}
+    # the JSON's two shapes, as the record's: the domains shown by name under ``domains`` (the audit has no lines of
+    # its own under its table), or the one corpus's figures as the audit's own
+    said |= ({"runtime_costs": [], "population": None, "floor": [], "domains": shown} if shown
+             else _domain_json(next(iter(result.domains.values()))))
     return json.dumps(said)
 
 
 def answer_text(result: AuditResult, by_domain: bool = False, stats: str = "summary") -> str:
-    """What ``ppl-audit run`` prints: one line per model (``by_domain``: every domain's table), llama-perplexity's
-    statistics per variant (``stats`` full), the verdict and where the record is."""
-    parts = [by_domain_table(result) if by_domain and result.named else result.table]
-    for name, domain in result.domains.items() if stats == "full" else ():
-        title = f"domain {name}:\n" if result.named else ""
+    """What ``ppl-audit run`` prints: one line per model (``by_domain``: every domain's table, where the audit names
+    them), llama-perplexity's statistics per variant (``stats`` full), the verdict and where the record is."""
+    by_domains = result.by_domain_table() if by_domain else ""
+    parts = [by_domains or result.table]  # one corpus has no table by domain: its one domain's is the audit's
+    for title, domain in result.labelled("domain {}:\n") if stats == "full" else ():
         parts.append(f"\n{title}{format_stats(list(domain.rows))}\n")
     verdict = result.verdict
     parts += [f"verdict: {verdict.said.upper()} — {verdict.reason}", f"record: {result.record}"]
@@ -58,8 +57,10 @@ def answer_text(result: AuditResult, by_domain: bool = False, stats: str = "summ
 
 
 def artifact_markdown(result: AuditResult) -> str:
-    """The audit's answer as the markdown artifact Prefect keeps with its run."""
+    """The audit's answer as the markdown artifact Prefect keeps with its run: its table, and every domain's under
+    it where the audit names them."""
     verdict = result.verdict
-    by_domain = f"## By domain\n\n```\n{by_domain_table(result)}\n```\n\n" if result.named else ""
+    table = result.by_domain_table()
+    by_domain = f"## By domain\n\n```\n{table}\n```\n\n" if table else ""
     return (f"# Audit {result.name}: {verdict.status}\n\n{verdict.reason}\n\n```\n{result.table}\n```\n\n"
             f"{by_domain}Record: {result.record}\n")

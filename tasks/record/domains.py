@@ -9,7 +9,6 @@ at most 5% with no correction for the number of domains (an intersection-union t
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 
@@ -111,61 +110,11 @@ def floor_lines(domains: list[DomainResult]) -> list[str]:
     return lines
 
 
-def by_domain_table(result: AuditResult) -> str:
-    """Every domain's full table, each under a line naming it and its verdict (``run --by-domain``, the report)."""
-    return "\n\n".join(f"domain {name}: {domain.verdict.said.upper()} — {domain.verdict.reason}\n{domain.table}"
-                       for name, domain in result.domains.items())
-
-
 # what every domain's record shares with the audit's: said once, at the top
 SHARED = ("schema", "audit_id", "name", "started", "created", "scheduled", "config_path", "config_text", "environment")
-
-
-def domains_record(config: dict, records: dict[str, dict], result: AuditResult) -> dict:
-    """The record of an audit of several domains, from each domain's own (``audit_record``: what its one-corpus audit
-    would record, under ``domains``): at the top, each model's worst domain's entry (``domain`` names it) with its
-    verdict across domains, and the corpus as the sum of the domains'. ``config``: the audit's, every corpus in it.
-    A domain's per-token arrays are named ``DOMAIN.MODEL.parquet`` (``domain_arrays``)."""
-    import hashlib
-
-    for name, record in records.items():
-        for entry in record["variants"]:
-            if entry.get("arrays"):
-                entry["arrays"] = f"{name}.{entry['arrays']}"
-    first = next(iter(records.values()))
-    rows = {row.variant: row for row in result.rows}
-    verdicts = {v.name: v.as_record() for v in result.verdicts}
-    variants = []
-    for entry in first["variants"]:
-        row = rows[entry["name"]]
-        chosen = next(e for e in records[row.domain]["variants"] if e["name"] == entry["name"])
-        variants.append(chosen | {"domain": row.domain, "row": row.as_record(), "verdict": verdicts.get(entry["name"])})
-    corpora = [record["corpus"] for record in records.values()]
-    corpus = {"source": ", ".join(f"{name} {c['source']}" for name, c in zip(records, corpora)),
-              "location": ", ".join(c["location"] for c in corpora),
-              "digest": hashlib.sha256(" ".join(c["digest"] for c in corpora).encode()).hexdigest(),
-              "n_tokens": sum(c["n_tokens"] for c in corpora), "n_bytes": sum(c["n_bytes"] for c in corpora),
-              "bos": first["corpus"]["bos"], "hf_config": None, "hf_split": None, "domains": list(records)}
-    populations = {name: (record.get("population") or {}).get("digest") for name, record in records.items()}
-    population = {"digest": hashlib.sha256(json.dumps(populations).encode()).hexdigest()[:16], "domains": populations}
-    return first | {"config": config, "corpus": corpus, "population": population, "floor": [], "runtime_costs": [],
-                    "tokens_differ": None, "verdict": result.verdict.as_record(),
-                    "table": result.table, "variants": variants,
-                    "domains": {name: {k: v for k, v in record.items() if k not in SHARED}
-                                for name, record in records.items()}}
-
-
-def domain_arrays(arrays: dict[str, dict]) -> dict:
-    """Every domain's per-token tables (by domain, by file name) under the record's names for them."""
-    return {f"{name}.{file}": table for name, tables in arrays.items() for file, table in tables.items()}
 
 
 def domain_view(record: dict, name: str) -> dict:
     """Domain ``name`` of an audit's record as its one-corpus audit's record (the shared fields put back), with
     ``domain`` naming it: what the one-corpus charts, report and metrics are drawn from."""
     return {key: record[key] for key in SHARED if key in record} | record["domains"][name] | {"domain": name}
-
-
-def entry_on(record: dict, name: str, model: str) -> dict:
-    """Model ``model``'s entry in domain ``name`` of an audit's record."""
-    return next(entry for entry in record["domains"][name]["variants"] if entry["name"] == model)

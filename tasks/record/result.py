@@ -95,6 +95,25 @@ class AuditResult:
                    {v.name: domain.name for v in domain.verdicts})
 
     @property
+    def shown(self) -> Mapping[str, DomainResult]:
+        """The domains shown by name (a title, a table of their own, `` on NAME``): every domain of an audit that names
+        them; none of an audit of one corpus, whose one domain's figures are the audit's own, shown without a name.
+        The one place where one corpus and several are shown apart: every view reads it."""
+        return self.domains if self.named else {}
+
+    def labelled(self, form: str) -> list[tuple[str, DomainResult]]:
+        """Each domain with its name put in ``form`` (``" on {}"``) where domains are shown by name; an audit of one
+        corpus, its one domain with "" (its name is never shown)."""
+        return [(form.format(name), domain) for name, domain in self.shown.items()] or [
+            ("", domain) for domain in self.domains.values()]
+
+    def by_domain_table(self) -> str:
+        """Every domain's full table, each under a line naming it and its verdict (``run --by-domain``, the report):
+        "" for an audit of one corpus, whose table is its one domain's."""
+        return "\n\n".join(f"domain {name}: {domain.verdict.said.upper()} — {domain.verdict.reason}\n{domain.table}"
+                           for name, domain in self.shown.items())
+
+    @property
     def passed(self) -> bool:
         """Whether nothing failed: passed, or judged against no limit (which is never said to pass)."""
         return self.verdict.status in ("pass", "ungated")

@@ -88,8 +88,8 @@ def _model(entry: dict, streams: Mapping[str | None, StreamScored] | None = None
 
 
 def _on_domains(entry: dict, views: dict[str, dict]) -> dict[str, StreamScored]:
-    """A model's figures on each domain of an audit of several (``views``: each domain's record, ``domain_view``),
-    by domain: its worst domain's (``entry``'s ``domain``) are also its run's own, unsuffixed."""
+    """A model's figures on each domain of an audit of several (``views``: each domain's own record, by name; none
+    for one corpus), by domain: its worst domain's (``entry``'s ``domain``) are also its run's own, unsuffixed."""
     worst = entry.get("domain")
     return {name: StreamScored.of_entry(next(own for own in view["variants"] if own["name"] == entry["name"]), name,
                                   (f".{name}", "") if name == worst else (f".{name}",)) for name, view in views.items()}
@@ -116,7 +116,7 @@ class Stream:
 
 
 def _stream(view: dict, domain: str | None) -> Stream:
-    """The stream of a one-corpus record (or a domain's, as ``domain_view`` gives it)."""
+    """The stream of a one-corpus record (or of a domain's own record, under ``domains``)."""
     baseline = next((entry.get("reference") or {} for entry in view["variants"] if entry["role"] == "baseline"), {})
     return Stream(CorpusSaid.of_record(view["corpus"]), view["config"]["evaluation"]["max_tokens"],
                   ReferenceSaid.of_record(baseline), (view.get("population") or {}).get("digest"), view["table"],
@@ -166,19 +166,14 @@ class TrackedAudit:
 
     @classmethod
     def of_record(cls, record: dict) -> TrackedAudit:
-        from tasks.record.domains import domain_view
-
         result = from_record(record)
         config, evaluation, environment = record["config"], record["config"]["evaluation"], record["environment"]
-        if result.named:  # each domain its own token stream, and each model's figures on it
-            views = {name: domain_view(record, name) for name in result.domains}
-            streams = {name: _stream(view, name) for name, view in views.items()}
-            models = tuple(_model(entry, _on_domains(entry, views)) for entry in record["variants"])
-            history_key = None
-        else:
-            streams = {None: _stream(record, None)}
-            models = tuple(_model(entry) for entry in record["variants"])
-            history_key = streams[None].reference.baseline_key
+        # each domain shown by name is a token stream of its own (its record under ``domains``), and each model has
+        # its figures on it; one corpus is the record's one stream, unnamed, and the only one the history keys
+        views = {name: record["domains"][name] for name in result.shown}
+        streams = {name: _stream(view, name) for name, view in views.items()} or {None: _stream(record, None)}
+        models = tuple(_model(entry, _on_domains(entry, views)) for entry in record["variants"])
+        history_key = None if views else streams[None].reference.baseline_key
         return cls(result, record["audit_id"], record["name"], record.get("started", record["created"]),
                    record["created"], bool(record.get("scheduled")), config, record["config_text"],
                    config["tracking"]["uri"], config["tracking"]["experiment"], evaluation["window"],
