@@ -97,13 +97,11 @@ def on_domain(plan: AuditPlan, corpus: str | None) -> tuple[AuditPlan, str | Non
     """The plan of the one domain a diagnosis reads, and its name: ``corpus`` of an audit of several corpora (the
     first when None); an audit of one corpus is its own (None). A name the audit lacks is one line naming its
     corpora, as is a name given for an audit of one corpus (it names none: ``corpus:``)."""
-    if not plan.by_domain:
-        if corpus is not None:
-            raise InputError(f"--corpus {corpus}: the audit {plan.name} has one corpus (corpus:), not several named "
-                             "ones (corpora:); leave --corpus out")
-        return plan, None
-    name = plan.domains[0].name if corpus is None else corpus
-    return plan.alone(name), name
+    if corpus is not None and not plan.by_domain:
+        raise InputError(f"--corpus {corpus}: the audit {plan.name} has one corpus (corpus:), not several named "
+                         "ones (corpora:); leave --corpus out")
+    domain = plan.domains[0] if corpus is None else plan.domain(corpus)
+    return plan.alone(domain.name), domain.corpus.shown
 
 
 @flow(name="ppl-audit-diagnose", flow_run_name="diagnose-{variant}", log_prints=True)
@@ -130,9 +128,9 @@ def diagnose(config: str, variant: str, overrides: list[str] | None = None, plan
         raise InputError(checkpoint.problem)
     if domain is not None:
         print(f"on the domain {domain}")
-    found = diagnosed(settings, lineup, scored, checkpoint) | {"audit": settings.name}
-    if domain is not None:
-        found["domain"] = domain
+    # the domain named last, as the JSON line has always ended before where it was logged
+    named = {"domain": domain} if domain is not None else {}
+    found = diagnosed(settings, lineup, scored, checkpoint) | {"audit": settings.name} | named
     kept = keep(found)
     tracking = settings.tracking
     logged = log_diagnosis(found, tracking.uri, tracking.experiment, return_state=True)

@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from tasks.config_said import RETIRED_DIVERGENCE, OverrideSaid, Refusal, RetiredSaid, evaluation_of_record, refusals
 from tasks.core.errors import InputError, start_of
 from tasks.core.places import embedded_corpus_name
 from tasks.engine.scoring_options import Windowing
@@ -55,7 +56,6 @@ def floor_name(dtype: str) -> str:
     return f"floor-{FLOOR_SHORT[dtype]}"
 
 Rescore = Literal["auto", "always", "never"]  # when a baseline's stored reference is reused (BaselineSpec)
-RETIRED_DIVERGENCE = ("auto", "lockstep", "topk")  # before the baseline reference; kept to say what replaced them
 TRACKING_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
 DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # through SQLAlchemy: dialect[+driver]://
 # SQLAlchemy's default drivers, by module, and the package that brings each
@@ -165,6 +165,49 @@ class Corpus(CorpusConfig):
         """The corpus as a one-corpus audit's ``corpus:`` holds it."""
         return CorpusConfig(**self.model_dump(exclude={"name", "max_tokens"}))
 
+    # How lines and refusals name the domain: the one thing that differs between a domain of an audit of several
+    # corpora and an audit of one (``OneCorpus``), each domain scored and judged the same
+    @property
+    def key(self) -> str:
+        """The config key holding its text: ``corpora.NAME``."""
+        return f"corpora.{self.name}"
+
+    @property
+    def within(self) -> str:
+        """What a refusal about its text or stream starts with: ``corpora.NAME: ``."""
+        return f"{self.key}: "
+
+    @property
+    def on(self) -> str:
+        """What a line about a model scored on it adds to the model's name: `` on NAME``."""
+        return f" on {self.name}"
+
+    @property
+    def shown(self) -> str | None:
+        """The name lines and JSON give the domain (a compare's history, a diagnosis)."""
+        return self.name
+
+
+class OneCorpus(Corpus):
+    """The text of an audit of one corpus (``corpus:``) as its one domain, called ``corpus``: the audit speaks of
+    it as it did before corpora, naming no domain."""
+
+    @property
+    def key(self) -> str:
+        return "corpus"
+
+    @property
+    def within(self) -> str:
+        return ""
+
+    @property
+    def on(self) -> str:
+        return ""
+
+    @property
+    def shown(self) -> str | None:
+        return None
+
 
 class CalibrationConfig(Strict):
     """Calibration text for GPTQ/AWQ: ``samples`` sequences of ``seq_len`` tokens drawn with ``seed``.
@@ -268,11 +311,12 @@ def _overrides_gptqmodel_can_take(dynamic: dict) -> dict:
             raise ValueError(f"{key}: not a regular expression ({error}); gptqmodel matches module names with it") from None
         if key.startswith("-:") and override:
             raise ValueError(f"{key}: a -: pattern leaves its modules unquantized and takes no settings; give {{}}")
-        if override.get("bits", 4) not in QUANTIZED_BITS:
-            raise ValueError(f"{key}: bits {override['bits']} is not one gptq takes; use one of "
+        said = OverrideSaid.of_entry(override)
+        if said.bits is not None and said.bits not in QUANTIZED_BITS:
+            raise ValueError(f"{key}: bits {said.bits} is not one gptq takes; use one of "
                              f"{', '.join(map(str, QUANTIZED_BITS))}")
-        if "group_size" in override:
-            check_group_size("gptq", override["group_size"])
+        if said.group_size is not None:
+            check_group_size("gptq", said.group_size)
     return dynamic
 
 
@@ -462,20 +506,20 @@ class BaselineSpec(VariantSpec):
         return self
 
 
-def validation_line(error: ValidationError, where: str) -> str:
-    """The first validation error as one line naming the key; the count of any others after it."""
-    first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
+def validation_line(refused: tuple[Refusal, ...], where: str) -> str:
+    """The first of what pydantic ``refused`` as one line naming the key; the count of any others after it."""
+    first = refused[0]
+    key = ".".join(str(part) for part in first.loc)
+    message = first.msg.removeprefix("Value error, ")
+    if first.type == "extra_forbidden":
         message = "unknown key; check its spelling against the documented keys"
-    if first["type"] == "string_pattern_mismatch" and first["ctx"]["pattern"] == NAME:
-        message = (f"'{start_of(first['input'])}' is not a name: use letters, digits, '_', '-' and '.', not dots alone "
+    if first.type == "string_pattern_mismatch" and first.pattern == NAME:
+        message = (f"'{start_of(first.input)}' is not a name: use letters, digits, '_', '-' and '.', not dots alone "
                    "(a name becomes a folder and an MLflow run)")
-    if first["type"] == "string_too_long":
-        message = (f"'{start_of(first['input'])}' is {len(first['input'])} characters; use at most "
-                   f"{first['ctx']['max_length']} (it becomes a file name)")
-    more = len(error.errors()) - 1
+    if first.type == "string_too_long":
+        message = (f"'{start_of(first.input)}' is {len(first.input)} characters; use at most "
+                   f"{first.max_length} (it becomes a file name)")
+    more = len(refused) - 1
     return f"{where}: {key + ': ' if key else ''}{message}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
 
@@ -485,17 +529,17 @@ def parse(model: type[Strict], data: object, where: str, overrides: list[str] | 
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise InputError(validation_line(error, _given_by(error, overrides) or where)) from None
+        refused = refusals(error)
+        raise InputError(validation_line(refused, _given_by(refused[0], overrides) or where)) from None
 
 
-def _given_by(error: ValidationError, overrides: list[str] | tuple[str, ...]) -> str | None:
-    """``--set KEY=VALUE`` where the first mistake lies within what it set, or is a key it made (``--set a.b.c=1``
+def _given_by(first: Refusal, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """``--set KEY=VALUE`` where the ``first`` mistake lies within what it set, or is a key it made (``--set a.b.c=1``
     makes ``a``, which the file never had), else None: the file's."""
-    first = error.errors()[0]
-    at = [str(part) for part in first["loc"]]
+    at = [str(part) for part in first.loc]
     for override in overrides:
         key = override.partition("=")[0].split(".")
-        if at and (at[:len(key)] == key or (key[:len(at)] == at and first["type"] == "extra_forbidden")):
+        if at and (at[:len(key)] == key or (key[:len(at)] == at and first.type == "extra_forbidden")):
             return f"--set {start_of(override)}"
     return None
 
@@ -512,11 +556,14 @@ def yaml_problem(error: Exception) -> str:
     return f"{where}: {problem}"
 
 
+DEFAULT_WINDOW = 512  # tokens a window holds, unless evaluation.window says otherwise
+
+
 class EvaluationConfig(Strict):
     """How every model of the audit is scored (see ``tasks.engine.perplexity``); ``stride`` is filled in
     (``window // 2``) once validated, so nothing downstream sees None."""
 
-    window: int = 512
+    window: int = DEFAULT_WINDOW
     stride: int | None = Field(None, description="default window // 2")
     batch_size: int | Literal["auto"] = Field(1, ge=1)
     bos: BosPolicy | None = Field(None, description="default: the mode's own")
@@ -549,20 +596,22 @@ class EvaluationConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _retired_settings(cls, data):
-        if isinstance(data, dict):
-            if data.get("divergence") in RETIRED_DIVERGENCE:
-                raise ValueError(f"divergence {data['divergence']} is retired: KL is now always exact, from the "
-                                 "baseline's stored reference at one model's cost; use on (or off)")
-            if "top_k" in data:
-                raise ValueError("top_k is retired with the top-k cache: KL is now exact, from the baseline's "
-                                 "stored reference; remove it")
+        if not isinstance(data, dict):  # pydantic's own error says what is wrong
+            return data
+        said = RetiredSaid.of_section(data)
+        if said.divergence in RETIRED_DIVERGENCE:
+            raise ValueError(f"divergence {said.divergence} is retired: KL is now always exact, from the "
+                             "baseline's stored reference at one model's cost; use on (or off)")
+        if said.top_k:
+            raise ValueError("top_k is retired with the top-k cache: KL is now exact, from the baseline's "
+                             "stored reference; remove it")
         return data
 
     @model_validator(mode="before")
     @classmethod
     def _stride_is_half_the_window_unless_given(cls, data):
         if isinstance(data, dict) and data.get("stride") is None:
-            window = data.get("window", cls.model_fields["window"].default)
+            window = data.get("window", DEFAULT_WINDOW)
             if isinstance(window, int):  # else the window's own error says what is wrong
                 data = {**data, "stride": window // 2}
         return data
@@ -571,10 +620,7 @@ class EvaluationConfig(Strict):
     def of_record(cls, data: dict) -> EvaluationConfig:
         """The settings an audit record was scored with (a record from before the reference keeps the
         retired settings, whose KL was on)."""
-        data = {key: value for key, value in data.items() if key != "top_k"}
-        if data.get("divergence") in RETIRED_DIVERGENCE:
-            data["divergence"] = True
-        return cls.model_validate(data)
+        return cls.model_validate(evaluation_of_record(data))
 
     @model_validator(mode="after")
     def _a_plan_the_engine_can_make(self) -> EvaluationConfig:
@@ -803,12 +849,12 @@ class AuditConfig(Strict):
     diagnose: Literal["failed"] | bool = False  # failed: every variant that fails its gate; on: every variant
     diagnosis: Diagnosis = Diagnosis()
 
-    @model_validator(mode="before")
+    @field_validator("baseline", mode="before")
     @classmethod
-    def _baseline_is_named_baseline(cls, data):
-        if isinstance(data, dict) and isinstance(data.get("baseline"), dict):
-            data = {**data, "baseline": {"name": "baseline", **data["baseline"]}}
-        return data
+    def _baseline_is_named_baseline(cls, baseline: object) -> object:
+        # a name given keeps it; "baseline" is not BaselineSpec's default, so that its model_dump (a tune's audit
+        # config) writes the name as it always has
+        return {"name": "baseline", **baseline} if isinstance(baseline, dict) else baseline
 
     @model_validator(mode="after")
     def _consistent(self) -> AuditConfig:
@@ -851,12 +897,14 @@ class AuditConfig(Strict):
     def _one_source_of_text(self) -> None:
         """``corpus`` (one) or ``corpora`` (several, each named once); ``per_corpus`` names only those."""
         # one line for each mistake, saying which it is: "one of them" left a user who gave both guessing
-        if self.corpus is not None and self.corpora is not None:
+        if self.corpora is None:
+            if self.corpus is None:
+                raise ValueError("no text to score: give corpus (one text) or corpora (several domains, each with a "
+                                 "name)")
+        elif self.corpus is not None:
             raise ValueError("corpus and corpora are both given: keep corpus (one text) or corpora (several domains, "
                              "each with a name), not both")
-        if self.corpus is None and self.corpora is None:
-            raise ValueError("no text to score: give corpus (one text) or corpora (several domains, each with a name)")
-        if self.corpora is not None and not self.corpora:
+        elif not self.corpora:
             raise ValueError("corpora is empty: list the domains to audit (name and source each), or give corpus")
         names = [c.name for c in self.corpora or []]
         repeated = sorted({n for n in names if names.count(n) > 1})
@@ -869,14 +917,14 @@ class AuditConfig(Strict):
 
     @property
     def domains(self) -> list[Corpus]:
-        """The corpora the audit scores, each named: a one-corpus audit's is ``corpus``."""
-        return list(self.corpora) if self.corpora is not None else [Corpus(name=ONE_CORPUS, **self.corpus.model_dump())]
+        """The corpora the audit scores, each named: a one-corpus audit's is ``corpus`` (``OneCorpus``). The one
+        place that asks which of the two the config gives; past it, one corpus is one domain."""
+        return list(self.corpora) if self.corpora is not None else [OneCorpus(name=ONE_CORPUS, **self.corpus.model_dump())]
 
     def for_domain(self, domain: Corpus) -> AuditConfig:
         """The one-corpus audit of ``domain``: its text, its ``max_tokens``, its gates. Each domain of an audit of
-        several is scored and judged as this config's audit would be, figure for figure."""
-        if self.corpora is None:
-            return self
+        several is scored and judged as this config's audit would be, figure for figure; an audit of one corpus is
+        its own (an equal config)."""
         evaluation = self.evaluation if domain.max_tokens is None else EvaluationConfig.model_validate(
             self.evaluation.model_dump() | {"max_tokens": domain.max_tokens})
         return self.model_copy(update={"corpus": domain.alone(), "corpora": None, "evaluation": evaluation,

@@ -96,13 +96,12 @@ def _histories(args: argparse.Namespace, plan, keys: dict[str | None, str], wher
             raise InputError(f"no audit of baseline {keys[None]} in experiment '{experiment}' ({uri}); check the key "
                              "(ppl-audit reference ls, or a parent run's ppl_audit.baseline_key tag) or the experiment")
     else:
-        said = {"domains": {name: _history(where, key, chart and _domain_chart(chart, name), name)
-                            for name, key in keys.items()}}
-        if not any(said["domains"].values()):
+        found = {name: _history(where, key, chart and _domain_chart(chart, name), name) for name, key in keys.items()}
+        if not any(found.values()):
             raise InputError(f"no audit of any domain of {plan.name} ({', '.join(f'{n} baseline {k}' for n, k in keys.items())}) "
                              f"in experiment '{experiment}' ({uri}); check the experiment")
-        said["domains"] = {name: found or {"baseline_key": keys[name], "experiment": experiment, "chart": None,
-                                           "variants": []} for name, found in said["domains"].items()}
+        said = {"domains": {name: history or {"baseline_key": keys[name], "experiment": experiment, "chart": None,
+                                              "variants": []} for name, history in found.items()}}
     if args.json:
         print(json.dumps(said), file=console.out())
     return 0
@@ -166,13 +165,11 @@ def _parents(client, uri: str, run_ids: list[str]) -> list:
 
 
 def _keys(plan) -> dict[str | None, str]:
-    """The baseline key of each domain of the audit ``plan`` (by name), or of its one corpus (under None): each
-    domain's from its own token stream, as its one-corpus audit's."""
+    """The baseline key of each domain of the audit ``plan`` (by name), or of its one corpus (under None, the name
+    its lines give it): each domain's from its own token stream, as its one-corpus audit's."""
     from tasks.audit.plan import baseline_key_of
 
-    if not plan.by_domain:
-        return {None: baseline_key_of(plan)}
-    return {domain.name: baseline_key_of(plan.alone(domain.name)) for domain in plan.domains}
+    return {domain.corpus.shown: baseline_key_of(plan.alone(domain.name)) for domain in plan.domains}
 
 
 @dataclass(frozen=True)

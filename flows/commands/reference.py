@@ -49,8 +49,9 @@ def _build(args: argparse.Namespace) -> int:
     plan = open_audit(args.config, args.set, narrow=baseline_alone)  # before Prefect starts: the baseline only
     outcomes = build_reference(config=args.config, overrides=args.set, plan=plan)
     stored = True
-    for domain, (outcome, floors) in outcomes.items():
-        on = f" on {domain}" if plan.by_domain else ""
+    for domain in plan.domains:  # as build_reference made them, by name
+        outcome, floors = outcomes[domain.name]
+        on = domain.corpus.on
         if not outcome.ok:
             print(f"ppl-audit: failed: {outcome.name}{on}: {outcome.reason}", file=console.err())
             stored = False
@@ -64,6 +65,7 @@ def _said_built(outcome, floors: list, on: str) -> None:
     """A stored baseline's lines: its perplexity and where its reference is, its drift, its noise floor."""
     from tasks.record.floor import kept_as
     from tasks.record.verdict import drift_text
+    from tasks.record.where import TokenDivergence
 
     say, said, result = console.out(), outcome.reference, outcome.result
     where = f"reference {said.key} in {said.path}" if said.path else f"no reference: {said.problem}"
@@ -72,8 +74,8 @@ def _said_built(outcome, floors: list, on: str) -> None:
     if said.drift:
         print(drift_text(said.drift), file=say)
     for floor in floors:  # the noise floor the config asks for, kept with the reference
-        kl = f", KL {floor.result.extra['kl'].astype('float64').mean():.4g}" if floor.ok and "kl" in floor.result.extra \
-            else ""
+        divergence = TokenDivergence.of_extra(floor.result.extra) if floor.ok else None
+        kl = f", KL {divergence.kl.astype('float64').mean():.4g}" if divergence is not None else ""
         print(f"noise floor {floor.name}{on}: " + (f"{kept_as(floor)}, PPL {floor.result.ppl:.4f}{kl}" if floor.ok
                                                     else f"failed: {floor.reason}"), file=say)
 

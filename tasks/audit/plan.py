@@ -20,7 +20,7 @@ from tasks.audit.preflight import check_calibration_room, check_audit_settings, 
 from tasks.audit.reference import baseline_key
 from tasks.audit.scoring import baseline_identity
 from tasks.audit.served import Policy, Refused
-from tasks.config import AuditConfig, load_audit_config
+from tasks.config import AuditConfig, Corpus, load_audit_config
 from tasks.core.errors import InputError
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import Evaluation, check_encodable, evaluation
@@ -29,12 +29,17 @@ from tasks.models.llama_cpp import stream_difference
 
 @dataclass(frozen=True)
 class Domain:
-    """One corpus of an audit, resolved: its ``name``, the one-corpus audit it is scored and judged as (``config``:
-    ``AuditConfig.for_domain``) and its token stream and settings (``evaluation``)."""
+    """One corpus of an audit, resolved: the corpus the config gives (``corpus``: its name, and how lines and
+    refusals name it: by that name, or not at all for an audit's one corpus), the one-corpus audit it is scored and
+    judged as (``config``: ``AuditConfig.for_domain``) and its token stream and settings (``evaluation``)."""
 
-    name: str
+    corpus: Corpus
     config: AuditConfig
     evaluation: Evaluation
+
+    @property
+    def name(self) -> str:
+        return self.corpus.name
 
 
 class Event(BaseModel):
@@ -143,7 +148,7 @@ def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Ev
     domains = read_domains(config, lineup.tokenizer, lineup.transformers_tokenizer)
     check_calibration_room(config, lineup, domains[0].evaluation)
     for domain in domains:
-        _within(domain.name, config, lambda d=domain: check_stream(d.config, lineup, d.evaluation))
+        _within(domain.corpus, lambda d=domain: check_stream(d.config, lineup, d.evaluation))
     return AuditPlan(config=config, path=path, lineup=lineup, domains=domains, said=said)
 
 
@@ -161,27 +166,26 @@ def read_domains(config: AuditConfig, tokenizer, compared_with=None) -> tuple[Do
     domains = []
     for corpus in config.domains:
         alone = config.for_domain(corpus)
-        scored = _within(corpus.name, config, lambda a=alone: evaluation(corpus_text(a.corpus), tokenizer,
-                                                                          a.evaluation, progress=True))
+        scored = _within(corpus, lambda a=alone: evaluation(corpus_text(a.corpus), tokenizer, a.evaluation,
+                                                            progress=True))
         if compared_with is not None:
             theirs = evaluation(scored.text, compared_with, alone.evaluation)
             scored = replace(scored, tokens_differ=stream_difference(theirs.stream.ids.tolist(),
                                                                      scored.stream.ids.tolist()),
                              tokenized_by=tokenizer.named)
         # named as the key holding the text: _within's "corpora.NAME: " before "corpus: " read as two keys
-        check_encodable(scored.stream, tokenizer, "corpus" if config.corpora is None else f"corpora.{corpus.name}")
-        domains.append(Domain(corpus.name, alone, scored if not domains else scored.calibrating(domains[0].evaluation)))
+        check_encodable(scored.stream, tokenizer, corpus.key)
+        domains.append(Domain(corpus, alone, scored if not domains else scored.calibrating(domains[0].evaluation)))
     return tuple(domains)
 
 
-def _within(name: str, config: AuditConfig, check: Callable):
-    """``check()``, its refusal naming the domain ``name`` in an audit of several (``corpora.NAME: ...``)."""
+def _within(corpus: Corpus, check: Callable):
+    """``check()``, its refusal naming the domain ``corpus`` in an audit of several (``corpora.NAME: ...``; an
+    audit of one corpus names none)."""
     try:
         return check()
     except InputError as error:
-        if config.corpora is None:
-            raise
-        raise type(error)(f"corpora.{name}: {error}") from None
+        raise type(error)(f"{corpus.within}{error}") from None
 
 
 def baseline_alone(config: AuditConfig) -> AuditConfig:
