@@ -16,7 +16,8 @@ from tasks.config import VariantSpec
 from tasks.core.errors import InputError
 from tasks.methods.registry import method_of
 from tasks.engine.model_facts import input_device
-from tasks.models.formats_said import CompressedConfig, ConfigRefusal, FormatLabel, GptqConfig, HqqMeta, QuantArgs
+from tasks.config_said import refusals
+from tasks.models.formats_said import CompressedConfig, FormatLabel, GptqConfig, HqqMeta, QuantArgs
 from tasks.models.gguf import gguf_facts
 from tasks.models.resolve import Located
 
@@ -227,7 +228,7 @@ def check_compressed(model: Located) -> None:
     try:
         QuantizationConfig.model_validate(settings)
     except ValidationError as error:
-        refused = ConfigRefusal.of_error(error)
+        refused = refusals(error)[0]
         where = ".".join(str(part) for part in refused.loc if "function-after" not in str(part))
         raise InputError(f"{source}: quantization_config.{where}: {refused.msg.removeprefix('Value error, ')}; "
                          "it is not a config compressed-tensors reads") from None

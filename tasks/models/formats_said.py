@@ -90,17 +90,3 @@ class CompressedConfig:
                    inputs=tuple(QuantArgs.of_json(g["input_activations"]) for g in groups
                                 if g.get("input_activations")),
                    ignore=settings.get("ignore"))
-
-
-@dataclass(frozen=True)
-class ConfigRefusal:
-    """The first thing pydantic refused in a config: where (``loc``, its parts) and why (``msg``)."""
-
-    loc: tuple[int | str, ...]
-    msg: str
-
-    @classmethod
-    def of_error(cls, error) -> ConfigRefusal:
-        """``error``: a pydantic ``ValidationError``."""
-        first = error.errors()[0]
-        return cls(loc=tuple(first["loc"]), msg=first["msg"])

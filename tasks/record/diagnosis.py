@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from tasks.core.places import home
 from tasks.record.diagnosis_said import VariantDiagnosis, WonBack
-from tasks.record.plots import BASELINE_COLOUR, COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
+from tasks.record.plots import BASELINE_COLOUR, DPI, FAIL_COLOUR, SMALL, TEXT, TITLE, WIDTH
 from tasks.record.tags import DOMAIN
 
 WORST = 3  # layers marked in the console table: those that win back most
@@ -93,7 +93,7 @@ def restore_curve_chart(said: VariantDiagnosis) -> Figure:
     axis = figure.subplots()
     steps = said.restore_curve
     counts = [len(step.restored) for step in steps]
-    axis.plot(counts, [step.kl for step in steps], "o-", color=COLOURS["fail"], label="mean KL(baseline‖variant)")
+    axis.plot(counts, [step.kl for step in steps], "o-", color=FAIL_COLOUR, label="mean KL(baseline‖variant)")
     for count, step in zip(counts, steps):
         axis.annotate(f"+{step.mib:.1f} MiB" if count else "as quantized", (count, step.kl),
                       textcoords="offset points", xytext=(4, 6), fontsize=SMALL)

@@ -28,7 +28,8 @@ from tasks.record.row import Interval, ModelRow
 from tasks.record.verdict import gate_checks, said as said_as
 
 BASELINE_COLOUR, ERROR_COLOUR = "#1565c0", "#9e9e9e"  # the baseline's (its PPL line too); a model no verdict colours
-COLOURS = {"baseline": BASELINE_COLOUR, "pass": "#2e7d32", "fail": "#c62828", "error": ERROR_COLOUR,
+FAIL_COLOUR = "#c62828"  # a failing verdict's, and a variant's line in diagnosis and tune charts
+COLOURS = {"baseline": BASELINE_COLOUR, "pass": "#2e7d32", "fail": FAIL_COLOUR, "error": ERROR_COLOUR,
            "ungated": "#f9a825"}
 LIMIT_COLOUR = "#212121"
 DPI = 130  # with 11-inch figures: about 1400 pixels wide, legible when MLflow's viewer scales them down

@@ -15,7 +15,7 @@ import time
 from matplotlib.figure import Figure
 
 from tasks.methods.registry import find_method
-from tasks.record.plots import BASELINE_COLOUR, COLOURS, DPI, SMALL, TEXT, TITLE, WIDTH
+from tasks.record.plots import BASELINE_COLOUR, DPI, FAIL_COLOUR, SMALL, TEXT, TITLE, WIDTH
 from tasks.record.tune_said import ChosenUnit, RecipeUnit, TuneFound, TuneRecipe
 
 # What a GGUF type's precision is closest to in gptqmodel and compressed-tensors, which store integers of 2, 3, 4 or
@@ -160,7 +160,7 @@ def _chart(found: TuneFound) -> Figure:
     figure = Figure(figsize=(WIDTH, 4.5), dpi=DPI, layout="constrained")
     axis = figure.subplots()
     points = [(found.variant_bpw, found.variant_kl)] + [(p.bpw, p.kl) for p in found.curve]
-    axis.plot([p[0] for p in points], [p[1] for p in points], "o-", color=COLOURS["fail"],
+    axis.plot([p[0] for p in points], [p[1] for p in points], "o-", color=FAIL_COLOUR,
               label="recipe, measured on the sample (knapsack at ¼, ½, ¾ and all of the budget)")
     for i, (name, point) in enumerate(found.audited or ()):
         axis.plot(point.bpw, point.kl, "s", color=BASELINE_COLOUR,
