@@ -13,7 +13,7 @@ import torch
 
 from tasks.data.embedded import embedded_gguf
 from tasks.models.gguf_blocks import DEQUANTIZE
-from tasks.models.gguf_file import Strings, config_dict, read_header, tensor_data
+from tasks.models.gguf_file import Strings, header_config, read_header, tensor_data
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from loading import HALVES, llama_gguf  # noqa: E402  (the benchmark's file maker: one source for both)
@@ -44,7 +44,7 @@ def test_the_config_from_the_header_is_transformers_own():
     from tasks.models.resolve import load_config
 
     assert load_config(str(path)).to_dict() == theirs
-    assert config_dict(read_header(path))["vocab_size"] == theirs["vocab_size"] == 49152
+    assert header_config(read_header(path)).values["vocab_size"] == theirs["vocab_size"] == 49152
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])

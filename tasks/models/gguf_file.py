@@ -189,13 +189,6 @@ class HeaderConfig:
     values: dict
 
 
-def config_dict(header: Header) -> dict | None:
-    """The transformers config of the model the file holds, as a dict (``header_config``); None where transformers
-    builds it itself."""
-    found = header_config(header)
-    return None if found is None else found.values
-
-
 def header_config(header: Header) -> HeaderConfig | None:
     """The transformers config of the model the file holds, built as transformers' GGUF loader builds it
     (``load_gguf_checkpoint``: its name maps, defaults and tied head) for the architectures it maps by name alone;
