@@ -149,6 +149,26 @@ def test_a_floor_that_cannot_be_measured_is_refused_in_one_line(tmp_path, traine
     assert load_audit_config(str(listed)).evaluation.floors == ("float16",)
 
 
+def test_a_stored_record_s_floor_judgements_read_back_as_written():
+    """Each row's judgement against the floors in the stored records (tests/records) reads into ``FloorJudgement``
+    (by its fields' names, a floor's KL where both measured it) and is written back key for key, in order."""
+    import json
+    import lzma
+    from pathlib import Path
+
+    from tasks.record.floor_said import FloorJudgement
+
+    judged = []
+    for stored in sorted((Path(__file__).parent / "records").glob("*.record.json.xz")):
+        record = json.loads(lzma.open(stored).read())
+        entries = record["variants"] + [entry for domain in record.get("domains", {}).values()
+                                        for entry in domain["variants"]]
+        judged += [entry["row"]["floor"] for entry in entries if entry["row"].get("floor") is not None]
+    read = [FloorJudgement.of_record(said) for said in judged]
+    assert len(read) >= 40 and all(floor.kl is not None for judgement in read for floor in judgement.floors)
+    assert [json.dumps(judgement.as_record()) for judgement in read] == [json.dumps(said) for said in judged]
+
+
 @pytest.mark.slow  # two commands in a subprocess each
 def test_reference_build_keeps_the_floor_with_the_reference(tmp_path, trained_model_dir, corpus_path, cli, cache,
                                                             monkeypatch):

@@ -117,3 +117,41 @@ audit's rows (``helpers.flat``)."""
     assert len(rows) == 66 and any("floor_of" in row for row in rows) and any("dominated_by" in row for row in rows)
     for row in rows:
         assert list(ModelRow.of_record(row).as_record().items()) == list(row.items()), row["variant"]
+
+
+def test_a_dataclass_reads_from_plain_data_by_its_fields_names_and_writes_back_the_same():
+    """``tasks.core.plain``: the readers' one way of reading a dataclass whose keys are its fields' names: a nested
+    dataclass and a tuple read by the converter given for them, a key an older record lacks read as the field's
+    default or as None where it may be None, a key of another name or read otherwise given; and written back, the
+    same plain data."""
+    from dataclasses import dataclass
+
+    import pytest
+
+    from tasks.core.plain import read_fields, write_fields
+
+    @dataclass(frozen=True)
+    class Inner:
+        kl: float
+        top1: float
+
+    @dataclass(frozen=True)
+    class Outer:
+        name: str
+        inner: Inner
+        weights: tuple[str, ...]
+        location: str | None
+        tokenizer: str = "transformers"
+
+    flat = {"name": "q4", "inner": {"kl": 0.25, "top1": 0.5}, "weights": ["int4", "int8"], "location": "/data",
+            "tokenizer": "llama.cpp"}
+    read = {"inner": lambda said: read_fields(Inner, said), "weights": tuple}
+    value = read_fields(Outer, flat | {"unread": 1}, read)
+    assert value == Outer("q4", Inner(0.25, 0.5), ("int4", "int8"), "/data", "llama.cpp")
+    assert write_fields(value) == flat and read_fields(Outer, write_fields(value), read) == value
+    older = read_fields(Outer, {"name": "q4", "inner": {"kl": 0.25, "top1": 0.5}, "weights": []}, read)
+    assert (older.location, older.tokenizer, older.weights) == (None, "transformers", ())
+    assert read_fields(Outer, flat | {"inner": None}, read).inner is None  # None is not read
+    assert read_fields(Outer, flat, read, given={"name": "q8"}).name == "q8"
+    with pytest.raises(KeyError, match="weights"):
+        read_fields(Outer, {"name": "q4", "inner": {"kl": 0.25, "top1": 0.5}}, read)

@@ -409,6 +409,11 @@ def test_the_record_says_the_baseline_s_reference_in_the_dict_it_always_held(tin
     removed = ReferenceSaid("scored", None, None, "b", ("k: damaged",), {"drift": False}, "full").as_record()
     assert list(removed) == ["baseline_key", "removed", "baseline", "key", "drift", "problem"]
     assert removed["removed"] == ["k: damaged"] and ReferenceSaid().as_record() == {}
+    # each read back (``of_record``, by its fields' names) is the value it was written from, and writes the same dict
+    for said in (scored, reused, rescored, unkept, removed):
+        assert list(ReferenceSaid.of_record(said).as_record().items()) == list(said.items())
+    assert ReferenceSaid.of_record(removed) == ReferenceSaid("scored", None, None, "b", ("k: damaged",),
+                                                             {"drift": False}, "full")
 
 
 # A manifest as the code before the typed ``Manifest`` wrote it (``json.dumps(manifest, indent=1)`` of this dict, key

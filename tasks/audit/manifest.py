@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.core import sealed
+from tasks.core.plain import read_fields
 from tasks.engine.settings import BOS_POLICIES, MODES, BosPolicy, Mode
 
 REFERENCE_FORMAT = 2  # of the files below; a reference in another format is never matched (1: no digests)
@@ -22,6 +23,11 @@ MANIFEST_JSON = "manifest.json"
 # same model on the same tokens. A batch size or kernel choice moves float32 tokens by ~1e-6 and 16-bit
 # ones by up to ~0.1 (the mean far less); a changed model computation moves the mean.
 DRIFT_TOLERANCE = {"float64": (1e-9, 1e-12), "float32": (1e-3, 1e-6), "bfloat16": (0.5, 1e-3), "float16": (0.25, 5e-4)}
+
+
+def drift_tolerance(dtype: str) -> tuple[float, float]:
+    """``DRIFT_TOLERANCE`` of ``dtype``; a dtype the table does not name takes float32's."""
+    return DRIFT_TOLERANCE.get(dtype, DRIFT_TOLERANCE["float32"])
 
 
 def _valid(check, default=MISSING):
@@ -124,7 +130,7 @@ class Head:
 
     @classmethod
     def of_json(cls, raw: dict) -> Head:
-        return cls(raw["name"], raw["digest"], raw["stored"], raw.get("logits"))  # only a runtime's head has logits
+        return read_fields(cls, raw)  # only a runtime's head has logits
 
 
 def _head_with_softcap(head: Head | None, softcap: float | None) -> dict | None:
@@ -150,7 +156,7 @@ class StoredResult:
 
     @classmethod
     def of_json(cls, raw: dict) -> StoredResult:
-        return cls(raw, raw["n_tokens"], raw["nll_sum"], raw["mean_nll"], raw["ppl"])
+        return read_fields(cls, raw, given={"summary": raw})
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ class Draft:
 
     @classmethod
     def of_json(cls, raw: dict) -> Draft:
-        return cls(Identity.parse(raw["identity"]), raw["environment"], raw["source"], raw["facts"], raw.get("softcap"))
+        return read_fields(cls, raw, given={"identity": Identity.parse(raw["identity"])})
 
 
 # what every manifest of this format holds, and as what: one that lacks any was edited or copied badly, and is as
@@ -250,13 +256,13 @@ class Manifest:
             identity = Identity.parse(raw["identity"])
         except ValueError as wrong_identity:
             raise Unreadable(f"{MANIFEST_JSON}'s identity {wrong_identity}") from None
-        if raw["key"] != key:
-            raise Unreadable(f"{MANIFEST_JSON} is reference {raw['key']}'s, not {key}'s (swapped or copied)")
+        named = raw["key"]
+        if named != key:
+            raise Unreadable(f"{MANIFEST_JSON} is reference {named}'s, not {key}'s (swapped or copied)")
         try:
             head = raw["head"]
-            return cls(raw["key"], raw["created"], raw["source"], identity, raw["environment"], raw["facts"],
-                       StoredResult.of_json(raw["result"]), Hidden.of_json(raw["hidden"]), Head.of_json(head),
-                       head["softcap"], raw["files"], raw["size_bytes"], raw["digest"], raw["format"])
+            return read_fields(cls, raw, {"result": StoredResult.of_json, "hidden": Hidden.of_json},
+                               {"identity": identity, "head": Head.of_json(head), "softcap": head["softcap"]})
         except (KeyError, TypeError, IndexError, ValueError) as error:  # a field within lacking: edited, sealed again
             raise Unreadable(f"{MANIFEST_JSON} lacks what a reference holds ({type(error).__name__}: {error})") from None
 
@@ -316,4 +322,4 @@ class Scores:
     @classmethod
     def read(cls, path: Path) -> Scores:
         with np.load(path) as scores:
-            return cls(scores["token_nll"], scores["window_nll"], scores["window_tokens"], scores["targets"])
+            return read_fields(cls, scores)

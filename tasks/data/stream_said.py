@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.core.plain import read_fields, write_fields
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -49,8 +51,7 @@ class TokenizerJson:
     def of_json(cls, state: dict) -> TokenizerJson:
         model = state.get("model", {})
         return cls(vocab=model.get("vocab"), merges=model.get("merges"),
-                   added=tuple(AddedToken(id=t["id"], content=t["content"], special=t["special"])
-                               for t in state.get("added_tokens", [])))
+                   added=tuple(read_fields(AddedToken, token) for token in state.get("added_tokens", [])))
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class MadeFrom:
     max_tokens: int | None
 
     def as_record(self) -> dict:
-        return {"text": self.text, "tokenizer": self.tokenizer, "bos": self.bos, "max_tokens": self.max_tokens}
+        return write_fields(self)
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,11 @@ class StreamEntry:
 
     @classmethod
     def of_json(cls, meta: dict) -> StreamEntry:
-        return cls(ids_sha256=meta["ids_sha256"], prefix=tuple(meta["prefix"]), n_bytes=meta["n_bytes"],
-                   n_words=meta["n_words"], bos_id=meta["bos_id"])
+        return read_fields(cls, meta, {"prefix": tuple})
 
     def as_record(self, made_from: MadeFrom) -> dict:
         """The entry as written (before its seal): what it was made from, then its own fields."""
-        return made_from.as_record() | {"ids_sha256": self.ids_sha256, "prefix": list(self.prefix),
-                                        "n_bytes": self.n_bytes, "n_words": self.n_words, "bos_id": self.bos_id}
+        return made_from.as_record() | write_fields(self)
 
 
 def save_tokens(file: Path, ids: np.ndarray, meta: dict) -> None:

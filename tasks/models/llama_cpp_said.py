@@ -2,16 +2,20 @@
 
 A message travels as a frame on a pipe: a JSON header and a binary payload (token ids, logits). Each side writes a
 message with ``send`` and reads the other's header once into its dataclass here (``request_of`` in the worker,
-``reply_of`` in the parent), so that both read attributes. The worker imports this module as a script does: it
-imports nothing but the standard library.
+``reply_of`` in the parent), so that both read attributes; a message's keys are its fields' names, written and read by
+the same two functions (``tasks.core.plain``). The worker imports this module as a script does: it imports nothing but
+the standard library and ``tasks.core.plain`` (pure Python).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass
-from typing import ClassVar, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self, TypeVar
+
+from tasks.core.plain import read_fields, write_fields
 
 HEADER = struct.Struct("<IQ")  # header length, payload length
 
@@ -42,10 +46,39 @@ def receive(stream) -> tuple[dict, bytes]:
     return header, _exactly(stream, payload)
 
 
+class _Said:
+    """A message (or a part of one) read from its header by its fields' names; ``_read`` says how a field that is a
+    dataclass or a tuple is read from its JSON."""
+
+    _read: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
+
+    @classmethod
+    def of_json(cls, said: dict) -> Self:
+        return read_fields(cls, said, cls._read)
+
+
+class _Request(_Said):
+    """A request: its ``op``, then its fields."""
+
+    op: ClassVar[str]
+
+    def to_json(self) -> dict:
+        return {"op": self.op} | write_fields(self)
+
+
+class _Reply(_Said):
+    """A reply: whether it is an answer (``ok``) or ``Failed``, then its fields."""
+
+    ok: ClassVar[bool] = True
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok} | write_fields(self)
+
+
 # requests, parent to worker: each names itself by its ``op``
 
 @dataclass(frozen=True)
-class Open:
+class Open(_Request):
     """Load ``path``: its vocabulary only, or the model with a context of these settings (``LlamaCppSettings``);
     answered by ``Opened``."""
 
@@ -60,48 +93,25 @@ class Open:
     flash_attn: str = "auto"
     gpu_layers: int = 0
 
-    def to_json(self) -> dict:
-        return {"op": self.op} | asdict(self)
-
-    @classmethod
-    def of_json(cls, said: dict) -> Open:
-        return cls(path=said["path"], vocab_only=said["vocab_only"], n_ctx=said["n_ctx"], n_batch=said["n_batch"],
-                   threads=said["threads"], type_k=said["type_k"], type_v=said["type_v"],
-                   flash_attn=said["flash_attn"], gpu_layers=said["gpu_layers"])
-
 
 @dataclass(frozen=True)
-class Tokenize:
+class Tokenize(_Request):
     """llama.cpp's ids of the payload's text (UTF-8), with its special tokens (BOS) where ``add_special``; answered
     by ``Tokenized``."""
 
     op: ClassVar[str] = "tokenize"
     add_special: bool
 
-    def to_json(self) -> dict:
-        return {"op": self.op, "add_special": self.add_special}
-
-    @classmethod
-    def of_json(cls, said: dict) -> Tokenize:
-        return cls(add_special=said["add_special"])
-
 
 @dataclass(frozen=True)
-class Detokenize:
+class Detokenize(_Request):
     """The bytes of the payload's tokens (int32 ids); answered by ``Done``."""
 
     op: ClassVar[str] = "detokenize"
 
-    def to_json(self) -> dict:
-        return {"op": self.op}
-
-    @classmethod
-    def of_json(cls, said: dict) -> Detokenize:
-        return cls()
-
 
 @dataclass(frozen=True)
-class Score:
+class Score(_Request):
     """The logits of windows of the payload's tokens (int32, rows one after another): each row ``(length, first
     scored position, positions scored)`` a fresh sequence, evaluated ``n_batch`` tokens at a time; answered by
     ``Done``, the logits (float32) its payload."""
@@ -110,26 +120,14 @@ class Score:
     rows: tuple[tuple[int, int, int], ...]
     n_batch: int
 
-    def to_json(self) -> dict:
-        return {"op": self.op, "rows": [list(row) for row in self.rows], "n_batch": self.n_batch}
-
-    @classmethod
-    def of_json(cls, said: dict) -> Score:
-        return cls(rows=tuple(tuple(row) for row in said["rows"]), n_batch=said["n_batch"])
+    _read = {"rows": lambda rows: tuple(tuple(row) for row in rows)}
 
 
 @dataclass(frozen=True)
-class Close:
+class Close(_Request):
     """End the worker; not answered."""
 
     op: ClassVar[str] = "close"
-
-    def to_json(self) -> dict:
-        return {"op": self.op}
-
-    @classmethod
-    def of_json(cls, said: dict) -> Close:
-        return cls()
 
 
 Request = Open | Tokenize | Detokenize | Score | Close
@@ -147,7 +145,7 @@ def request_of(header: dict) -> Request:
 # replies, worker to parent
 
 @dataclass(frozen=True)
-class Ran:
+class Ran(_Said):
     """What a context ran with, as llama.cpp took the settings asked (llama.h: "the requested values ... may
     differ"): the flash attention it chose (``on``, ``off``; None where its log said neither), its sizes, threads and
     the layers on a GPU (0 on a build that cannot offload)."""
@@ -160,15 +158,9 @@ class Ran:
     threads_batch: int
     gpu_layers: int
 
-    @classmethod
-    def of_json(cls, said: dict) -> Ran:
-        return cls(flash_attn=said["flash_attn"], n_ctx=said["n_ctx"], n_batch=said["n_batch"],
-                   n_ubatch=said["n_ubatch"], threads=said["threads"], threads_batch=said["threads_batch"],
-                   gpu_layers=said["gpu_layers"])
-
 
 @dataclass(frozen=True)
-class Loaded:
+class Loaded(_Said):
     """What llama.cpp says of a model it loaded with a context: its description (``llama 256M Q4_1``), the bytes of
     its weights, and what the context ran with."""
 
@@ -176,76 +168,42 @@ class Loaded:
     size: int
     ran: Ran
 
-    @classmethod
-    def of_json(cls, said: dict) -> Loaded:
-        return cls(desc=said["desc"], size=said["size"], ran=Ran.of_json(said["ran"]))
+    _read = {"ran": Ran.of_json}
 
 
 @dataclass(frozen=True)
-class Opened:
+class Opened(_Reply):
     """The answer to ``Open``: the file's vocabulary (its size, BOS and whether it adds one), the build's
     ``system_info``, and, unless only the vocabulary was loaded, the model (``Loaded``)."""
 
-    ok: ClassVar[bool] = True
     n_vocab: int
     add_bos: bool
     bos: int
     system_info: str
     loaded: Loaded | None = None
 
-    def to_json(self) -> dict:
-        return {"ok": self.ok} | asdict(self)
-
-    @classmethod
-    def of_json(cls, said: dict) -> Opened:
-        loaded = said["loaded"]
-        return cls(n_vocab=said["n_vocab"], add_bos=said["add_bos"], bos=said["bos"],
-                   system_info=said["system_info"], loaded=None if loaded is None else Loaded.of_json(loaded))
+    _read = {"loaded": Loaded.of_json}
 
 
 @dataclass(frozen=True)
-class Tokenized:
+class Tokenized(_Reply):
     """The answer to ``Tokenize``: how many tokens; the payload holds their ids, then each one's length in bytes
     (int32 both)."""
 
-    ok: ClassVar[bool] = True
     count: int
 
-    def to_json(self) -> dict:
-        return {"ok": self.ok, "count": self.count}
-
-    @classmethod
-    def of_json(cls, said: dict) -> Tokenized:
-        return cls(count=said["count"])
-
 
 @dataclass(frozen=True)
-class Done:
+class Done(_Reply):
     """The answer to ``Detokenize`` and ``Score``: all of it is in the payload."""
 
-    ok: ClassVar[bool] = True
-
-    def to_json(self) -> dict:
-        return {"ok": self.ok}
-
-    @classmethod
-    def of_json(cls, said: dict) -> Done:
-        return cls()
-
 
 @dataclass(frozen=True)
-class Failed:
+class Failed(_Reply):
     """The answer to a request that failed in Python (a native crash ends the worker instead): what was raised."""
 
     ok: ClassVar[bool] = False
     error: str
-
-    def to_json(self) -> dict:
-        return {"ok": self.ok, "error": self.error}
-
-    @classmethod
-    def of_json(cls, said: dict) -> Failed:
-        return cls(error=said["error"])
 
 
 Reply = Opened | Tokenized | Done | Failed

@@ -12,9 +12,11 @@ before it was typed reads and prints as it did. Pure Python.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+from tasks.core.plain import read_fields, write_fields
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class LayerFinding:
 
     @classmethod
     def _read(cls, flat: dict) -> LayerFinding:
-        return cls(**{key: flat[key] for key in _LAYER_FIGURES}, restore_kl=WonBack._read(flat, "restore_recovery"),
-                   restore_nll=WonBack._read(flat, "restore_nll_recovery"), restore_mib=flat["restore_mib"])
+        return read_fields(cls, flat, given={"restore_kl": WonBack._read(flat, "restore_recovery"),
+                                             "restore_nll": WonBack._read(flat, "restore_nll_recovery")})
 
 
 # a layer's figures kept under their own names, in the order diagnosis_report writes them
@@ -91,8 +93,8 @@ class RestoreStep:
 
     @classmethod
     def _read(cls, flat: dict) -> RestoreStep:
-        return cls(tuple(flat["restored"]), flat["mib"], flat["delta_nll"], flat["kl"],
-                   WonBack._read(flat, "kl_recovery"), WonBack._read(flat, "nll_recovery"))
+        return read_fields(cls, flat, {"restored": tuple}, {"kl_recovery": WonBack._read(flat, "kl_recovery"),
+                                                            "nll_recovery": WonBack._read(flat, "nll_recovery")})
 
 
 @dataclass(frozen=True)
@@ -110,15 +112,6 @@ class EmbeddingError:
 
     sqnr_db: float
     rel_error: float
-
-
-def _of_fields(cls: type, flat: dict) -> Any:
-    """A dataclass of plain fields, each kept under its own name."""
-    return cls(**{f.name: flat[f.name] for f in fields(cls)})
-
-
-def _record_of_fields(value: Any) -> dict:
-    return {f.name: getattr(value, f.name) for f in fields(value)}
 
 
 @dataclass(frozen=True)
@@ -166,7 +159,7 @@ class VariantDiagnosis:
         yield from (("variant", self.variant), ("method", self.method), ("windows", self.windows),
                     ("window_indices", list(self.window_indices)), ("tokens", self.tokens),
                     ("delta_nll", self.delta_nll), ("delta_ppl_pct", self.delta_ppl_pct), ("kl", self.kl),
-                    ("head", _record_of_fields(self.head)), ("embeddings", _record_of_fields(self.embeddings)),
+                    ("head", write_fields(self.head)), ("embeddings", write_fields(self.embeddings)),
                     ("layers", [dict(row._flat()) for row in self.layers]), ("ranking", list(self.ranking)),
                     ("restore_curve", [dict(step._flat()) for step in self.restore_curve]), ("where", self.where),
                     ("seconds", self.seconds))
@@ -175,12 +168,18 @@ class VariantDiagnosis:
     @classmethod
     def of_record(cls, flat: dict) -> VariantDiagnosis:
         """A diagnosis kept as plain data (``as_record``'s, or ``diagnosis_report``'s with what the flows add)."""
-        return cls(flat["variant"], flat["method"], flat["windows"], tuple(flat["window_indices"]), flat["tokens"],
-                   flat["delta_nll"], flat["delta_ppl_pct"], flat["kl"], _of_fields(HeadError, flat["head"]),
-                   _of_fields(EmbeddingError, flat["embeddings"]),
-                   tuple(LayerFinding._read(row) for row in flat["layers"]), tuple(flat["ranking"]),
-                   tuple(RestoreStep._read(step) for step in flat["restore_curve"]), flat["where"], flat["seconds"],
-                   **{key: flat.get(key) for key in _ADDED})
+        return read_fields(cls, flat, {"window_indices": tuple, "head": _reader(HeadError),
+                                       "embeddings": _reader(EmbeddingError), "layers": _each(LayerFinding._read),
+                                       "ranking": tuple, "restore_curve": _each(RestoreStep._read)})
+
+
+def _reader(cls: type) -> Callable[[dict], Any]:
+    """How a part of plain fields, each kept under its own name, is read."""
+    return lambda flat: read_fields(cls, flat)
+
+
+def _each(read: Callable[[dict], Any]) -> Callable[[list], tuple]:
+    return lambda items: tuple(read(item) for item in items)
 
 
 # what the flows add to a diagnosis, in the order they add it (flows/diagnose.py, flows/answers.py)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tasks.config import EvaluationConfig, Thresholds
+from tasks.core.plain import read_fields
 from tasks.record.diagnosis_said import VariantDiagnosis
 from tasks.record.reference_said import ReferenceSaid
 from tasks.record.result import AuditResult
@@ -35,7 +36,7 @@ class CalibrationSaid:
 
     @classmethod
     def of_record(cls, said: dict) -> CalibrationSaid:
-        return cls(said.get("samples"), said.get("seq_len"), said.get("seed"), said.get("digest"))
+        return read_fields(cls, said)
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,27 @@ class HqqFormat:
 def _format(found: dict) -> GgufFormat | CompressedFormat | HqqFormat | None:
     """The format a model's facts found (``quantization``), where it is one the report describes."""
     if "file_type" in found:
-        return GgufFormat(found["file_type"], found["tensor_types"], found["bits_per_weight"])
+        return read_fields(GgufFormat, found)
     if "scheme" in found:
-        return CompressedFormat(found["scheme"], found["format"], tuple(found["weights"]),
-                                found["activation_quantization"])
+        return read_fields(CompressedFormat, found, {"weights": tuple})
     if "packing" in found:
-        return HqqFormat(found["bits"], found["group_size"], found["backend"])
+        return read_fields(HqqFormat, found)
     return None
+
+
+@dataclass(frozen=True)
+class SpecSaid:
+    """A model's spec as its entry holds it (its config's, dumped): what it was asked to be, which ``Lineage`` reads
+    where loading and its manifest do not say otherwise. A record of before ``runtime`` was kept ran transformers."""
+
+    method: str
+    path: str | None
+    bits: int | None
+    group_size: int | None
+    sym: bool | None
+    dtype: str
+    device: str
+    runtime: str = "transformers"
 
 
 # what llama.cpp ran a model with: a format fact of its own, logged under its own prefix
@@ -121,17 +136,22 @@ class Lineage:
     figures: Mapping[str, object]
 
     @classmethod
-    def of_record(cls, spec: dict, facts: dict | None, manifest: dict | None) -> Lineage:
+    def of_entry(cls, entry: dict) -> Lineage:
+        """A model's entry's: its spec, the facts of its load and its manifest (None where it has none)."""
+        return cls.of_record(read_fields(SpecSaid, entry["spec"]), entry.get("facts"), entry.get("manifest"))
+
+    @classmethod
+    def of_record(cls, spec: SpecSaid, facts: dict | None, manifest: dict | None) -> Lineage:
         facts, manifest = facts or {}, manifest or {}
         found = facts.get("quantization") or {}
         calibration = manifest.get("calibration")
-        return cls(facts.get("method") or spec["method"], found.get("detected"), _format(found), spec["path"],
-                   facts.get("source") or spec["path"], spec["bits"] or manifest.get("bits"),
-                   spec["group_size"] or manifest.get("group_size"),
-                   spec["sym"] if spec["sym"] is not None else manifest.get("sym"),
-                   facts.get("dtype", spec["dtype"]), facts.get("device", spec["device"]), facts.get("backend"),
+        return cls(facts.get("method") or spec.method, found.get("detected"), _format(found), spec.path,
+                   facts.get("source") or spec.path, spec.bits or manifest.get("bits"),
+                   spec.group_size or manifest.get("group_size"),
+                   spec.sym if spec.sym is not None else manifest.get("sym"),
+                   facts.get("dtype", spec.dtype), facts.get("device", spec.device), facts.get("backend"),
                    facts.get("worker"), facts.get("kv_cache") or None, facts.get("body"),
-                   spec.get("runtime", "transformers"), facts.get("size_on_disk_bytes"), facts.get("bits_per_weight"),
+                   spec.runtime, facts.get("size_on_disk_bytes"), facts.get("bits_per_weight"),
                    facts.get("model_bits_per_weight"), manifest.get("source_model_digest"),
                    CalibrationSaid.of_record(calibration) if calibration else None,
                    {key: value for key, value in found.items() if key != LLAMA_CPP_FACTS},
@@ -153,8 +173,7 @@ class WhereGroup:
 
     @classmethod
     def of_record(cls, said: dict) -> WhereGroup:
-        return cls(said["tokens"], _interval(said, "delta_nll"), _interval(said, "kl"), said.get("low"),
-                   said.get("high"), said.get("baseline"))
+        return read_fields(cls, said, given={"delta_nll": _interval(said, "delta_nll"), "kl": _interval(said, "kl")})
 
 
 def _interval(said: dict, name: str) -> Interval:
@@ -177,8 +196,7 @@ class TopToken:
 
     @classmethod
     def of_record(cls, said: dict) -> TopToken:
-        return cls(said["kl"], said["delta_nll"], said["window"], said["position"], said["context"],
-                   said["target_text"], said["base_top_text"], said["top_text"])
+        return read_fields(cls, said)
 
 
 @dataclass(frozen=True)
@@ -191,15 +209,18 @@ class WhereSaid:
     all: WhereGroup
     by_position: tuple[WhereGroup, ...]
     by_confidence: tuple[WhereGroup, ...] | None
-    by_baseline: tuple[WhereGroup, ...]
-    top_kl: tuple[TopToken, ...]
+    by_baseline: tuple[WhereGroup, ...] = ()  # none without KL
+    top_kl: tuple[TopToken, ...] = ()
 
     @classmethod
     def of_record(cls, said: dict) -> WhereSaid:
-        groups = lambda key: tuple(WhereGroup.of_record(row) for row in said.get(key) or ())  # noqa: E731
-        return cls(said["interval"], WhereGroup.of_record(said["all"]), groups("by_position"),
-                   groups("by_confidence") if "by_confidence" in said else None, groups("by_baseline"),
-                   tuple(TopToken.of_record(row) for row in said.get("top_kl") or ()))
+        return read_fields(cls, said, {"all": WhereGroup.of_record, "by_position": _groups, "by_confidence": _groups,
+                                       "by_baseline": _groups,
+                                       "top_kl": lambda rows: tuple(TopToken.of_record(row) for row in rows)})
+
+
+def _groups(rows: list[dict]) -> tuple[WhereGroup, ...]:
+    return tuple(WhereGroup.of_record(row) for row in rows)
 
 
 @dataclass(frozen=True)
@@ -238,10 +259,11 @@ class ModelSaid:
         """Entry ``entry``, whose ``row`` and ``verdict`` were read already (``from_record``)."""
         where, found, reference = entry.get("where"), entry.get("diagnosis") or {}, entry.get("reference")
         diagnosis = VariantDiagnosis.of_record(found) if found and "problem" not in found else None
-        return cls(entry["name"], entry["role"], entry["status"], entry["reason"], entry["spec"]["method"], row, verdict,
-                   entry.get("domain"), entry.get("arrays"), WhereSaid.of_record(where) if where else None, diagnosis,
-                   found.get("problem"), Lineage.of_record(entry["spec"], entry.get("facts"), entry.get("manifest")),
-                   ReferenceSaid.of_record(reference) if reference else None)
+        return read_fields(cls, entry, given={
+            "method": entry["spec"]["method"], "row": row, "verdict": verdict,
+            "where": WhereSaid.of_record(where) if where else None, "diagnosis": diagnosis,
+            "problem": found.get("problem"), "lineage": Lineage.of_entry(entry),
+            "reference": ReferenceSaid.of_record(reference) if reference else None})
 
     @classmethod
     def alone(cls, entry: dict) -> ModelSaid:
@@ -270,8 +292,7 @@ class CorpusSaid:
 
     @classmethod
     def of_record(cls, said: dict) -> CorpusSaid:
-        return cls(said["source"], said.get("location"), said["digest"], said["n_tokens"], said["n_bytes"],
-                   said["bos"], said.get("tokenizer", "transformers"), said.get("hf_config"), said.get("hf_split"))
+        return read_fields(cls, said, given={"tokenizer": said.get("tokenizer", "transformers")})
 
 
 @dataclass(frozen=True)
@@ -284,7 +305,7 @@ class Environment:
 
     @classmethod
     def of_record(cls, said: dict) -> Environment:
-        return cls(said["hardware"], said.get("python"), said["versions"])
+        return read_fields(cls, said)
 
 
 @dataclass(frozen=True)
@@ -296,7 +317,7 @@ class Floor:
 
     @classmethod
     def of_record(cls, said: dict) -> Floor:
-        return cls(ModelRow.of_record(said["row"]), said["dtype"])
+        return read_fields(cls, said, {"row": ModelRow.of_record})
 
 
 @dataclass(frozen=True)
@@ -342,10 +363,10 @@ class Written:
     @classmethod
     def of_record(cls, record: dict) -> Written:
         config = record["config"]
-        return cls(record["audit_id"], record["created"], config, record.get("config_path"),
-                   record.get("config_text"), record.get("environment") or {}, config["baseline"].get("path"),
-                   EvaluationConfig.of_record(config["evaluation"]), CorpusSaid.of_record(record["corpus"]),
-                   _population(record.get("population")))
+        return read_fields(cls, record, {"corpus": CorpusSaid.of_record}, {
+            "environment": record.get("environment") or {}, "baseline": config["baseline"].get("path"),
+            "evaluation": EvaluationConfig.of_record(config["evaluation"]),
+            "population": _population(record.get("population"))})
 
 
 @dataclass(frozen=True)
@@ -393,12 +414,11 @@ class RecordSaid:
     def of_record(cls, record: dict) -> RecordSaid:
         from tasks.record.domains import domain_view
 
-        result = from_record(record)
+        result, config = from_record(record), record["config"]
         models = tuple(ModelSaid.of_record(entry, row, verdict) for entry, row, verdict
                        in zip(record["variants"], result.rows, (None, *result.verdicts)))
-        return cls(result, models, record["audit_id"], record.get("started"), record["created"],
-                   record.get("config_path"), record.get("config_text"), Environment.of_record(record["environment"]),
-                   CorpusSaid.of_record(record["corpus"]), EvaluationConfig.of_record(record["config"]["evaluation"]),
-                   Thresholds.model_validate(record["config"]["thresholds"]), record.get("population"),
-                   tuple(Floor.of_record(floor) for floor in record.get("floor", [])), record.get("domain"),
-                   {name: cls.of_record(domain_view(record, name)) for name in record.get("domains", {})})
+        return read_fields(cls, record, {"environment": Environment.of_record, "corpus": CorpusSaid.of_record}, {
+            "result": result, "models": models, "evaluation": EvaluationConfig.of_record(config["evaluation"]),
+            "thresholds": Thresholds.model_validate(config["thresholds"]),
+            "floor": tuple(Floor.of_record(floor) for floor in record.get("floor", [])),
+            "domains": {name: cls.of_record(domain_view(record, name)) for name in record.get("domains", {})}})

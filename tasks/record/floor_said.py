@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tasks.core.plain import read_fields, write_fields
+
 
 @dataclass(frozen=True)
 class FloorDifference:
@@ -17,11 +19,11 @@ class FloorDifference:
     high: float
 
     def as_record(self) -> dict[str, float]:
-        return {"difference": self.difference, "low": self.low, "high": self.high}
+        return write_fields(self)
 
     @classmethod
     def of_record(cls, said: dict) -> FloorDifference:
-        return cls(said["difference"], said["low"], said["high"])
+        return read_fields(cls, said)
 
     @property
     def above(self) -> bool | None:
@@ -52,10 +54,7 @@ class AgainstFloor:
 
     @classmethod
     def of_record(cls, said: dict) -> AgainstFloor:
-        kl = said.get("kl")
-        return cls(said["floor"], said["dtype"], FloorDifference.of_record(said["nll"]), said["ppl_above"],
-                   said["above"], said.get("kld"), said.get("kld_variant"),
-                   FloorDifference.of_record(kl) if kl is not None else None)
+        return read_fields(cls, said, {"nll": FloorDifference.of_record, "kl": FloorDifference.of_record})
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class FloorJudgement:
     kld: float | None
     above: bool | None
     said: str
-    floors: tuple[AgainstFloor, ...]
+    floors: tuple[AgainstFloor, ...] = ()  # none in a record of before the floors were kept
 
     def as_record(self) -> dict:
         return {"dtype": self.dtype, "kld": self.kld, "above": self.above, "said": self.said,
@@ -75,5 +74,4 @@ class FloorJudgement:
 
     @classmethod
     def of_record(cls, said: dict) -> FloorJudgement:
-        return cls(said["dtype"], said.get("kld"), said["above"], said["said"],
-                   tuple(AgainstFloor.of_record(found) for found in said.get("floors", [])))
+        return read_fields(cls, said, {"floors": lambda floors: tuple(map(AgainstFloor.of_record, floors))})

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tasks.core.plain import read_fields, write_fields
+
 
 @dataclass(frozen=True)
 class ReferenceSaid:
@@ -29,8 +31,7 @@ class ReferenceSaid:
     @classmethod
     def of_record(cls, said: dict) -> ReferenceSaid:
         """It read back from the record's dict (``as_record``): the fields any schema held."""
-        return cls(said.get("baseline"), said.get("key"), said.get("path"), said.get("baseline_key"),
-                   tuple(said.get("removed", ())), said.get("drift"), said.get("problem"), said.get("slice"))
+        return read_fields(cls, said, {"removed": tuple})
 
     def as_record(self) -> dict:
         """The record's dict of it, key for key and in the order the record has always held them (a spooled record
@@ -73,14 +74,12 @@ class Drift:
 
     @classmethod
     def of_record(cls, said: dict) -> Drift:
-        return cls(said["reference"], said["max_abs_delta_nll"], said["mean_abs_delta_nll"], said["delta_ppl_pct"],
-                   said["changed"], said["drift"])
+        return read_fields(cls, said)
 
     def as_record(self) -> dict:
-        """The record's dict of it, key for key in the order ``tasks.audit.reference.drift`` has always written."""
-        return {"reference": self.reference, "max_abs_delta_nll": self.max_abs_delta_nll,
-                "mean_abs_delta_nll": self.mean_abs_delta_nll, "delta_ppl_pct": self.delta_ppl_pct,
-                "changed": self.changed, "drift": self.drift}
+        """The record's dict of it, key for key in the order ``tasks.audit.reference.drift`` has always written: its
+        fields'."""
+        return write_fields(self)
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,7 @@ class Population:
 
     @classmethod
     def of_record(cls, said: dict) -> Population:
-        return cls(said["digest"], said["tokens"], said["text"], said["tokenizer"], said["tokenized_by"], said["mode"],
-                   said["window"], said["stride"], said["bos"], said["max_tokens"])
+        return read_fields(cls, said)
 
 
 @dataclass(frozen=True)
@@ -117,7 +115,7 @@ class StreamDifference:
 
     @classmethod
     def of_record(cls, said: dict) -> StreamDifference:
-        return cls(said["llama_cpp_tokens"], said["transformers_tokens"], said["first_difference"])
+        return read_fields(cls, said)
 
 
 @dataclass(frozen=True)
@@ -139,6 +137,4 @@ class LlamaCppRan:
 
     @classmethod
     def of_record(cls, said: dict) -> LlamaCppRan:
-        return cls(said["flash_attn"], said["type_k"], said["type_v"], said["threads"], said["gpu_layers"],
-                   said.get("n_ctx"), said.get("n_batch"), said.get("n_ubatch"), said.get("flash_attn_asked"),
-                   said.get("gpu_layers_asked"))
+        return read_fields(cls, said)  # the context's sizes and what was asked: None in a record of before

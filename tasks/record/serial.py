@@ -21,15 +21,23 @@ class UnknownSchema(ValueError):
     """A record written by a later ppl-audit than this one: its fields may mean what this one cannot tell."""
 
 
+def _judged(record: dict) -> tuple[tuple[ModelRow, ...], tuple[Verdict, ...], Verdict]:
+    """What a record (an audit's, or a domain's under ``domains``) judged: each model's row, the baseline first, each
+    variant's verdict and its own."""
+    entries = record["variants"]
+    return (tuple(ModelRow.of_record(entry["row"]) for entry in entries),
+            tuple(Verdict.of_record(entry["name"], entry["verdict"]) for entry in entries[1:]),
+            Verdict.of_record("audit", record["verdict"]))
+
+
 def _domain(name: str, record: dict) -> DomainResult:
     """Domain ``name`` of a record: its one-corpus audit's record (``domain_view``)."""
-    entries = record["variants"]
-    variants = entries[1:]
+    variants = record["variants"][1:]
+    rows, verdicts, verdict = _judged(record)
     return DomainResult(
-        name, (), tuple(ModelRow.of_record(entry["row"]) for entry in entries),
-        tuple(Verdict.of_record(entry["name"], entry["verdict"]) for entry in variants),
-        Verdict.of_record("audit", record["verdict"]), record["table"],
-        tuple(ModelRow.of_record(floor["row"]) for floor in record.get("floor", [])), tuple(record.get("runtime_costs", [])),
+        name, (), rows, verdicts, verdict, record["table"],
+        tuple(ModelRow.of_record(floor["row"]) for floor in record.get("floor", [])),
+        tuple(record.get("runtime_costs", [])),
         record.get("population"), record.get("tokens_differ"),
         Findings({e["name"]: e["where"] for e in variants if "where" in e},
                  {e["name"]: e["diagnosis"] for e in variants if "diagnosis" in e}))
@@ -43,11 +51,10 @@ def from_record(record: dict) -> AuditResult:
     if schema > SCHEMA:
         raise UnknownSchema(f"the record of audit {record.get('name')} has schema {schema}, and this ppl-audit reads "
                             f"up to {SCHEMA}: read it with a later ppl-audit")
-    if "domains" not in record:
-        return AuditResult.of_one(record["name"], _domain(ONE_CORPUS, record))
-    domains = {name: _domain(name, domain) for name, domain in record["domains"].items()}
-    entries = record["variants"]
-    return AuditResult(record["name"], domains, True, tuple(ModelRow.of_record(entry["row"]) for entry in entries),
-                       tuple(Verdict.of_record(entry["name"], entry["verdict"]) for entry in entries[1:]),
-                       Verdict.of_record("audit", record["verdict"]), record["table"],
-                       {entry["name"]: entry["domain"] for entry in entries[1:]})
+    # a record of one corpus (without ``domains``) is its one domain's record: that domain's figures and verdicts are
+    # the audit's own, and its name is never shown (``named`` false)
+    domains = record.get("domains") or {ONE_CORPUS: record}
+    rows, verdicts, verdict = _judged(record)
+    return AuditResult(record["name"], {name: _domain(name, domain) for name, domain in domains.items()},
+                       "domains" in record, rows, verdicts, verdict, record["table"],
+                       {entry["name"]: entry.get("domain", ONE_CORPUS) for entry in record["variants"][1:]})

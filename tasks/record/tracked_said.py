@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tasks.config import EvaluationConfig
-from tasks.record.entry_said import CorpusSaid, Lineage
+from tasks.core.plain import read_fields
+from tasks.record.entry_said import CorpusSaid, Environment, Lineage
 from tasks.record.reference_said import ReferenceSaid
 from tasks.record.result import AuditResult
 from tasks.record.row import ModelRow
@@ -78,13 +79,14 @@ def _model(entry: dict, streams: Mapping[str | None, StreamScored] | None = None
     top = StreamScored.of_entry(entry, None, ("",))
     verdict = entry["verdict"] or {}
     diagnosis = entry.get("diagnosis")
-    return TrackedModel(
-        entry["name"], entry["role"], entry["status"], verdict.get("status", "baseline"),
-        verdict.get("reason") or entry["reason"], entry.get("started"), entry.get("ended"), Lineage.of_record(entry["spec"], entry["facts"], entry["manifest"]),
-        sum("failed" not in shard for shard in entry.get("shards", [])) or None,
-        {key: value for key, value in entry.get("sequential", {}).items() if key in ("seed", "stopped", "decision")},
-        diagnosis if diagnosis is not None and "problem" not in diagnosis else None, entry.get("domain"),
-        top, streams or {None: top})
+    return read_fields(TrackedModel, entry, given={
+        "judged": verdict.get("status", "baseline"), "reason": verdict.get("reason") or entry["reason"],
+        "setup": Lineage.of_entry(entry),
+        "shards": sum("failed" not in shard for shard in entry.get("shards", [])) or None,
+        "sequential": {key: value for key, value in entry.get("sequential", {}).items()
+                       if key in ("seed", "stopped", "decision")},
+        "diagnosis": diagnosis if diagnosis is not None and "problem" not in diagnosis else None,
+        "top": top, "streams": streams or {None: top}})
 
 
 def _on_domains(entry: dict, views: dict[str, dict]) -> dict[str, StreamScored]:
@@ -167,17 +169,19 @@ class TrackedAudit:
     @classmethod
     def of_record(cls, record: dict) -> TrackedAudit:
         result = from_record(record)
-        config, evaluation, environment = record["config"], record["config"]["evaluation"], record["environment"]
+        config = record["config"]
+        evaluation, tracking = EvaluationConfig.of_record(config["evaluation"]), config["tracking"]
+        environment = Environment.of_record(record["environment"])
         # each domain shown by name is a token stream of its own (its record under ``domains``), and each model has
         # its figures on it; one corpus is the record's one stream, unnamed, and the only one the history keys
         views = {name: record["domains"][name] for name in result.shown}
         streams = {name: _stream(view, name) for name, view in views.items()} or {None: _stream(record, None)}
         models = tuple(_model(entry, _on_domains(entry, views)) for entry in record["variants"])
         history_key = None if views else streams[None].reference.baseline_key
-        return cls(result, record["audit_id"], record["name"], record.get("started", record["created"]),
-                   record["created"], bool(record.get("scheduled")), config, record["config_text"],
-                   config["tracking"]["uri"], config["tracking"]["experiment"], evaluation["window"],
-                   EvaluationConfig.of_record(evaluation).stride, evaluation["batch_size"], evaluation["max_tokens"],
-                   evaluation["mode"], config["baseline"]["path"], CorpusSaid.of_record(record["corpus"]),
-                   environment["hardware"], environment["versions"], streams, models,
-                   history_key)
+        return read_fields(cls, record, {"corpus": CorpusSaid.of_record}, {
+            "result": result, "started": record.get("started", record["created"]),
+            "scheduled": bool(record.get("scheduled")), "uri": tracking["uri"], "experiment": tracking["experiment"],
+            "window": evaluation.window, "stride": evaluation.stride, "batch_size": evaluation.batch_size,
+            "max_tokens": evaluation.max_tokens, "mode": evaluation.mode, "baseline": config["baseline"]["path"],
+            "hardware": environment.hardware, "versions": environment.versions, "streams": streams, "models": models,
+            "history_key": history_key})
