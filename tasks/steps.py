@@ -157,8 +157,9 @@ class WorkerBench(Bench):
     copy with each task (every argument is pickled), loading the pair each time. So a task on a cluster, given no
     bench, takes this process's. It holds one pair at a time: the next diagnosis's pair
     takes its place, and the worker's end (a local cluster ends with the audit's runner) lets it go. Run here,
-    without a cluster, the flow gives its tasks a bench of its own instead (``flows.diagnose``), and forgets it
-    when the diagnosis ends."""
+    without a cluster, the flow's own process is the worker (``flows.scheduler.LocalScheduler``): its tasks take this
+    bench too, and the flow forgets it when the diagnosis ends (``flows.diagnose``), so that the pair does not outlive
+    it; one process runs one diagnosis at a time (a served run is a process of its own)."""
 
 
 WORKER_BENCH = WorkerBench()
@@ -204,10 +205,7 @@ def measure_tune(lineup: Lineup, evaluations: list[Evaluation], prepared: Prepar
     (``built``)."""
     with asking(let_go):
         tuning, donor_sizes, measured = measure.measure(lineup, evaluations, prepared, windows, seed)
-        found = proof.tune_report(tuning, prepared, donor_sizes)
-        made = replace(lineup, variants=[measured])
-        found["built"] = proof.built(found, tuning, prepared, donor_sizes, made, evaluations[0])
-    return found
+        return proof.proven_report(tuning, prepared, donor_sizes, replace(lineup, variants=[measured]), evaluations[0])
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,

@@ -102,7 +102,7 @@ def test_restored_scores_run_from_the_first_restored_layer_with_the_bits_of_a_wh
         with restored(variant, deep_base, layers):
             whole = score_windows(variant, Feed(stream.ids, batch_size=3), planned, ScoreOptions(reference=against))
         assert each.layers == layers
-        assert torch.equal(each.nll, whole.token_nll.double()) and torch.equal(each.kl, whole.extra["kl"])
+        assert torch.equal(each.nll, whole.token_nll.double()) and torch.equal(each.kl, whole.extra.kl)
     assert float(found[-1].kl.max()) == 0  # every layer restored: the baseline
 
 

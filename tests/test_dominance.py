@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from tasks.engine.token_figures import TokenFigures
 from tasks.record.dominance import dominated_by, worse_beyond_noise
 from helpers import typed
 from tasks.record.results import VariantResult
@@ -24,7 +25,7 @@ def variant(name: str, bits: float, nll_shift: float, kl: float, seed: int, scor
     KL, on the same 40 windows of 50 tokens."""
     own = np.random.default_rng(seed)
     result = SimpleNamespace(token_nll=HARD + nll_shift + own.normal(0, 0.05, HARD.size),
-                             extra={"kl": np.abs(kl + own.normal(0, 0.01, HARD.size))},
+                             extra=TokenFigures(kl=np.abs(kl + own.normal(0, 0.01, HARD.size))),
                              window_tokens=np.full(WINDOWS, TOKENS), scored_windows=scored_windows)
     return VariantResult(name, "gptq", "ok", result=result,
                          facts=SimpleNamespace(bits_per_weight=bits, kv_bytes_per_token=cache))
@@ -56,7 +57,7 @@ def test_overlapping_intervals_are_no_dominance():
 def test_worse_in_nll_alone_is_not_enough_where_both_have_kl():
     better_kl = variant("a", 4.5, 0.10, 0.02, 1)
     assert not worse_beyond_noise(better_kl, variant("b", 4.0, 0.02, 0.02, 2))
-    del better_kl.result.extra["kl"]  # where one has no KL, the NLL decides
+    better_kl.result.extra = TokenFigures()  # where one has no KL, the NLL decides
     assert worse_beyond_noise(better_kl, variant("b", 4.0, 0.02, 0.02, 2))
 
 

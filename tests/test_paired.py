@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from helpers import typed
 from tasks.engine import divergence
 from tasks.engine.paired import cluster_mean, paired_difference
+from tasks.engine.token_figures import TokenFigures
 
 Z95 = 1.959963984540054  # the normal quantile a token-level error bar is read with
 
@@ -87,9 +89,9 @@ def test_the_statistics_block_has_llama_perplexity_s_figures_computed_independen
     n = int(counts.sum())
     base = rng.gamma(2.0, 1.5, n)
     variant = base + rng.normal(0, 0.2, n)
-    extra = {"kl": rng.gamma(0.5, 0.02, n), "kl_reverse": rng.gamma(0.5, 0.03, n), "top1": rng.random(n) < 0.9}
-    s = divergence_summary(extra, base, variant, counts)
-    for name, values in (("kld", extra["kl"]), ("kld_reverse", extra["kl_reverse"])):
+    figures = TokenFigures(kl=rng.gamma(0.5, 0.02, n), kl_reverse=rng.gamma(0.5, 0.03, n), top1=rng.random(n) < 0.9)
+    s = divergence_summary(figures, base, variant, counts)
+    for name, values in (("kld", figures.kl), ("kld_reverse", figures.kl_reverse)):
         assert s[f"{name}_mean"] == pytest.approx(values.mean(), rel=1e-12)
         assert s[f"{name}_max"] == values.max() and s[f"{name}_min"] == values.min()
         for p in (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1):
@@ -99,7 +101,7 @@ def test_the_statistics_block_has_llama_perplexity_s_figures_computed_independen
     assert s["dp_rms"] == pytest.approx(math.sqrt((dp**2).sum() / n), rel=1e-12)
     assert 0 < s["dp_rms_stderr"] < s["dp_rms"]
     assert {f"dp_p{p:g}" for p in (99.9, 99, 95, 90, 75, 50, 25, 10, 5, 1, 0.1)} <= set(s)
-    assert s["top1_agreement"] == pytest.approx(extra["top1"].mean())
+    assert s["top1_agreement"] == pytest.approx(figures.top1.mean())
     sums = (base.sum(), variant.sum(), (base * base).sum(), (variant * variant).sum(), (base * variant).sum())
     cov = sums[4] / n - sums[0] * sums[1] / n**2
     cor = cov / math.sqrt((sums[2] / n - (sums[0] / n) ** 2) * (sums[3] / n - (sums[1] / n) ** 2))
@@ -150,7 +152,7 @@ def test_an_interval_of_a_figure_that_cannot_be_negative_stays_above_zero():
     top1 = np.concatenate([np.ones(192), np.r_[np.zeros(2), np.ones(62)]])
     assert cluster_mean(kl, counts).low < 0 and cluster_mean(top1, counts).high > 1  # the plain t interval's
     base = np.random.default_rng(0).gamma(2.0, 1.5, 256)
-    s = divergence_summary({"kl": kl, "kl_reverse": kl, "top1": top1, "kl_llama": kl}, base, base + 0.01 * kl, counts)
+    s = divergence_summary(TokenFigures(kl=kl, kl_reverse=kl, top1=top1, kl_llama=kl), base, base + 0.01 * kl, counts)
     for name in ("kld_mean", "kld_reverse_mean", "kld_llama_mean"):
         assert 0 < s[f"{name}_low"] < s[name] < s[f"{name}_high"], name
         assert s[name] == pytest.approx(kl.mean())
@@ -185,11 +187,10 @@ def test_the_confident_flip_rate_counts_the_tokens_a_sure_baseline_loses_its_top
     counts = rng.integers(20, 40, size=12)
     n = int(counts.sum())
     base, variant = rng.gamma(2.0, 1.5, n), rng.gamma(2.0, 1.5, n)
-    extra = {"kl": rng.gamma(0.5, 0.02, n), "kl_reverse": rng.gamma(0.5, 0.03, n), "top1": rng.random(n) < 0.8,
-             "base_top_p": rng.random(n).astype(np.float32)}
-    found = divergence_summary(extra, base, variant, counts)
-    flips = sum(1 for p, same in zip(extra["base_top_p"], extra["top1"]) if p >= CONFIDENT and not same)
+    figures = TokenFigures(kl=rng.gamma(0.5, 0.02, n), kl_reverse=rng.gamma(0.5, 0.03, n), top1=rng.random(n) < 0.8,
+                           base_top_p=rng.random(n).astype(np.float32))
+    found = divergence_summary(figures, base, variant, counts)
+    flips = sum(1 for p, same in zip(figures.base_top_p, figures.top1) if p >= CONFIDENT and not same)
     assert 0 < flips and found["confident_flip_rate"] == pytest.approx(flips / n, rel=1e-12)
     assert 0 <= found["confident_flip_rate_low"] < flips / n < found["confident_flip_rate_high"] <= 1
-    assert "confident_flip_rate" not in divergence_summary({k: v for k, v in extra.items() if k != "base_top_p"},
-                                                           base, variant, counts)
+    assert "confident_flip_rate" not in divergence_summary(replace(figures, base_top_p=None), base, variant, counts)

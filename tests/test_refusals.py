@@ -174,14 +174,15 @@ def test_an_audit_without_a_gate_is_never_said_to_pass():
 def test_the_stats_block_says_its_errors_are_over_windows():
     """llama-perplexity's ± are over tokens (0.00699 on the same tokens where ours said 0.00908): not one figure."""
     from tasks.engine.paired import divergence_summary, paired_difference
+    from tasks.engine.token_figures import TokenFigures
     from tasks.record.verdict import format_stats
 
     rng = np.random.default_rng(0)
     counts = rng.integers(20, 40, size=10)
     base = rng.gamma(2.0, 1.5, int(counts.sum()))
     variant = base + rng.normal(0, 0.2, len(base))
-    extra = {"kl": rng.gamma(0.5, 0.02, len(base)), "kl_reverse": rng.gamma(0.5, 0.03, len(base)),
-             "top1": rng.random(len(base)) < 0.9}
+    extra = TokenFigures(kl=rng.gamma(0.5, 0.02, len(base)), kl_reverse=rng.gamma(0.5, 0.03, len(base)),
+                         top1=rng.random(len(base)) < 0.9)
     row = {"variant": "q", "ppl": 10.0, "ppl_stderr": 0.1, "delta_ppl": 0.2, **paired_difference(base, variant, counts),
            **divergence_summary(extra, base, variant, counts)}
     block = format_stats([typed({"variant": "baseline", "ppl": 9.8, "ppl_stderr": 0.1}), typed(row)]).splitlines()

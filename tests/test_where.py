@@ -20,7 +20,8 @@ from tasks.engine.scoring_options import ScoreOptions, Windowing
 from tasks.engine.sequential import window_order
 from tasks.engine.windows import plan
 from tasks.record.results import VariantResult
-from tasks.record.where import CONFIDENCE_EDGES, POSITION_BINS, TOP_TOKENS, where_figures
+from tasks.engine.token_figures import TokenFigures
+from tasks.record.where import CONFIDENCE_EDGES, POSITION_BINS, TOP_TOKENS, TokenPlaces, where_figures
 
 WINDOW, STRIDE = 64, 24
 
@@ -61,12 +62,12 @@ def test_each_model_s_top_token_and_the_baseline_s_confidence_equal_a_float64_br
     stream = settings.stream
     measured = perplexity(variant, stream, Windowing(WINDOW, STRIDE), 2, ScoreOptions(reference=against)).extra
     truth = full_vocabulary_tops(base, variant, stream, plan(stream, WINDOW, STRIDE))
-    assert measured["base_top_p"].dtype == np.float32 and measured["base_right"].dtype == bool
-    assert measured["base_top"].dtype == measured["top"].dtype == np.int32
-    np.testing.assert_allclose(measured["base_top_p"], truth["base_top_p"], rtol=1e-6)
-    for key in ("base_right", "base_top", "top"):
-        np.testing.assert_array_equal(measured[key], truth[key], err_msg=key)
-    np.testing.assert_array_equal(measured["top1"], truth["base_top"] == truth["top"])
+    assert measured.base_top_p.dtype == np.float32 and measured.base_right.dtype == bool
+    assert measured.base_top.dtype == measured.top.dtype == np.int32
+    np.testing.assert_allclose(measured.base_top_p, truth["base_top_p"], rtol=1e-6)
+    for key, found in (("base_right", measured.base_right), ("base_top", measured.base_top), ("top", measured.top)):
+        np.testing.assert_array_equal(found, truth[key], err_msg=key)
+    np.testing.assert_array_equal(measured.top1, truth["base_top"] == truth["top"])
     # the figures are not trivially the same: the variant disagrees somewhere, the baseline is right and wrong
     assert 0 < (truth["base_top"] != truth["top"]).sum() and 0 < truth["base_right"].sum() < len(truth["base_right"])
 
@@ -130,12 +131,12 @@ def random_tokens(rng, n: int, window: int) -> dict:
     base = rng.gamma(2.0, 1.5, n).astype(np.float32)
     confidence = rng.random(n).astype(np.float32)
     confidence[: len(CONFIDENCE_EDGES)] = CONFIDENCE_EDGES
-    extra = {"kl": rng.gamma(0.5, 0.05, n), "base_top_p": confidence, "base_right": rng.random(n) < 0.4,
-             "base_top": rng.integers(0, 5000, n).astype(np.int32), "top": rng.integers(0, 5000, n).astype(np.int32),
-             "top1": rng.random(n) < 0.9}
-    return {"base_nll": base, "nll": (base + rng.normal(0.05, 0.3, n)).astype(np.float32), "extra": extra,
-            "positions": rng.integers(1, window, n), "windows": np.sort(rng.integers(0, 40, n)),
-            "targets": rng.integers(0, 5000, n)}
+    figures = TokenFigures(kl=rng.gamma(0.5, 0.05, n), base_top_p=confidence, base_right=rng.random(n) < 0.4,
+                           base_top=rng.integers(0, 5000, n).astype(np.int32),
+                           top=rng.integers(0, 5000, n).astype(np.int32), top1=rng.random(n) < 0.9)
+    return {"base_nll": base, "nll": (base + rng.normal(0.05, 0.3, n)).astype(np.float32), "figures": figures,
+            "places": TokenPlaces(rng.integers(1, window, n), np.sort(rng.integers(0, 40, n)),
+                                  rng.integers(0, 5000, n))}
 
 
 def test_the_groups_figures_equal_a_direct_computation():
@@ -146,21 +147,21 @@ def test_the_groups_figures_equal_a_direct_computation():
     tokens = random_tokens(rng, 3000, window)
     found = where_figures(**tokens, window=window)
     delta = tokens["nll"].astype(np.float64) - tokens["base_nll"]
-    figures = {"delta_nll": delta, "kl": tokens["extra"]["kl"]}
+    figures, windows = {"delta_nll": delta, "kl": tokens["figures"].kl}, tokens["places"].windows
     edges = [round(window * i / POSITION_BINS) for i in range(POSITION_BINS + 1)]
     assert [(row["low"], row["high"]) for row in found["by_position"]] == list(zip(edges, edges[1:]))
-    for row, chosen in zip(found["by_position"], groups_by_hand(tokens["positions"], edges)):
-        check_row(row, chosen, figures, tokens["windows"])
+    for row, chosen in zip(found["by_position"], groups_by_hand(tokens["places"].positions, edges)):
+        check_row(row, chosen, figures, windows)
     assert [row["low"] for row in found["by_confidence"]] == list(CONFIDENCE_EDGES[:-1])
-    for row, chosen in zip(found["by_confidence"], groups_by_hand(tokens["extra"]["base_top_p"], CONFIDENCE_EDGES)):
-        check_row(row, chosen, figures, tokens["windows"])
-    right = tokens["extra"]["base_right"]
+    for row, chosen in zip(found["by_confidence"], groups_by_hand(tokens["figures"].base_top_p, CONFIDENCE_EDGES)):
+        check_row(row, chosen, figures, windows)
+    right = tokens["figures"].base_right
     assert [row["baseline"] for row in found["by_baseline"]] == ["right", "wrong"]
     for row, chosen in zip(found["by_baseline"], (right, ~right)):
-        check_row(row, chosen, figures, tokens["windows"])
+        check_row(row, chosen, figures, windows)
     for grouping in ("by_position", "by_confidence", "by_baseline"):
         assert sum(row["tokens"] for row in found[grouping]) == found["tokens"] == len(delta)
-    check_row(found["all"], np.ones(len(delta), bool), figures, tokens["windows"])
+    check_row(found["all"], np.ones(len(delta), bool), figures, windows)
     assert found["all"]["delta_nll"] == pytest.approx(tokens["nll"].astype(np.float64).mean()
                                                       - tokens["base_nll"].astype(np.float64).mean(), rel=1e-12)
 
@@ -168,8 +169,8 @@ def test_the_groups_figures_equal_a_direct_computation():
 def test_an_empty_bin_has_no_figures_and_a_lone_token_no_interval():
     rng = np.random.default_rng(1)
     tokens = random_tokens(rng, 200, 64)
-    tokens["positions"][:] = 40  # bin 40-47 only
-    tokens["positions"][0] = 3  # a lone token in bin 0-7
+    tokens["places"].positions[:] = 40  # bin 40-47 only
+    tokens["places"].positions[0] = 3  # a lone token in bin 0-7
     found = where_figures(**tokens, window=64)
     counts = [row["tokens"] for row in found["by_position"]]
     assert counts == [1, 0, 0, 0, 0, 199, 0, 0]
@@ -183,21 +184,21 @@ def test_the_top_tokens_are_those_of_largest_kl_largest_first():
     rng = np.random.default_rng(2)
     tokens = random_tokens(rng, 1000, 64)
     found = where_figures(**tokens, window=64)
-    kl, extra = tokens["extra"]["kl"], tokens["extra"]
-    expected = np.argsort(kl)[::-1][:TOP_TOKENS]  # KLs drawn from a continuous law: no ties
+    figures, places = tokens["figures"], tokens["places"]
+    expected = np.argsort(figures.kl)[::-1][:TOP_TOKENS]  # KLs drawn from a continuous law: no ties
     assert [row["token"] for row in found["top_kl"]] == expected.tolist()
-    assert [row["kl"] for row in found["top_kl"]] == sorted(kl, reverse=True)[:TOP_TOKENS]
+    assert [row["kl"] for row in found["top_kl"]] == sorted(figures.kl, reverse=True)[:TOP_TOKENS]
     for row in found["top_kl"]:
         i = row["token"]
         assert (row["window"], row["position"], row["target"], row["base_top"], row["top"]) == \
-            (tokens["windows"][i], tokens["positions"][i], tokens["targets"][i], extra["base_top"][i], extra["top"][i])
+            (places.windows[i], places.positions[i], places.targets[i], figures.base_top[i], figures.top[i])
         assert row["delta_nll"] == pytest.approx(float(tokens["nll"][i]) - float(tokens["base_nll"][i]))
 
 
 def test_without_kl_only_the_change_in_nll_by_position_is_found():
     """Divergence off: the variant has no KL, so no confidence, right or wrong, nor tokens of largest KL."""
     tokens = random_tokens(np.random.default_rng(3), 500, 64)
-    tokens["extra"] = {}
+    tokens["figures"] = TokenFigures()
     found = where_figures(**tokens, window=64)
     assert set(found) == {"tokens", "interval", "all", "by_position"}
     assert all("kl" not in row for row in found["by_position"]) and found["all"]["delta_nll"] is not None
@@ -221,7 +222,7 @@ def test_a_stopped_variant_is_paired_with_the_baseline_s_tokens_of_its_windows(m
     assert found["all"]["delta_nll"] == pytest.approx((stopped.nll_sum - base_sum) / stopped.n_tokens, rel=1e-9)
     planned = plan(stream, WINDOW, STRIDE)
     for row in found["top_kl"]:
-        assert row["window"] in stopped.scored_windows and row["kl"] == stopped.extra["kl"][row["token"]]
+        assert row["window"] in stopped.scored_windows and row["kl"] == stopped.extra.kl[row["token"]]
         w = planned[row["window"]]
         place = w.start + row["position"] - len(stream.prefix)
         assert w.first_scored <= place < w.end and row["target"] == int(stream.ids[place])
@@ -229,7 +230,7 @@ def test_a_stopped_variant_is_paired_with_the_baseline_s_tokens_of_its_windows(m
         assert row["target_text"] == tokenizer.decode([row["target"]])
         assert row["top_text"] == tokenizer.decode([row["top"]])
     past = len(tokenizer) + 5  # an id of a head padded wider than the vocabulary: no text has it
-    stopped.extra["top"][found["top_kl"][0]["token"]] = past
+    stopped.extra.top[found["top_kl"][0]["token"]] = past
     again = where_of(VariantResult("noisy", "x", "ok", result=stopped), baseline, settings, tokenizer)
     assert again["top_kl"][0]["top_text"] == f"<id {past}>"
     unscored = VariantResult.failed("noisy", "x", "out of memory")

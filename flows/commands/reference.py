@@ -65,7 +65,6 @@ def _said_built(outcome, floors: list, on: str) -> None:
     """A stored baseline's lines: its perplexity and where its reference is, its drift, its noise floor."""
     from tasks.record.floor import kept_as
     from tasks.record.verdict import drift_text
-    from tasks.record.where import TokenDivergence
 
     say, said, result = console.out(), outcome.reference, outcome.result
     where = f"reference {said.key} in {said.path}" if said.path else f"no reference: {said.problem}"
@@ -74,8 +73,8 @@ def _said_built(outcome, floors: list, on: str) -> None:
     if said.drift:
         print(drift_text(said.drift), file=say)
     for floor in floors:  # the noise floor the config asks for, kept with the reference
-        divergence = TokenDivergence.of_extra(floor.result.extra) if floor.ok else None
-        kl = f", KL {divergence.kl.astype('float64').mean():.4g}" if divergence is not None else ""
+        measured = floor.result.extra.kl if floor.ok else None
+        kl = f", KL {measured.astype('float64').mean():.4g}" if measured is not None else ""
         print(f"noise floor {floor.name}{on}: " + (f"{kept_as(floor)}, PPL {floor.result.ppl:.4f}{kl}" if floor.ok
                                                     else f"failed: {floor.reason}"), file=say)
 

@@ -31,6 +31,7 @@ from tasks.engine.perplexity import WindowScores, score_windows, token_slots
 from tasks.engine.baseline import Baseline
 from tasks.engine.scoring_options import Feed, ScoreOptions
 from tasks.engine.sequential import window_order
+from tasks.engine.token_figures import TokenFigures
 from tasks.engine.windows import Window
 from tasks.models.cost import decoder_layer_bytes, weight_bytes
 from tasks.models.variants import check_same_tokenizer, load_variant
@@ -188,7 +189,7 @@ class Examination:
     Attributes:
         window_tokens: ``[W]`` tokens each sampled window scores, in the plan's order.
         base_nll, nll, kl: ``[n]`` per-token NLL of the baseline and of the variant, and KL(baseline‖variant).
-        extra: the variant's further per-token figures against the baseline (``kl_reverse``, ``top1``, ...).
+        extra: the variant's per-token figures against the baseline (``kl`` among them, ``kl_reverse``, ``top1``...).
         layer_mib: ``[L]`` memory each decoder layer takes more in the baseline than in the variant.
         where: where in the sample's text it loses (``tasks.audit.where.located``).
     """
@@ -200,7 +201,7 @@ class Examination:
     base_nll: np.ndarray
     nll: np.ndarray
     kl: np.ndarray
-    extra: dict[str, np.ndarray]
+    extra: TokenFigures[np.ndarray]
     errors: LayerErrors
     layer_mib: np.ndarray
     where: dict
@@ -215,13 +216,13 @@ def examine(bench: Bench, checkpoint: Checkpoint, lineup: Lineup, evaluation_: E
     base, against = pair.baseline_on(evaluation_, windows)
     scores = _scored(pair.variant, evaluation_, windows, reference=against)
     errors = layer_errors(pair.baseline, pair.variant, sample_feed(evaluation_), windows)
-    extra = {key: value.numpy() for key, value in scores.extra.items()}
+    figures = scores.extra.mapped(lambda value: value.numpy())
     indices = np.array([w.index for w in windows])
     counts = np.array([w.n_scored for w in windows])
     slots = token_slots(np.array([w.n_scored for w in evaluation_.windows]), indices)
     base_nll, nll = base.token_nll.double().numpy(), scores.token_nll.double().numpy()
-    where = located(base_nll, nll, extra, slots, np.repeat(indices, counts), evaluation_, lineup.tokenizer)
-    return Examination(pair.name, pair.method, indices.tolist(), counts, base_nll, nll, extra.pop("kl"), extra, errors,
+    where = located(base_nll, nll, figures, slots, np.repeat(indices, counts), evaluation_, lineup.tokenizer)
+    return Examination(pair.name, pair.method, indices.tolist(), counts, base_nll, nll, figures.kl, figures, errors,
                        pair.layer_mib, where, time.perf_counter() - started)
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.engine.token_figures import TokenFigures
+
 EXTRA = "extra."  # the prefix of a per-token array of the result's ``extra`` in scores.npz
 
 
@@ -32,16 +34,16 @@ class KeptFloor:
 
 @dataclass(frozen=True)
 class FloorScores:
-    """A kept floor's per-token and per-window arrays, and the per-token arrays of its result's ``extra``."""
+    """A kept floor's per-token and per-window arrays, and the per-token figures of its result's ``extra``."""
 
     token_nll: np.ndarray
     window_nll: np.ndarray
     window_tokens: np.ndarray
-    extra: dict[str, np.ndarray]
+    extra: TokenFigures[np.ndarray]
 
     @classmethod
     def read(cls, path: Path) -> FloorScores:
         with np.load(path) as arrays:
             scores = {name: arrays[name] for name in arrays.files}
         extra = {name.removeprefix(EXTRA): array for name, array in scores.items() if name.startswith(EXTRA)}
-        return cls(scores["token_nll"], scores["window_nll"], scores["window_tokens"], extra)
+        return cls(scores["token_nll"], scores["window_nll"], scores["window_tokens"], TokenFigures.of_named(extra))

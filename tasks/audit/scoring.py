@@ -24,6 +24,7 @@ from tasks.audit import reference
 from tasks.audit.checkpoints import Checkpoint, Lineup, importance_gguf, loading_from, quantized_checkpoint
 from tasks.audit.cluster import worker
 from tasks.audit.failures import Failure, attempt
+from tasks.audit.manifest import drift_tolerance
 from tasks.audit.pieces import WHOLE, Against, Piece, Sample, Slices, Whole, Windows
 from tasks.audit.sequential import Watch
 from tasks.config import Gate, VariantSpec
@@ -106,7 +107,7 @@ def check_parity(spec: VariantSpec, source: Located, model, facts: VariantFacts,
         gc.collect()
     difference = split - one.scores.token_nll.double()
     worst, mean = float(difference.abs().max()), float(difference.mean().abs())
-    token_limit, mean_limit = reference.DRIFT_TOLERANCE.get(facts.dtype, reference.DRIFT_TOLERANCE["float32"])
+    token_limit, mean_limit = drift_tolerance(facts.dtype)
     split_over = ", ".join(devices(model))
     if not (worst <= token_limit and mean <= mean_limit):  # NaN fails too
         raise InputError(f"{spec.name}: split over {split_over} it scores the first {len(difference)} tokens unlike "

@@ -8,10 +8,11 @@ import numpy as np
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import scored_positions, scored_targets, token_slots
 from tasks.engine.stream import TokenStream
+from tasks.engine.token_figures import TokenFigures
 from tasks.engine.windows import Window
 from tasks.record.contents import token_windows
 from tasks.record.results import VariantResult
-from tasks.record.where import where_figures
+from tasks.record.where import ListedToken, TokenPlaces, where_figures
 
 CONTEXT_TOKENS = 12  # of the text before a listed token, inside its window: enough to read the phrase it ends
 
@@ -34,26 +35,25 @@ def where_of(outcome: VariantResult, baseline: VariantResult, evaluation_: Evalu
     return located(base_nll, result.token_nll, result.extra, slots, token_windows(result), evaluation_, tokenizer)
 
 
-def located(base_nll: np.ndarray, nll: np.ndarray, extra: dict[str, np.ndarray], slots, windows: np.ndarray,
+def located(base_nll: np.ndarray, nll: np.ndarray, figures: TokenFigures[np.ndarray], slots, windows: np.ndarray,
             evaluation_: Evaluation, tokenizer) -> dict:
     """``where_figures`` of paired per-token arrays that hold the tokens ``slots`` of the plan's token arrays (all
     of them: ``slice(None)``), of the windows ``windows`` (each token's), with the listed tokens decoded."""
     settings, stream = evaluation_.settings, evaluation_.stream
     plan_of = (stream, settings.window, settings.stride, settings.mode)
-    found = where_figures(base_nll, nll, extra, scored_positions(*plan_of)[slots], windows,
-                          scored_targets(*plan_of).numpy()[slots], settings.window)
+    places = TokenPlaces(scored_positions(*plan_of)[slots], windows, scored_targets(*plan_of).numpy()[slots])
     planned = evaluation_.windows
-    for row in found.get("top_kl", []):
-        row |= _decoded(row, planned[row["window"]], stream, tokenizer)
-    return found
+    return where_figures(base_nll, nll, figures, places, settings.window,
+                         lambda top: _decoded(top, planned[top.window], stream, tokenizer))
 
 
-def _decoded(row: dict, window: Window, stream: TokenStream, tokenizer) -> dict[str, str]:
+def _decoded(top: ListedToken, window: Window, stream: TokenStream, tokenizer) -> dict[str, str]:
     """A listed token's context (the ``CONTEXT_TOKENS`` before it in its window) and its three tokens, as text."""
-    place = window.start + row["position"] - len(stream.prefix)  # its place in the stream
+    place = window.start + top.position - len(stream.prefix)  # its place in the stream
     context = stream.ids[max(window.start, place - CONTEXT_TOKENS) : place].tolist()
-    return {"context": tokenizer.decode(context)} | {f"{key}_text": _token_text(row[key], tokenizer)
-                                                       for key in ("target", "base_top", "top")}
+    return {"context": tokenizer.decode(context)} | {f"{key}_text": _token_text(token, tokenizer) for key, token
+                                                       in (("target", top.target), ("base_top", top.base_top),
+                                                           ("top", top.top))}
 
 
 def _token_text(token: int, tokenizer) -> str:

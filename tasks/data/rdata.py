@@ -14,6 +14,8 @@ import struct
 import zlib
 from typing import Any
 
+from tasks.data.lazyload_said import LazyLoadIndex
+
 NILVALUE, SYMSXP, LISTSXP, CHARSXP, LGLSXP, INTSXP, REALSXP, STRSXP, VECSXP = 254, 1, 2, 9, 10, 13, 14, 16, 19
 REFSXP, GLOBALENV, EMPTYENV, BASEENV, MISSINGARG, BASENAMESPACE = 255, 253, 242, 241, 251, 247
 _SINGLETONS = {NILVALUE: None, GLOBALENV: None, EMPTYENV: None, BASEENV: None, MISSINGARG: None, BASENAMESPACE: None}
@@ -99,9 +101,9 @@ def read_lazyload_db(rdx: bytes, rdb: bytes) -> dict[str, Any]:
         rdx: raw bytes of the ``.rdx`` index file.
         rdb: raw bytes of the ``.rdb`` records file.
     """
-    index = unserialize(gzip.decompress(rdx))
+    index = LazyLoadIndex.of_unserialized(unserialize(gzip.decompress(rdx)))
     objects = {}
-    for name, (offset, length) in index["variables"].items():
+    for name, (offset, length) in index.variables.items():
         record = rdb[offset : offset + length]
         objects[name] = unserialize(zlib.decompress(record[4:]))
     return objects

@@ -17,9 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.special import stdtrit  # scipy.stats' t.ppf is this function; scipy.stats takes 0.4 s more to import
+
+if TYPE_CHECKING:
+    from tasks.engine.token_figures import TokenFigures
 
 MIN_WINDOWS = 2  # a paired interval needs the spread of windows: fewer give no interval
 CONFIDENCE = 0.95  # of every interval and gate; a sequential run's sequences share it (tasks.audit.sequential)
@@ -136,7 +140,7 @@ def _spread(values: np.ndarray, name: str, percentiles: tuple[float, ...]) -> di
             f"{name}_min": float(values.min())}
 
 
-def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, variant_nll: np.ndarray,
+def divergence_summary(figures: TokenFigures[np.ndarray], base_nll: np.ndarray, variant_nll: np.ndarray,
                        window_tokens: np.ndarray) -> dict[str, float]:
     """llama-perplexity's KL-divergence and token-probability statistics, errors taken over windows.
 
@@ -150,12 +154,12 @@ def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, varia
     tokens whose baseline put its top token at ``CONFIDENT`` or more and whose variant put another first.
     """
     summary: dict[str, float] = {}
-    for name in ("kld", "kld_reverse"):
-        values = np.asarray(extra["kl" if name == "kld" else "kl_reverse"], np.float64)
+    for name, kl in (("kld", figures.kl), ("kld_reverse", figures.kl_reverse)):
+        values = np.asarray(kl, np.float64)
         summary |= positive_mean(values, window_tokens).as_dict(f"{name}_mean") | _spread(values, name, KLD_PERCENTILES)
-    summary |= share_mean(np.asarray(extra["top1"], np.float64), window_tokens).as_dict("top1_agreement")
-    if "kl_llama" in extra:
-        summary |= positive_mean(np.asarray(extra["kl_llama"], np.float64), window_tokens).as_dict("kld_llama_mean")
+    summary |= share_mean(np.asarray(figures.top1, np.float64), window_tokens).as_dict("top1_agreement")
+    if figures.kl_llama is not None:
+        summary |= positive_mean(np.asarray(figures.kl_llama, np.float64), window_tokens).as_dict("kld_llama_mean")
     base, variant = np.asarray(base_nll, np.float64), np.asarray(variant_nll, np.float64)
     dp = np.exp(-variant) - np.exp(-base)
     squares = cluster_mean(dp**2, window_tokens)
@@ -163,8 +167,8 @@ def divergence_summary(extra: dict[str, np.ndarray], base_nll: np.ndarray, varia
     summary |= cluster_mean(dp, window_tokens).as_dict("dp_mean") | _spread(dp, "dp", DP_PERCENTILES)
     summary |= {"dp_rms": rms, "dp_rms_stderr": squares.stderr / (2 * rms) if rms else math.nan}
     summary |= {"token_lnppl_correlation": float(np.corrcoef(base, variant)[0, 1]) if len(base) > 1 else math.nan}
-    if "base_top_p" in extra:  # the share of all tokens that are confident flips, its interval on the logit scale
-        flips = (np.asarray(extra["base_top_p"], np.float64) >= CONFIDENT) & ~np.asarray(extra["top1"], bool)
+    if figures.base_top_p is not None:  # the share of all tokens that are confident flips, interval on the logit scale
+        flips = (np.asarray(figures.base_top_p, np.float64) >= CONFIDENT) & ~np.asarray(figures.top1, bool)
         summary |= share_mean(flips.astype(np.float64), window_tokens).as_dict("confident_flip_rate")
     return summary
 

@@ -30,12 +30,14 @@ from tasks.engine.baseline import BaselineBatch
 from tasks.engine.progress import PROGRESS_FIGURES, Progress
 from tasks.engine.scoring_options import Feed, ScoreOptions, Windowing
 from tasks.engine.stream import TokenStream
+from tasks.engine.token_figures import TokenFigures
 from tasks.engine.windows import Window, check_settings, plan, plan_chunks
 
 # Bounds one chunk of float32 logits, by device. CPU: 341 rows at vocab 49k, 128 at 128k. CUDA: 512 rows
 # at 128k; fewer rows re-read the head's weights too often (64 MiB chunks ran the 128k head at a quarter
 # of an H100's matmul rate), and the fused NLL below never writes the float32 chunk anyway.
-HEAD_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
+DEFAULT_HEAD_CHUNK_BYTES = 64 << 20  # a CPU's, and any device's without its own
+HEAD_CHUNK_BYTES = {"cpu": DEFAULT_HEAD_CHUNK_BYTES, "cuda": 256 << 20}
 
 
 def _upcast(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -78,14 +80,12 @@ def _log_probs(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def _divergence(logits: torch.Tensor, base_logits: torch.Tensor, target: torch.Tensor, softcap: float | None,
-                base_softcap: float | None) -> dict[str, torch.Tensor]:
-    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits, whether the baseline's
-    most likely token is the target (``base_right``), and the baseline's NLL of the targets (``base_nll``), which
-    checks its stored reference at no extra pass."""
+                base_softcap: float | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``divergence.exact`` of one chunk of rows of a variant's and the baseline's logits (by name: the compiled
+    kernel gives plain tensors), and the baseline's NLL of the targets, which checks its stored reference at no extra
+    pass."""
     base = _log_probs(base_logits, base_softcap)
-    figures = divergence.exact(base, _log_probs(logits, softcap))
-    return figures | {"base_right": figures["base_top"] == target.squeeze(-1),
-                      "base_nll": -base.gather(-1, target).squeeze(-1)}
+    return divergence.exact(base, _log_probs(logits, softcap)), -base.gather(-1, target).squeeze(-1)
 
 
 # The divergence is compiled on CPU for a stream of at least this many logits (tokens x vocabulary): compiling costs
@@ -132,35 +132,24 @@ def _chunk_rows(head: torch.nn.Module, chunk_bytes: int) -> int:
 
 
 def head_chunk_bytes(device: torch.device) -> int:
-    return HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["cpu"])
+    return HEAD_CHUNK_BYTES.get(device.type, DEFAULT_HEAD_CHUNK_BYTES)
 
 
-@dataclass(frozen=True)
-class TokenStats:
-    """``token_stats``'s per-token figures, each ``[T]``, by the names ``WindowScores.extra`` keeps them under: ``nll``
-    (float32, or float64 for a float64 model); measured against a baseline, ``kl`` (KL(base‖variant)), ``kl_reverse``
-    (KL(variant‖base)), ``top1`` (same most likely token), ``base_top`` and ``top`` (each model's most likely token),
-    ``base_top_p`` (the baseline's probability of its own) and ``base_right`` (the baseline's most likely token is the
-    target); with ``BaselineBatch.llama_kld`` also ``kl_llama`` (KL as llama-perplexity estimates it). None: not
-    measured."""
+@dataclass(frozen=True, eq=False)
+class TokenStats(TokenFigures[torch.Tensor]):
+    """``token_stats``'s per-token figures, each ``[T]``: ``nll`` (float32, or float64 for a float64 model) and,
+    measured against a baseline, its divergence (``TokenFigures``; None: not measured). As a mapping, every figure
+    measured by name, ``nll`` last."""
 
-    nll: torch.Tensor
-    kl: torch.Tensor | None = None
-    kl_reverse: torch.Tensor | None = None
-    top1: torch.Tensor | None = None
-    base_top: torch.Tensor | None = None
-    top: torch.Tensor | None = None
-    base_top_p: torch.Tensor | None = None
-    base_right: torch.Tensor | None = None
-    kl_llama: torch.Tensor | None = None
+    nll: torch.Tensor = field(kw_only=True)
 
-    def figures(self) -> dict[str, torch.Tensor]:
-        """The figures measured, by name, ``nll`` first."""
-        return {name: value for name, value in vars(self).items() if value is not None}
+    def divergence(self) -> TokenFigures[torch.Tensor]:
+        """Its figures but the NLL."""
+        return TokenFigures.of_named({name: value for name, value in self.items() if name != "nll"})
 
     def on_host(self) -> TokenStats:
         """Its figures being copied to the host (asynchronously: ``_to_host``)."""
-        return TokenStats(**{name: value.to("cpu", non_blocking=True) for name, value in self.figures().items()})
+        return self.mapped(lambda value: value.to("cpu", non_blocking=True))
 
 
 def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
@@ -186,22 +175,23 @@ def token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     nll = _fused_nll if hidden.is_cuda else _nll
     if reference is not None:
         measure = divergence_kernel(hidden.device.type, (stream_tokens or hidden.shape[0]) * _vocabulary(head))
-    out: dict[str, list[torch.Tensor]] = {}
+    chunks: list[TokenStats] = []
     for start in range(0, hidden.shape[0], rows):
         stop = start + rows
         logits = head(hidden[start:stop])
         target = targets[start:stop, None].to(logits.device)  # a split model's head may sit on another device
-        parts = {"nll": nll(logits, target, softcap)}
+        chunk = TokenStats(nll=nll(logits, target, softcap))
         if reference is not None:
             base_logits = reference.head(reference.hidden[start:stop]).to(logits.device)
-            parts |= measure(logits, base_logits, target, softcap, reference.softcap)
+            figures, base_nll = measure(logits, base_logits, target, softcap, reference.softcap)
+            chunk = dataclasses.replace(chunk, **figures)  # divergence.exact names its figures as TokenFigures does
+            chunk = dataclasses.replace(chunk, base_right=chunk.base_top == target.squeeze(-1))
             if reference.llama_kld:
-                parts |= {"kl_llama": divergence.as_llama_perplexity(_upcast(base_logits, reference.softcap),
-                                                                     _upcast(logits, softcap))}
-            reference.check(parts.pop("base_nll"), start)
-        for key, value in parts.items():
-            out.setdefault(key, []).append(value)
-    return TokenStats(**{key: torch.cat(values) for key, values in out.items()})
+                chunk = dataclasses.replace(chunk, kl_llama=divergence.as_llama_perplexity(
+                    _upcast(base_logits, reference.softcap), _upcast(logits, softcap)))
+            reference.check(base_nll, start)
+        chunks.append(chunk)
+    return TokenStats.joined(chunks, torch.cat)
 
 
 @dataclass
@@ -213,15 +203,14 @@ class WindowScores:
             window by window in index order (stream order for the sliding window).
         window_nll: ``[n_windows]`` float64 NLL sum of each window's scored tokens.
         window_tokens: ``[n_windows]`` int64 number of tokens each window scored.
-        extra: further per-token arrays aligned with ``token_nll``: ``kl``, ``kl_reverse`` (float64),
-            ``top1``, ``base_top``, ``top``, ``base_top_p``, ``base_right`` (divergence from the baseline,
-            ``token_stats``), ``kl_llama`` (float64: KL as llama-perplexity estimates it, in mode llama.cpp).
+        extra: further per-token figures aligned with ``token_nll``: the divergence from the baseline
+            (``TokenFigures``: none measured without a baseline).
     """
 
     token_nll: torch.Tensor
     window_nll: torch.Tensor
     window_tokens: torch.Tensor
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: TokenFigures[torch.Tensor] = field(default_factory=TokenFigures)
     windows: torch.Tensor | None = None  # a run stopped early: the plan's indices of the windows it scored
     planned_tokens: int | None = None  # and how many tokens every window of the plan holds
 
@@ -229,7 +218,7 @@ class WindowScores:
         """Only the windows ``windows`` (indices, ascending), their tokens in window order."""
         slots = torch.from_numpy(token_slots(self.window_tokens.numpy(), windows.numpy()))
         return WindowScores(self.token_nll[slots], self.window_nll[windows], self.window_tokens[windows],
-                            {key: value[slots] for key, value in self.extra.items()}, windows,
+                            self.extra.mapped(lambda value: value[slots]), windows,
                             int(self.window_tokens.sum()))
 
 
@@ -351,13 +340,13 @@ def score_windows(model, feed: Feed, windows: list[Window], options: ScoreOption
             window_nll[w.index] = part.double().sum()
         if until is not None:
             progress.order += [w.index for w in batch]
-            for key, value in host.figures().items():
+            for key, value in host.items():
                 if key not in PROGRESS_FIGURES:
                     continue
                 sums = progress.sums.setdefault(key, torch.zeros(len(counts), dtype=torch.float64))
                 for w, part in zip(batch, value.split([w.n_scored for w in batch])):
                     sums[w.index] = part.double().sum()
-        for key, value in host.figures().items():
+        for key, value in host.items():
             if key not in arrays:
                 # at least float32 (a bf16 model's figures are float32); a float64 model's stay float64
                 dtype = torch.promote_types(value.dtype, torch.float32) if value.is_floating_point() else value.dtype
@@ -395,8 +384,8 @@ def score_windows(model, feed: Feed, windows: list[Window], options: ScoreOption
                     break
         if pending is not None:
             store(*pending)
-    token_nll = arrays.pop("nll")
-    scores = WindowScores(token_nll, window_nll, counts, arrays)
+    measured = TokenStats.of_named(arrays)
+    scores = WindowScores(measured.nll, window_nll, counts, measured.divergence())
     if scored < len(windows):
         return scores.kept(torch.tensor(sorted(w.index for w in windows[:scored])))
     return scores
@@ -433,7 +422,7 @@ class PerplexityResult:
     token_nll: np.ndarray = field(repr=False)
     window_nll: np.ndarray = field(repr=False)
     window_tokens: np.ndarray = field(repr=False)
-    extra: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    extra: TokenFigures[np.ndarray] = field(default_factory=TokenFigures, repr=False)  # per token, as ``token_nll``
     absent: dict[str, str] = field(default_factory=dict)  # figure -> why it is None
     scored_fraction: float = 1.0  # the share of the stream's scored tokens this result holds
     scored_windows: np.ndarray | None = field(default=None, repr=False)  # which windows, where not all
@@ -486,7 +475,8 @@ def summarize(scores: WindowScores, stream: TokenStream, *, mode: str, **facts) 
         scored_windows=scores.windows.numpy() if sampled else None,
         bos=stream.bos, n_windows=len(scores.window_tokens), corpus_digest=stream.text_digest,
         token_nll=scores.token_nll.numpy(), window_nll=scores.window_nll.numpy(),
-        window_tokens=scores.window_tokens.numpy(), extra={k: v.numpy() for k, v in scores.extra.items()}, mode=mode,
+        window_tokens=scores.window_tokens.numpy(), extra=scores.extra.mapped(lambda value: value.numpy()),
+        mode=mode,
         **facts,
     )
 
@@ -603,7 +593,7 @@ def combine(parts: list[Part], stream: TokenStream, model_name: str, window: int
     else:
         scores = WindowScores(cat([p.scores.token_nll for p in parts]), cat([p.scores.window_nll for p in parts]),
                               cat([p.scores.window_tokens for p in parts]),
-                              {key: cat([p.scores.extra[key] for p in parts]) for key in parts[0].scores.extra})
+                              TokenFigures.joined([p.scores.extra for p in parts], cat))
     wall = sum(p.wall_seconds for p in parts)  # compute time, on however many workers
     return summarize(
         scores, stream, model=model_name, window=window, stride=stride if mode == "sliding" else window,
@@ -631,7 +621,7 @@ def joined_samples(samples: list[WindowScores]) -> WindowScores:
     joined = WindowScores(by_window([s.token_nll for s in samples], True),
                           by_window([s.window_nll for s in samples], False),
                           by_window([s.window_tokens for s in samples], False),
-                          {key: by_window([s.extra[key] for s in samples], True) for key in samples[0].extra},
+                          TokenFigures.joined([s.extra for s in samples], lambda arrays: by_window(arrays, True)),
                           windows[order], samples[0].planned_tokens)
     if int(joined.window_tokens.sum()) == joined.planned_tokens:
         return dataclasses.replace(joined, windows=None, planned_tokens=None)

@@ -27,10 +27,6 @@ if TYPE_CHECKING:
     from tasks.record.result import DomainResult, Findings
     from tasks.record.row import ModelRow
 
-# a variant's per-token divergence from the baseline (``tasks.engine.perplexity.token_stats``), kept beside its NLL
-TOKEN_COLUMNS = ("kl", "kl_reverse", "top1", "base_top", "top", "base_top_p", "base_right", "kl_llama")
-
-
 def hardware() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -57,7 +53,7 @@ def token_windows(result: PerplexityResult) -> np.ndarray:
 def _arrays(outcome: VariantResult) -> pa.Table:
     r = outcome.result
     columns = {"token": np.arange(len(r.token_nll)), "window": token_windows(r), "nll": r.token_nll}
-    columns |= {key: r.extra[key] for key in TOKEN_COLUMNS if key in r.extra}
+    columns |= dict(r.extra)  # its divergence from the baseline, each figure measured by its name (``TokenFigures``)
     return pa.table(columns)
 
 

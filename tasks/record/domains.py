@@ -15,6 +15,7 @@ from dataclasses import replace
 from tasks.record.floor import floor_figures, floor_text
 from tasks.record.population import population_line
 from tasks.record.result import AuditResult, DomainResult
+from tasks.record.domain_view_said import SHARED as SHARED, domain_view as domain_view  # read from here too
 from tasks.record.row import ModelRow
 from tasks.record.runtime_cost import runtime_cost_lines, stream_line
 from tasks.record.verdict import Verdict, format_table, overall
@@ -109,12 +110,3 @@ def floor_lines(domains: list[DomainResult]) -> list[str]:
         lines.append(f"{name}: {floor_text(next(iter(rows.values())))}; by domain: {figures}")
     return lines
 
-
-# what every domain's record shares with the audit's: said once, at the top
-SHARED = ("schema", "audit_id", "name", "started", "created", "scheduled", "config_path", "config_text", "environment")
-
-
-def domain_view(record: dict, name: str) -> dict:
-    """Domain ``name`` of an audit's record as its one-corpus audit's record (the shared fields put back), with
-    ``domain`` naming it: what the one-corpus charts, report and metrics are drawn from."""
-    return {key: record[key] for key in SHARED if key in record} | record["domains"][name] | {"domain": name}

@@ -24,8 +24,8 @@ def worse_beyond_noise(a: VariantResult, b: VariantResult) -> bool:
     ra, rb = a.result, b.result
     if ra.scored_windows is not None or rb.scored_windows is not None or len(ra.token_nll) != len(rb.token_nll):
         return False
-    figures = [(ra.token_nll, rb.token_nll)] + ([(ra.extra["kl"], rb.extra["kl"])]
-                                                if "kl" in ra.extra and "kl" in rb.extra else [])
+    kl = [(ra.extra.kl, rb.extra.kl)] if ra.extra.kl is not None and rb.extra.kl is not None else []
+    figures = [(ra.token_nll, rb.token_nll), *kl]
     return all(cluster_mean(np.asarray(x, np.float64) - np.asarray(y, np.float64), ra.window_tokens).low > 0
                for x, y in figures)  # a NaN bound (one window) is not beyond noise
 

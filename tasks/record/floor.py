@@ -38,12 +38,12 @@ def against(variant: VariantResult, floor: VariantResult) -> AgainstFloor | None
     if len(f.token_nll[slots]) != len(r.token_nll):
         return None
     nll = _paired(r.token_nll, f.token_nll[slots], r.window_tokens)
-    if not ("kl" in r.extra and "kl" in f.extra):
+    if r.extra.kl is None or f.extra.kl is None:
         return AgainstFloor(floor.name, floor.facts.dtype, nll, nll.above, nll.above)
-    kl = _paired(r.extra["kl"], f.extra["kl"][slots], r.window_tokens)
+    kl = _paired(r.extra.kl, f.extra.kl[slots], r.window_tokens)
     return AgainstFloor(floor.name, floor.facts.dtype, nll, nll.above, kl.above,
-                        float(np.asarray(f.extra["kl"][slots], np.float64).mean()),  # the floor's own mean KL
-                        float(np.asarray(r.extra["kl"], np.float64).mean()), kl)
+                        float(np.asarray(f.extra.kl[slots], np.float64).mean()),  # the floor's own mean KL
+                        float(np.asarray(r.extra.kl, np.float64).mean()), kl)
 
 
 def judged(variant: VariantResult, floors: list[VariantResult], delta_ppl_pct: float | None = None

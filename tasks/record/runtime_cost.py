@@ -7,7 +7,7 @@ from __future__ import annotations
 from tasks.engine.paired import paired_difference
 from tasks.record.reference_said import StreamDifference
 from tasks.record.results import VariantResult
-from tasks.record.row import Change
+from tasks.record.runtime_cost_said import RuntimeCost
 
 
 def runtime_costs(variants: list[VariantResult]) -> list[dict]:
@@ -31,14 +31,14 @@ def runtime_costs(variants: list[VariantResult]) -> list[dict]:
 
 def runtime_cost_lines(costs: list[dict]) -> list[str]:
     """One line per cost, as the console and the report say it."""
-    return [_cost_line(c["served"], c["weights"], Change.of_flat(c)) for c in costs]
+    return [_cost_line(RuntimeCost.of_record(cost)) for cost in costs]
 
 
-def _cost_line(served: str, weights: str, change: Change) -> str:
-    """The served row's paired change against the weights' (``paired_difference``'s figures, as a row's)."""
-    pct = change.delta_ppl_pct
-    return (f"runtime cost: {served} (llama.cpp) against {weights} (the same file dequantized in transformers): "
-            f"ΔPPL {pct.value:+.2f}% [{pct.low:+.2f}, {pct.high:+.2f}] over {change.windows} windows")
+def _cost_line(cost: RuntimeCost) -> str:
+    """The served row's paired change against the weights'."""
+    pct = cost.change.delta_ppl_pct
+    return (f"runtime cost: {cost.served} (llama.cpp) against {cost.weights} (the same file dequantized in "
+            f"transformers): ΔPPL {pct.value:+.2f}% [{pct.low:+.2f}, {pct.high:+.2f}] over {cost.change.windows} windows")
 
 
 def stream_line(differ: dict | None) -> list[str]:

@@ -41,4 +41,4 @@ class AuditedModel:
 
     @classmethod
     def of(cls, scored: VariantResult) -> AuditedModel:
-        return cls(scored, scored.result.extra.get("kl") if scored.ok else None)
+        return cls(scored, scored.result.extra.kl if scored.ok else None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
@@ -15,35 +15,13 @@ from tasks.record.reference_said import Divergence, Drift, LlamaCppRan, Referenc
 from tasks.record.results import VariantResult
 from tasks.record.row import BaselineSaid, Change, Divergences, Interval, OwnFigures, ModelRow, Spread
 from tasks.record.sequential_said import SequentialSaid
+from tasks.record.verdict_said import Verdict
+from tasks.record.verdict_said import said as said  # report, history, plots, tracking and card read it from here
 
 if TYPE_CHECKING:
     from tasks.engine.perplexity import PerplexityResult
 
 FRONT = "front of size against quality (bits per weight, ΔPPL and KLD)"
-
-
-@dataclass(frozen=True)
-class Verdict:
-    name: str
-    status: str  # pass, fail, error, or ungated: no limit applied, so nothing was judged (never said as a pass)
-    reason: str
-
-    @property
-    def said(self) -> str:
-        return said(self.status)
-
-    def as_record(self) -> dict[str, str]:
-        """The verdict as a record holds it (its name is the key or the entry it is under)."""
-        return {"status": self.status, "reason": self.reason}
-
-    @classmethod
-    def of_record(cls, name: str, said: dict) -> Verdict:
-        return cls(name, said["status"], said["reason"])
-
-
-def said(status: str) -> str:
-    """A verdict's status as a person reads it (tables, badges, run names): ``no gate`` for ``ungated``."""
-    return "no gate" if status == "ungated" else status
 
 
 def comparison_row(outcome: VariantResult, baseline: VariantResult, window: int) -> ModelRow:
@@ -90,7 +68,7 @@ def _against(row: ModelRow, outcome: VariantResult, base: PerplexityResult) -> M
     if len(base_nll) == len(r.token_nll):  # the same tokens: pair them
         flat |= paired_difference(base_nll, r.token_nll, r.window_tokens)
         row = replace(row, divergence_absent=said.absent)
-        if "kl" in r.extra:
+        if r.extra.kl is not None:
             flat |= (divergence_summary(r.extra, base_nll, r.token_nll, r.window_tokens)
                      | {"divergence_mib": said.memory_bytes / 2**20})
             row = replace(row, reference=said.reference)

@@ -12,11 +12,13 @@ cannot be negative, is taken on the log scale (``positive_mean``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from tasks.engine.paired import cluster_mean, positive_mean
+from tasks.engine.token_figures import TokenFigures
 
 POSITION_BINS = 8  # equal bins of the window, from its first position to its last
 CONFIDENCE_EDGES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)  # of the baseline's top-1 probability; the last bin holds 1
@@ -38,11 +40,41 @@ class TokenDivergence:
     top: np.ndarray
 
     @classmethod
-    def of_extra(cls, extra: dict[str, np.ndarray]) -> TokenDivergence | None:
-        """Read from a result's per-token arrays (``extra``); None without KL (divergence off)."""
-        if "kl" not in extra:
+    def of_figures(cls, figures: TokenFigures[np.ndarray]) -> TokenDivergence | None:
+        """Of a result's per-token figures (``extra``); None without KL (divergence off)."""
+        if figures.kl is None:
             return None
-        return cls(extra["kl"], extra["base_top_p"], extra["base_right"], extra["base_top"], extra["top"])
+        return cls(figures.kl, figures.base_top_p, figures.base_right, figures.base_top, figures.top)
+
+
+@dataclass(frozen=True)
+class TokenPlaces:
+    """Where each of the paired tokens is: its position in its window (``tasks.engine.perplexity.scored_positions``),
+    the plan's index of its window (ascending: the token arrays' order) and its id (the target), each ``[n]``."""
+
+    positions: np.ndarray
+    windows: np.ndarray
+    targets: np.ndarray
+
+
+@dataclass(frozen=True)
+class ListedToken:
+    """One of the tokens of largest KL: its place in the token arrays (``token``), its window and its position in it,
+    its KL and ΔNLL, and its target and the baseline's and the variant's most likely tokens."""
+
+    token: int
+    window: int
+    position: int
+    kl: float
+    delta_nll: float
+    target: int
+    base_top: int
+    top: int
+
+
+def undescribed(token: ListedToken) -> dict:
+    """A listed token's row as it is, nothing added."""
+    return {}
 
 
 def position_edges(window: int) -> np.ndarray:
@@ -78,48 +110,46 @@ def _binned(figures: dict[str, np.ndarray], windows: np.ndarray, values: np.ndar
             for i in range(len(edges) - 1)]
 
 
-def _top_tokens(said: TokenDivergence, delta: np.ndarray, positions: np.ndarray, windows: np.ndarray,
-                targets: np.ndarray) -> list[dict]:
+def _top_tokens(said: TokenDivergence, delta: np.ndarray, places: TokenPlaces) -> list[ListedToken]:
     """The ``TOP_TOKENS`` tokens of largest KL, largest first (the earlier token first among equals)."""
     order = np.argsort(-said.kl, kind="stable")[:TOP_TOKENS]
-    return [{"token": int(i), "window": int(windows[i]), "position": int(positions[i]), "kl": float(said.kl[i]),
-             "delta_nll": float(delta[i]), "target": int(targets[i]), "base_top": int(said.base_top[i]),
-             "top": int(said.top[i])} for i in order]
+    return [ListedToken(int(i), int(places.windows[i]), int(places.positions[i]), float(said.kl[i]),
+                        float(delta[i]), int(places.targets[i]), int(said.base_top[i]), int(said.top[i]))
+            for i in order]
 
 
-def where_figures(base_nll: np.ndarray, nll: np.ndarray, extra: dict[str, np.ndarray], positions: np.ndarray,
-                  windows: np.ndarray, targets: np.ndarray, window: int) -> dict:
+def where_figures(base_nll: np.ndarray, nll: np.ndarray, figures: TokenFigures[np.ndarray], places: TokenPlaces,
+                  window: int, described: Callable[[ListedToken], dict] = undescribed) -> dict:
     """Where a variant loses against its baseline, over the same scored tokens.
 
     Args:
         base_nll, nll: ``[n]`` the baseline's and the variant's NLL of each token.
-        extra: the variant's per-token divergence (``kl``, ``base_top_p``, ``base_right``, ``base_top``, ``top``:
+        figures: the variant's per-token divergence (``kl``, ``base_top_p``, ``base_right``, ``base_top``, ``top``:
             ``tasks.engine.perplexity.token_stats``), aligned with ``nll``; without ``kl`` (divergence off) the
             figures are ΔNLL by position only.
-        positions: ``[n]`` each token's position in its window (``tasks.engine.perplexity.scored_positions``).
-        windows: ``[n]`` the plan's index of each token's window, ascending (the token arrays' order).
-        targets: ``[n]`` each token's id.
+        places: where each token is: its position in its window, its window, its id.
         window: the window's length, whose positions are binned.
+        described: what a listed token's row adds to its figures (its text, where a tokenizer reads it).
 
     Returns:
         Plain data: ``tokens``, ``interval`` (how the intervals are taken), ``all`` (every token's figures),
         ``by_position`` (a row per bin of ``position_edges``) and with KL also ``by_confidence`` (a row per bin
         of ``CONFIDENCE_EDGES`` of the baseline's top-1 probability), ``by_baseline`` (``right`` and ``wrong``)
-        and ``top_kl`` (``TOP_TOKENS`` rows: ``token`` (its place in the token arrays), ``window``,
-        ``position``, ``kl``, ``delta_nll``, ``target``, ``base_top``, ``top``). A row's figures are ``tokens``,
-        ``delta_nll`` (mean variant NLL less the baseline's) and with KL ``kl``, each with ``_low``/``_high``.
+        and ``top_kl`` (``TOP_TOKENS`` rows: ``ListedToken``'s fields, and what ``described`` adds). A row's
+        figures are ``tokens``, ``delta_nll`` (mean variant NLL less the baseline's) and with KL ``kl``, each with
+        ``_low``/``_high``.
     """
     delta = np.asarray(nll, np.float64) - np.asarray(base_nll, np.float64)
-    said = TokenDivergence.of_extra(extra)
-    figures = {"delta_nll": delta} | ({"kl": np.asarray(said.kl, np.float64)} if said is not None else {})
+    said = TokenDivergence.of_figures(figures)
+    grouped = {"delta_nll": delta} | ({"kl": np.asarray(said.kl, np.float64)} if said is not None else {})
     every = np.ones(len(delta), bool)
-    windows = np.asarray(windows)
-    found = {"tokens": len(delta), "interval": INTERVAL, "all": _figures(figures, windows, every),
-             "by_position": _binned(figures, windows, positions, position_edges(window))}
+    windows = np.asarray(places.windows)
+    found = {"tokens": len(delta), "interval": INTERVAL, "all": _figures(grouped, windows, every),
+             "by_position": _binned(grouped, windows, places.positions, position_edges(window))}
     if said is not None:
         right = np.asarray(said.base_right, bool)
-        found |= {"by_confidence": _binned(figures, windows, said.base_top_p, np.asarray(CONFIDENCE_EDGES)),
-                  "by_baseline": [{"baseline": "right"} | _figures(figures, windows, right),
-                                  {"baseline": "wrong"} | _figures(figures, windows, ~right)],
-                  "top_kl": _top_tokens(said, delta, positions, windows, targets)}
+        found |= {"by_confidence": _binned(grouped, windows, said.base_top_p, np.asarray(CONFIDENCE_EDGES)),
+                  "by_baseline": [{"baseline": "right"} | _figures(grouped, windows, right),
+                                  {"baseline": "wrong"} | _figures(grouped, windows, ~right)],
+                  "top_kl": [asdict(top) | described(top) for top in _top_tokens(said, delta, places)]}
     return found

@@ -18,7 +18,6 @@ from tasks.data.evaluation import Evaluation
 from tasks.engine.layers import recovered_share
 from tasks.engine.paired import CONFIDENCE
 from tasks.record.tune_said import TuneRecipe
-from tasks.record.where import TokenDivergence
 
 # Uniform file types by their nominal bits per weight (llama.cpp's table): the uniform variant of equal or larger size
 # the recipe is audited beside is the first of these at least as large as the recipe, as built
@@ -84,6 +83,14 @@ def _recipe(found: TuneRecipe, prepared: Prepared) -> RecipeChanges:
     if prepared.tune.gptqmodel:
         return RecipeChanges(dynamic=gptqmodel_overrides(found))
     return RecipeChanges(tensor_types=found.tensor_types)
+
+
+def proven_report(tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes], lineup: Lineup,
+                  evaluation_: Evaluation) -> dict:
+    """The tune's report (``tune_report``) with its recipe made and checked on what was made (``built``); ``lineup``
+    holds the variant measured."""
+    found = tune_report(tuning, prepared, donor_sizes)
+    return found | {"built": built(found, tuning, prepared, donor_sizes, lineup, evaluation_)}
 
 
 def built(found: dict, tuning: Tuning, prepared: Prepared, donor_sizes: list[Sizes], lineup: Lineup,
@@ -207,7 +214,7 @@ def compared(tuned, other, tuned_bpw: float, other_bpw: float, label: str) -> tu
 
     a, b = tuned.result, other.result
     tokens = np.asarray(a.window_tokens)
-    tuned_kl, other_kl = TokenDivergence.of_extra(a.extra).kl, TokenDivergence.of_extra(b.extra).kl
+    tuned_kl, other_kl = a.extra.kl, b.extra.kl
     kl = recovered_share(np.asarray(other_kl, np.float64), np.asarray(tuned_kl, np.float64), tokens, CONFIDENCE)
     nll = cluster_mean(np.asarray(a.token_nll, np.float64) - np.asarray(b.token_nll, np.float64), tokens)
     better = bool(kl[1] > 0 and not nll.low > 0)  # numpy's bool is not JSON's
