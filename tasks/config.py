@@ -26,11 +26,14 @@ from tasks.methods.registry import (  # noqa: F401  (QUANTIZED_*, KERNEL_GROUP_S
     QUANTIZED_AT_LOAD,
     QUANTIZED_BY_US,
     RUNTIMES,
-    TAKE_SETTINGS,
+    MethodKeys,
     method_of,
+    refusal_of,
     runtime_of,
+    validate_settings,
 )
 from tasks.methods.runtimes import Runtime
+from tasks.methods.settings import Bits
 
 # each method's own module in tasks.methods says what it is (auto: read from the checkpoint, tasks.models.formats;
 # baseline: a float model as it is); the registry names them all
@@ -41,7 +44,6 @@ NAME = r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
 # a name becomes part of a file name (a record's folder: time, name, id; a cached checkpoint's: name, digest) that a
 # file system caps at 255 bytes: bounded here, so that a long one is refused before scoring, not after it
 NAME_MAX = 100
-Bits = Literal[2, 3, 4, 8]  # what gptq and awq quantize to here
 QUANTIZED_BITS = get_args(Bits)
 DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 128  # gptq/awq made here: the common 4-bit scheme with 128-column groups
 # stores MLflow can track to; anything else would be spooled and retried forever as if MLflow were down
@@ -326,7 +328,25 @@ GptqDynamic = Annotated[dict[Annotated[str, Field(pattern=r"^[+-]:.+")], dict[Li
                         AfterValidator(_overrides_gptqmodel_can_take)]
 
 
-class VariantSpec(Strict):
+class VariantBase(Strict):
+    """What every variant gives, whatever its method (``VariantSpec`` adds the keys only some methods take)."""
+
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
+    method: MethodName = "baseline"
+    path: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    device: str = "auto"
+    device_map: Literal["auto"] | dict[str, int | str] | None = None
+    max_memory: dict[int | str, int | str] | None = None
+    diagnose: bool = Field(False, description="after the verdict, find where it loses (ppl-audit diagnose)")
+    kv_cache: KVCache | None = None
+    runtime: Literal[tuple(RUNTIMES)] = Field(
+        "transformers", description="what scores it: transformers (a GGUF file dequantized: what its weights lost), "
+        "or llama.cpp's own kernels and tokenizer (a GGUF file as it is served)")
+    llama_cpp: LlamaCppSettings | None = None
+
+
+class VariantSpec(MethodKeys, VariantBase):
     """One model of an audit: the baseline or a quantized variant of it.
 
     ``path`` is a checkpoint to load: a folder, a Hub id, a ``.gguf`` file (or a folder and ``gguf_file``);
@@ -334,36 +354,15 @@ class VariantSpec(Strict):
     torchao and hqq variants quantize the baseline as it loads (hqq with ``bits`` and ``group_size``),
     and gptq/awq variants are quantized from the baseline with ``bits``, ``group_size``, ``sym`` and
     ``calibration``.
+
+    The keys only some methods take (bits, kernel, type, ...) are their methods' (``MethodKeys``, from
+    ``tasks.methods``), each method's settings validated by its own model (``_method_settings_problem``); a new
+    method is its module and a registry line. Not a pydantic discriminated union: ``tasks.methods.settings`` says why.
     """
 
     role: ClassVar[str] = "variant"  # what its refusals call it (BaselineSpec: the baseline)
-    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME)
-    method: MethodName = "baseline"
-    path: str | None = None
-    gguf_file: str | None = None
-    bits: Bits | None = None
-    group_size: int | None = None
-    sym: bool | None = None
+    # the method keys whose types are this layer's: tasks.methods, below it, declares them loosely
     calibration: CalibrationConfig | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
-    device: str = "auto"
-    device_map: Literal["auto"] | dict[str, int | str] | None = None
-    max_memory: dict[int | str, int | str] | None = None
-    diagnose: bool = Field(False, description="after the verdict, find where it loses (ppl-audit diagnose)")
-    kv_cache: KVCache | None = None
-    kernel: str | None = Field(None, min_length=1, description="gptq/awq: the gptqmodel kernel that runs it (marlin, "
-                               "triton, torch, exllama_v2, gemm, ...) instead of the one gptqmodel picks")
-    runtime: Literal[tuple(RUNTIMES)] = Field(
-        "transformers", description="what scores it: transformers (a GGUF file dequantized: what its weights lost), "
-        "or llama.cpp's own kernels and tokenizer (a GGUF file as it is served)")
-    llama_cpp: LlamaCppSettings | None = None
-    type: str | None = Field(None, pattern=r"^[A-Za-z0-9_]+$", description="method gguf without a path: the GGUF "
-                             "type llama.cpp's quantizer makes from the baseline's GGUF file (Q4_K_M, Q8_0, F32, ...)")
-    imatrix: bool = Field(False, description="with type: quantize with an importance matrix llama-imatrix computes "
-                          "from the calibration text (calibration: as gptq's; the audit's unevaluated tokens unless given)")
-    tensor_types: list[Annotated[str, Field(pattern=r"^[^=\s]+=[A-Za-z0-9_]+$")]] | None = Field(
-        None, description="with type: llama-quantize --tensor-type entries (PATTERN=TYPE, the first whose pattern a "
-        "tensor's name contains wins), a mixed-precision recipe as `ppl-audit tune` writes it")
     dynamic: GptqDynamic | None = Field(
         None, description="gptq made here: gptqmodel's per-module overrides (+:REGEX: other bits or group_size, "
         "-:REGEX: left unquantized), a mixed-precision recipe as `ppl-audit tune` writes it; loaded by gptqmodel "
@@ -387,40 +386,12 @@ class VariantSpec(Strict):
 
     @model_validator(mode="after")
     def _settings_fit_the_method(self) -> VariantSpec:
-        # the rules in the order a variant with two mistakes has always been told of them; what each method
-        # takes is its descriptor's (tasks.methods)
+        # its method's own settings first (tasks.methods: the keys it takes and its rules), then what every
+        # variant's must fit
+        problem = self._method_settings_problem()
+        if problem:
+            raise ValueError(problem)
         backend, runtime = self.backend, self.runtime_backend
-        if self.imatrix and (not backend.gguf or self.type is None):
-            raise ValueError("imatrix quantizes a GGUF file llama.cpp's quantizer makes: give it with method gguf and "
-                             "a type")
-        # with imatrix, calibration is the text its importance matrix is computed from
-        settings = [key for key in ("bits", "group_size", "sym", "calibration") if getattr(self, key) is not None
-                    and not (key == "calibration" and self.imatrix)]
-        if set(settings) - set(backend.settings):
-            raise ValueError(backend.settings_refusal or f"{', '.join(settings)} only apply to "
-                             f"{', '.join(TAKE_SETTINGS[:-1])} and {TAKE_SETTINGS[-1]}, not to method {self.method}")
-        if settings and self.path is not None and not backend.settings_with_a_path:
-            raise ValueError(f"give either path (a quantized checkpoint) or {', '.join(settings)}, not both")
-        problem = backend.group_size_problem(self.group_size) if self.group_size is not None else None
-        if problem:
-            raise ValueError(problem)
-        if self.gguf_file is not None and (self.path is None or not (backend.gguf or backend.detected)):
-            raise ValueError("gguf_file names a file in the folder given as path, with method gguf (or auto)")
-        problem = backend.path_problem(self)
-        if problem:
-            raise ValueError(problem)
-        if self.tensor_types is not None and self.type is None:
-            raise ValueError("tensor_types sets some tensors' types in a GGUF file llama.cpp's quantizer makes: give it "
-                             "with method gguf and a type")
-        if self.dynamic is not None and not (backend.takes_dynamic and self.path is None):
-            raise ValueError("dynamic overrides how gptqmodel quantizes some modules of a gptq variant made here from "
-                             "the baseline: give it with method gptq and no path")
-        if self.type is not None and (not backend.gguf or self.path is not None):
-            raise ValueError("type is the GGUF type llama.cpp's quantizer makes from the baseline: give it with method "
-                             "gguf and no path")
-        problem = backend.source_problem(self)
-        if problem:
-            raise ValueError(problem)
         if runtime.llama_cpp and not backend.is_gguf(self.location):
             raise ValueError(f"runtime llama.cpp runs a GGUF file, and this {self.role} is {backend.what(self.path)}: "
                              f"use method gguf with a .gguf path{' or a type' if self.role == 'variant' else ''}")
@@ -431,10 +402,6 @@ class VariantSpec(Strict):
                              "diagnose the same file without runtime llama.cpp")
         if self.kv_cache is not None and not runtime.in_transformers:
             raise ValueError("kv_cache emulates a cache in transformers; in llama.cpp set llama_cpp.type_k and type_v")
-        if self.kernel is not None and not backend.takes_kernel:
-            raise ValueError(f"kernel picks gptqmodel's kernel for a gptq or awq checkpoint, not for method {self.method}")
-        if self.kernel is not None and self.path is None:
-            raise ValueError("kernel applies to a gptq or awq checkpoint that is loaded: give its path")
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("max_memory bounds what device_map places on each device: give device_map too")
         if self.device_map is not None and self.device != "auto":
@@ -446,6 +413,17 @@ class VariantSpec(Strict):
                 if not (isinstance(device, int) or device in ("cpu", "disk", "cuda") or re.fullmatch(r"cuda:\d+", device)):
                     raise ValueError(f"device_map puts '{module}' on '{device}': use a GPU index (0), cuda:N, cpu or disk")
         return self
+
+    def _method_settings_problem(self) -> str | None:
+        """Why the keys only some methods take that it gives do not fit its method (None: they do): validated by the
+        method's own settings model, those the method does not take refused in their owners' words, never pydantic's."""
+        try:
+            validate_settings(self)
+        except ValidationError as error:
+            refused = refusals(error)
+            keys = [str(each.loc[0]) for each in refused if each.type == "extra_forbidden"]
+            return refusal_of(keys, self.method) if keys else refused[0].msg.removeprefix("Value error, ")
+        return None
 
     @property
     def llama_cpp_settings(self) -> LlamaCppSettings:
@@ -897,16 +875,13 @@ class AuditConfig(Strict):
     def _one_source_of_text(self) -> None:
         """``corpus`` (one) or ``corpora`` (several, each named once); ``per_corpus`` names only those."""
         # one line for each mistake, saying which it is: "one of them" left a user who gave both guessing
-        if self.corpora is None:
-            if self.corpus is None:
-                raise ValueError("no text to score: give corpus (one text) or corpora (several domains, each with a "
-                                 "name)")
-        elif self.corpus is not None:
-            raise ValueError("corpus and corpora are both given: keep corpus (one text) or corpora (several domains, "
-                             "each with a name), not both")
-        elif not self.corpora:
-            raise ValueError("corpora is empty: list the domains to audit (name and source each), or give corpus")
         names = [c.name for c in self.corpora or []]
+        if (self.corpus is None) == (self.corpora is None):
+            raise ValueError("no text to score: give corpus (one text) or corpora (several domains, each with a name)"
+                             if self.corpus is None else "corpus and corpora are both given: keep corpus (one text) "
+                             "or corpora (several domains, each with a name), not both")
+        if self.corpus is None and not names:
+            raise ValueError("corpora is empty: list the domains to audit (name and source each), or give corpus")
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise ValueError(f"corpora names must be unique: {', '.join(repeated)} repeats")
@@ -919,7 +894,7 @@ class AuditConfig(Strict):
     def domains(self) -> list[Corpus]:
         """The corpora the audit scores, each named: a one-corpus audit's is ``corpus`` (``OneCorpus``). The one
         place that asks which of the two the config gives; past it, one corpus is one domain."""
-        return list(self.corpora) if self.corpora is not None else [OneCorpus(name=ONE_CORPUS, **self.corpus.model_dump())]
+        return list(self.corpora or [OneCorpus(name=ONE_CORPUS, **self.corpus.model_dump())])
 
     def for_domain(self, domain: Corpus) -> AuditConfig:
         """The one-corpus audit of ``domain``: its text, its ``max_tokens``, its gates. Each domain of an audit of

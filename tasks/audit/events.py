@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.config import AuditConfig, VariantSpec, parse
+from tasks.methods.registry import find_method
 from tasks.models.quantize import read_manifest
 
 
@@ -39,8 +40,10 @@ def name_event_variant(config: AuditConfig, model_path: str, method: str | None 
     by_name = {v.name: v for v in config.variants}
     settings = (manifest.get("bits"), manifest.get("group_size"), manifest.get("sym"))
     same_path = [v for v in config.variants if _same_folder(v.path, folder)]
+    # the manifest's method as the registry knows it (None: no method of that name)
+    backend = find_method(method)
     same_settings = [v for v in config.variants
-                     if v.quantize_here and v.method == method and v.quantization == settings]
+                     if v.quantize_here and v.backend is backend and v.quantization == settings]
     if name:
         template, why = by_name.get(name), "the event names it"
     elif len(same_path) == 1:

@@ -1,6 +1,22 @@
 """hqq: the baseline (or any float model given as path) quantized as it loads, with HQQ's own API on one device."""
 
+from __future__ import annotations
+
+from typing import ClassVar
+
 from tasks.methods.method import Method
+from tasks.methods.settings import Given, Grouping, MethodSettings
+
+CALIBRATED_NOT = "hqq quantizes at load without calibration: give bits and group_size only"
+
+
+class HqqSettings(MethodSettings, Grouping):
+    """bits and group_size, with a path too (hqq quantizes whatever float model it loads)."""
+
+    says: ClassVar[dict[str, str]] = {"sym": CALIBRATED_NOT, "calibration": CALIBRATED_NOT}
+
+    def problem(self, given: Given) -> str | None:
+        return self.group_size_problem(given)
 
 
 class Hqq(Method):
@@ -10,8 +26,5 @@ class Hqq(Method):
         return None
 
 
-METHOD = Hqq(
-    "hqq", quantized_at_load=True, settings=("bits", "group_size"),
-    settings_refusal="hqq quantizes at load without calibration: give bits and group_size only",
-    settings_with_a_path=True,  # hqq quantizes whatever float model it loads
-    one_device=True, package=("hqq", "hqq==0.2.8.post1"), in_formats_extra=True)
+METHOD = Hqq("hqq", quantized_at_load=True, settings=HqqSettings, one_device=True, package=("hqq", "hqq==0.2.8.post1"),
+             in_formats_extra=True)

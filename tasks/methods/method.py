@@ -3,18 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-
-class Variant(Protocol):
-    """What a method's checks read of a variant (``tasks.config.VariantSpec``, which this layer cannot import)."""
-
-    name: str
-    method: str
-    path: str | None
-    gguf_file: str | None
-    type: str | None
-    group_size: int | None
+from tasks.methods.settings import MethodSettings, Variant
 
 
 @dataclass(frozen=True)
@@ -32,13 +22,10 @@ class Method:
     name: str
     quantized_here: bool = False  # made from the baseline here with gptqmodel when no path is given
     quantized_at_load: bool = False  # without a path: the baseline, quantized as it loads
-    settings: tuple[str, ...] = ()  # of bits, group_size, sym, calibration: what it is quantized with here
-    settings_refusal: str | None = None  # why a setting outside `settings` is refused, where it says more than the rule
-    settings_with_a_path: bool = False  # its settings apply to a checkpoint loaded from a path too
+    # the keys of a variant it takes beyond every variant's, and its rules (tasks.methods.settings; default: none)
+    settings: type[MethodSettings] = MethodSettings
     kernel_group_sizes: tuple[int, ...] | None = None  # the group sizes its kernels run
     gptqmodel_kernels: bool = False  # loaded by gptqmodel, which picks the kernel (kernel:) that runs its layers
-    takes_kernel: bool = False  # kernel: picks gptqmodel's kernel (gptq, awq, or a checkpoint read as one of them)
-    takes_dynamic: bool = False  # dynamic: gptqmodel's per-module overrides, made here from the baseline
     gguf: bool = False  # a GGUF file: a .gguf path, or type (made by llama.cpp's quantizer), imatrix, tensor_types
     detected: bool = False  # what it is, read from the checkpoint's files (auto)
     float_model: bool = False  # a float model as it is (the baseline's method)
@@ -53,6 +40,11 @@ class Method:
     tune: Tune | None = None  # what ppl-audit tune may do with it (None: nothing)
     tune_refusal: str = ""  # said after tune's refusal of it, where there is more to say
 
+    @property
+    def takes_dynamic(self) -> bool:
+        """dynamic: gptqmodel's per-module overrides, made here from the baseline (gptq)."""
+        return "dynamic" in self.settings.model_fields
+
     def group_size_problem(self, group_size: int) -> str | None:
         """Why ``group_size`` cannot be run (None: it can): one its kernels do not take."""
         sizes = self.kernel_group_sizes
@@ -60,10 +52,6 @@ class Method:
             return None
         return (f"group_size {group_size} is not one {self.name} kernels support; use one of "
                 f"{', '.join(map(str, sizes))} (-1: per channel)")
-
-    def path_problem(self, spec: Variant) -> str | None:
-        """What is wrong with the path given, for this method (None: nothing)."""
-        return None
 
     def source_problem(self, spec: Variant) -> str | None:
         """Why there is nothing to load or make (None: there is)."""
