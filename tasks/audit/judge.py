@@ -5,8 +5,9 @@ judges, and every view reads the ``AuditResult`` it returns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from tasks.audit.checkpoints import Lineup
 from tasks.audit.plan import AuditPlan, Domain
@@ -73,11 +74,14 @@ def judge_domain(domain: Domain, lineup: Lineup, scored: Scored) -> DomainResult
 
 def judge(plan: AuditPlan, scored: Sequence[Scored]) -> AuditResult:
     """The audit's answer: each domain judged as its one-corpus audit would be, and, in an audit that names its
-    domains, each variant by its worst domain (``tasks.record.domains.audit_over_domains``)."""
-    domains = [judge_domain(domain, plan.lineup, each) for domain, each in zip(plan.domains, scored)]
-    if plan.by_domain:
-        return audit_over_domains(plan.name, domains)
-    return AuditResult.of_one(plan.name, domains[0])
+    domains, each variant by its worst domain (``tasks.record.domains.audit_over_domains``); an audit of one corpus
+    is its one domain's."""
+    domains = {domain.name: judge_domain(domain, plan.lineup, each) for domain, each in zip(plan.domains, scored)}
+    return plan.naming.whole(domains, partial(_over_domains, plan.name), partial(AuditResult.of_one, plan.name))
+
+
+def _over_domains(name: str, domains: Mapping[str, DomainResult]) -> AuditResult:
+    return audit_over_domains(name, list(domains.values()))
 
 
 def recorded(plan: AuditPlan, result: AuditResult, started: Started) -> tuple[dict, dict]:
@@ -85,8 +89,6 @@ def recorded(plan: AuditPlan, result: AuditResult, started: Started) -> tuple[di
     has; one that names its domains, each domain's under ``domains`` (``domains_record``)."""
     records = {d.name: audit_record(d.config, plan.path, d.evaluation, result.domains[d.name], started)
                for d in plan.domains}
-    if not result.named:
-        only = next(iter(result.domains.values()))
-        return records[only.name], token_arrays(list(only.results))
-    arrays = domain_arrays({name: token_arrays(list(d.results)) for name, d in result.domains.items()})
-    return domains_record(plan.config.model_dump(mode="json"), records, result), arrays
+    arrays = {name: token_arrays(list(d.results)) for name, d in result.domains.items()}
+    whole = partial(domains_record, plan.config.model_dump(mode="json"), result=result)
+    return result.naming.whole(records, whole), result.naming.whole(arrays, domain_arrays)

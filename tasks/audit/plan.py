@@ -25,6 +25,7 @@ from tasks.core.errors import InputError
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import Evaluation, check_encodable, evaluation
 from tasks.models.llama_cpp import stream_difference
+from tasks.record.result import Naming
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class AuditPlan(BaseModel):
         """Whether the audit names its domains (``corpora:``), each judged and shown on its own."""
         return self.config.corpora is not None
 
+    @property
+    def naming(self) -> Naming:
+        return Naming(self.by_domain)
+
     def domain(self, name: str) -> Domain:
         """The domain called ``name``; an ``InputError`` naming the audit's when it has none of that name."""
         found = next((d for d in self.domains if d.name == name), None)
@@ -117,8 +122,8 @@ class AuditPlan(BaseModel):
         settings = self.evaluation.settings
         return {"audit": self.name, "config": self.path, "baseline": self.lineup.baseline.source,
                 "variants": [c.name for c in self.lineup.variants],
-                "tokens": {d.name: len(d.evaluation.stream.ids) for d in self.domains} if self.by_domain
-                else len(self.evaluation.stream.ids), "window": settings.window, "stride": settings.stride}
+                "tokens": self.naming.whole({d.name: len(d.evaluation.stream.ids) for d in self.domains}, dict),
+                "window": settings.window, "stride": settings.stride}
 
 
 def open_audit(path: str, overrides: list[str] | tuple[str, ...] = (), event: Event | None = None,

@@ -7,15 +7,40 @@ Always keyed by domain: an audit of one corpus is an audit of one domain. Pure P
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tasks.record.row import ModelRow
 from tasks.record.verdict import Verdict
 
 if TYPE_CHECKING:
     from tasks.record.results import VariantResult
+
+_Part = TypeVar("_Part")
+_Whole = TypeVar("_Whole")
+
+
+def _itself(part: _Part) -> _Part:
+    return part
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How an audit names its domains: each by name (``named``: ``corpora:``), or none, its one corpus's figures
+    being the audit's own (``corpus:``). The one place where one corpus and several part: the result, the record,
+    the console, MLflow's tags and a plan's parameters ask it (``whole``) rather than which of the two they hold."""
+
+    named: bool
+
+    def whole(self, each: Mapping[str, _Part], several: Callable[[Mapping[str, _Part]], _Whole],
+              one: Callable[[_Part], _Whole] = _itself) -> _Whole:
+        """What the audit makes of ``each`` domain's part (by name, in the config's order): ``several`` of them all
+        where it names its domains; ``one`` of its one domain's part (that part itself, by default) where it names
+        none."""
+        if self.named:
+            return several(each)
+        return one(next(iter(each.values())))
 
 
 @dataclass(frozen=True)
@@ -66,7 +91,8 @@ class AuditResult:
     Attributes:
         name: the audit's.
         domains: each domain's result, in the config's order.
-        named: whether the audit names its domains (``corpora:``): each is shown and recorded by name.
+        named: whether the audit names its domains (``corpora:``): each is shown and recorded by name; what
+            every view asks of it is ``naming``.
         rows: each model's row on its worst domain (its verdict's), the baseline first; in an audit that names its
             domains each holds ``domain``.
         verdicts: each variant's across its domains.
@@ -95,11 +121,14 @@ class AuditResult:
                    {v.name: domain.name for v in domain.verdicts})
 
     @property
+    def naming(self) -> Naming:
+        return Naming(self.named)
+
+    @property
     def shown(self) -> Mapping[str, DomainResult]:
         """The domains shown by name (a title, a table of their own, `` on NAME``): every domain of an audit that names
-        them; none of an audit of one corpus, whose one domain's figures are the audit's own, shown without a name.
-        The one place where one corpus and several are shown apart: every view reads it."""
-        return self.domains if self.named else {}
+        them; none of an audit of one corpus, whose one domain's figures are the audit's own, shown without a name."""
+        return self.naming.whole(self.domains, dict, _nothing)
 
     def labelled(self, form: str) -> list[tuple[str, DomainResult]]:
         """Each domain with its name put in ``form`` (``" on {}"``) where domains are shown by name; an audit of one
@@ -117,3 +146,8 @@ class AuditResult:
     def passed(self) -> bool:
         """Whether nothing failed: passed, or judged against no limit (which is never said to pass)."""
         return self.verdict.status in ("pass", "ungated")
+
+
+def _nothing(_: DomainResult) -> Mapping[str, DomainResult]:
+    """No domain shown by name: an audit of one corpus's."""
+    return {}

@@ -10,8 +10,9 @@ from __future__ import annotations
 import fcntl
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
+from functools import partial
 from pathlib import Path
 
 from tasks.core.places import home, tracking_uri
@@ -20,7 +21,7 @@ from tasks.record.figures import SHOWN
 from tasks.record.spool import read_record
 from tasks.record.row import ModelRow
 from tasks.record.entry_said import CorpusSaid
-from tasks.record.tracked_said import StreamScored, TrackedAudit, TrackedModel
+from tasks.record.tracked_said import Stream, StreamScored, TrackedAudit, TrackedModel
 from tasks.record.tags import (AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS,
                                DOMAIN_REFERENCES, DOMAINS, DOMINATED_BY, FLOOR, POPULATION, REFERENCE, SCHEDULED)
 from tasks.record.verdict import said as said_as
@@ -325,9 +326,11 @@ def _baseline_tags(audit: TrackedAudit) -> dict[str, str]:
     key (``tasks.record.history``), whether Prefect's schedule started it, and for a rescore with a reference before it, ``ppl_audit.drift`` (``environment drift`` or ``none``)
     and the drift's line. An audit of several domains has a baseline key and a reference per domain (each its own
     token stream): ``_domain_tags`` instead."""
-    if audit.result.named:
-        return _domain_tags(audit)
-    stream = audit.streams[None]
+    return audit.result.naming.whole(audit.streams, partial(_domain_tags, audit), partial(_stream_tags, audit))
+
+
+def _stream_tags(audit: TrackedAudit, stream: Stream) -> dict[str, str]:
+    """``_baseline_tags`` of an audit of one corpus: its one token stream's."""
     said = stream.reference
     tags = {"ppl_audit.baseline": said.baseline, REFERENCE: said.key, POPULATION: stream.population,
             "ppl_audit.reference_problem": said.problem, BASELINE_KEY: said.baseline_key,
@@ -340,12 +343,12 @@ def _baseline_tags(audit: TrackedAudit) -> dict[str, str]:
     return {key: value for key, value in tags.items() if value}
 
 
-def _domain_tags(audit: TrackedAudit) -> dict[str, str]:
+def _domain_tags(audit: TrackedAudit, by_stream: Mapping[str | None, Stream]) -> dict[str, str]:
     """``_baseline_tags`` of an audit of several domains: ``ppl_audit.domains`` (their names in the config's order),
     ``ppl_audit.domain_keys`` and ``ppl_audit.domain_references`` (``NAME=KEY`` pairs, a domain without one left
     out), no ``ppl_audit.baseline_key`` nor ``ppl_audit.reference`` (each names one token stream); the baseline scored
     or reused (``NAME=HOW`` pairs where domains differ), the reference's problems and drift on each domain."""
-    streams = _named(audit.streams)
+    streams = _named(by_stream)
     said = {name: stream.reference for name, stream in streams.items()}
     how = {s.baseline for s in said.values()}
     tags = {DOMAINS: " ".join(said),
