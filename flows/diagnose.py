@@ -11,20 +11,21 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from functools import partial
+from typing import NoReturn
 
 from prefect import flow
 
 from flows.answers import where_logged
 from flows.scheduler import Scheduler
 from tasks.audit.checkpoints import Checkpoint, Lineup
-from tasks.audit.diagnose import Bench, Restored, narrowed, diagnosis_report, sample, search
-from tasks.audit.plan import AuditPlan
+from tasks.audit.diagnose import Restored, narrowed, diagnosis_report, sample, search
+from tasks.audit.plan import AuditPlan, Domain
 from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
 from tasks.data.evaluation import Evaluation
 from tasks.record.diagnosis import keep
 from tasks.record.result import AuditResult
-from tasks.steps import examine_variant, log_diagnosis, open_plan, restore_layers
+from tasks.steps import WORKER_BENCH, examine_variant, log_diagnosis, open_plan, restore_layers
 
 
 def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoint: Checkpoint) -> dict:
@@ -34,28 +35,25 @@ def diagnosed(config: AuditConfig, lineup: Lineup, scored: Evaluation, checkpoin
     windows = sample(scored, settings.windows, settings.seed)
     print(f"diagnosing {checkpoint.name} on {len(windows)} windows ({sum(w.n_scored for w in windows)} tokens), "
           f"restoring up to {settings.restore} layers")
-    # run here, the tasks share this diagnosis's bench (one load of the pair, let go at the end); on a cluster each
-    # worker's tasks share its own (tasks.steps.WorkerBench): a bench sent with a task would reach it as a copy
-    bench = Bench()
+    # each worker's tasks share its own bench (tasks.steps.WorkerBench: one load of the pair; a bench sent with a task
+    # would reach it as a copy); run here (LocalScheduler), this process is the worker, and its bench is let go at
+    # the end; on a cluster, this process loads no model and its bench holds none
     try:
-        with Scheduler.started(config.runner) as scheduler:  # on a cluster, this process loads no model
+        with Scheduler.started(config.runner) as scheduler:
 
             def evaluate(sets: list[tuple[int, ...]]) -> list[Restored]:
-                if scheduler is None:
-                    return restore_layers(checkpoint, lineup, scored, windows, sets, bench)
                 # a task per worker: each runs the variant once per batch and every set of its share from there
-                shares = [sets[i :: config.runner.workers] for i in range(min(config.runner.workers, len(sets)))]
+                shares = [sets[i :: scheduler.workers] for i in range(min(scheduler.workers, len(sets)))]
                 futures = [scheduler.submit(restore_layers, checkpoint=checkpoint, lineup=lineup, evaluation_=scored,
                                             windows=windows, sets=share) for share in shares]
                 found = {each.layers: each for future in futures for each in future.result()}
                 return [found[tuple(layers)] for layers in sets]
 
-            seen = examine_variant(checkpoint, lineup, scored, windows, bench) if scheduler is None else \
-                scheduler.submit(examine_variant, checkpoint=checkpoint, lineup=lineup, evaluation_=scored,
-                                 windows=windows).result()  # a worker examines both
+            seen = scheduler.submit(examine_variant, checkpoint=checkpoint, lineup=lineup, evaluation_=scored,
+                                    windows=windows).result()  # a worker examines both
             alone, curve = search(seen, evaluate, settings.restore)
     finally:
-        bench.forget()
+        WORKER_BENCH.forget()
     return diagnosis_report(seen, alone, curve, time.perf_counter() - started) | {"seed": settings.seed}
 
 
@@ -97,11 +95,14 @@ def on_domain(plan: AuditPlan, corpus: str | None) -> tuple[AuditPlan, str | Non
     """The plan of the one domain a diagnosis reads, and its name: ``corpus`` of an audit of several corpora (the
     first when None); an audit of one corpus is its own (None). A name the audit lacks is one line naming its
     corpora, as is a name given for an audit of one corpus (it names none: ``corpus:``)."""
-    if corpus is not None and not plan.by_domain:
-        raise InputError(f"--corpus {corpus}: the audit {plan.name} has one corpus (corpus:), not several named "
-                         "ones (corpora:); leave --corpus out")
-    domain = plan.domains[0] if corpus is None else plan.domain(corpus)
+    domain = plan.domains[0] if corpus is None else plan.naming.whole(
+        {d.name: d for d in plan.domains}, lambda _: plan.domain(corpus), partial(_names_none, plan, corpus))
     return plan.alone(domain.name), domain.corpus.shown
+
+
+def _names_none(plan: AuditPlan, corpus: str, _: Domain) -> NoReturn:
+    raise InputError(f"--corpus {corpus}: the audit {plan.name} has one corpus (corpus:), not several named ones "
+                     "(corpora:); leave --corpus out")
 
 
 @flow(name="ppl-audit-diagnose", flow_run_name="diagnose-{variant}", log_prints=True)

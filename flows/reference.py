@@ -6,7 +6,9 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.runners import score_floors
+from flows.scheduler import LocalScheduler
 from tasks.audit.plan import AuditPlan, baseline_alone
+from tasks.config import Runner
 from tasks.record.results import VariantResult
 from tasks.steps import open_plan, score_baseline
 
@@ -26,7 +28,8 @@ def build_reference(config: str, overrides: list[str] | None = None, plan: Audit
     if plan is None:
         plan = open_plan(config, overrides or [], narrow=baseline_alone)
     built = {}
+    here = LocalScheduler(Runner())  # whatever runner the audit names: a reference is built in this process
     for domain in plan.domains:
-        baseline = score_baseline(plan.lineup.baseline, domain.evaluation)
-        built[domain.name] = baseline, score_floors(None, plan.lineup, domain.evaluation, baseline)
+        baseline = here.submit(score_baseline, checkpoint=plan.lineup.baseline, evaluation_=domain.evaluation).result()
+        built[domain.name] = baseline, score_floors(here, plan.lineup, domain.evaluation, baseline)
     return built

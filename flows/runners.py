@@ -3,8 +3,9 @@
 Sequential is the default: one device, one model in memory at a time. Dask and Ray run variants
 concurrently, one per worker, on a local cluster started for the audit or on an existing one
 (``runner.address``); with ``gpus_per_variant`` each variant asks its worker for GPUs, and with ``shards``
-each variant's windows are split across workers and merged exactly. The workers are reached through one
-``flows.scheduler.Scheduler``: this module says what is scored where and in which order, never how Dask or Ray do it.
+each variant's windows are split across workers and merged exactly. The workers, this process's one included
+(``LocalScheduler``), are reached through one ``flows.scheduler.Scheduler``: this module says what is scored where
+and in which order, never how Dask or Ray do it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 from prefect import get_run_logger
 
-from flows.scheduler import Scheduler
+from flows.scheduler import LocalScheduler, Scheduler
 from tasks.audit import floor
 from tasks.audit.checkpoints import Lineup
 from tasks.audit.judge import Scored
@@ -24,6 +25,7 @@ from tasks.config import AuditConfig
 from tasks.core.errors import InputError, one_line
 from tasks.data.evaluation import Evaluation
 from tasks.engine.perplexity import shard_bounds
+from tasks.engine.token_figures import TokenFigures
 from tasks.record.reference_said import Divergence, ReferenceSaid
 from tasks.record.results import VariantResult
 from tasks.record.shard_said import ShardSaid
@@ -161,7 +163,7 @@ class _Concurrently:
 
 def _without_divergence(outcome: VariantResult) -> VariantResult:
     """A variant's shard as if it had been scored against a baseline that failed: no divergence."""
-    part = None if outcome.part is None else replace(outcome.part, scores=replace(outcome.part.scores, extra={}))
+    part = None if outcome.part is None else replace(outcome.part, scores=replace(outcome.part.scores, extra=TokenFigures()))
     return replace(outcome, part=part, divergence=Divergence.missing("the baseline was not scored"))
 
 
@@ -354,7 +356,7 @@ def score_domains(config: AuditConfig, lineup: Lineup, domains: tuple[Domain, ..
         return scored
 
 
-def score_floors(scheduler: Scheduler | None, lineup: Lineup, scored: Evaluation, baseline: VariantResult
+def score_floors(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, baseline: VariantResult
                  ) -> list[VariantResult]:
     """The noise floor the evaluation asks for (``evaluation.floor``): the baseline in each 16-bit dtype against its
     reference, kept with that reference once scored and reused with it (``tasks.audit.floor``); none when the
@@ -370,13 +372,9 @@ def score_floors(scheduler: Scheduler | None, lineup: Lineup, scored: Evaluation
         if kept is not None:
             found.append(kept)
             continue
-        every = floor.whole(scored)
-        if scheduler is None:
-            done = score_variant(checkpoint, lineup, every, baseline, return_state=True).result(raise_on_failure=False)
-        else:
-            with scheduler.placed():
-                done = Scheduler.settled(scheduler.submit(score_variant, checkpoint=checkpoint, lineup=lineup,
-                                                          evaluation_=every, against=baseline))
+        with scheduler.placed():
+            done = Scheduler.settled(scheduler.submit(score_variant, checkpoint=checkpoint, lineup=lineup,
+                                                      evaluation_=floor.whole(scored), against=baseline))
         outcome = _outcome(checkpoint, done)
         problem = floor.store(baseline, outcome)
         if problem:
@@ -387,16 +385,25 @@ def score_floors(scheduler: Scheduler | None, lineup: Lineup, scored: Evaluation
     return found
 
 
-def score_all(scheduler: Scheduler | None, config: AuditConfig, lineup: Lineup, scored: Evaluation
+def score_in_turn(scheduler: Scheduler, lineup: Lineup, scored: Evaluation) -> tuple[VariantResult, list[VariantResult]]:
+    """Each model whole, in one task (a variant quantized here is made in its task, then scored), one after another:
+    the baseline, then every variant against it. What one worker in this process (``LocalScheduler``) runs: nothing to split into
+    shards, nothing to start beside another, nowhere else to try a failed task again; a sequential run stops itself
+    between batches (``tasks.audit.scoring``)."""
+    baseline = _outcome(lineup.baseline, Scheduler.settled(scheduler.submit(score_baseline, checkpoint=lineup.baseline,
+                                                                            evaluation_=scored)))
+    return baseline, [_outcome(c, Scheduler.settled(scheduler.submit(score_variant, checkpoint=c, lineup=lineup,
+                                                                     evaluation_=scored, against=baseline)))
+                      for c in lineup.variants]
+
+
+def score_all(scheduler: Scheduler, config: AuditConfig, lineup: Lineup, scored: Evaluation
               ) -> tuple[VariantResult, list[VariantResult]]:
-    """Score the baseline, then every variant against it, here (``scheduler`` None) or on the cluster's workers; a
-    model whose task failed becomes a failed result."""
-    if scheduler is None:  # one after another, here
-        baseline = _outcome(lineup.baseline, score_baseline(lineup.baseline, scored, return_state=True)
-                            .result(raise_on_failure=False))
-        variants = [_outcome(checkpoint, score_variant(checkpoint, lineup, scored, baseline, return_state=True)
-                             .result(raise_on_failure=False)) for checkpoint in lineup.variants]
-        return baseline, variants
+    """Score the baseline, then every variant against it, on the scheduler's workers: in turn on this process's one
+    (``score_in_turn``), else concurrently in shards, or in pieces for a sequential run in shards; a model whose task
+    failed becomes a failed result."""
+    if isinstance(scheduler, LocalScheduler):
+        return score_in_turn(scheduler, lineup, scored)
     making = submit_makes(scheduler, lineup, scored)
     if scored.settings.sequential and config.runner.shards > 1:
         baseline = baseline_on_cluster(scheduler, lineup, scored)

@@ -1,5 +1,6 @@
 """The audit's workers behind one interface: ``Scheduler`` submits Prefect tasks to the Dask or Ray task runner an
-audit's ``runner:`` names, and does for either what the audit needs of a worker pool.
+audit's ``runner:`` names, and does for either what the audit needs of a worker pool; ``LocalScheduler`` is the same
+interface over one worker, this process (``runner: sequential``), so that scoring has one path wherever it runs.
 
 Why this and not the flow's own task runner (``@flow(task_runner=...)`` with ``task.submit`` and ``wait_for``): the
 runner is chosen by the audit's config, which a run Prefect starts reads only once it has begun (``open_plan``), after
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 
 from tasks.audit.cluster_said import dask_workers
@@ -73,14 +75,19 @@ class Scheduler:
 
     @classmethod
     @contextmanager
-    def started(cls, settings: Runner) -> Iterator[Scheduler | None]:
-        """The scheduler of ``settings`` while its cluster runs; None for ``sequential`` (tasks run here, in turn)."""
+    def started(cls, settings: Runner) -> Iterator[Scheduler]:
+        """The scheduler of ``settings`` while its cluster runs; for ``sequential``, this process (``LocalScheduler``)."""
         runner = task_runner(settings)
         if runner is None:
-            yield None
+            yield LocalScheduler(settings)
             return
         with runner, _workers_report_here():
             yield cls(runner, settings)
+
+    @property
+    def workers(self) -> int:
+        """How many workers its tasks may be spread over (``runner.workers``)."""
+        return self.settings.workers
 
     def submit(self, task, **parameters):
         """``task`` with ``parameters`` on a worker: its Prefect future."""
@@ -161,3 +168,44 @@ class Scheduler:
                 return False, None
             time.sleep(RETRY_POLL_SECONDS)
         return True, self.settled(future)
+
+
+class LocalScheduler(Scheduler):
+    """The scheduler of ``runner: sequential``: one worker, this process. A task runs as it is submitted, in the
+    flow's own thread, so tasks run one after another in the order submitted and each future is settled when
+    ``submit`` returns (Prefect's task run, as a direct call makes it, wrapped as a done future).
+
+    Why not Prefect's ``ThreadPoolTaskRunner`` with one worker: its task would run in a thread of its own while the
+    flow's thread only waits for it, and Ctrl-C, raised in the flow's thread, would leave the model scoring there.
+    """
+
+    def __init__(self, settings: Runner):
+        super().__init__(None, settings)
+
+    def submit(self, task, **parameters):
+        from prefect.futures import PrefectConcurrentFuture
+
+        state = task(**parameters, return_state=True)
+        done = Future()
+        done.set_result(state)
+        return PrefectConcurrentFuture(state.state_details.task_run_id, done)
+
+    @property
+    def workers(self) -> int:
+        return 1
+
+    @staticmethod
+    def cancel(future) -> None:
+        """Nothing to stop: a task here has run by the time its future exists."""
+
+    def placed(self):
+        """No placement: the one worker has whatever devices this process has."""
+        return nullcontext()
+
+    def elsewhere(self, worker: str) -> list[str]:
+        """No other worker: a task that failed here is not run again (there is no elsewhere)."""
+        return []
+
+    @staticmethod
+    def held_to(workers: list[str] | None):
+        return nullcontext()
