@@ -71,23 +71,31 @@ def test_offline_hub_id_gets_one_line(capsys, monkeypatch, corpus_file):
     assert "no-such-org/no-such-model" in err
 
 
-def test_ppl_json_names_the_model_and_the_method(cli, tiny_model_dir, corpus_file):
-    code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
-                         "--max-tokens", "300", "--method", "bnb-int8", "--json")
+def ppl_here(capsys, *args: str) -> tuple[str, str]:
+    """``ppl-audit ppl ARGS --json`` run in this process (``main``, as test_ppl_json_line's command runs it): its
+    stdout and stderr. A command of its own spent ~5 s importing the libraries this process has already imported."""
+    from flows.cli import main
+
+    code = main(["ppl", *args, "--json"])
+    out, err = capsys.readouterr()
     assert code == 0, err
-    result = json_line(out, err)
+    return out, err
+
+
+def test_ppl_json_names_the_model_and_the_method(capsys, tiny_model_dir, corpus_file):
+    result = json_line(*ppl_here(capsys, "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window",
+                                 "64", "--max-tokens", "300", "--method", "bnb-int8"))
     assert (result["model"], result["method"], result["name"]) == (str(tiny_model_dir), "bnb-int8", "bnb-int8")
 
 
-def test_chunk_modes_give_per_byte_figures_of_the_scored_text(cli, tiny_model_dir, corpus_file, tokenizer):
+def test_chunk_modes_give_per_byte_figures_of_the_scored_text(capsys, tiny_model_dir, corpus_file, tokenizer):
     """gptq mode, 4 chunks of 64: bits/byte over the decoded text of the tokens scored, never NaN."""
     import math
 
     from tasks.data.corpus import tokenize
 
-    code, out, err = cli("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
-                         "--mode", "gptq", "--chunks", "4", "--json")
-    assert code == 0, err
+    out, err = ppl_here(capsys, "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--window", "64",
+                        "--mode", "gptq", "--chunks", "4")
     assert "nan" not in out.lower()
     result = json_line(out, err)
     assert result["bos"] == "none" and result["n_windows"] == 4 and result["n_tokens"] == 4 * 63

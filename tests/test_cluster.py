@@ -81,6 +81,26 @@ def dask_cluster(workers: int, hide: tuple[Path, ...] = (), network: Network | N
             process.wait(timeout=60)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_cache(tmp_path_factory):
+    """``$PPL_AUDIT_CACHE`` of the module's own, for this process and every worker and Ray node the module starts
+    (each inherits it): a variant the module's cluster quantizes is made there, in no earlier session's cache (the
+    test of one quantized once had a cluster of its own for a fresh cache). The embedded model and corpus are linked
+    in from the session's cache, where they are made once."""
+    from tasks.core.places import cache_dir
+    from tasks.data.embedded import embedded_corpus_dir, embedded_model_dir
+
+    folder = tmp_path_factory.mktemp("cache")
+    for made in (embedded_model_dir(), embedded_corpus_dir()):
+        if made.is_dir():  # else made in this cache when first needed
+            linked = folder / made.relative_to(cache_dir())
+            linked.parent.mkdir(parents=True, exist_ok=True)
+            linked.symlink_to(made, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPL_AUDIT_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="module")
 def two_workers(prefect_harness):
     """A scheduler and two workers, kept for the module's tests that need no cluster of their own: each start
@@ -416,8 +436,8 @@ def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path, two_workers
         assert process.returncode == 0
         return peak / 1024
 
-    # what is loaded, not how long it scores, sets the peak: 3 windows of SmolLM2, not 11
-    short = {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 512}
+    # what is loaded, not how long it scores, sets the peak: 2 windows of SmolLM2 (one batch), not 7
+    short = {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 384}
     here = peak_mib(embedded_int8(tmp_path / "s.yaml", evaluation=short))
     flow = peak_mib(embedded_int8(tmp_path / "d.yaml", evaluation=short,
                                   runner={"kind": "dask", "address": two_workers[0]}))
@@ -425,10 +445,11 @@ def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path, two_workers
     assert flow < here - 400, (flow, here)
 
 
-def test_a_stopped_audit_s_shard_stops_on_its_worker_within_a_batch(tmp_path):
+def test_a_stopped_audit_s_shard_stops_on_its_worker_within_a_batch(tmp_path, two_workers):
     """Ctrl-C of `ppl-audit run` while its one shard scores on a worker: the command ends (as anywhere) and the
     worker, which Dask cannot make stop a task it runs, stops scoring after its current batch instead of running
-    the shard (some 100 batches of SmolLM2) to its end for nobody; it stays in the cluster, free."""
+    the shard (some 100 batches of SmolLM2) to its end for nobody; it stays in the cluster, free. On the module's
+    cluster (a cluster of one of its own cost a scheduler and a worker): the worker that scored it stops."""
     import signal
 
     from distributed import Client
@@ -440,24 +461,26 @@ def test_a_stopped_audit_s_shard_stops_on_its_worker_within_a_batch(tmp_path):
         """The tasks the worker's threads run: those it still executes, and those let go but running on."""
         return [str(task.key) for task in dask_worker.state.tasks.values() if task.state in ("executing", "cancelled")]
 
+    address, workers = two_workers
     config = embedded_int8(tmp_path / "d.yaml", evaluation={"window": 256, "stride": 128, "batch_size": 2,
-                                                            "max_tokens": 24000})
-    with dask_cluster(1) as (address, workers), Client(address, timeout=60, set_as_default=False) as client:
-        config.write_text(config.read_text() + yaml.safe_dump({"runner": {"kind": "dask", "address": address}}))
+                                                            "max_tokens": 24000},
+                           runner={"kind": "dask", "address": address})
+    with Client(address, timeout=60, set_as_default=False) as client:
         command = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--set",
                                     "baseline.rescore=always"], env=worker_environment(), start_new_session=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # scoring, not loading the model (seconds on a busy machine): its hidden states are being written
         wait_for(lambda: any(path.stat().st_size for path in (references_dir() / ".building").rglob(HIDDEN)), 300,
                  "the baseline's shard scoring on the worker", every=0.2)
-        assert client.run(scoring)[workers[0]]
+        busy = [worker for worker, keys in client.run(scoring).items() if keys]
+        assert busy
         os.killpg(command.pid, signal.SIGINT)
         said = command.communicate(timeout=30)[0]
         ended = time.monotonic()
         assert command.returncode == 128 + signal.SIGINT, said[-2000:]
-        wait_for(lambda: not client.run(scoring)[workers[0]], 60, "the worker to stop scoring", every=0.2)
+        wait_for(lambda: not client.run(scoring, workers=busy)[busy[0]], 60, "the worker to stop scoring", every=0.2)
         stopped_after = time.monotonic() - ended
-        assert list(client.scheduler_info()["workers"]) == workers  # the same worker, not one started again
+        assert sorted(client.scheduler_info()["workers"]) == sorted(workers)  # the same workers, none started again
     print(f"the worker stopped scoring {stopped_after:.1f} s after the command ended")
     assert stopped_after < 10
 
@@ -489,9 +512,10 @@ def test_a_shard_that_fails_on_one_worker_runs_again_on_another(tmp_path, traine
 
 def embedded_int8(path: Path, **sections) -> Path:
     """The embedded SmolLM2 (a shard runs for seconds) against its int8 variant, with ``sections`` (a runner),
-    as a config file at ``path``."""
+    as a config file at ``path``. 7 windows (1,024 tokens; 11 before): two shards of two batches each, long enough
+    to be killed in, and every SmolLM2 audit of the module a third shorter."""
     config = {"name": "int8", "baseline": {"path": "embedded"}, "corpus": {"source": "embedded"},
-              "evaluation": {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 1536},
+              "evaluation": {"window": 256, "stride": 128, "batch_size": 2, "max_tokens": 1024},
               "variants": [{"name": "int8", "method": "torchao-int8"}]}
     path.write_text(yaml.safe_dump(config | sections))
     return path
@@ -542,18 +566,21 @@ def stop_worker(address: str, name: str) -> None:
     nanny.wait(timeout=60)
 
 
-@pytest.mark.usefixtures("smollm2_int8_here")  # its baseline reference, which the worker cannot see
-def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path, blind_worker):
+def test_a_shard_that_fails_on_the_only_worker_is_not_tried_there_again(tmp_path, trained_model_dir, corpus_path,
+                                                                         whole, blind_worker):
     """A retry elsewhere with nowhere else to go fails at once (Dask would read an empty list of workers as any
     worker, the one it failed on included). The blind cluster's last user: the worker that sees the references
-    stopped, the one that does not is the only one left (a cluster of its own cost a scheduler and a worker)."""
+    stopped, the one that does not is the only one left (a cluster of its own cost a scheduler and a worker). The
+    tiny model, against the whole audit's baseline reference (which the worker cannot see): no shard runs long
+    enough for SmolLM2 to matter, and loading it cost every try seconds."""
     from distributed import Client
 
     address, blind = blind_worker.address, blind_worker.workers[-1]
     stop_worker(address, "worker-0")
     with Client(address, timeout=60, set_as_default=False) as client:
         wait_for(lambda: list(client.scheduler_info()["workers"]) == [blind], 60, "the blind worker alone", every=0.5)
-    config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, whole.configs("int8"),
+                          runner={"kind": "dask", "address": address, "shards": 2})
     _, variant = only(result_of(audit(config=str(config), return_state=True))).results
     assert variant.reason.endswith("; no other worker is left to run it again"), variant.reason
     assert len(variant.shards) == 2, variant.shards  # one try each
@@ -626,23 +653,26 @@ def test_gpus_no_worker_offers_are_one_line_before_anything_loads(cli, tmp_path,
         "(the most is 0); start workers with --resources GPU=N or lower it"], err
 
 
-def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_model_dir, corpus_path, monkeypatch):
+def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_model_dir, corpus_path, two_workers,
+                                                            module_cache):
     """A gptq variant the audit makes: one task quantizes it, started before the baseline's shards end (on the
     worker they leave free), three shards score the checkpoint it made; the figures equal a sequential audit of that
-    checkpoint to the last bit."""
+    checkpoint to the last bit. On the module's cluster, whose workers share this process's cache, where no test
+    made this variant before."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
-    monkeypatch.setenv("PPL_AUDIT_CACHE", str(tmp_path / "cache"))  # nothing quantized yet; the workers share it
+    quantized = module_cache / "quantized"
+    before = set(quantized.iterdir()) if quantized.is_dir() else set()
     variants = [{"name": "gptq", "method": "gptq", "bits": 4, "group_size": 32,
                  "calibration": {"samples": 4, "seq_len": 64}}]
-    with dask_cluster(2) as (address, workers):
-        config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants, name="made-here",
-                              runner={"kind": "dask", "address": address, "shards": 3})
-        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
+    address, workers = two_workers
+    config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path, variants, name="made-here",
+                          runner={"kind": "dask", "address": address, "shards": 3})
+    state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
     assert state.is_completed(), state.message
     sharded = only(state.result()).results[1]
-    assert len(list((tmp_path / "cache" / "quantized").iterdir())) == 1
+    assert len(set(quantized.iterdir()) - before) == 1
     with get_client(sync_client=True) as api:
         def runs(like: str) -> list:
             return [run for run in api.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(

@@ -13,14 +13,14 @@ CODE = ("tasks", "flows")
 
 # string-key subscripts (``row["ppl"]``): results travelling as untyped dicts. Target (#68): at most 300, all in the
 # serialization and MLflow modules
-SUBSCRIPTS_CEILING = 363
+SUBSCRIPTS_CEILING = 148
 # ... and those outside the modules that read a format (a ``*_said.py`` reader, the record's serial.py, row.py, spool.py,
 # a reference's manifest.py) or write MLflow (tracking.py). Target (#68): none
-OUTSIDE_READERS_CEILING = 28
+OUTSIDE_READERS_CEILING = 0
 READERS = ("serial.py", "row.py", "spool.py", "manifest.py", "tracking.py")
 # branches on whether an audit has one corpus or several (an audit's ``named``/``by_domain``, a config's ``corpora``, a
 # record's ``domains``): one corpus and several as two shapes. Target (#68): at most 3
-SHAPE_BRANCHES_CEILING = 10
+SHAPE_BRANCHES_CEILING = 2
 # flows/audit.py reads top to bottom: target (#68) at most 120 lines
 AUDIT_FLOW_LINES_CEILING = 118
 # no function in flows/ over 40 lines (#68): none is today; one that must be (say why) is listed here with its length
@@ -42,13 +42,16 @@ def string_subscripts() -> Counter:
     for path in _modules():
         for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
-                    and isinstance(node.slice.value, str) and not _a_literal_type(node):
+                    and isinstance(node.slice.value, str) and not _not_a_key_read(node):
                 found[str(path.relative_to(ROOT))] += 1
     return found
 
 
-def _a_literal_type(node: ast.Subscript) -> bool:
-    """``Literal["auto"]``: a type that holds a string, not a key read from a dict."""
+def _not_a_key_read(node: ast.Subscript) -> bool:
+    """``Literal["auto"]``: a type that holds a string, not a key read from a dict; ``os.environ["X"]``: the
+    process's environment, not a result."""
+    if isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
+        return isinstance(node.value.value, ast.Name) and node.value.value.id == "os"
     return isinstance(node.value, ast.Name) and node.value.id == "Literal"
 
 

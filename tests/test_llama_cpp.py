@@ -3,9 +3,11 @@ from the same llama.cpp source and CMake build as the binding (``.ci/llama-cpp``
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,24 +31,67 @@ def made() -> dict[str, Path]:
     return ladder()
 
 
-@pytest.mark.parametrize("text_name, baseline_runtime", [("austen", "llama.cpp"), ("licence", "transformers")])
-def test_the_llama_cpp_runtime_gives_llama_perplexity_s_figures(cli, tmp_path, texts, made, text_name,
-                                                                baseline_runtime):
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory, texts, made) -> Callable[[str, str], dict]:
+    """llama-perplexity's figures of a file of the ladder on a text, each run once for the module (the audit's peer
+    check and `ppl`'s read the same runs): the F32 file's first, which writes the KL base the others are held to."""
+    folder = tmp_path_factory.mktemp("peers")
+    found: dict[tuple[str, str], dict] = {}
+
+    def figures(text_name: str, name: str) -> dict:
+        base = folder / f"{text_name}.kld"
+        if (text_name, "f32") not in found:
+            found[text_name, "f32"] = llama_perplexity(made["f32"], texts[text_name], base, kl=False)
+        if (text_name, name) not in found:
+            found[text_name, name] = llama_perplexity(made[name], texts[text_name], base, kl=True)
+        return found[text_name, name]
+
+    return figures
+
+
+# the baseline each text's audit runs in: prose against the F32 file in llama.cpp, the licence against the embedded
+# model in transformers
+BASELINE_RUNTIMES = {"austen": "llama.cpp", "licence": "transformers"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, cli, texts, made) -> Callable[[str], tuple[dict, Path]]:
+    """Each text's audit of the ladder in llama.cpp and the Q8_0 file dequantized in transformers, run once for the
+    module (its JSON line and all it printed, and its folder, whose ``mlflow.db`` holds its record). The licence's,
+    against the embedded baseline in transformers, also serves the packaged GGUF file in llama.cpp with the default
+    ``flash_attn: auto`` (``packaged``): the settings it ran with are checked on that audit rather than on one more."""
+    from tasks.data.embedded import embedded_gguf
+
+    done: dict[str, tuple[dict, Path]] = {}
+
+    def audited(text_name: str) -> tuple[dict, Path]:
+        if text_name not in done:
+            in_llama_cpp = BASELINE_RUNTIMES[text_name] == "llama.cpp"
+            baseline = ({"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"} if in_llama_cpp
+                        else {"path": "embedded"})
+            variants = [{"name": name, "method": "gguf", "type": TYPES[name], "runtime": "llama.cpp"}
+                        for name in TYPES if not (in_llama_cpp and name == "f32")]
+            variants.append({"name": "q8-weights", "method": "gguf", "type": "Q8_0"})
+            if not in_llama_cpp:
+                variants.append({"name": "packaged", "method": "gguf", "path": str(embedded_gguf()),
+                                 "runtime": "llama.cpp"})
+            folder = tmp_path_factory.mktemp(f"served-{text_name}")
+            done[text_name] = audit(cli, folder, texts[text_name], variants, baseline), folder
+        return done[text_name]
+
+    return audited
+
+
+@pytest.mark.parametrize("text_name, baseline_runtime", BASELINE_RUNTIMES.items())
+def test_the_llama_cpp_runtime_gives_llama_perplexity_s_figures(served, peers, made, text_name, baseline_runtime):
     """PPL to 1e-4 and, against llama-perplexity's KL base made from the same model, mean KLD and same-top to 1e-3: on
     prose with the F32 file as the baseline in llama.cpp (its reference llama.cpp's logits, as llama-perplexity's base
     file), and on a licence laid out with runs of spaces, where transformers' tokenizer of the file parts from
     llama.cpp's, against the embedded baseline in transformers (the same weights)."""
-    text = texts[text_name]
-    base = tmp_path / "base.kld"
-    peers = {"f32": llama_perplexity(made["f32"], text, base, kl=False)}
-    peers |= {name: llama_perplexity(made[name], text, base, kl=True) for name in ("q8", "q4km")}
-    baseline = ({"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"} if baseline_runtime == "llama.cpp"
-                else {"path": "embedded"})
-    variants = [{"name": name, "method": "gguf", "type": TYPES[name], "runtime": "llama.cpp"}
-                for name in TYPES if name != baseline.get("name")]
-    said = audit(cli, tmp_path, text, variants + [{"name": "q8-weights", "method": "gguf", "type": "Q8_0"}], baseline)
+    said, folder = served(text_name)
+    figures = {name: peers(text_name, name) for name in TYPES}
     rows = {row["variant"]: row for row in said["models"]}
-    for name, peer in peers.items():
+    for name, peer in figures.items():
         assert rows[name]["method"] == f"gguf {TYPES[name]} @llama.cpp"
         assert rows[name]["ppl"] == pytest.approx(peer["ppl"], rel=1e-4), name
         if "kld" in peer:
@@ -54,7 +99,7 @@ def test_the_llama_cpp_runtime_gives_llama_perplexity_s_figures(cli, tmp_path, t
             # and beside it the audit's exact KL, which that estimator misses by 0.1-0.4% (measured)
             assert rows[name]["kld_llama_mean"] == pytest.approx(peer["kld"], rel=1e-3), name
             # against llama.cpp's own F32 logits the same top token is llama-perplexity's; against transformers' of
-            # the same weights a near tie may fall the other way (a token or two in 1,020)
+            # the same weights a near tie may fall the other way (a token or two in 1,020, measured on 4 chunks)
             assert rows[name]["top1_agreement"] == pytest.approx(
                 peer["same_top"], **{"rel": 1e-3} if baseline_runtime == "llama.cpp" else {"abs": 3 / (CHUNKS * 255)}), name
             assert rows[name]["kld_mean"] == pytest.approx(peer["kld"], rel=5e-3), name
@@ -68,7 +113,7 @@ def test_the_llama_cpp_runtime_gives_llama_perplexity_s_figures(cli, tmp_path, t
     # MLflow says what made the stream and what scored each model
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("served").experiment_id], "tags.`ppl_audit.kind` = 'variant'")
     params = {run.data.params["variant"]: run.data.params for run in runs}
     assert {p["corpus.tokenizer"] for p in params.values()} == {f"llama.cpp {llama_cpp.version()} ({made['f32'].name})"}
@@ -79,10 +124,11 @@ def test_the_llama_cpp_runtime_gives_llama_perplexity_s_figures(cli, tmp_path, t
 
 
 @pytest.mark.parametrize("text_name", ["licence", "python"])
-def test_ppl_in_llama_cpp_mode_on_a_gguf_file_gives_llama_perplexity_s_number(cli, tmp_path, texts, made, text_name):
+def test_ppl_in_llama_cpp_mode_on_a_gguf_file_gives_llama_perplexity_s_number(cli, tmp_path, texts, made, peers,
+                                                                              text_name):
     """Before, transformers' tokenizer of the file made the stream: 1.6% from llama-perplexity's on the licence."""
     text = texts[text_name]
-    peer = llama_perplexity(made["f32"], text, tmp_path / "base.kld", kl=False)
+    peer = peers(text_name, "f32")
     for runtime in ("transformers", "llama.cpp"):
         code, out, err = cli("ppl", "--model", str(made["f32"]), "--corpus", str(text), "--mode", "llama.cpp",
                              "--window", str(CONTEXT), "--chunks", str(CHUNKS), "--runtime", runtime, "--json")
@@ -225,21 +271,57 @@ def test_gpu_layers_on_a_build_without_a_gpu_are_said_and_recorded(tmp_path, tex
     assert (ran["gpu_layers"], ran.get("gpu_layers_asked")) == ((4, None) if offload else (0, 4))
 
 
-def test_an_audit_says_the_flash_attention_llama_cpp_chose_in_its_row_table_and_mlflow(cli, tmp_path, texts):
-    """The packaged GGUF file run by llama.cpp with ``flash_attn: auto``: its row, the console's table and its MLflow
-    run say the mode that ran (on or off), not ``auto``, with what was asked beside it."""
+def test_an_audit_says_the_flash_attention_llama_cpp_chose_in_its_row_table_and_mlflow(served):
+    """The packaged GGUF file run by llama.cpp with ``flash_attn: auto``, beside the embedded baseline in transformers
+    (the licence's peer audit): its row, the console's table and its MLflow run say the mode that ran (on or off), not
+    ``auto``, with what was asked beside it."""
     from mlflow import MlflowClient
 
-    from tasks.data.embedded import embedded_gguf
-
-    said = audit(cli, tmp_path, texts["austen"], [{"name": "v", "method": "gguf", "path": str(embedded_gguf()),
-                                                    "runtime": "llama.cpp"}])
-    row = next(row for row in said["models"] if row["variant"] == "v")
+    said, folder = served("licence")
+    row = next(row for row in said["models"] if row["variant"] == "packaged")
     ran = re.search(r"flash attention (on|off) \(asked: auto\)", row["llama_cpp"])
     assert ran, row.get("llama_cpp")
     assert f"llama.cpp: {row['llama_cpp']}" in said["out"]
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    [run] = client.search_runs([client.get_experiment_by_name("served").experiment_id], "tags.`ppl_audit.variant` = 'v'")
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("served").experiment_id],
+                               "tags.`ppl_audit.variant` = 'packaged'")
     params = run.data.params
     assert (params["llama_cpp.flash_attn"], params["llama_cpp.flash_attn_asked"]) == (ran.group(1), "auto")
     assert int(params["llama_cpp.n_ctx"]) >= CONTEXT
+
+
+def test_the_worker_protocol_reads_back_every_message_as_written_in_the_bytes_it_always_had():
+    """Each request and reply ``send`` writes is read back equal by the other side (``request_of``, ``reply_of``: one
+    dataclass, written and read by its fields' names), with its payload; its header is the JSON the worker and its
+    parent have always exchanged (the op or ok first, then the fields in order, a nested one as an object)."""
+    from tasks.models import llama_cpp_said as said
+
+    loaded = said.Loaded("llama 256M Q4_1", 123456, said.Ran("on", 512, 256, 256, 4, 4, 0))
+    requests = [said.Open("/m.gguf", False, 512, 256, 3, "q8_0", "f16", "on", 99), said.Open("/v.gguf", vocab_only=True),
+                said.Tokenize(True), said.Detokenize(), said.Score(((10, 1, 9), (5, 0, 5)), 256), said.Close()]
+    replies = [said.Opened(32000, True, 1, "AVX=1", loaded), said.Opened(32000, False, 2, "AVX=1"), said.Tokenized(7),
+               said.Done(), said.Failed("ValueError: no")]
+    frames = {}
+    for message in requests + replies:
+        stream = io.BytesIO()
+        said.send(stream, message, b"\x01\x02")
+        frames[message] = stream.getvalue()
+        stream.seek(0)
+        header, payload = said.receive(stream)
+        answer = said.Done if isinstance(message, said.Failed) else type(message)
+        back = said.request_of(header) if message in requests else said.reply_of(header, answer)
+        assert (back, payload) == (message, b"\x01\x02")
+    assert frames[requests[0]] == (
+        b'\xab\x00\x00\x00\x02\x00\x00\x00\x00\x00\x00\x00{"op": "open", "path": "/m.gguf", "vocab_only": false, '
+        b'"n_ctx": 512, "n_batch": 256, "threads": 3, "type_k": "q8_0", "type_v": "f16", "flash_attn": "on", '
+        b'"gpu_layers": 99}\x01\x02')
+    assert frames[requests[4]].endswith(b'{"op": "score", "rows": [[10, 1, 9], [5, 0, 5]], "n_batch": 256}\x01\x02')
+    assert frames[replies[0]].endswith(
+        b'{"ok": true, "n_vocab": 32000, "add_bos": true, "bos": 1, "system_info": "AVX=1", "loaded": {"desc": '
+        b'"llama 256M Q4_1", "size": 123456, "ran": {"flash_attn": "on", "n_ctx": 512, "n_batch": 256, "n_ubatch": 256, '
+        b'"threads": 4, "threads_batch": 4, "gpu_layers": 0}}}\x01\x02')
+    assert [frames[message][12:] for message in replies[1:]] == [
+        b'{"ok": true, "n_vocab": 32000, "add_bos": false, "bos": 2, "system_info": "AVX=1", "loaded": null}\x01\x02',
+        b'{"ok": true, "count": 7}\x01\x02', b'{"ok": true}\x01\x02', b'{"ok": false, "error": "ValueError: no"}\x01\x02']
+    with pytest.raises(ValueError, match="unknown request load"):
+        said.request_of({"op": "load"})

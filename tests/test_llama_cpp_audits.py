@@ -96,7 +96,10 @@ def stopped_while_llama_cpp_evaluates(tmp_path: Path, database: Path, signum: in
         command.signal(signum)
         assert command.ended_within(STOP_S) == 128 + signum
         the_line(command, signum)
-        time.sleep(1)
+        # gone within a second of the command's end: looked at as it goes, not after a second's sleep
+        deadline = time.monotonic() + 1
+        while alive(command.recorded) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not alive(command.recorded), [" ".join(p.cmdline())[:100] for p in alive(command.recorded)]
     finally:
         command.stop()
@@ -125,13 +128,14 @@ def test_a_gguf_type_made_with_an_importance_matrix_of_the_calibration_text(cli,
     """``imatrix: true``: llama-imatrix over the variant's calibration samples (drawn outside the evaluated tokens),
     then llama.cpp's quantizer with it. The file says so (llama-quantize writes the matrix's chunks into it), the row
     is labelled, and on this text it loses less than the same type made without one (measured: KL 0.12 against 0.08
-    at Q3_K_M)."""
+    at Q3_K_M). 1,024 tokens (7 windows of 256) show it as 2,048 did, and each of the three models scores half as
+    much."""
     from tasks.models.gguf import gguf_facts
 
     samples = 8
     own_cache(tmp_path / "cache", monkeypatch)  # the files it makes, and only those
     config = {"name": "imatrix", "baseline": {"path": "embedded"}, "corpus": {"source": str(texts["austen"])},
-              "evaluation": {"window": 256, "max_tokens": 2048, "batch_size": 4},
+              "evaluation": {"window": 256, "max_tokens": 1024, "batch_size": 4},
               "variants": [{"name": "plain", "method": "gguf", "type": "Q3_K_M"},
                            {"name": "imatrix", "method": "gguf", "type": "Q3_K_M", "imatrix": True,
                             "calibration": {"samples": samples, "seq_len": 256}}]}
@@ -156,14 +160,15 @@ def test_a_lineup_in_llama_cpp_scores_the_same_in_shards_on_dask_and_stops_early
     equals the one-process audit's exactly (the baseline's reference joined from slices of llama.cpp's logits). Then a
     sequential audit stops once its verdict is settled.
 
-    1,024 tokens (7 windows) make pieces of 4 and 3 windows, each more than one batch. The sequential audit scores at
-    least 8 windows (4 batches of 2) before it may stop, so it runs on 3,072 tokens (23 windows): stopped within 10 of
+    Windows of 128 (stride 64): what is checked is counted in windows, not tokens, and each costs half a window of 256.
+    512 tokens (7 windows) make pieces of 4 and 3 windows, each more than one batch. The sequential audit scores at
+    least 8 windows (4 batches of 2) before it may stop, so it runs on 1,536 tokens (23 windows): stopped within 10 of
     them, it has scored less than half the stream."""
     def run(name: str, **sections) -> dict:
         config = {"name": name, "baseline": {"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp",
                                              "rescore": "always"},
                   "corpus": {"source": str(texts["austen"])},
-                  "evaluation": {"window": 256, "max_tokens": 1024, "batch_size": 2},
+                  "evaluation": {"window": 128, "max_tokens": 512, "batch_size": 2},
                   "variants": [{"name": "q8", "method": "gguf", "type": "Q8_0", "runtime": "llama.cpp"}]} | sections
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -182,7 +187,7 @@ def test_a_lineup_in_llama_cpp_scores_the_same_in_shards_on_dask_and_stops_early
     code, out, err = cli("reference", "ls")  # the joined reference says what scored it
     assert code == 0 and f"{made['f32']} (scored in llama.cpp {llama_cpp.version()})" in out + err, out + err
     stopped = run("sequential", baseline={"name": "f32", "path": str(made["f32"]), "runtime": "llama.cpp"},
-                  evaluation={"window": 256, "max_tokens": 3072, "batch_size": 2, "sequential": True},
+                  evaluation={"window": 128, "max_tokens": 1536, "batch_size": 2, "sequential": True},
                   thresholds={"max_ppl_increase_pct": 5})
     row = stopped["models"][1]
     assert row["verdict"] == "pass" and row["scored_fraction"] < 0.5, row["verdict_reason"]

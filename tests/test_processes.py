@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import termios
@@ -271,12 +272,14 @@ STOP_S = 10
 
 @pytest.fixture
 def long_config(tmp_path, tiny_model_dir) -> Path:
-    """An audit whose variants score for tens of seconds on 2 cores: long enough to be stopped in the middle."""
+    """An audit whose variants score for seconds after its baseline's reference is written (60,000 tokens each,
+    some 5 s on an idle core): long enough to be stopped in the middle, which the tests do as soon as that reference
+    is seen. 150,000 before: the baseline, scored whole before any test signals, took 2.5 times as long."""
     corpus = tmp_path / "long.txt"
-    corpus.write_text(make_text(150000))
+    corpus.write_text(make_text(60000))
     return write_config(tmp_path / "long.yaml", tiny_model_dir, corpus,
                         [{"name": "copy", "path": str(tiny_model_dir)}, {"name": "int8", "method": "torchao-int8"}],
-                        evaluation={"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 150000})
+                        evaluation={"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 60000})
 
 
 def references(started: Command) -> list[Path]:
@@ -349,12 +352,16 @@ def test_an_audit_stopped_while_its_server_starts_ends_at_once(command, long_con
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_ppl_stopped_while_scoring_ends_at_once(command, tiny_model_dir, tmp_path, signum):
+    """On a terminal, whose scoring bar (the variant's name) says when scoring has begun: the signal follows it at
+    once. Before, a fixed 8 s after the command started (its log file is made at once), which a busy machine could
+    still spend tokenizing, and an idle one spent scoring for nothing."""
     corpus = tmp_path / "long.txt"
-    corpus.write_text(make_text(400000))  # ~570k tokens: scoring lasts well past the signal (25k tok/s when idle)
+    corpus.write_text(make_text(150000))  # ~210k tokens: scoring lasts well past the signal (25k tok/s when idle)
     ppl = command("ppl", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--window", "64",
-                  "--method", "torchao-int8")
-    wait_for(lambda: "int8" in ppl.log.read_text() or list((ppl.home / "logs").glob("*ppl*")), 120, "scoring")
-    time.sleep(8)
+                  "--method", "torchao-int8", terminal=True)
+    # a terminal has a size: a new pty's is none, at which tqdm draws every bar zero columns wide, naming nothing
+    fcntl.ioctl(ppl.terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    wait_for(lambda: "int8" in ppl.log.read_text(errors="replace"), 120, "scoring")
     ppl.signal_group(signum)
     assert ppl.ended_within(STOP_S) == 128 + signum
     the_line(ppl, signum)
@@ -572,9 +579,11 @@ def test_an_audit_stopped_while_tracking_ends_at_once_and_keeps_its_record(comma
         port = prefect_server(run)
         spooled = wait_for(lambda: [f for f in (run.home / "spool").glob("[!.]*") if (f / "record.json").is_file()], 240,
                            "the audit's record in the spool (tracking under way)")
-        time.sleep(2)
+        silent.settimeout(240)  # tracking under way: MLflow has connected, and waits for an answer (2 s of sleep before)
+        held, _ = silent.accept()
         run.signal_group(signal.SIGTERM)
         assert run.ended_within(STOP_S) == 128 + signal.SIGTERM
+        held.close()
     kept = rf"baseline reference \w+, record {spooled[0].name} \(spooled: ppl-audit sync sends it\)"
     assert re.fullmatch(rf"ppl-audit: interrupted by SIGTERM( \(killed: .*\))?; kept: {kept}", the_line(run, signal.SIGTERM))
     run.assert_all_gone(port)
