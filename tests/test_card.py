@@ -20,10 +20,10 @@ from mlflow import MlflowClient
 
 from flows.cli import main
 from tasks.record.card import ARTIFACTS, floor_cell, model_index, render
-from tasks.record.domains import domain_view
+from tasks.record.domain_view_said import domain_view
 from tasks.record.spool import sealed_record_json
 from tasks.record.tags import COMPLETE
-from tasks.record.verdict import said
+from tasks.record.verdict_said import said
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -337,7 +337,7 @@ def test_a_stored_record_reads_field_for_field_as_the_report_and_charts_read_it(
     import lzma
 
     from tasks.config import Thresholds
-    from tasks.record.domains import domain_view
+    from tasks.record.domain_view_said import domain_view
     from tasks.record.entry_said import RecordSaid
 
     record = json.loads(lzma.open(RECORDS / f"{name}.record.json.xz").read())

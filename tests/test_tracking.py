@@ -260,7 +260,7 @@ def test_the_tracked_record_reads_each_field_where_the_record_keeps_it():
     import json
     import lzma
 
-    from tasks.record.domains import domain_view
+    from tasks.record.domain_view_said import domain_view
     from tasks.record.tracked_said import TrackedAudit
 
     record = json.loads(lzma.open(Path(__file__).parent / "records" / "demo-2026-11-29.record.json.xz").read())

@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from tasks.config import ONE_CORPUS
-from tasks.record.domains import domain_view
+from tasks.record.domain_view_said import domain_view
 from tasks.record.entry_said import CorpusSaid, PopulationSaid, Written
 from tasks.record.figures import GATED, SHOWN, Text, fixed, kl_text
 from tasks.record.floor_said import FloorJudgement
@@ -39,8 +39,7 @@ from tasks.record.result import AuditResult, DomainResult
 from tasks.record.row import Interval, ModelRow
 from tasks.record.serial import from_record
 from tasks.record.spool import record_json
-from tasks.record.verdict import Verdict
-from tasks.record.verdict import said as said_as
+from tasks.record.verdict_said import Verdict, said as said_as
 
 FORMATS = ("md", "model-index", "json", "eval-results")
 EVAL_RESULTS = ".eval_results"  # the folder of a model's repo the Hub reads these files from

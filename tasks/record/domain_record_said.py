@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tasks.record.domains import SHARED
+from tasks.record.domain_view_said import SHARED
 from tasks.record.entry_said import CorpusSaid
 from tasks.record.result import AuditResult
 

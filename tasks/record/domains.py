@@ -15,10 +15,10 @@ from dataclasses import replace
 from tasks.record.floor import floor_figures, floor_text
 from tasks.record.population import population_line
 from tasks.record.result import AuditResult, DomainResult
-from tasks.record.domain_view_said import SHARED as SHARED, domain_view as domain_view  # read from here too
 from tasks.record.row import ModelRow
 from tasks.record.runtime_cost import runtime_cost_lines, stream_line
-from tasks.record.verdict import Verdict, format_table, overall
+from tasks.record.verdict import format_table, overall
+from tasks.record.verdict_said import Verdict
 
 # how bad a domain's verdict is, worst first: what decides a variant's verdict across domains
 SEVERITY = {"fail": 0, "error": 1, "pass": 2, "ungated": 3}

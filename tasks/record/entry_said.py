@@ -21,7 +21,8 @@ from tasks.record.reference_said import ReferenceSaid
 from tasks.record.result import AuditResult
 from tasks.record.row import Interval, ModelRow
 from tasks.record.serial import from_record
-from tasks.record.verdict import Verdict
+from tasks.record.domain_view_said import domain_view
+from tasks.record.verdict_said import Verdict
 
 
 @dataclass(frozen=True)
@@ -412,8 +413,6 @@ class RecordSaid:
 
     @classmethod
     def of_record(cls, record: dict) -> RecordSaid:
-        from tasks.record.domains import domain_view
-
         result, config = from_record(record), record["config"]
         models = tuple(ModelSaid.of_record(entry, row, verdict) for entry, row, verdict
                        in zip(record["variants"], result.rows, (None, *result.verdicts)))

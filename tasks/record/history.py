@@ -31,7 +31,7 @@ from tasks.record.tags import (BASELINE_KEY, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMA
                                DOMAINS, DOMINATED_BY, POPULATION, REFERENCE, SCHEDULED)
 from tasks.record.plots import (COLOURS, ERROR_COLOUR, FRONT_HANDLES, PAST_COLOUR, SizePoint, measured,
                                 size_quality_figure, titled)
-from tasks.record.verdict import said as said_as
+from tasks.record.verdict_said import said as said_as
 
 NAN = math.nan
 

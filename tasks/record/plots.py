@@ -25,7 +25,8 @@ from matplotlib.patches import Patch
 from tasks.config import Gate
 from tasks.record.entry_said import ModelSaid, RecordSaid, WhereGroup
 from tasks.record.row import Interval, ModelRow
-from tasks.record.verdict import gate_checks, said as said_as
+from tasks.record.verdict import gate_checks
+from tasks.record.verdict_said import said as said_as
 
 BASELINE_COLOUR, ERROR_COLOUR = "#1565c0", "#9e9e9e"  # the baseline's (its PPL line too); a model no verdict colours
 FAIL_COLOUR = "#c62828"  # a failing verdict's, and a variant's line in diagnosis and tune charts

@@ -20,7 +20,7 @@ from tasks.record.figures import GATED, SHOWN, kl_text
 from tasks.record.floor import floor_text
 from tasks.record.population import population_line
 from tasks.record.row import Interval, ModelRow
-from tasks.record.verdict import said as said_as
+from tasks.record.verdict_said import said as said_as
 
 STYLE = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #212121; margin: 24px;

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from tasks.record.row import ModelRow
-from tasks.record.verdict import Verdict
+from tasks.record.verdict_said import Verdict
 
 if TYPE_CHECKING:
     from tasks.record.results import VariantResult

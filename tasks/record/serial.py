@@ -12,7 +12,7 @@ from __future__ import annotations
 from tasks.config import ONE_CORPUS
 from tasks.record.result import AuditResult, DomainResult, Findings
 from tasks.record.row import ModelRow
-from tasks.record.verdict import Verdict
+from tasks.record.verdict_said import Verdict
 
 SCHEMA = 2
 

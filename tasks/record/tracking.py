@@ -24,7 +24,7 @@ from tasks.record.entry_said import CorpusSaid
 from tasks.record.tracked_said import Stream, StreamScored, TrackedAudit, TrackedModel
 from tasks.record.tags import (AUDIT_ID, BASELINE_KEY, CHANGED, COMPLETE, DOMAIN, DOMAIN_KEYS, DOMAIN_POPULATIONS,
                                DOMAIN_REFERENCES, DOMAINS, DOMINATED_BY, FLOOR, POPULATION, REFERENCE, SCHEDULED)
-from tasks.record.verdict import said as said_as
+from tasks.record.verdict_said import said as said_as
 
 EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI: which view an experiment opens in
 METRICS = ("ppl", "mean_nll", "stderr", "ppl_stderr", "nll_sum", "n_tokens", "bits_per_byte", "byte_ppl", "word_ppl",

@@ -16,7 +16,6 @@ from tasks.record.results import VariantResult
 from tasks.record.row import BaselineSaid, Change, Divergences, Interval, OwnFigures, ModelRow, Spread
 from tasks.record.sequential_said import SequentialSaid
 from tasks.record.verdict_said import Verdict
-from tasks.record.verdict_said import said as said  # report, history, plots, tracking and card read it from here
 
 if TYPE_CHECKING:
     from tasks.engine.perplexity import PerplexityResult
