@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from prefect import get_run_logger
 
-from flows.scheduler import LocalScheduler, Scheduler
+from flows.scheduler import Scheduler
 from tasks.audit import floor
 from tasks.audit.checkpoints import Lineup
 from tasks.audit.judge import Scored
@@ -281,26 +281,29 @@ def score_sampled(scheduler: Scheduler, lineup: Lineup, scored: Evaluation, base
 
 class _Sampled:
     """What ``score_sampled`` knows as it goes: per variant (made) its ``Watch`` (None without a baseline to judge
-    against), the pieces of its windows still ``queued`` and those ``returned``; the futures ``running``, by variant."""
+    against) and the ``Progress`` it judges, the pieces of its windows still ``queued`` and those ``returned``; the
+    futures ``running``, by variant."""
 
     def __init__(self, scheduler: Scheduler, lineup: Lineup, scored: Evaluation, baseline: VariantResult, making: dict):
         import numpy as np
         import torch
 
         from tasks.audit.sequential import Watch
-        from tasks.config import Gate
+        from tasks.engine.progress import Progress
         from tasks.engine.sequential import window_order
 
         self.scheduler, self.lineup, self.scored, self.baseline = scheduler, lineup, scored, baseline
         settings, planned = scored.settings, scored.windows
-        self.tokens = torch.tensor([w.n_scored for w in planned])
-        self.batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
+        tokens = torch.tensor([w.n_scored for w in planned])
+        batch = settings.batch_size if isinstance(settings.batch_size, int) else 1
         pieces = [piece.tolist() for piece in np.array_split(window_order(len(planned), settings.order_seed),
                                                              PIECES_PER_SHARD * scheduler.settings.shards) if len(piece)]
         self.variants = [_made(c, Scheduler.settled(making[v])) if v in making else c
                          for v, c in enumerate(lineup.variants)]
-        self.watches = [Watch(c.gate or Gate(), baseline.result.window_nll, settings.order_seed) if baseline.ok else None
+        self.watches = [Watch.against(c.gate, baseline.result, settings.order_seed) if baseline.ok else None
                         for c in self.variants]
+        # each piece added as it returns, as a run in one place adds each batch: the watch judges every window so far
+        self.progress = [Progress([], {}, tokens, batch) for _ in self.variants]
         self.returned: list[list[VariantResult]] = [[] for _ in self.variants]
         self.queued = [list(pieces) for _ in self.variants]
         self.running = {}
@@ -314,15 +317,14 @@ class _Sampled:
     def returned_piece(self, future) -> None:
         """A piece back: its variant's watch judges every window returned so far; once settled (or failed) nothing
         more of it is submitted and its pieces still running are cancelled, else its next piece goes."""
-        from tasks.audit.sequential import progress_of
-
         v = self.running.pop(future)
         outcome = _outcome(self.variants[v], Scheduler.settled(future))
         self.returned[v].append(outcome)
         done = not outcome.ok
         if outcome.ok and self.watches[v] is not None:
-            samples = [piece.part.scores for piece in self.returned[v]]
-            done = self.watches[v](progress_of(samples, self.tokens, self.batch))
+            scores = outcome.part.scores
+            self.progress[v].add(scores.windows.tolist(), scores.stats())
+            done = self.watches[v](self.progress[v])
         if done:
             self.queued[v].clear()
             for other in [f for f, owner in self.running.items() if owner == v]:
@@ -402,7 +404,7 @@ def score_all(scheduler: Scheduler, config: AuditConfig, lineup: Lineup, scored:
     """Score the baseline, then every variant against it, on the scheduler's workers: in turn on this process's one
     (``score_in_turn``), else concurrently in shards, or in pieces for a sequential run in shards; a model whose task
     failed becomes a failed result."""
-    if isinstance(scheduler, LocalScheduler):
+    if scheduler.scores_in_turn:
         return score_in_turn(scheduler, lineup, scored)
     making = submit_makes(scheduler, lineup, scored)
     if scored.settings.sequential and config.runner.shards > 1:

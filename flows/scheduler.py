@@ -70,6 +70,10 @@ def _workers_report_here():
 class Scheduler:
     """A started Dask or Ray task runner, as the audit uses it (``started``)."""
 
+    # whether its models are scored whole, one after another (``flows.runners.score_in_turn``): a cluster's are not,
+    # they go concurrently, in shards or in pieces; the scheduler says so, and the scoring asks it, not its type
+    scores_in_turn = False
+
     def __init__(self, runner, settings: Runner):
         self._runner, self.settings = runner, settings
 
@@ -178,6 +182,8 @@ class LocalScheduler(Scheduler):
     Why not Prefect's ``ThreadPoolTaskRunner`` with one worker: its task would run in a thread of its own while the
     flow's thread only waits for it, and Ctrl-C, raised in the flow's thread, would leave the model scoring there.
     """
+
+    scores_in_turn = True  # one worker: nothing to split into shards or start beside another
 
     def __init__(self, settings: Runner):
         super().__init__(None, settings)

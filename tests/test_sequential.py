@@ -66,6 +66,43 @@ def test_a_run_stopped_after_a_batch_holds_the_windows_it_scored_as_the_whole_ru
     assert result.bits_per_byte is None and "stopped early" in result.absent["byte_ppl"]
 
 
+
+def test_a_progress_grows_alike_batch_by_batch_here_and_piece_by_piece_from_a_cluster(tiny_model, stream):
+    """``Progress.add``, the one way a run's progress grows: the engine's after each batch, and the pieces a cluster
+    returns (each a sample of the order, scored as ``tasks.audit.scoring`` scores a ``Sample``) added one by one as
+    ``flows.runners`` adds them, hold the same sums, each window's NLL sum bit for bit the engine's ``window_nll``."""
+    n = len(plan(stream, WINDOW, STRIDE))
+    order = window_order(n, 3)
+    looks: list[Progress] = []
+    here = score_part(tiny_model, stream, Windowing(WINDOW, STRIDE), 4,
+                      options=ScoreOptions(order=order, until=lambda progress: looks.append(progress) or False))
+    batched = looks[-1]
+    pieces = np.array_split(order, 3)
+    pieced = Progress([], {}, batched.tokens, 4)
+    for piece in pieces:
+        rest = np.setdiff1d(np.arange(n), piece)
+        part = score_part(tiny_model, stream, Windowing(WINDOW, STRIDE), 4,
+                          options=ScoreOptions(order=np.concatenate([piece, rest]), stop_at=len(piece)))
+        pieced.add(part.scores.windows.tolist(), part.scores.stats())
+    assert batched.order == order.tolist() and pieced.order == np.concatenate([np.sort(p) for p in pieces]).tolist()
+    assert set(batched.sums) == set(pieced.sums) == {"nll"}  # no baseline: nothing to take a divergence from
+    assert torch.equal(batched.sums["nll"], here.scores.window_nll)  # summed apart from the engine's own sums
+    assert torch.equal(pieced.sums["nll"], batched.sums["nll"])
+
+
+def test_progress_adds_each_judged_figure_summed_per_window_in_float64_and_nothing_else():
+    progress = Progress([], {}, torch.tensor([2, 3, 1]), 1)
+    # windows 1 then 0: three tokens, then two; float32 figures whose float32 sum would lose the 1 (1e8 + 1 = 1e8)
+    kl = torch.tensor([1e8, 1.0, 0.5, 2.0, 1e8], dtype=torch.float32)
+    progress.add([1, 0], {"kl": kl, "base_top": torch.arange(5, dtype=torch.int32), "top1": torch.ones(5)})
+    assert progress.order == [1, 0] and set(progress.sums) == {"kl", "top1"}
+    assert progress.sums["kl"].dtype == torch.float64
+    assert progress.sums["kl"].tolist() == [2.0 + 1e8, 1e8 + 1.5, 0.0]  # window 2 not scored yet: 0
+    assert progress.sums["top1"].tolist() == [2.0, 3.0, 0.0]
+    progress.add([2], {"kl": torch.tensor([4.0]), "top1": torch.zeros(1)})
+    assert progress.order == [1, 0, 2] and progress.sums["kl"].tolist() == [2.0 + 1e8, 1e8 + 1.5, 4.0]
+
+
 def _decide(delta: np.ndarray, counts: np.ndarray, limit: float, seed: int, batch: int = 4) -> tuple[str | None, int]:
     """What a sequential run of these per-window ΔNLL sums decides against ``limit`` (a maximum ΔNLL), and where."""
     n = len(delta)

@@ -27,7 +27,7 @@ from tasks.audit.failures import Failure, attempt
 from tasks.audit.manifest import drift_tolerance
 from tasks.audit.pieces import WHOLE, Against, Piece, Sample, Slices, Whole, Windows
 from tasks.audit.sequential import Watch
-from tasks.config import Gate, VariantSpec
+from tasks.config import VariantSpec
 from tasks.core.errors import DamagedReference, InputError, WorkerError, one_line
 from tasks.core.places import references_dir
 from tasks.data.evaluation import Evaluation
@@ -482,7 +482,7 @@ def _measured(model, checkpoint: Checkpoint, lineup: Lineup, evaluation_: Evalua
         rest = np.setdiff1d(np.arange(n_windows), piece.windows)
         sequence = {"order": np.concatenate([np.asarray(piece.windows, np.int64), rest]), "stop_at": len(piece.windows)}
     elif settings.sequential and isinstance(piece, Whole) and isinstance(against, VariantResult) and against.ok:
-        watch = Watch(checkpoint.gate or Gate(), against.result.window_nll, settings.order_seed)
+        watch = Watch.against(checkpoint.gate, against.result, settings.order_seed)
         sequence = {"order": window_order(n_windows, settings.order_seed), "until": watch}
     bounds = piece.bounds if isinstance(piece, Windows) else None
     with _removed_when_damaged(stored):

@@ -17,8 +17,8 @@ import torch
 
 from tasks.config import Gate
 from tasks.engine.paired import CONFIDENCE, Estimate
-from tasks.engine.perplexity import PerplexityResult, WindowScores
-from tasks.engine.progress import PROGRESS_FIGURES, Progress
+from tasks.engine.perplexity import PerplexityResult
+from tasks.engine.progress import Progress
 from tasks.engine.sequential import minimum_windows, mixture_rho2, ratio_sequence
 from tasks.record.sequential_said import SequentialSaid
 from tasks.record.figures import GATED
@@ -65,6 +65,13 @@ class Watch:
         self.decision: str | None = None
         self.bounds: dict[str, tuple[float, float]] = {}
 
+    @classmethod
+    def against(cls, gate: Gate | None, baseline: PerplexityResult, seed: int) -> Watch:
+        """The watch of a variant with ``gate`` (None: a lineup's variant without one, the default ``Gate()``, which
+        sets no limit: nothing settles, the run goes to the end) over windows paired with ``baseline``'s: built here
+        only, for a run in one place (``tasks.audit.scoring``) as for one in pieces (``flows.runners``)."""
+        return cls(gate or Gate(), baseline.window_nll, seed)
+
     def sequences(self, progress: Progress) -> dict[str, Estimate]:
         """Each gated figure's estimate with its sequence's bounds, from the windows scored so far."""
         scored = torch.tensor(progress.order)
@@ -99,18 +106,3 @@ class Watch:
         return replace(said, stopped="settled", decision=self.decision, bounds=dict(self.bounds),
                        windows=tuple(int(w) for w in result.scored_windows))
 
-
-def progress_of(samples: list[WindowScores], tokens: torch.Tensor, batch_size: int) -> Progress:
-    """The ``Progress`` of a sequential run whose pieces (samples of the stream's windows, scored on a cluster)
-    came back in this order: what ``Watch`` judges after each piece, as after each batch of a run in one place."""
-    order: list[int] = []
-    sums: dict[str, torch.Tensor] = {}
-    for sample in samples:
-        order += sample.windows.tolist()
-        split = sample.window_tokens.tolist()
-        per_window = {"nll": sample.window_nll} | {
-            key: torch.stack([piece.double().sum() for piece in value.split(split)]) for key, value in sample.extra.items()
-            if key in PROGRESS_FIGURES}
-        for key, values in per_window.items():
-            sums.setdefault(key, torch.zeros(len(tokens), dtype=torch.float64))[sample.windows] = values.double()
-    return Progress(order, sums, tokens, batch_size)

@@ -27,7 +27,7 @@ from tasks.engine.memory import PeakMemory
 from tasks.engine.paired import token_slots  # torch-free: the record reads it
 from tasks.engine.model_facts import input_device, max_positions
 from tasks.engine.baseline import BaselineBatch
-from tasks.engine.progress import PROGRESS_FIGURES, Progress
+from tasks.engine.progress import Progress
 from tasks.engine.scoring_options import Feed, ScoreOptions, Windowing
 from tasks.engine.stream import TokenStream
 from tasks.engine.token_figures import TokenFigures
@@ -214,6 +214,11 @@ class WindowScores:
     windows: torch.Tensor | None = None  # a run stopped early: the plan's indices of the windows it scored
     planned_tokens: int | None = None  # and how many tokens every window of the plan holds
 
+    def stats(self) -> TokenStats:
+        """Its per-token figures by name, the NLL with them, as ``token_stats`` measured them (what
+        ``Progress.add`` sums of a piece scored elsewhere)."""
+        return TokenStats(nll=self.token_nll, **self.extra)
+
     def kept(self, windows: torch.Tensor) -> WindowScores:
         """Only the windows ``windows`` (indices, ascending), their tokens in window order."""
         slots = torch.from_numpy(token_slots(self.window_tokens.numpy(), windows.numpy()))
@@ -339,13 +344,7 @@ def score_windows(model, feed: Feed, windows: list[Window], options: ScoreOption
         for w, part in zip(batch, host.nll.split([w.n_scored for w in batch])):
             window_nll[w.index] = part.double().sum()
         if until is not None:
-            progress.order += [w.index for w in batch]
-            for key, value in host.items():
-                if key not in PROGRESS_FIGURES:
-                    continue
-                sums = progress.sums.setdefault(key, torch.zeros(len(counts), dtype=torch.float64))
-                for w, part in zip(batch, value.split([w.n_scored for w in batch])):
-                    sums[w.index] = part.double().sum()
+            progress.add([w.index for w in batch], host)
         for key, value in host.items():
             if key not in arrays:
                 # at least float32 (a bf16 model's figures are float32); a float64 model's stay float64
