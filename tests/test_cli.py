@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -167,8 +168,45 @@ def test_text_without_spaces_gives_no_word_ppl_and_no_crash(cli, tiny_model_dir,
 ], ids=["argparse-choice", "argparse-dtype", "argparse-action", "port-out-of-range", "port-taken", "config-not-utf8",
         "set-not-yaml", "dev-zero", "fifo", "quantization-config-a-list", "gptq-without-bits", "gguf-cut-short",
         "gguf-absurd-count"])
-def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(cli, tmp_path, tiny_model_dir, corpus_file, args, expected):
-    """Found by a probe of bad inputs (#30): usage blocks, tracebacks, crashes, a read that never ends."""
+def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(tmp_path, monkeypatch, capsys, tiny_model_dir, corpus_file,
+                                                           args, expected):
+    """Found by a probe of bad inputs (#30): usage blocks, tracebacks, crashes, a read that never ends. In-process
+    (``main``, what the console script calls); the script's own process is the next test's."""
+    from flows.cli import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("PPL_AUDIT_HOME", str(home))
+    with _bad_inputs(tmp_path, tiny_model_dir, corpus_file) as fill:
+        argv, expected = [a.format(**fill) for a in args], expected.format(**fill)
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # argparse's refusals end the process, as in the console script
+            code = stop.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured.err
+    assert captured.err.count("\n") == 1 and captured.err.startswith("ppl-audit") and expected in captured.err, \
+        captured.err
+    assert not list(home.glob("logs/*")), "a refused command leaves no log behind"
+
+
+def test_a_read_that_never_ends_through_the_console_script_is_one_line_and_leaves_no_log(tmp_path, tiny_model_dir,
+                                                                                          corpus_file):
+    """The probe's fifo as a user meets it: the console script's process ends (a timeout here, not a hung test, had
+    the read begun) with one line, exit code 2, and no log."""
+    home = tmp_path / "home"
+    with _bad_inputs(tmp_path, tiny_model_dir, corpus_file):
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "ppl", "--model", str(tiny_model_dir), "--corpus",
+                               str(tmp_path / "fifo.txt")], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PPL_AUDIT_HOME": str(home)})
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and \
+        done.stderr.startswith(f"ppl-audit: error: corpus {tmp_path}/fifo.txt is not a regular file"), done.stderr
+    assert not list(home.glob("logs/*")), "a refused command leaves no log behind"
+
+
+@contextmanager
+def _bad_inputs(tmp_path: Path, tiny_model_dir: Path, corpus_file: Path):
+    """The probe's bad files written in ``tmp_path``, and a port taken while the case runs: the cases' ``{...}``."""
     import json
     import socket
     import struct
@@ -185,17 +223,10 @@ def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(cli, tmp_path, tiny
     head = embedded_gguf().read_bytes()[:4096]
     (tmp_path / "cut.gguf").write_bytes(head[:1000])
     (tmp_path / "absurd.gguf").write_bytes(head[:16] + struct.pack("<Q", 2**60) + head[24:])  # 2^60 metadata keys
-    home = tmp_path / "home"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        fill = {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file, "taken": taken.getsockname()[1]}
-        args, expected = [a.format(**fill) for a in args], expected.format(**fill)
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PPL_AUDIT_HOME": str(home)})
-    assert done.returncode == 2 and done.stdout == "", done.stderr
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("ppl-audit") and expected in done.stderr, done.stderr
-    assert not list(home.glob("logs/*")), "a refused command leaves no log behind"
+        yield {"tmp": tmp_path, "model": tiny_model_dir, "corpus": corpus_file, "taken": taken.getsockname()[1]}
 
 
 def test_an_unwritable_home_is_one_line(tmp_path, tiny_model_dir, corpus_file):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers import flat, free_port, only, place_prefect_database, wait_for, write_config
+from helpers import flat, free_port, one_line_error, only, place_prefect_database, wait_for, write_config
 
 from flows.audit import audit, result_of
 from tasks.record.result import AuditResult
@@ -178,7 +178,8 @@ def prefect_servers_under(address: str) -> list:
 def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, trained_model_dir, corpus_path,
                                                                prefect_database):
     """Without PREFECT_API_URL the audit starts a temporary server; its tasks on an existing cluster report there.
-    Each worker used to start a temporary server of its own (~220 MB, read by nobody), which outlived it."""
+    Each worker used to start a temporary server of its own (~220 MB, read by nobody), which outlived it. One worker
+    shows it (it runs the baseline and the variant): a second cost some 10 CPU-s to start and showed nothing more."""
     import sqlite3
 
     import psutil
@@ -186,7 +187,7 @@ def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, traine
     flow_home, worker_home, home = tmp_path / "flow-prefect", tmp_path / "worker-prefect", tmp_path / "home"
     place_prefect_database(prefect_database, home / "prefect")  # as a user's earlier command left it
     plain = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    with dask_cluster(2, environment=plain | {"PREFECT_HOME": str(worker_home)}) as (address, _):
+    with dask_cluster(1, environment=plain | {"PREFECT_HOME": str(worker_home)}) as (address, _):
         config = write_config(tmp_path / "d.yaml", trained_model_dir, corpus_path,
                               [{"name": "int8", "method": "torchao-int8"}], runner={"kind": "dask", "address": address})
         done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
@@ -201,15 +202,19 @@ def test_workers_report_to_the_audits_own_server_and_start_none(tmp_path, traine
     assert any(name.startswith("score-int8") for name in names), names  # run on a worker, seen by the audit's API
 
 
-def test_an_address_nothing_answers_at_is_one_line_before_anything_loads(cli, tmp_path, trained_model_dir,
+# The refusals below are asked of `ppl-audit run` in this process (``one_line_error``: exit 2, one line on stderr, no
+# traceback), which has imported what a command imports: a command of its own spent some 5-8 CPU-s importing torch,
+# transformers and Prefect to say its one line. test_processes.py runs the console script itself.
+
+
+def test_an_address_nothing_answers_at_is_one_line_before_anything_loads(capsys, tmp_path, trained_model_dir,
                                                                           corpus_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path, [{"name": "int8", "method": "torchao-int8"}],
                           runner={"kind": "dask", "address": address})
-    code, out, err = cli("run", str(config))
-    assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines() == [f"ppl-audit: error: runner.address {address}: nothing answers there "
-                                        "(Connection refused); start the scheduler or correct the address"]
+    assert one_line_error(capsys, "run", str(config)) == (f"ppl-audit: error: runner.address {address}: nothing "
+                                                          "answers there (Connection refused); start the scheduler or "
+                                                          "correct the address")
 
 
 @dataclass
@@ -235,13 +240,12 @@ def blind_worker(tmp_path_factory, prefect_harness):
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) to hide a folder from a worker")
-def test_a_model_folder_a_worker_cannot_see_is_one_line(cli, tmp_path, trained_model_dir, corpus_path, blind_worker):
+def test_a_model_folder_a_worker_cannot_see_is_one_line(capsys, tmp_path, trained_model_dir, corpus_path,
+                                                        blind_worker):
     variant = shutil.copytree(trained_model_dir, blind_worker.private / "variant")
     config = write_config(tmp_path / "a.yaml", trained_model_dir, corpus_path, [{"name": "v", "path": str(variant)}])
     address, workers = blind_worker.address, blind_worker.workers
-    code, out, err = cli("run", str(config), "--set", "runner.kind=dask", "--set", f"runner.address={address}")
-    assert code == 2 and "Traceback" not in err, err
-    [line] = err.strip().splitlines()
+    line = one_line_error(capsys, "run", str(config), "--set", "runner.kind=dask", "--set", f"runner.address={address}")
     named = re.match(rf"ppl-audit: error: runner.address: worker (\S+) cannot see {re.escape(str(variant))} \(v\); ", line)
     assert named and named.group(1) in workers, line
 
@@ -356,16 +360,25 @@ def kill_a_worker_mid_shard(address: str, name: str, killed: list, unless: str |
 
     from distributed import Client
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterName,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
 
     with Client(address, timeout=60, set_as_default=False) as client, get_client(sync_client=True) as api:
         def running(model: str) -> bool:
-            shards = TaskRunFilter(name=TaskRunFilterName(like_=f"score-{model}-windows"))
+            # the running ones only, asked of the server: every shard of every earlier audit of the session
+            # matches the name, and each look read them all
+            shards = TaskRunFilter(name=TaskRunFilterName(like_=f"score-{model}-windows"),
+                                   state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING])))
             runs = api.read_task_runs(task_run_filter=shards)
             return any(run.state and run.state.is_running() for run in runs)
 
         wait_for(lambda: running(name) and not (unless and running(unless)), 300, f"a running shard of {name}",
-                 every=0.1)
+                 every=0.2)
         time.sleep(1)
         pids = client.run(os.getpid)  # now: a killed worker's nanny starts it again, under another address
         busy = [worker for worker, keys in client.processing().items()
@@ -379,40 +392,6 @@ def smollm2_int8_here(tmp_path_factory, prefect_harness):
     """``embedded_int8``'s audit run here, once for the module's tests that need its figures or its baseline reference
     (which stays in the worker's references folder): SmolLM2 and its int8 variant, loaded and scored."""
     return audit(config=str(embedded_int8(tmp_path_factory.mktemp("smollm2") / "s.yaml")), return_state=True).result()
-
-
-def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_int8_here):
-    """SmolLM2 and its int8 variant, each in two shards on three workers, the baseline scored again; one worker's
-    process is killed while a baseline shard runs, another's while an int8 shard runs: each shard runs again on a
-    worker that lives, the audit's figures are the unsharded audit's to the last bit, and the reference joined
-    from the baseline's slices holds the hidden states of the one written whole."""
-    import threading
-
-    from tasks.audit.reference import HIDDEN
-
-    whole = smollm2_int8_here
-    hidden = (Path(only(whole).results[0].reference.path) / HIDDEN).read_bytes()
-    killed: list[str] = []
-
-    def kill_one_each(address: str) -> None:
-        kill_a_worker_mid_shard(address, "baseline", killed)
-        kill_a_worker_mid_shard(address, "int8", killed, unless="baseline")
-
-    with dask_cluster(3) as (address, workers):
-        config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
-        killer = threading.Thread(target=kill_one_each, args=(address,))
-        killer.start()
-        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
-        killer.join()
-    assert state.is_completed(), state.message
-    # two workers killed: the second may be the first one started again by its nanny, under a new address
-    assert len(set(killed)) == 2 and killed[0] in workers
-    for outcome, alone, dead in zip(only(state.result()).results, only(whole).results, killed):
-        assert dead not in {row.worker for row in outcome.shards}  # its shard ran again on a live worker
-        assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
-        assert outcome.result.nll_sum == alone.result.nll_sum
-    baseline = only(state.result()).results[0]
-    assert (Path(baseline.reference.path) / HIDDEN).read_bytes() == hidden
 
 
 def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path, two_workers):
@@ -432,7 +411,9 @@ def test_on_a_cluster_the_flow_process_loads_no_model(cli, tmp_path, two_workers
                 for each in [parent, *parent.children(recursive=True)]:
                     for kib in re.findall(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{each.pid}/status").read_text()):
                         peak = max(peak, int(kib))  # none in an exited process's status
-            time.sleep(0.05)
+            # a high-water mark stays until its process exits, seconds after the models are loaded: five looks a
+            # second see it (each look reads every process on the machine, for their parents: 20 took a core's half)
+            time.sleep(0.2)
         assert process.returncode == 0
         return peak / 1024
 
@@ -538,7 +519,9 @@ def test_a_retry_whose_workers_all_leave_fails_its_variant_instead_of_waiting(tm
     def kill_the_other_when_a_retry_runs(address: str, killed: list) -> None:
         with Client(address, timeout=60, set_as_default=False) as client:
             pids = client.run(os.getpid)
-            wait_for(lambda: client.run_on_scheduler(held_retries), 300, "a second try of a shard", every=0.02)
+            # a retry held to the other worker loads SmolLM2 for seconds there: ten looks a second catch it (fifty
+            # took the scheduler's and the cluster's CPU from the shards)
+            wait_for(lambda: client.run_on_scheduler(held_retries), 300, "a second try of a shard", every=0.1)
             os.kill(pids[workers[0]], signal.SIGKILL)
             killed.append(workers[0])
 
@@ -635,22 +618,20 @@ def test_a_sequential_audit_on_a_ray_cluster_stops_a_clear_variant_early(tmp_pat
     assert all(re.fullmatch(r"ray node [\d.]+ \(pid \d+\)", row.worker) for row in outcome.shards), outcome.shards
 
 
-def test_gpus_no_worker_offers_are_one_line_before_anything_loads(cli, tmp_path, trained_model_dir, corpus_path,
+def test_gpus_no_worker_offers_are_one_line_before_anything_loads(capsys, tmp_path, trained_model_dir, corpus_path,
                                                                   ray_address, two_workers):
     """Tasks that ask for a GPU no worker has would wait forever: refused up front, on Ray and on Dask."""
     config = write_config(tmp_path / "g.yaml", trained_model_dir, corpus_path,
                           [{"name": "int8", "method": "torchao-int8"}])
-    code, out, err = cli("run", str(config), "--set", "runner.kind=ray", "--set", f"runner.address={ray_address}",
-                         "--set", "runner.gpus_per_variant=1")
-    assert code == 2 and err.strip().splitlines() == [
+    assert one_line_error(capsys, "run", str(config), "--set", "runner.kind=ray", "--set",
+                          f"runner.address={ray_address}", "--set", "runner.gpus_per_variant=1") == (
         f"ppl-audit: error: runner.gpus_per_variant is 1 but no worker of {ray_address} offers that many GPUs "
-        "(the most is 0); start workers with --num-gpus N or lower it"], err
+        "(the most is 0); start workers with --num-gpus N or lower it")
     address = two_workers[0]
-    code, out, err = cli("run", str(config), "--set", "runner.kind=dask", "--set", f"runner.address={address}",
-                         "--set", "runner.gpus_per_variant=0.5")
-    assert code == 2 and err.strip().splitlines() == [
+    assert one_line_error(capsys, "run", str(config), "--set", "runner.kind=dask", "--set",
+                          f"runner.address={address}", "--set", "runner.gpus_per_variant=0.5") == (
         f"ppl-audit: error: runner.gpus_per_variant is 0.5 but no worker of {address} offers that many GPUs "
-        "(the most is 0); start workers with --resources GPU=N or lower it"], err
+        "(the most is 0); start workers with --resources GPU=N or lower it")
 
 
 def test_a_variant_made_here_is_quantized_once_then_sharded(tmp_path, trained_model_dir, corpus_path, two_workers,
@@ -723,21 +704,48 @@ def network():
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
+# A TCP relay: connections to ``argv[1]:argv[2]`` go on, byte for byte, to ``127.0.0.1:argv[3]``.
+RELAY = """
+import asyncio, sys
+
+async def pipe(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
+
+async def relay(reader, writer):
+    upstream = await asyncio.open_connection("127.0.0.1", int(sys.argv[3]))
+    await asyncio.gather(pipe(reader, upstream[1]), pipe(upstream[0], writer), return_exceptions=True)
+
+async def main():
+    server = await asyncio.start_server(relay, sys.argv[1], int(sys.argv[2]))
+    print("listening", flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
 @pytest.fixture
-def prefect_on_the_network(tmp_path, network, prefect_database):
-    """A Prefect server listening on the network's gateway, as workers on other hosts need: its API URL."""
+def prefect_on_the_network(network):
+    """The harness's Prefect server reached at the network's gateway, as workers on other hosts need: its API URL
+    there. A relay on this machine carries each connection to the server on 127.0.0.1, where workers on other
+    hosts cannot reach it; a server of its own started on the gateway cost 10-17 s (and ~10 CPU-s) to start."""
+    from urllib.parse import urlsplit
+
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    port = free_port()
-    place_prefect_database(prefect_database, tmp_path / "prefect")
+    port, harness = free_port(), urlsplit(PREFECT_API_URL.value()).port
     url = f"http://{network.gateway}:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": url}
-    process = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host",
-                                network.gateway, "--port", str(port), "--no-ui"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-c", RELAY, network.gateway, str(port), str(harness)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         import httpx
 
+        assert process.stdout.readline() == "listening\n"
         wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 120, "the Prefect server")
         with temporary_settings({PREFECT_API_URL: url}):
             yield url
@@ -836,3 +844,61 @@ def test_the_scheduler_always_sees_every_worker(two_workers):
             Scheduler.started(Runner(kind="dask", address=address)) as scheduler:
         seen = [scheduler.elsewhere("no such worker") for _ in range(300)]
     assert all(set(others) == set(workers) for others in seen), sum(len(others) != 2 for others in seen)
+
+
+@contextmanager
+def one_more_worker(address: str, name: str):
+    """A worker named ``name`` joins the cluster at ``address`` for the block (configured as the module's were):
+    its address. Ended with the block, as a nanny ends its worker."""
+    from distributed import Client
+
+    command = [DASK, "worker", address, "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard", "--name", name]
+    process = subprocess.Popen(command, env=worker_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Client(address, timeout=60, set_as_default=False) as client:
+            def joined() -> str | None:
+                known = client.scheduler_info()["workers"]
+                return next((worker for worker in known if known[worker]["name"] == name), None)
+
+            yield wait_for(joined, 120, f"the dask worker {name}", every=0.5)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_workers_killed_mid_shard_cost_a_retry_not_the_audit(tmp_path, smollm2_int8_here, two_workers):
+    """SmolLM2 and its int8 variant, each in two shards on three workers, the baseline scored again; one worker's
+    process is killed while a baseline shard runs, another's while an int8 shard runs: each shard runs again on a
+    worker that lives, the audit's figures are the unsharded audit's to the last bit, and the reference joined
+    from the baseline's slices holds the hidden states of the one written whole. The module's cluster and a third
+    worker (a cluster of three of its own cost a scheduler and three workers, some 30 CPU-s): the last test of that
+    cluster, whose killed workers come back under new addresses."""
+    import threading
+
+    from tasks.audit.reference import HIDDEN
+
+    whole = smollm2_int8_here
+    hidden = (Path(only(whole).results[0].reference.path) / HIDDEN).read_bytes()
+    killed: list[str] = []
+
+    def kill_one_each(address: str) -> None:
+        kill_a_worker_mid_shard(address, "baseline", killed)
+        kill_a_worker_mid_shard(address, "int8", killed, unless="baseline")
+
+    address = two_workers[0]
+    with one_more_worker(address, "worker-2") as third:
+        workers = [*two_workers[1], third]
+        config = embedded_int8(tmp_path / "d.yaml", runner={"kind": "dask", "address": address, "shards": 2})
+        killer = threading.Thread(target=kill_one_each, args=(address,))
+        killer.start()
+        state = audit(config=str(config), overrides=["baseline.rescore=always"], return_state=True)
+        killer.join()
+    assert state.is_completed(), state.message
+    # two workers killed: the second may be the first one started again by its nanny, under a new address
+    assert len(set(killed)) == 2 and killed[0] in workers
+    for outcome, alone, dead in zip(only(state.result()).results, only(whole).results, killed):
+        assert dead not in {row.worker for row in outcome.shards}  # its shard ran again on a live worker
+        assert np.array_equal(outcome.result.token_nll, alone.result.token_nll)
+        assert outcome.result.nll_sum == alone.result.nll_sum
+    baseline = only(state.result()).results[0]
+    assert (Path(baseline.reference.path) / HIDDEN).read_bytes() == hidden

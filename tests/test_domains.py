@@ -238,31 +238,58 @@ def filled(value, fill: dict):
     return value.format(**fill) if isinstance(value, str) else value
 
 
-@pytest.mark.parametrize("case", REFUSED)
-def test_bad_domains_are_one_line_exit_2_before_anything_loads(tmp_path, words_model_dir, case):
-    """Through the command a user runs. Exit 2 is said only for a refusal before the flow (one inside it exits 1),
-    and Prefect's API is a closed port here: had the command reached Prefect, it would have crashed on it."""
+def refused(folder: Path, words_model_dir: Path, case: str) -> tuple[Path, str]:
+    """The case's config, written in ``folder`` with the texts it names, and the pattern of the one line that
+    refuses it."""
     import re
-
-    from helpers import free_port
 
     change, expected = REFUSED[case]
     files = {"english": make_text(3000), "russian": make_text(3000, vocabulary=RUSSIAN), "blank": " \n\t\n",
              "chinese": CHINESE}
-    fill = {"config": tmp_path / "audit.yaml"}
+    fill = {"config": folder / "audit.yaml"}
     for name, text in files.items():
-        (tmp_path / f"{name}.txt").write_text(text)
-        fill[name] = tmp_path / f"{name}.txt"
+        (folder / f"{name}.txt").write_text(text)
+        fill[name] = folder / f"{name}.txt"
     config = {"name": "domains", "baseline": {"path": str(words_model_dir)},
               # a float variant: quantizing at load would import torchao, seconds a refusal never needs
               "variants": [{"name": "same", "path": str(words_model_dir)}], **SETTINGS, **filled(change, fill)}
     fill["config"].write_text(yaml.safe_dump(config, sort_keys=False))
+    return fill["config"], re.escape(f"ppl-audit: error: {expected.format(**fill)}\n").replace(re.escape("<N>"), r"\d+")
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_bad_domains_are_one_line_exit_2_before_anything_loads(tmp_path, words_model_dir, capsys, case):
+    """Exit 2 is said only for a refusal before the flow (one inside it exits 1), and Prefect's API is a closed port
+    here: had the command reached Prefect, it would have crashed on it. In-process (``main``), as the console script
+    runs it; the script's own part (its log) is the next test's."""
+    import re
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.cli import main
+    from helpers import free_port
+
+    config, line = refused(tmp_path, words_model_dir, case)
+    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        code = main(["run", str(config)])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured.err
+    assert re.fullmatch(line, captured.err), captured.err
+
+
+def test_a_bad_domain_through_the_console_script_is_one_line_and_leaves_no_log(tmp_path, words_model_dir):
+    """Through the command a user runs (each case's answer is ``main``'s, the previous test's): the domain its
+    tokenizer cannot encode, refused after the tokenizer is read, with Prefect's API a closed port."""
+    import re
+
+    from helpers import free_port
+
+    config, line = refused(tmp_path, words_model_dir, "unencodable-domain")
     home = tmp_path / "home"
     env = {**os.environ, "PPL_AUDIT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(fill["config"])], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True,
                           text=True, timeout=300, env=env)
     assert done.returncode == 2 and done.stdout == "", done.stderr
-    line = re.escape(f"ppl-audit: error: {expected.format(**fill)}\n").replace(re.escape("<N>"), r"\d+")
     assert re.fullmatch(line, done.stderr), done.stderr
     assert not list(home.glob("logs/*")), "a refused command leaves no log behind"
 

@@ -58,16 +58,25 @@ def embedded():
     return load_model("embedded", torch.float32, torch.device("cpu")), tokenizer, stream
 
 
+def ppl_here(capsys, *args: str) -> str:
+    """``ppl-audit ppl ARGS --json`` run in this process (``main``, as the command runs it): its stdout. A command of
+    its own spent seconds importing what this process has imported; the first test runs `ppl` as users do."""
+    from flows.cli import main
+
+    code = main(["ppl", *args, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
 @pytest.mark.slow  # the embedded 135M model
-def test_float32_ppl_is_within_1e6_of_a_float64_computation(cli, embedded):
+def test_float32_ppl_is_within_1e6_of_a_float64_computation(capsys, embedded):
     """`ppl` in float32 against our own float64 computation of the same windows (L=256, S=128)."""
     import torch
     from test_perplexity import brute_force_nll_sum
 
-    code, out, err = cli("ppl", "--model", "embedded", "--corpus", "embedded", "--window", "256", "--stride", "128",
-                         "--max-tokens", "1024", "--bos", "none", "--dtype", "float32", "--batch-size", "4", "--json")
-    assert code == 0, err
-    result = json_line(out, err)
+    result = json_line(ppl_here(capsys, "--model", "embedded", "--corpus", "embedded", "--window", "256", "--stride",
+                                "128", "--max-tokens", "1024", "--bos", "none", "--dtype", "float32", "--batch-size", "4"))
     model, _, stream = embedded
     reference, count = brute_force_nll_sum(model.to(torch.float64), stream, 256, 128)
     model.to(torch.float32)
@@ -96,21 +105,18 @@ def test_nll_does_not_depend_on_what_else_is_kept(embedded, tmp_path):
 
 
 @pytest.mark.slow  # the embedded 135M model
-def test_llama_cpp_mode_follows_the_model_s_add_bos_flag(cli, embedded):
+def test_llama_cpp_mode_follows_the_model_s_add_bos_flag(capsys, embedded):
     """SmolLM2 adds no BOS, so llama-perplexity scores its plain stream: so must `--mode llama.cpp`."""
     _, tokenizer, _ = embedded
     assert tokenizer.bos_token_id is not None, "the embedded tokenizer names no BOS token"
     ids = tokenizer("a").input_ids
     assert ids, "the embedded tokenizer gives no tokens for 'a'"
     assert ids[0] != tokenizer.bos_token_id, f"the embedded tokenizer adds BOS: {ids}"
-    args = ("ppl", "--model", "embedded", "--corpus", "embedded", "--window", "128", "--mode", "llama.cpp",
-            "--chunks", "3", "--batch-size", "3", "--json")
-    code, out, err = cli(*args)
-    assert code == 0, err
-    default = json_line(out, err)
-    code, out, err = cli(*args, "--bos", "none")
-    assert code == 0, err
-    plain = json_line(out, err)
+    args = ("--model", "embedded", "--corpus", "embedded", "--window", "128", "--mode", "llama.cpp", "--chunks", "3",
+            "--batch-size", "3")
+    out = ppl_here(capsys, *args)
+    default = json_line(out)
+    plain = json_line(ppl_here(capsys, *args, "--bos", "none"))
     assert default["bos"] == "none" and default["ppl"] == plain["ppl"]
     assert default["n_windows"] == 3 and default["n_tokens"] == 3 * (128 - 1 - 64)
     assert default["bits_per_byte"] is not None and "nan" not in out.lower()

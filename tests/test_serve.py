@@ -37,13 +37,16 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-@pytest.fixture
-def server(tmp_path, prefect_database):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, prefect_database):
+    """A Prefect server the module's tests share (each started one: 10-17 s): each serves deployments of names of its
+    own and reads only their runs. A test's serve runs with its own home and quantization cache."""
+    folder = tmp_path_factory.mktemp("server")
     port = free_port()
-    place_prefect_database(prefect_database, tmp_path / "prefect")
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PPL_AUDIT_CACHE": str(tmp_path / "cache")}
-    log = open(tmp_path / "server.log", "w")
+    place_prefect_database(prefect_database, folder / "prefect")
+    env = {**os.environ, "PREFECT_HOME": str(folder / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PPL_AUDIT_CACHE": str(folder / "cache")}
+    log = open(folder / "server.log", "w")
     process = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
                                 "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     api = httpx.Client(base_url=env["PREFECT_API_URL"], timeout=10)
@@ -56,14 +59,21 @@ def server(tmp_path, prefect_database):
         log.close()
 
 
-@pytest.fixture
-def gptq_checkpoint(tmp_path, trained_model_dir, tokenizer) -> Path:
-    """A GPTQ 4-bit g32 checkpoint in a folder whose name says nothing of it (as in a job's cache)."""
+@pytest.fixture(scope="module")
+def gptq_checkpoint(tmp_path_factory, trained_model_dir, tokenizer) -> Path:
+    """A GPTQ 4-bit g32 checkpoint in a folder whose name says nothing of it (as in a job's cache); made once, read
+    only by the tests."""
     ids = tokenize(make_text(2000, seed=5), tokenizer, bos="none").ids
-    out = tmp_path / "quantized" / "job-14968c37b68748e0"
+    out = tmp_path_factory.mktemp("checkpoint") / "quantized" / "job-14968c37b68748e0"
     quantize(locate_model(str(trained_model_dir)), Scheme("gptq", 4, 32, True),
              draw_calibration(ids, 4, 64, 0, "other", "x"), out, load_tokenizer(str(trained_model_dir)))
     return out
+
+
+def own(tmp_path: Path, home: Path) -> dict[str, str]:
+    """A serve's home and quantization cache of its test's own: a cache an earlier test's audit filled would end a
+    quantization that a test stops midway before it is stopped."""
+    return {"PPL_AUDIT_HOME": str(home), "PPL_AUDIT_CACHE": str(tmp_path / "cache")}
 
 
 def serve_log(home: Path) -> str:
@@ -114,7 +124,7 @@ def test_events_trigger_audits_gated_by_name_and_cron_runs_in_the_schedule_s_zon
     log = open(tmp_path / "serve.console", "w")
     home = tmp_path / "home"
     serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config), "--allow",
-                                str(gptq_checkpoint.parent)], env=env | {"PPL_AUDIT_HOME": str(home)}, stdout=log,
+                                str(gptq_checkpoint.parent)], env=env | own(tmp_path, home), stdout=log,
                                stderr=subprocess.STDOUT)
     try:
         deployments = wait_for(lambda: {d["name"]: d for d in api.post("/deployments/filter", json={}).json()
@@ -204,7 +214,7 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
     console_path, home = tmp_path / "serve.console", tmp_path / "home"
     log = open(console_path, "w")
     serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)],
-                               env=env | {"PPL_AUDIT_HOME": str(home)}, stdout=log, stderr=subprocess.STDOUT)
+                               env=env | own(tmp_path, home), stdout=log, stderr=subprocess.STDOUT)
     try:
         def served() -> dict[str, str] | None:
             found = {d["name"]: d["id"] for d in api.post("/deployments/filter", json={}).json()}
@@ -291,30 +301,46 @@ def test_a_served_audit_does_only_what_its_config_allows(server, tmp_path, train
         log.close()
 
 
+def started_serve(env: dict, folder: Path, config: Path) -> subprocess.Popen:
+    """``ppl-audit serve CONFIG`` with its home, cache and console in ``folder``."""
+    folder.mkdir()
+    with open(folder / "serve.console", "w") as log:  # the child has its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)],
+                                env=env | own(folder, folder / "home"), stdout=log, stderr=subprocess.STDOUT)
+
+
 def test_ctrl_c_or_sighup_to_serve_ends_its_running_audit_crashed(server, tmp_path, trained_model_dir, corpus_path):
     """As on SIGTERM (above), serve stopped by Ctrl-C or SIGHUP while an audit runs ends that run Crashed with the
     stop's line: the runner's teardown had killed the run's process without a word to the API, and the run stayed
-    Running there for good (#51's sibling)."""
+    Running there for good (#51's sibling). Two serves at once, a deployment each, so that their start-ups overlap;
+    each is stopped as soon as its audit runs."""
     env, api = server
-    config = write_config(tmp_path / "serve.yaml", trained_model_dir, corpus_path,
-                          [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32,
-                            "calibration": {"samples": 4, "seq_len": 64}}], name="stopped")
-    for signum in (signal.SIGINT, signal.SIGHUP):
-        with open(tmp_path / f"serve-{signum.name}.console", "w") as log:
-            serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(config)],
-                                       env=env | {"PPL_AUDIT_HOME": str(tmp_path / "home")}, stdout=log,
-                                       stderr=subprocess.STDOUT)
-            try:
-                deployment = wait_for(lambda: next((d["id"] for d in api.post("/deployments/filter", json={}).json()
-                                                    if d["name"] == "stopped"), None), 120, "the deployment")
-                running = wait_for(lambda: (lambda answer: answer if answer.is_success else None)(api.post(
-                    f"/deployments/{deployment}/create_flow_run", json={"parameters": {"config": str(config.resolve())}})),
-                    60, "a run").json()["id"]
-                wait_for(lambda: api.get(f"/flow_runs/{running}").json()["state_type"] == "RUNNING", 120, "the audit")
-                serving.send_signal(signum)
-                assert serving.wait(timeout=30) == 128 + signum
-            finally:
-                stop(serving)
+    servings, runs = {}, {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGHUP):
+            config = write_config(tmp_path / f"serve-{signum.name}.yaml", trained_model_dir, corpus_path,
+                                  [{"name": "gptq-4bit", "method": "gptq", "bits": 4, "group_size": 32,
+                                    "calibration": {"samples": 4, "seq_len": 64}}], name=f"stopped-{signum.name.lower()}")
+            servings[signum] = (config, started_serve(env, tmp_path / signum.name, config))
+        for signum, (config, _) in servings.items():
+            deployment = wait_for(lambda: next((d["id"] for d in api.post("/deployments/filter", json={}).json()
+                                                if d["name"] == f"stopped-{signum.name.lower()}"), None), 120, "the deployment")
+            runs[signum] = wait_for(lambda: (lambda answer: answer if answer.is_success else None)(api.post(
+                f"/deployments/{deployment}/create_flow_run", json={"parameters": {"config": str(config.resolve())}})),
+                60, "a run").json()["id"]
+        waiting = dict(runs)
+        while waiting:  # each serve stopped as soon as its audit runs, while it quantizes
+            signum = wait_for(lambda: next((s for s, run in waiting.items()
+                                            if api.get(f"/flow_runs/{run}").json()["state_type"] == "RUNNING"), None),
+                              120, "an audit", every=0.25)
+            servings[signum][1].send_signal(signum)
+            del waiting[signum]
+        for signum, (_, serving) in servings.items():
+            assert serving.wait(timeout=30) == 128 + signum, signum.name
+    finally:
+        for _, serving in servings.values():
+            stop(serving)
+    for signum, running in runs.items():
         run = api.get(f"/flow_runs/{running}").json()
         assert run["state_type"] == "CRASHED" and run["state"]["message"] == (
             f"crashed: ppl-audit serve was interrupted by {signum.name} while this run ran; nothing it had half-written "

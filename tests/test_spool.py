@@ -90,11 +90,21 @@ def spool_copies(audited: Path, count: int, uri: str) -> list[str]:
     return [spool_copy(audited, spool_dir() / f"{audited.name}-{i}", uri) for i in range(count)]
 
 
-def fresh_store(tmp_path: Path) -> str:
-    """A local SQLite store, its tables made (two processes both making them is MLflow's own race)."""
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
-    MlflowClient(uri).search_experiments()
-    return uri
+@pytest.fixture(scope="module")
+def made_store(tmp_path_factory) -> Path:
+    """A local SQLite store with MLflow's tables made, once a module: making them (MLflow's migrations) took seconds
+    a store, in a dozen tests whose subject is what a sync logs, not how a store is made."""
+    path = tmp_path_factory.mktemp("made-store") / "store.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def store(made_store, tmp_path) -> str:
+    """A local SQLite store of this test's own, its tables made (two processes both making them is MLflow's own
+    race): a copy of the module's made store."""
+    shutil.copyfile(made_store, tmp_path / "store.db")
+    return f"sqlite:///{tmp_path / 'store.db'}"
 
 
 def runs_of(client: MlflowClient, audit_id: str) -> tuple[list, list]:
@@ -146,7 +156,7 @@ def test_syncs_at_once_log_each_audit_once_to_a_store_not_made_yet(tmp_path, hom
     assert pending() == [] and len(list((home / "synced").iterdir())) == 4
 
 
-def test_syncs_logging_the_same_new_corpus_at_once_all_link_it(tmp_path):
+def test_syncs_logging_the_same_new_corpus_at_once_all_link_it(store):
     """MLflow looks a dataset up, then inserts it: four runs logging the same new corpus at the same moment race
     on the store's unique constraint (without the retry, most of ten rounds lost a run's input)."""
     from mlflow.data.http_dataset_source import HTTPDatasetSource
@@ -155,7 +165,7 @@ def test_syncs_logging_the_same_new_corpus_at_once_all_link_it(tmp_path):
 
     from tasks.record.tracking import _log_dataset
 
-    uri = fresh_store(tmp_path)
+    uri = store
     client = MlflowClient(uri)
     experiment = client.create_experiment("race")
     for round_ in range(10):
@@ -182,10 +192,10 @@ def test_syncs_logging_the_same_new_corpus_at_once_all_link_it(tmp_path):
             assert [d.dataset.digest for d in client.get_run(run_id).inputs.dataset_inputs] == [corpus.digest]
 
 
-def test_a_sync_during_an_audits_own_tracking_logs_it_once(tmp_path, home, audited):
+def test_a_sync_during_an_audits_own_tracking_logs_it_once(tmp_path, home, audited, store):
     from tasks.steps import track
 
-    uri = fresh_store(tmp_path)
+    uri = store
     [audit_id] = spool_copies(audited, 1, uri)
     [folder] = pending()
     [sync], gate = gated_syncs(tmp_path, 1)
@@ -197,12 +207,12 @@ def test_a_sync_during_an_audits_own_tracking_logs_it_once(tmp_path, home, audit
     assert pending() == [] and [p.name for p in (home / "synced").iterdir()] == [folder.name]
 
 
-def test_tracking_waits_for_a_sync_that_holds_the_record_and_returns_its_run(tmp_path, home, audited):
+def test_tracking_waits_for_a_sync_that_holds_the_record_and_returns_its_run(home, audited, store):
     from tasks.record.spool import claim, mark_synced
     from tasks.record.tracking import replay
     from tasks.steps import track
 
-    uri = fresh_store(tmp_path)
+    uri = store
     [audit_id] = spool_copies(audited, 1, uri)
     [folder] = pending()
     tracked = {}
@@ -292,9 +302,9 @@ def test_sync_sweeps_partial_folders_of_dead_writers_only(home, capsys):
     assert pending() == []
 
 
-def test_a_complete_record_whose_writer_died_before_the_rename_is_recovered_and_synced(tmp_path, home, audited,
+def test_a_complete_record_whose_writer_died_before_the_rename_is_recovered_and_synced(home, audited, store,
                                                                                         capsys):
-    uri = fresh_store(tmp_path)
+    uri = store
     final = "20250101T000000-spooled-0123abcd"
     audit_id = spool_copy(audited, spool_dir() / f"{PARTIAL}{dead_pid()}@{platform.node()}@{final}", uri)
     assert pending() == []
@@ -325,10 +335,10 @@ def _ppl_halved(text: str) -> str:
     (_ppl_halved, "{name}/record.json was changed after it was written: its figures are not the audit's; "
                     "to send it as it now is, remove its \"digest\" field"),
 ], ids=["truncated", "a-field-missing", "a-ppl-edited"])
-def test_a_damaged_record_is_set_aside_and_the_others_sync(tmp_path, home, audited, capsys, damage, expected):
+def test_a_damaged_record_is_set_aside_and_the_others_sync(home, audited, store, capsys, damage, expected):
     """Before, a damaged record failed every later sync (exit 1) and was never set aside: a scheduled sync
     never succeeded again."""
-    uri = fresh_store(tmp_path)
+    uri = store
     broken, good = spool_copies(audited, 2, uri)
     folder = spool_dir() / f"{audited.name}-0"
     (folder / "record.json").write_text(damage((folder / "record.json").read_text()))
@@ -377,10 +387,10 @@ def _older_record_cut_short(folder: Path) -> None:
     (_deeper_field_missing, "replaying it failed on its content: KeyError: 'experiment'"),
 ], ids=["arrays-cut-short", "arrays-missing", "a-field-of-the-wrong-type", "an-older-record-cut-short",
         "a-deeper-field-missing"])
-def test_a_record_whose_arrays_or_fields_are_damaged_is_set_aside_and_the_others_sync(tmp_path, home, audited, capsys,
+def test_a_record_whose_arrays_or_fields_are_damaged_is_set_aside_and_the_others_sync(home, audited, store, capsys,
                                                                                       damage, expected):
     """Issue 51: such a record failed every sync (exit 1), each leaving a parent run RUNNING in MLflow."""
-    uri = fresh_store(tmp_path)
+    uri = store
     broken, good = spool_copies(audited, 2, uri)
     folder = spool_dir() / f"{audited.name}-0"
     damage(folder)
@@ -394,9 +404,9 @@ def test_a_record_whose_arrays_or_fields_are_damaged_is_set_aside_and_the_others
     assert (home / "quarantine" / folder.name).is_dir() and pending() == []
 
 
-def test_a_replay_that_fails_midway_leaves_no_parent_run_running(tmp_path, home, audited, capsys):
+def test_a_replay_that_fails_midway_leaves_no_parent_run_running(home, audited, store, capsys):
     """Issue 51: each failed replay left its parent run in status RUNNING for good."""
-    uri = fresh_store(tmp_path)
+    uri = store
     [audit_id] = spool_copies(audited, 1, uri)
     (home / "mlartifacts").write_text("")  # where a local store's artifacts go: none can be written
     assert main(["sync"]) == 1

@@ -20,7 +20,7 @@ from tasks.audit.recipe.sizes import Budget
 from tasks.core.errors import InputError
 from tasks.models import llama_cpp
 
-PLANTED, SCALE = 7, 100.0
+PLANTED, SCALE, KEPT = 7, 100.0, 10
 
 
 def test_the_knapsack_finds_the_best_assignment_a_brute_force_finds():
@@ -101,36 +101,50 @@ def test_compressed_tensors_applies_the_llm_compressor_recipe_module_by_module()
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """The embedded model with layer PLANTED made fragile and nothing else changed: in its MLP, every 32nd
-    intermediate channel's down-projection column is multiplied by SCALE and its up-projection row divided by it
-    (the MLP computes the same: silu(gate)·up is linear in up). Every 32-weight block of that layer's down
-    projection then holds one outlier, which a 4-bit block quantizer rounds the rest of the block to nothing for."""
+    """The embedded model's first KEPT decoder layers, with layer PLANTED made fragile and nothing else changed: in
+    its MLP, every 32nd intermediate channel's down-projection column is multiplied by SCALE and its up-projection
+    row divided by it (the MLP computes the same: silu(gate)·up is linear in up). Every 32-weight block of that
+    layer's down projection then holds one outlier, which a 4-bit block quantizer rounds the rest of the block to
+    nothing for. A third of the layers: the tune scores each unit alone, so all 30 took ~3x the minutes (~134 s)."""
     from tasks.data.embedded import ensure_embedded_model
 
-    return fragile(ensure_embedded_model(), tmp_path_factory.mktemp("planted") / "model", PLANTED)
+    return fragile(ensure_embedded_model(), tmp_path_factory.mktemp("planted") / "model", PLANTED, KEPT)
 
 
-def fragile(source: Path, folder: Path, layer: int) -> Path:
-    """A copy of the model folder ``source`` in ``folder`` with decoder layer ``layer``'s MLP made fragile (``planted``)."""
+def fragile(source: Path, folder: Path, layer: int, layers: int | None = None) -> Path:
+    """A copy of the model folder ``source`` in ``folder`` with decoder layer ``layer``'s MLP made fragile
+    (``planted``); ``layers``: only the first that many decoder layers kept (None: all)."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     for file in source.glob("*.safetensors"):
         tensors = load_file(file)
+        if layers is not None:
+            tensors = {name: t for name, t in tensors.items() if not _beyond(name, layers)}
         down, up = f"model.layers.{layer}.mlp.down_proj.weight", f"model.layers.{layer}.mlp.up_proj.weight"
         if down in tensors:
             channels = slice(0, tensors[down].shape[1], 32)
             tensors[down][:, channels] *= SCALE
             tensors[up][channels, :] /= SCALE
         save_file(tensors, folder / file.name, metadata={"format": "pt"})
+    if layers is not None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}, indent=2))
     return folder
+
+
+def _beyond(name: str, layers: int) -> bool:
+    """Whether the tensor ``name`` belongs to a decoder layer at or past ``layers``."""
+    found = re.match(r"model\.layers\.(\d+)\.", name)
+    return found is not None and int(found[1]) >= layers
 
 
 @pytest.mark.slow
 def test_tune_gives_the_planted_fragile_module_more_precision_and_proves_it_better(cli, tmp_path, planted):
-    """At a budget of one down projection in Q8_0, module by module: the planted layer's down projection is chosen,
-    the recipe as built holds it in Q8_0 and every other tensor as the uniform Q4_0, within the budget, and its audit
-    proves it better than the uniform Q4_0 beyond the paired interval; the recipe is in MLflow under that audit."""
+    """At a budget of 1.5 down projections in Q8_0 (each adds 4 bits to 1/KEPT of the layers' weights), module by
+    module: the planted layer's down projection is chosen, the recipe as built holds it in Q8_0 and every other tensor
+    as the uniform Q4_0, within the budget, and its audit proves it better than the uniform Q4_0 beyond the paired
+    interval; the recipe is in MLflow under that audit."""
     assert llama_cpp.version(), "the llama.cpp runtime is not installed: run bash .ci/llama-cpp"
     config = {"name": "planted", "baseline": {"name": "baseline", "path": str(planted)},
               "corpus": {"source": "embedded"},
@@ -139,7 +153,7 @@ def test_tune_gives_the_planted_fragile_module_more_precision_and_proves_it_bett
               "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "tune"}}
     path = tmp_path / "planted.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    code, out, err = cli("tune", str(path), "--variant", "q4", "--budget", "+0.05bpw", "--per", "module",
+    code, out, err = cli("tune", str(path), "--variant", "q4", "--budget", f"+{1.5 / KEPT:.2f}bpw", "--per", "module",
                          "--types", "Q8_0", "--set", "diagnosis.windows=4", "--json", timeout=1200)
     found = json_line(out, err)
     assert code == 0, out[-4000:] + err[-4000:]
