@@ -272,15 +272,16 @@ STOP_S = 10
 
 @pytest.fixture
 def long_config(tmp_path, tiny_model_dir) -> Path:
-    """An audit whose variants score for seconds after its baseline's reference is written (30,000 tokens each,
-    some 2.5 s on an idle core, the int8 one after the copy): long enough to be stopped in the middle, which the
-    tests do within a look (0.2 s) of that reference. 150,000, then 60,000 before: the baseline, scored whole before
-    any test signals, took 5 and 2 times as long, in each of the eight tests that wait for it."""
+    """An audit whose variants score for seconds after its baseline's reference is written (60,000 tokens each,
+    some 5 s on an idle core): long enough to be stopped in the middle, which the tests do as soon as that reference
+    is seen. 150,000 before: the baseline, scored whole before any test signals, took 2.5 times as long. 30,000 was
+    too short: on a slower machine (2026-11-29) the variants had finished and their record was spooled before
+    SIGTERM's stop ended the audit."""
     corpus = tmp_path / "long.txt"
-    corpus.write_text(make_text(25000))  # ~36,000 tokens
+    corpus.write_text(make_text(60000))
     return write_config(tmp_path / "long.yaml", tiny_model_dir, corpus,
                         [{"name": "copy", "path": str(tiny_model_dir)}, {"name": "int8", "method": "torchao-int8"}],
-                        evaluation={"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 30000})
+                        evaluation={"window": 64, "stride": 32, "batch_size": 4, "max_tokens": 60000})
 
 
 def references(started: Command) -> list[Path]:
