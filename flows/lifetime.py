@@ -19,8 +19,9 @@ So the command runs in a forked child, and the process the user started becomes 
 - the child gets SIGTERM when the supervisor dies, ``kill -9`` included (``PR_SET_PDEATHSIG``);
 - on SIGTERM or SIGHUP the child exits as on an exception, not at once: ``finally`` and ``with`` blocks
   run, and ``atexit`` handlers such as Prefect's, which stops its server (a signal that lands in a
-  ``__del__`` is sent again a moment later, outside it). (During a flow run Prefect's
-  own handler comes first: it records the run as crashed, then hands the signal on; ``serve``'s runner
+  ``__del__`` is sent again a moment later, outside it: ``tasks.core.signals``). (During a flow run Prefect's
+  own handler comes first, kept out of finalizers the same way (``tasks.models.patches``): it records the run as
+  crashed, then hands the signal on; ``serve``'s runner
   replaces the handler with its own, which shuts the runner down and exits);
 - when the child ends, every descendant still there is stopped: by the child as its last ``atexit``
   handler, by the supervisor if the child was killed outright (the OOM killer picks the biggest
@@ -34,12 +35,13 @@ import ctypes
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
 from types import FrameType
 from typing import NoReturn
+
+from tasks.core.signals import outside_finalizers
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -179,30 +181,18 @@ def _stopped(signum: signal.Signals, line: str) -> NoReturn:
     os._exit(128 + signum)
 
 
+@outside_finalizers  # an exception raised inside a __del__ is only printed: raised a moment later instead
 def _stop(signum: int, frame: FrameType | None) -> None:
-    if _finalizing(frame):  # an exception raised inside a __del__ is only printed: raise it a moment later
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
-        return
     for stopping in STOPPING:
         signal.signal(stopping, _again)
     raise SystemExit(128 + signum)
 
 
+@outside_finalizers
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     """Python's own SIGINT handling (``KeyboardInterrupt``), but not lost inside a ``__del__``, where it would only
-    be printed and the command would go on until the supervisor kills it: raised a moment later instead."""
-    if _finalizing(frame):
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
-        return
+    be printed and the command would go on until the supervisor kills it."""
     raise KeyboardInterrupt
-
-
-def _finalizing(frame: FrameType | None) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _again(signum: int, frame: FrameType | None) -> None:

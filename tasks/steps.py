@@ -31,6 +31,7 @@ from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import Evaluation
 from tasks.engine.abandon import asking
 from tasks.engine.windows import Window
+from tasks.models.patches import prefect_sigterm_outside_finalizers
 from tasks.models.quantize import calibration_of, quantize
 from tasks.models.quantize_request import QuantizeRequest
 from tasks.record.reference_said import ReferenceSaid
@@ -38,6 +39,10 @@ from tasks.record.results import VariantResult
 from tasks.record.spool import claim, mark_synced, write_record
 from tasks.record.tracking import is_tracking_outage, replay, track_diagnosis, track_tune
 from tasks.task_run_said import task_run
+
+# every flow runs the tasks below, so every process that runs a flow (the command, a served run, a worker) imports
+# this module first: a SIGTERM that lands in a finalizer during a flow run is sent again, not lost
+prefect_sigterm_outside_finalizers()
 
 
 def _transient(task, run, state) -> bool:

@@ -8,6 +8,9 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import os
+import signal
+import time
 import tomllib
 from pathlib import Path
 
@@ -26,11 +29,12 @@ def _found(where: str):
     return found
 
 
-def test_the_patches_are_written_against_the_pinned_gptqmodel():
+@pytest.mark.parametrize("library", ["gptqmodel", "prefect"])
+def test_the_patches_are_written_against_the_pinned_release(library):
     pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pinned = next(pin.split("==")[1].split()[0] for pin in pins if pin.startswith("gptqmodel=="))
-    assert patches.GPTQMODEL == pinned, "gptqmodel's pin moved: read every patch again against the new release"
-    assert importlib.metadata.version("gptqmodel") == pinned
+    pinned = next(pin.split("==")[1].split()[0] for pin in pins if pin.startswith(f"{library}=="))
+    assert getattr(patches, library.upper()) == pinned, f"{library}'s pin moved: read its patches again"
+    assert importlib.metadata.version(library) == pinned
 
 
 @pytest.mark.parametrize("where", sorted(patches.WRITTEN_AGAINST))
@@ -38,7 +42,8 @@ def test_what_a_patch_replaces_or_relies_on_is_the_pinned_release_s_code(where):
     source = inspect.getsource(_found(where))
     assert hashlib.sha256(source.encode()).hexdigest() == patches.WRITTEN_AGAINST[where], (
         f"{where} is not the code the patch in tasks/models/patches.py was written against "
-        f"(gptqmodel {patches.GPTQMODEL}): read the patch again, then record the new digest")
+        f"({where.split('.')[0]} {getattr(patches, where.split('.')[0].upper())}): read the patch again, then record "
+        "the new digest")
 
 
 def test_the_clip_search_takes_what_gptqmodel_s_takes():
@@ -99,4 +104,35 @@ def test_no_library_is_patched_outside_the_patches_module():
     made = [where for path in sorted([*(ROOT / "tasks").rglob("*.py"), *(ROOT / "flows").rglob("*.py")])
             if path != Path(patches.__file__) for where in _patched(path)]
     assert made == [], "put a patch of a library in tasks/models/patches.py, with what it was written against"
-    assert len(_patched(Path(patches.__file__))) == 4  # the check sees the patches there: 2 set, 2 put back
+    assert len(_patched(Path(patches.__file__))) == 5  # the check sees the patches there: 3 set, 2 put back
+
+
+class _Dying:
+    """An object whose finalizer is running when the process gets SIGTERM, as an asyncio transport's was."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # bytecode to run: the handler is called here, inside the finalizer
+            pass
+
+
+def test_a_sigterm_in_a_finalizer_during_a_flow_run_still_stops_it():
+    """Prefect's handler raised its TerminationSignal inside the finalizer, where it was printed and lost: the
+    flow ran on to its end. Now it is raised after the finalizer returns, and handed on to the handler it replaced
+    (the command's, which ends the process), as Prefect does."""
+    from prefect.exceptions import TerminationSignal
+    from prefect.utilities.engine import capture_sigterm
+
+    patches.prefect_sigterm_outside_finalizers()
+    handed_on = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: handed_on.append(signum))
+    went_on = False
+    try:
+        with pytest.raises(TerminationSignal), capture_sigterm():
+            _Dying()
+            time.sleep(2)  # the flow's work: the signal sent again 50 ms later ends it
+            went_on = True
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not went_on
+    assert handed_on == [signal.SIGTERM]

@@ -1,9 +1,10 @@
-"""Every change this project makes to a library's own code at run time, in one place: gptqmodel's.
+"""Every change this project makes to a library's own code at run time, in one place: gptqmodel's and Prefect's.
 
-Each is a context manager that puts the library's attribute back on leaving, for a library that has no setting
-for what it changes. Each names what it was written against (``WRITTEN_AGAINST``: the library's functions it
-replaces or relies on, with the sha256 of their source in the pinned release); tests/test_patches.py fails
-when an upgrade changes one of them, so that the patch is read again before it runs against new code.
+Each is for a library that has no setting for what it changes; gptqmodel's are context managers that put the
+library's attribute back on leaving, Prefect's is made once for the process's life. Each names what it was written
+against (``WRITTEN_AGAINST``: the library's functions it replaces or relies on, with the sha256 of their source in
+the pinned release); tests/test_patches.py fails when an upgrade changes one of them, so that the patch is read
+again before it runs against new code.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import torch
 
-GPTQMODEL = "7.6.0"  # the release the patches below were written against: pyproject.toml's pin
+from tasks.core.signals import outside_finalizers
+
+GPTQMODEL = "7.6.0"  # the releases the patches below were written against: pyproject.toml's pins
+PREFECT = "3.8.8"
 
 # ``module:qualified name`` of each function a patch replaces or relies on -> sha256 of its source in GPTQMODEL
 WRITTEN_AGAINST = {
@@ -28,6 +32,14 @@ WRITTEN_AGAINST = {
         "b3b6af36998feadbb3e11bf8b0b8975edb618772489af29be283e927e5f6683d",
     "gptqmodel.looper.awq_processor:AWQProcessor._pseudo_quantize_tensor_into":
         "a09ed24d30bbe74425c982f456f49540c8610eaa3aa53002131dcb6fa9fc808d",
+    # prefect_sigterm_outside_finalizers: the handler wrapped, and its readers, which look it up by its module name
+    # at each call (so the wrapped one is what a flow run installs, reuses and recognises)
+    "prefect.utilities.engine:_prefect_sigterm_handler":
+        "8ebd7beaf895b9cbdc6c30fcbeeec90fb729f900ea29785b0df8df18beab4a6f",
+    "prefect.utilities.engine:capture_sigterm":
+        "6d08563e05e9c12debf7df4a674857403c91c2c970e0ccae8df07966d15c1ed9",
+    "prefect.utilities.engine:is_prefect_sigterm_handler_installed":
+        "610901b700b710e39a183afaddfdeffd151145ae818d7afffdad35f2d4a9a751",
 }
 
 
@@ -95,3 +107,16 @@ def clip_search_by_matmul() -> Iterator[None]:
         yield
     finally:
         AWQProcessor._compute_best_clip = stock
+
+
+def prefect_sigterm_outside_finalizers() -> None:
+    """During a flow run Prefect's own SIGTERM handler replaces the command's (``flows.lifetime``) and raises
+    ``TerminationSignal``; raised inside a ``__del__`` it was only printed, and the audit went on scoring and wrote
+    the record of an audit its user had stopped, until the supervisor killed it 6 s later (seen in the suite: the
+    signal landed in an asyncio transport's finalizer). Prefect has no setting for its handler, so the module's
+    function is wrapped (``tasks.core.signals.outside_finalizers``): the signal is sent again once the finalizer has
+    returned. For the process's life, once: every flow run installs the handler anew."""
+    from prefect.utilities import engine
+
+    if not getattr(engine._prefect_sigterm_handler, "outside_finalizers", False):
+        engine._prefect_sigterm_handler = outside_finalizers(engine._prefect_sigterm_handler)
