@@ -127,14 +127,19 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace, spec, lineup, window: int) -> None:
     """What would stop the variant scoring, said before it loads: a window past its positions, a group size no
     kernel could score when it is quantized here, a problem finding it, files it cannot load."""
-    from tasks.engine.model_facts import max_positions
+    from tasks.audit.preflight import check_kv_cache
+    from tasks.engine.model_facts import check_logits, max_positions
     from tasks.engine.windows import check_window
     from tasks.models.loading import check_checkpoint
     from tasks.models.quantize import check_group_fits
 
     [checkpoint] = lineup.variants
     if checkpoint.model is not None or not checkpoint.problem:
-        check_window(window, max_positions((checkpoint.model or lineup.baseline.model).config))
+        config = (checkpoint.model or lineup.baseline.model).config
+        check_logits(config, args.model)
+        check_window(window, max_positions(config))
+        if spec.kv_cache is not None:
+            check_kv_cache(spec, config)
     if spec.quantize_here:  # made from --model here: a group size no kernel could score is refused now
         try:
             check_group_fits(lineup.baseline.model, spec.method, spec.quantization[1])

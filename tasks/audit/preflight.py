@@ -17,8 +17,8 @@ from tasks.core.errors import InputError
 from tasks.core.places import references_dir
 from tasks.data.corpus import corpus_text
 from tasks.data.evaluation import Evaluation
-from tasks.engine.kv_cache import INTS, head_dim
-from tasks.engine.model_facts import max_positions
+from tasks.engine.kv_cache import INTS, head_dim, kv_problem
+from tasks.engine.model_facts import check_logits, max_positions
 from tasks.engine.paired import MIN_WINDOWS
 from tasks.engine.windows import check_window
 from tasks.models import llama_cpp
@@ -117,15 +117,19 @@ def preflight(config: AuditConfig, lineup: Lineup, strict: bool = True) -> None:
         except InputError as error:
             raise InputError(f"{spec.name}: {error}") from None
         if spec.kv_cache is not None and (model is not None and Path(model.source).exists() or spec.path is None):
-            _check_kv_cache(spec, (model or baseline.model).config)
+            check_kv_cache(spec, (model or baseline.model).config)
     if config.runner.address:
         references.mkdir(parents=True, exist_ok=True)
         check_workers(config.runner, {whose: str(path) for whose, path in local.items()
                                       if Path(path).exists()})  # a Hub id: each worker fetches it
 
 
-def _check_kv_cache(spec: VariantSpec, model_config) -> None:
-    """An int8/int4 cache's blocks lie within one head's vector: its group size divides the head dimension."""
+def check_kv_cache(spec: VariantSpec, model_config) -> None:
+    """The model's layers all attend (a recurrent layer keeps no keys and values), and an int8/int4 cache's blocks
+    lie within one head's vector: its group size divides the head dimension."""
+    problem = kv_problem(model_config)
+    if problem:
+        raise InputError(f"{spec.name}: kv_cache: {problem}")
     width = head_dim(model_config.get_text_config())
     if spec.kv_cache.dtype in INTS and width % spec.kv_cache.group_size:
         raise InputError(f"{spec.name}: kv_cache.group_size {spec.kv_cache.group_size} does not divide the model's "
@@ -133,6 +137,8 @@ def _check_kv_cache(spec: VariantSpec, model_config) -> None:
 
 
 def _check_window(config: AuditConfig, model_config, whose: str) -> None:
+    """The window within the model's positions, and a head the engine scores as the model's own forward does."""
+    check_logits(model_config, whose)
     try:
         check_window(config.evaluation.window, max_positions(model_config), whose)
     except InputError as error:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tasks.core.errors import InputError
+
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 INTS = {"int8": 8, "int4": 4}
@@ -110,6 +112,29 @@ def _eager(form: KVCacheFormat):
     return torch.compiler.disable(form.round_trip)
 
 
+# a layer type's keys and values are what this cache stores; -> the config key of how far back its queries look
+ATTENTION = {"full_attention": None, "sliding_attention": "sliding_window"}
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's type, as transformers' own caches read it (``layer_types``, or inferred from a sliding window)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return get_layer_types_and_kwargs(config.get_text_config())[0]
+
+
+def kv_problem(config) -> str | None:
+    """Why a model of ``config`` cannot be scored with a cache format here, or None: a layer that keeps a recurrent
+    state (a hybrid's linear attention or Mamba layers) or attends in chunks has no keys and values this cache
+    stores or a mask it writes."""
+    others = sorted({kind for kind in layer_types(config) if kind not in ATTENTION})
+    if not others:
+        return None
+    return (f"its layers of type {', '.join(others)} keep no keys and values of their own (a recurrent state or "
+            "chunked attention) that this cache could store; kv_cache is measured on models whose layers all "
+            "attend (full or sliding window): leave it out for this model")
+
+
 def cache(form: KVCacheFormat):
     """A transformers ``Cache`` for one forward pass of a window: pass it as ``past_key_values``."""
     from transformers.cache_utils import Cache, DynamicLayer
@@ -118,7 +143,8 @@ def cache(form: KVCacheFormat):
 
     class Layer(DynamicLayer):
         """One attention layer's cache: holds nothing (a window is attended at once) and gives back the window's
-        keys and values as the format stores them."""
+        keys and values as the format stores them (a sliding layer's whole window: the mask limits what each
+        query sees)."""
 
         def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
             if form.residual:  # both copies: the mask picks one for each query and key (residual_mask)
@@ -129,19 +155,35 @@ def cache(form: KVCacheFormat):
 
 
 def residual_mask(padding: torch.Tensor | None, length: int, residual: int, batch: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, window: int | None = None) -> torch.Tensor:
     """The additive ``[batch, 1, length, 2·length]`` mask over the two copies ``cache`` gives back with a residual:
     query i sees key j quantized when ``i - j >= residual``, as computed when ``0 <= i - j < residual``; a padded key
-    (``padding`` 0) never, but every query sees its own key (a padded row must not be all masked)."""
+    (``padding`` 0) never, nor one ``window`` or more behind (a sliding layer's, as transformers' own sliding mask:
+    ``i - j < window``), but every query sees its own key (a padded row must not be all masked)."""
     i = torch.arange(length, device=device)[:, None]
     j = torch.arange(length, device=device)[None, :]
     behind = i - j
     seen = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device) if padding is None else \
         padding.to(device=device, dtype=torch.bool)[:, None, None, :]
+    if window is not None:
+        seen = seen & (behind < window)
     old = (behind >= residual) & seen
     recent = ((behind >= 0) & (behind < residual) & seen) | (behind == 0)
     allowed = torch.cat([old.expand(batch, 1, length, length), recent.expand(batch, 1, length, length)], dim=-1)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def residual_masks(config, padding: torch.Tensor | None, length: int, residual: int, batch: int, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``residual_mask`` for each kind of attention layer the model of ``config`` has, each with its own window: one
+    mask where all its layers look as far back (Llama's, Mistral's), else one per layer type, as the models that mix
+    full and sliding layers (Gemma 2 and 3, gpt-oss) take them. One mask for all would let a sliding layer see
+    beyond its window: a float32 cache, which changes nothing, moved a tiny Gemma 2's loss by 6e-4."""
+    text = config.get_text_config()
+    masks = {kind: residual_mask(padding, length, residual, batch, dtype, device,
+                                 getattr(text, ATTENTION[kind]) if ATTENTION[kind] else None)
+             for kind in dict.fromkeys(layer_types(config))}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def forward_arguments(model, form: KVCacheFormat | None, input_ids: torch.Tensor, padding: torch.Tensor | None,
@@ -152,8 +194,11 @@ def forward_arguments(model, form: KVCacheFormat | None, input_ids: torch.Tensor
     on the model: a model is the library's object, and one loaded model may be scored with and without a cache."""
     if form is None:
         return {"attention_mask": padding}
+    problem = kv_problem(model.config)  # preflight said so before loading; a model scored some other way, here
+    if problem:
+        raise InputError(f"kv_cache: {problem}")
     if not form.residual:
         return {"attention_mask": padding, "past_key_values": cache(form)}
     batch, length = input_ids.shape
-    return {"attention_mask": residual_mask(padding, length, form.residual, batch, model.dtype, device),
+    return {"attention_mask": residual_masks(model.config, padding, length, form.residual, batch, model.dtype, device),
             "past_key_values": cache(form)}

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from tasks.core.errors import InputError
+
+# a family's own head scales the logits by its config's key (Granite divides by logits_scaling, Cohere multiplies by
+# logit_scale); the engine's head is the output embeddings and its one transform the final_logit_softcapping (Gemma 2)
+LOGIT_SCALES = ("logits_scaling", "logit_scale")
+
 
 def input_device(model) -> torch.device:
     """The device a model takes its input ids on: where its input embeddings run. That is not ``model.device``
@@ -26,3 +32,15 @@ def max_positions(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def check_logits(config, whose: str) -> None:
+    """Refuse a model whose head scales its logits: the engine would score another model (a tiny Granite with
+    ``logits_scaling`` 2 read 0.3% off its own forward's loss)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in LOGIT_SCALES:
+        value = getattr(config, key, None)
+        if isinstance(value, int | float) and value != 1:
+            raise InputError(f"{whose}: its config's {key} {value} scales the logits its head gives, which this "
+                             "audit's engine does not apply yet (its figures would be another model's); audit a "
+                             f"model whose {key} is 1")

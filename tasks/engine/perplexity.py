@@ -25,7 +25,7 @@ from tasks.engine import abandon, divergence
 from tasks.engine.kv_cache import KVCacheFormat, forward_arguments
 from tasks.engine.memory import PeakMemory
 from tasks.engine.paired import token_slots  # torch-free: the record reads it
-from tasks.engine.model_facts import input_device, max_positions
+from tasks.engine.model_facts import check_logits, input_device, max_positions
 from tasks.engine.baseline import BaselineBatch
 from tasks.engine.progress import Progress
 from tasks.engine.scoring_options import Feed, ScoreOptions, Windowing
@@ -553,6 +553,7 @@ def score_part(model, stream: TokenStream, windowing: Windowing = Windowing(), b
     """
     window, stride, mode = windowing.window, windowing.stride, windowing.mode
     check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
+    check_logits(model.config, options.model_name or "the model")
     planned = plan(stream, window, stride, mode)
     first, stop = windows or (0, len(planned))
     if not 0 <= first < stop <= len(planned):
