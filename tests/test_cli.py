@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import json_line, one_line_error, write_config
+from helpers import command_here, json_line, one_line_error, write_config
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,9 @@ def test_offline_hub_id_gets_one_line(capsys, monkeypatch, corpus_file):
 
 
 def ppl_here(capsys, *args: str) -> tuple[str, str]:
-    """``ppl-audit ppl ARGS --json`` run in this process (``main``, as test_ppl_json_line's command runs it): its
-    stdout and stderr. A command of its own spent ~5 s importing the libraries this process has already imported."""
-    from flows.cli import main
-
-    code = main(["ppl", *args, "--json"])
-    out, err = capsys.readouterr()
+    """``ppl-audit ppl ARGS --json`` run in this process (as test_ppl_json_line's command runs it): its stdout and
+    stderr, the command checked to have succeeded."""
+    code, out, err = command_here(capsys, "ppl", *args, "--json")
     assert code == 0, err
     return out, err
 
@@ -172,20 +169,13 @@ def test_more_bad_input_is_one_line_exit_2_and_leaves_no_log(tmp_path, monkeypat
                                                            args, expected):
     """Found by a probe of bad inputs (#30): usage blocks, tracebacks, crashes, a read that never ends. In-process
     (``main``, what the console script calls); the script's own process is the next test's."""
-    from flows.cli import main
-
     home = tmp_path / "home"
     monkeypatch.setenv("PPL_AUDIT_HOME", str(home))
     with _bad_inputs(tmp_path, tiny_model_dir, corpus_file) as fill:
         argv, expected = [a.format(**fill) for a in args], expected.format(**fill)
-        try:
-            code = main(argv)
-        except SystemExit as stop:  # argparse's refusals end the process, as in the console script
-            code = stop.code
-    captured = capsys.readouterr()
-    assert code == 2 and captured.out == "", captured.err
-    assert captured.err.count("\n") == 1 and captured.err.startswith("ppl-audit") and expected in captured.err, \
-        captured.err
+        code, out, err = command_here(capsys, *argv)
+    assert code == 2 and out == "", err
+    assert err.count("\n") == 1 and err.startswith("ppl-audit") and expected in err, err
     assert not list(home.glob("logs/*")), "a refused command leaves no log behind"
 
 

@@ -266,15 +266,13 @@ def test_bad_domains_are_one_line_exit_2_before_anything_loads(tmp_path, words_m
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.cli import main
-    from helpers import free_port
+    from helpers import command_here, free_port
 
     config, line = refused(tmp_path, words_model_dir, case)
     with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
-        code = main(["run", str(config)])
-    captured = capsys.readouterr()
-    assert code == 2 and captured.out == "", captured.err
-    assert re.fullmatch(line, captured.err), captured.err
+        code, out, err = command_here(capsys, "run", str(config))
+    assert code == 2 and out == "", err
+    assert re.fullmatch(line, err), err
 
 
 def test_a_bad_domain_through_the_console_script_is_one_line_and_leaves_no_log(tmp_path, words_model_dir):

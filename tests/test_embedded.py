@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import json_line
+from helpers import command_here, json_line
 
 from tasks.core.places import cache_dir
 from tasks.data.embedded import austen_novels, reflow
@@ -59,12 +59,9 @@ def embedded():
 
 
 def ppl_here(capsys, *args: str) -> str:
-    """``ppl-audit ppl ARGS --json`` run in this process (``main``, as the command runs it): its stdout. A command of
-    its own spent seconds importing what this process has imported; the first test runs `ppl` as users do."""
-    from flows.cli import main
-
-    code = main(["ppl", *args, "--json"])
-    out, err = capsys.readouterr()
+    """``ppl-audit ppl ARGS --json`` run in this process: its stdout, the command checked to have succeeded; the first
+    test runs `ppl` as users do."""
+    code, out, err = command_here(capsys, "ppl", *args, "--json")
     assert code == 0, err
     return out
 

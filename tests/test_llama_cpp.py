@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import json_line, one_line_error
+from helpers import command_here, json_line, one_line_error
 
 from llama_cpp_peers import CHUNKS, CONTEXT, ROOT, TYPES, audit, ladder, llama_perplexity, peer_texts
 
@@ -129,14 +129,12 @@ def test_ppl_in_llama_cpp_mode_on_a_gguf_file_gives_llama_perplexity_s_number(cl
     """Before, transformers' tokenizer of the file made the stream: 1.6% from llama-perplexity's on the licence.
     ``ppl`` runs in this process (llama.cpp's workers are processes of their own either way): a command's start
     is not what is checked."""
-    from flows.cli import main
-
     text = texts[text_name]
     peer = peers(text_name, "f32")
     for runtime in ("transformers", "llama.cpp"):
-        code = main(["ppl", "--model", str(made["f32"]), "--corpus", str(text), "--mode", "llama.cpp", "--window",
-                     str(CONTEXT), "--chunks", str(CHUNKS), "--runtime", runtime, "--json"])
-        out, err = capsys.readouterr()
+        code, out, err = command_here(capsys, "ppl", "--model", str(made["f32"]), "--corpus", str(text), "--mode",
+                                      "llama.cpp", "--window", str(CONTEXT), "--chunks", str(CHUNKS), "--runtime",
+                                      runtime, "--json")
         assert code == 0, err[-2000:]
         assert json_line(out, err)["ppl"] == pytest.approx(peer["ppl"], rel=1e-4), runtime
     if text_name == "licence":  # an audit in mode llama.cpp of the GGUF file in transformers: llama.cpp's stream too

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import build_llama, one_line_error, perturbed, rewrite_scores, stored_reference, write_config
+from helpers import build_llama, command_here, one_line_error, perturbed, rewrite_scores, stored_reference, write_config
 
 from tasks.audit import reference, scoring
 from tasks.audit.checkpoints import prepare
@@ -217,15 +217,6 @@ def test_drift_is_flagged_when_the_baseline_s_numbers_move_and_not_on_a_clean_re
     assert again.reference.baseline == "reused" and again.result.ppl == moved.result.ppl
 
 
-def here(capsys, *argv: str) -> tuple[int, str]:
-    """``ppl-audit ARGV`` run in this process (``main``, as the command runs it): its exit code and stdout. A command
-    of its own spent seconds importing what this process has imported; one of each kind still runs as users run it."""
-    from flows.cli import main
-
-    code = main(list(argv))
-    return code, capsys.readouterr().out
-
-
 @pytest.mark.slow  # audits twice through the CLI: in this process, then as users do
 def test_drift_reaches_the_audit_s_reason_and_its_mlflow_run(cli, capsys, tiny_model_dir, text, references, tmp_path):
     from mlflow import MlflowClient
@@ -235,7 +226,7 @@ def test_drift_reaches_the_audit_s_reason_and_its_mlflow_run(cli, capsys, tiny_m
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = write_config(tmp_path / "audit.yaml", tiny_model_dir, corpus, [{"name": "int8", "method": "torchao-int8"}],
                           tracking={"uri": store, "experiment": "drift"})
-    code, out = here(capsys, "run", str(config))
+    code, out, err = command_here(capsys, "run", str(config))
     assert code == 0
     assert "baseline, scored (reference " in out
     [stored] = reference.stored()
@@ -264,18 +255,16 @@ def test_reference_commands_list_and_remove(cli, capsys, tiny_model_dir, tokeniz
     code, out, _ = cli("reference", "rm", "bbbb")
     assert code == 0 and "removed 1 reference(s)" in out
     assert sorted(r.key for r in reference.stored()) == ["aaaa", "cccc"]
-    code, out = here(capsys, "reference", "rm", "--older-than", "1h")
+    code, out, _ = command_here(capsys, "reference", "rm", "--older-than", "1h")
     assert code == 0 and "removed 0 reference(s)" in out and len(reference.stored()) == 2
     reference.Reference.open(references / "cccc").touch()  # reused since it was made: aaaa is the least recent
-    code, out = here(capsys, "reference", "rm", "--over",
+    code, out, _ = command_here(capsys, "reference", "rm", "--over",
                      f"{reference.Reference.open(references / 'aaaa').size_bytes + 10}")
     assert code == 0 and [r.key for r in reference.stored()] == ["cccc"]  # the least recently used went first
     code, out, err = cli("reference", "rm", "--older-than", "soon")  # a bad argument, as a user's command ends
     assert code == 2 and "is not an age" in err and "Traceback" not in err, err
-    with pytest.raises(SystemExit, match="2"):  # argparse's way out, in this process
-        here(capsys, "reference", "rm", "--over", "big")
-    err = capsys.readouterr().err
-    assert "is not a size" in err and "Traceback" not in err, err
+    code, _, err = command_here(capsys, "reference", "rm", "--over", "big")  # argparse's refusal, in this process
+    assert code == 2 and "is not a size" in err and "Traceback" not in err, err
     for bad, says in ((("rm",), "name the keys"), (("rm", "nope"), "no reference nope")):  # bad input past argparse
         assert says in one_line_error(capsys, "reference", *bad), bad
 
