@@ -18,7 +18,9 @@ SLIDING = dict(sliding_window=32)
 FAMILIES = {
     "llama": dict(head_dim=16),
     "mistral": SLIDING,
-    "qwen2": {},
+    # transformers reads the test tokenizer in a qwen2 folder as Qwen2Tokenizer, which adds <|endoftext|> as token
+    # 384: the embeddings must hold it (gptqmodel's calibration pads with it)
+    "qwen2": dict(vocab_size=512),
     "qwen3": dict(head_dim=16),
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, **SLIDING),  # soft-capped logits, [sliding, full] layers
     # 2 layers of the default pattern would both be sliding (a full one every 6th)

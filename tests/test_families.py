@@ -4,6 +4,10 @@ in one line before the model loads."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from families import FAMILIES, HYBRIDS, build_family
 from helpers import one_line_error
@@ -65,3 +69,20 @@ def test_a_cache_setting_on_a_hybrid_is_refused_in_one_line(capsys, tmp_path, to
     assert err == ("ppl-audit: error: kv: kv_cache: its layers of type linear_attention keep no keys and values of "
                    "their own (a recurrent state or chunked attention) that this cache could store; kv_cache is "
                    "measured on models whose layers all attend (full or sliding window): leave it out for this model")
+
+
+@pytest.mark.slow  # gptqmodel quantizes in a process of its own
+def test_a_quantizer_that_fails_on_a_family_fails_that_model_alone_in_one_line(tmp_path, tokenizer, text):
+    """gptqmodel's AWQ does not know Gemma 3's rotary embedding; its worker thread ended the whole process with a
+    traceback (os._exit), which in an audit took every other variant and the record with it. Run as users run it:
+    a regression ends this command, not the tests."""
+    folder = tmp_path / "gemma3"
+    build_family("gemma3_text", folder, tokenizer)
+    (tmp_path / "corpus.txt").write_text(text)
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "ppl", "--model", str(folder), "--corpus",
+                           str(tmp_path / "corpus.txt"), "--window", "64", "--max-tokens", "600", "--variant",
+                           "{name: awq, method: awq, group_size: 32, calibration: {samples: 4, seq_len: 64}}"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PPL_AUDIT_HOME": str(tmp_path)})
+    said = [line for line in done.stderr.splitlines() if line.startswith("ppl-audit")]
+    assert done.returncode == 1 and said[0] == ("ppl-audit: failed: awq: TypeError: Gemma3RotaryEmbedding.forward() "
+                                                "missing 1 required positional argument: 'layer_type'"), done.stderr[-3000:]

@@ -9,6 +9,7 @@ again before it runs against new code.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,12 @@ WRITTEN_AGAINST = {
         "b3b6af36998feadbb3e11bf8b0b8975edb618772489af29be283e927e5f6683d",
     "gptqmodel.looper.awq_processor:AWQProcessor._pseudo_quantize_tensor_into":
         "a09ed24d30bbe74425c982f456f49540c8610eaa3aa53002131dcb6fa9fc808d",
+    # failures_raised: the method replaced, and the worker loop that calls it (the task's future holds the exception
+    # before it is called; a failed warm-up, which has none, still ends the process)
+    "gptqmodel.utils.threadx:_DeviceWorker._abort_process":
+        "038fd3c7b8601d108f3026dfc0204e8d599047ec4615ce97be62262a027b0047",
+    "gptqmodel.utils.threadx:_DeviceWorker._run":
+        "a89c375f72cb27e24d2ce88fecb18686bfc70df1131087436809b20d1fa7ef68",
     # prefect_sigterm_outside_finalizers: the handler wrapped, and its readers, which look it up by its module name
     # at each call (so the wrapped one is what a flow run installs, reuses and recognises)
     "prefect.utilities.engine:_prefect_sigterm_handler":
@@ -107,6 +114,29 @@ def clip_search_by_matmul() -> Iterator[None]:
         yield
     finally:
         AWQProcessor._compute_best_clip = stock
+
+
+@contextmanager
+def failures_raised() -> Iterator[None]:
+    """gptqmodel runs a quantization's steps on its own worker threads, and a step that raises ends the whole process
+    (``os._exit(1)`` after printing the traceback): an AWQ of a family its code does not know (Gemma 3's rotary
+    embedding wants a layer type) took the audit, every other variant and its record with it. The worker has set the
+    exception on the task's future first, so the step's caller raises it; meanwhile the process is ended only where
+    no future holds it (a worker's failed warm-up). gptqmodel has no setting for this."""
+    from gptqmodel.utils.threadx import _DeviceWorker
+
+    stock = _DeviceWorker._abort_process
+
+    def abort_unless_raised(worker, error: BaseException) -> None:
+        task = sys._getframe(1).f_locals.get("fut")  # the worker loop's future of the failed task
+        if task is None or not task.done():
+            stock(worker, error)
+
+    _DeviceWorker._abort_process = abort_unless_raised
+    try:
+        yield
+    finally:
+        _DeviceWorker._abort_process = stock
 
 
 def prefect_sigterm_outside_finalizers() -> None:

@@ -32,7 +32,7 @@ from tasks.methods.registry import method_of
 from tasks.engine import abandon
 from tasks.models.formats import import_package
 from tasks.models.loading import WEIGHT_SUFFIXES
-from tasks.models.patches import clip_search_by_matmul, logs_in
+from tasks.models.patches import clip_search_by_matmul, failures_raised, logs_in
 from tasks.models.quantize_said import RememberedDigest
 from tasks.models.resolve import Located, model_files
 
@@ -255,7 +255,7 @@ def quantize(model: Located, scheme: Scheme, calibration: Calibration, out: Path
             options = {"awq": {"backend": BACKEND.AWQ_TORCH}}.get(method, {}) if device == "cpu" else {}
             rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in calibration.samples]
             with logs_in(made / "quantize-logs"), _layer_progress(quantizer, f"quantize {name or method}", progress), \
-                    clip_search_by_matmul():
+                    clip_search_by_matmul(), failures_raised():
                 quantizer.quantize(rows, batch_size=1, **options)
             made.mkdir(exist_ok=True)
             quantizer.save(str(made))
