@@ -41,6 +41,7 @@ SYNTHESIZED = {  # the METHODS a part at a larger shape makes and times, by devi
              "ct-w4a16=compressed-tensors", "ct-w8a8=compressed-tensors", "ct-fp8=compressed-tensors", "fp8"),
     "cpu": ("gptq-torch=gptq:torch", "awq-torch=awq:torch_awq", "ct-w4a16=compressed-tensors",
             "ct-fp8=compressed-tensors", "gptq", "awq")}
+TRAINING_STEPS = 300  # the kit's model's: far enough from chance that a broken kernel's perplexity is far off
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, initializer_range=0.02)  # widths the Marlin/AWQ tiles (64, 128) divide
 
@@ -76,8 +77,9 @@ def block_fp8(source: Path, target: Path, block: int = 128) -> None:
         shutil.copy(source / extra, target / extra)
 
 
-def make_models(folder: Path) -> None:
-    """The kit's models and corpus, made here on CPU from a fixed seed (tests/helpers' builders)."""
+def make_models(folder: Path, steps: int = TRAINING_STEPS) -> None:
+    """The kit's models and corpus, made here on CPU from a fixed seed (tests/helpers' builders), the float model
+    trained ``steps`` steps."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import build_llama, build_tokenizer, make_compressed, make_text, train_briefly
 
@@ -89,7 +91,7 @@ def make_models(folder: Path) -> None:
     (folder / "corpus.txt").write_text(make_text(20000, seed=3))
     tokenizer = build_tokenizer(folder / "tokenizer")
     model = build_llama(folder / "float", tokenizer, **SHAPE)
-    train_briefly(model, tokenizer, steps=300)
+    train_briefly(model, tokenizer, steps=steps)
     model.save_pretrained(folder / "float")
     stream = tokenize(make_text(8000, seed=4), tokenizer)  # calibration: text the corpus does not hold
     calibration = draw_calibration(stream.ids, 32, 128, 0, "make_text(8000, seed=4)", stream.text_digest)
@@ -301,6 +303,8 @@ def main() -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     models = actions.add_parser("models", help="make the kit's models and corpus (on CPU, here)")
     models.add_argument("folder", type=Path)
+    models.add_argument("--steps", type=int, default=TRAINING_STEPS,
+                        help=f"training steps of the float model (default {TRAINING_STEPS}, the kit's)")
     go = actions.add_parser("run", help="the CUDA tests, the benchmarks and the report")
     go.add_argument("--kit", type=Path, default=ROOT / ".kit")
     go.add_argument("--out", type=Path, required=True)
@@ -311,7 +315,7 @@ def main() -> None:
                     help="build gptqmodel's Marlin kernels with nvcc in the background (two minutes each)")
     args = parser.parse_args()
     if args.action == "models":
-        make_models(args.folder)
+        make_models(args.folder, args.steps)
     else:
         run(args.kit, args.out, args.dry_run, args.budget, args.marlin, args.parts)
 

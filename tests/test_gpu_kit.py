@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow  # downloads and builds wheels, trains and quantizes a model
 def test_the_kit_builds_and_its_dry_run_scores_every_method_and_says_what_it_skipped(tmp_path):
     kit = tmp_path / "kit"
-    built = subprocess.run(["bash", ".ci/gpu-kit"], cwd=ROOT, env={**os.environ, "KIT": str(kit)}, capture_output=True,
-                           text=True, timeout=1200)
+    # its float model trained half the kit's 300 steps (the kit's costliest part): it still predicts far better than
+    # chance (PPL 54 against 51 at 300 steps; 384 tokens in the vocabulary), each method lands as near the baseline
+    # (at most 1.1% off, 1.8% at 300) and a kernel that garbles one layer still costs tens of percent
+    built = subprocess.run(["bash", ".ci/gpu-kit"], cwd=ROOT, env={**os.environ, "KIT": str(kit), "KIT_STEPS": "150"},
+                           capture_output=True, text=True, timeout=1200)
     assert built.returncode == 0, built.stderr[-3000:]
     wheels = {path.name.split("-")[0].lower() for path in (kit / "wheels").glob("*.whl")}
     assert {"pydantic", "pydantic_core", "gguf", "compressed_tensors", "gptqmodel", "hqq", "pypcre", "liger_kernel",
