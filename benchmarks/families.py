@@ -2,7 +2,7 @@
 
 Each family is a tiny model built from its transformers config with a fixed seed (tests/families.py), trained briefly
 on English-like text made here (so quantizing has something to lose), saved with the tests' byte-level tokenizer, and
-measured by ``ppl-audit ppl`` in this process: float, then each method that quantizes it here. A cell is the figure
+measured by ``ppl-audit ppl`` as a user runs it, a process per cell: float, then each method that quantizes it here. A cell is the figure
 (PPL, its change against the family's own float, bits per weight: a method that leaves the experts' fused 3-D tensors
 in float shows it there) or the one line the command ended with (a refusal, or a library's failure, named).
 
@@ -14,10 +14,9 @@ Run alone on the 2-core machine (each cell is a command's work: quantizing with 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import platform
+import subprocess
 import sys
 import time
 from datetime import date
@@ -55,26 +54,20 @@ def _made(folder: Path, only: list[str] | None, steps: int) -> tuple[Path, list[
 
 
 def _cell(model: Path, corpus: Path, method: str | None) -> dict:
-    """``ppl-audit ppl`` on ``model`` (quantized by ``method``; float when None): its JSON result, or the line it
-    ended with."""
-    from flows.cli import main
-
-    argv = ["ppl", "--model", str(model), "--corpus", str(corpus), "--window", WINDOW, "--max-tokens", MAX_TOKENS,
-            "--json", *(["--variant", SETTINGS[method]] if method in SETTINGS else ["--method", method] if method else [])]
-    out, err = io.StringIO(), io.StringIO()
+    """``ppl-audit ppl`` on ``model`` (quantized by ``method``; float when None), in a process of its own as a user
+    runs it: its JSON result, or the line it ended with. Not in this process: gptqmodel's Defuser, once it has
+    quantized or loaded an MoE checkpoint, changes how transformers builds every later MoE model of the process (a
+    Mixtral loaded after a Qwen3-MoE quantized in the same process was refused, and loaded alone)."""
+    argv = [sys.executable, "-m", "flows.cli", "ppl", "--model", str(model), "--corpus", str(corpus), "--window",
+            WINDOW, "--max-tokens", MAX_TOKENS, "--json",
+            *(["--variant", SETTINGS[method]] if method in SETTINGS else ["--method", method] if method else [])]
     started = time.perf_counter()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as stop:
-            code = stop.code
-        except Exception as error:  # noqa: BLE001 -- a library's crash is this cell's answer, not the matrix's end
-            code, err = 1, io.StringIO(f"crashed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     seconds = time.perf_counter() - started
-    if code == 0:
-        return {**json.loads(out.getvalue().strip().splitlines()[-1]), "seconds": seconds}
-    lines = [line for line in err.getvalue().splitlines() if line.startswith(("ppl-audit", "crashed"))]
-    return {"said": (lines or err.getvalue().strip().splitlines() or ["no output"])[-1], "code": code,
+    if done.returncode == 0:
+        return {**json.loads(done.stdout.strip().splitlines()[-1]), "seconds": seconds}
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ppl-audit: ")]
+    return {"said": (lines or done.stderr.strip().splitlines() or ["no output"])[-1], "code": done.returncode,
             "seconds": seconds}
 
 
