@@ -123,6 +123,14 @@ def layer_types(config) -> list[str]:
     return get_layer_types_and_kwargs(config.get_text_config())[0]
 
 
+def check_cacheable(config) -> None:
+    """Refuse a cache setting on a model of ``config`` that has no keys and values to keep (``kv_problem``): the
+    audit's preflight says so before loading; a model scored some other way, once before its windows are."""
+    problem = kv_problem(config)
+    if problem:
+        raise InputError(f"kv_cache: {problem}")
+
+
 def kv_problem(config) -> str | None:
     """Why a model of ``config`` cannot be scored with a cache format here, or None: a layer that keeps a recurrent
     state (a hybrid's linear attention or Mamba layers) or attends in chunks has no keys and values this cache
@@ -194,9 +202,6 @@ def forward_arguments(model, form: KVCacheFormat | None, input_ids: torch.Tensor
     on the model: a model is the library's object, and one loaded model may be scored with and without a cache."""
     if form is None:
         return {"attention_mask": padding}
-    problem = kv_problem(model.config)  # preflight said so before loading; a model scored some other way, here
-    if problem:
-        raise InputError(f"kv_cache: {problem}")
     if not form.residual:
         return {"attention_mask": padding, "past_key_values": cache(form)}
     batch, length = input_ids.shape

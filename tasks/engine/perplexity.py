@@ -22,7 +22,7 @@ import torch
 from tasks.core import console
 from tasks.core.errors import NumericalError
 from tasks.engine import abandon, divergence
-from tasks.engine.kv_cache import KVCacheFormat, forward_arguments
+from tasks.engine.kv_cache import KVCacheFormat, check_cacheable, forward_arguments
 from tasks.engine.memory import PeakMemory
 from tasks.engine.paired import token_slots  # torch-free: the record reads it
 from tasks.engine.model_facts import check_logits, input_device, max_positions
@@ -554,6 +554,8 @@ def score_part(model, stream: TokenStream, windowing: Windowing = Windowing(), b
     window, stride, mode = windowing.window, windowing.stride, windowing.mode
     check_settings(window, stride, batch_size, stream, max_positions(model.config), mode)
     check_logits(model.config, options.model_name or "the model")
+    if options.kv_cache is not None:  # once a part, not at every forward pass
+        check_cacheable(model.config)
     planned = plan(stream, window, stride, mode)
     first, stop = windows or (0, len(planned))
     if not 0 <= first < stop <= len(planned):
